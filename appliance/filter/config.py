@@ -1,0 +1,236 @@
+"""The filter's own config file (TOML): where to listen, where to forward, which sessions.
+
+Parsed completely before anything is bound: an invalid file is a ConfigError naming the
+file, key and reason, and `corral-filter` exits 2 without starting half-configured.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.policy import ConfigError, parse_toml
+from appliance.policy.config import Locator
+
+Address = tuple[str, int]
+SESSION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+
+
+@dataclass(frozen=True)
+class DnsConfig:
+    listen: tuple[Address, ...] = ()
+    """UDP and TCP listeners."""
+    upstream: tuple[Address, ...] = ()
+    """Resolvers that allowed names are forwarded to, tried in order."""
+    timeout: float = 2.0
+    """Seconds to wait for one upstream before trying the next."""
+    ttl_min: int = 5
+    """Answers are cached and handed out for at least this long ..."""
+    ttl_max: int = 3600
+    """... and at most this long, whatever the upstream says."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    listen: tuple[Address, ...] = ()
+    """Explicit proxy: CONNECT and absolute-form HTTP."""
+    transparent_http: tuple[Address, ...] = ()
+    """Where nftables redirects TCP 80; decided by the Host header."""
+    transparent_tls: tuple[Address, ...] = ()
+    """Where nftables redirects TCP 443; decided by the TLS ClientHello SNI."""
+    header_timeout: float = 10.0
+    """Seconds a client has to send a complete request head or ClientHello."""
+    idle_timeout: float = 300.0
+    """Seconds a tunnel or keep-alive connection may sit with no bytes either way."""
+    connect_timeout: float = 10.0
+    """Seconds to establish the upstream TCP connection."""
+    max_header_bytes: int = 65536
+    """Largest request head accepted; larger gets 431."""
+    max_connections: int = 10000
+    """Client connections served at once; more are closed on accept."""
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    name: str
+    subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
+    files: tuple[str, ...] = ()
+    """The session's project layer (corral.toml files)."""
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    path: str
+    dns: DnsConfig
+    proxy: ProxyConfig
+    policy_files: tuple[str, ...] = ()
+    """The appliance layer: applies to every client."""
+    state_dir: str = "/var/lib/corral"
+    """Runtime rules and the audit log live here."""
+    control_socket: str = "/run/corral/filter.sock"
+    gateway: ipaddress.IPv4Address | None = None
+    """What host.corral resolves to."""
+    sessions: tuple[SessionConfig, ...] = field(default_factory=tuple)
+
+    @property
+    def audit_path(self) -> Path:
+        return Path(self.state_dir) / "audit.jsonl"
+
+
+_SCHEMA = {
+    "dns": {"listen", "upstream", "timeout", "ttl_min", "ttl_max"},
+    "proxy": {"listen", "transparent_http", "transparent_tls", "header_timeout",
+              "idle_timeout", "connect_timeout", "max_header_bytes", "max_connections"},
+    "policy": {"files"},
+    "state": {"dir"},
+    "control": {"socket"},
+    "host": {"gateway"},
+    "session": {"name", "subnet", "files"},
+}
+
+
+def load_config(path: str) -> FilterConfig:
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise ConfigError(path, "", f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(path, "", "is not UTF-8 text") from None
+    return parse_config(text, path)
+
+
+def parse_config(text: str, path: str) -> FilterConfig:
+    data = parse_toml(text, path)
+    where = Locator(text)
+
+    def fail(table: str, key: str, message: str, value=None):
+        line = where.value(table, value) if value is not None else None
+        raise ConfigError(path, f"[{table}] {key}" if key else f"[{table}]", message,
+                          line or where.key(table, key))
+
+    for table, value in data.items():
+        if table not in _SCHEMA:
+            raise ConfigError(path, table, f"unknown key; expected {', '.join(sorted(_SCHEMA))}",
+                              where.key("", table))
+        tables = value if table == "session" else [value]
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            raise ConfigError(path, table, "must be a table" + (" array ([[session]])"
+                              if table == "session" else ""), where.key("", table))
+        for t in tables:
+            for key in t:
+                if key not in _SCHEMA[table]:
+                    fail(table, key, f"unknown key; expected {', '.join(sorted(_SCHEMA[table]))}")
+
+    def section(name):
+        return data.get(name, {})
+
+    def addresses(table, key) -> tuple[Address, ...]:
+        items = section(table).get(key, [])
+        if not isinstance(items, list):
+            fail(table, key, "must be a list of \"host:port\" strings")
+        return tuple(_address(item, lambda m, i=item: fail(table, key, m, i)) for item in items)
+
+    def number(table, key, default, kind=float, low=0):
+        value = section(table).get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+            kind is int and not isinstance(value, int)
+        ):
+            fail(table, key, f"must be a {'whole ' if kind is int else ''}number, got {value!r}")
+        if value <= low:
+            fail(table, key, f"must be greater than {low}, got {value!r}")
+        return kind(value)
+
+    def string(table, key, default):
+        value = section(table).get(key, default)
+        if not isinstance(value, str) or not value:
+            fail(table, key, f"must be a non-empty string, got {value!r}")
+        return value
+
+    def strings(table, key, container=None):
+        container = section(table) if container is None else container
+        value = container.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            fail(table, key, "must be a list of file paths")
+        return tuple(value)
+
+    dns = DnsConfig(
+        listen=addresses("dns", "listen"),
+        upstream=addresses("dns", "upstream"),
+        timeout=number("dns", "timeout", 2.0),
+        ttl_min=number("dns", "ttl_min", 5, int),
+        ttl_max=number("dns", "ttl_max", 3600, int),
+    )
+    if dns.ttl_min > dns.ttl_max:
+        fail("dns", "ttl_min", f"{dns.ttl_min} is larger than ttl_max {dns.ttl_max}")
+    if dns.listen and not dns.upstream:
+        fail("dns", "upstream", "DNS listens but has no upstream resolver to forward to")
+    proxy = ProxyConfig(
+        listen=addresses("proxy", "listen"),
+        transparent_http=addresses("proxy", "transparent_http"),
+        transparent_tls=addresses("proxy", "transparent_tls"),
+        header_timeout=number("proxy", "header_timeout", 10.0),
+        idle_timeout=number("proxy", "idle_timeout", 300.0),
+        connect_timeout=number("proxy", "connect_timeout", 10.0),
+        max_header_bytes=number("proxy", "max_header_bytes", 65536, int, 1023),
+        max_connections=number("proxy", "max_connections", 10000, int),
+    )
+    gateway = None
+    if "gateway" in section("host"):
+        text = string("host", "gateway", "")
+        try:
+            gateway = ipaddress.IPv4Address(text)
+        except ValueError:
+            fail("host", "gateway", f"{text!r} is not an IPv4 address", text)
+
+    sessions = []
+    names: set[str] = set()
+    for entry in data.get("session", []):
+        name = entry.get("name")
+        if not isinstance(name, str) or not SESSION_NAME.match(name):
+            fail("session", "name", f"{name!r} must be 1-32 of a-z, 0-9 and '-'", name)
+        if name in names:
+            fail("session", "name", f"session {name!r} is defined twice", name)
+        names.add(name)
+        subnet_text = entry.get("subnet")
+        try:
+            subnet = ipaddress.ip_network(str(subnet_text), strict=True)
+        except ValueError as exc:
+            fail("session", "subnet", f"session {name}: {subnet_text!r} is not a subnet: {exc}",
+                 subnet_text)
+        for other in sessions:
+            if subnet.version == other.subnet.version and subnet.overlaps(other.subnet):
+                fail("session", "subnet",
+                     f"session {name}: {subnet} overlaps session {other.name}'s {other.subnet}",
+                     subnet_text)
+        sessions.append(SessionConfig(name, subnet, strings("session", "files", entry)))
+
+    return FilterConfig(
+        path=path,
+        dns=dns,
+        proxy=proxy,
+        policy_files=strings("policy", "files"),
+        state_dir=string("state", "dir", "/var/lib/corral"),
+        control_socket=string("control", "socket", "/run/corral/filter.sock"),
+        gateway=gateway,
+        sessions=tuple(sessions),
+    )
+
+
+def _address(item, fail) -> Address:
+    from appliance.policy import HostNameError, split_host_port
+
+    if not isinstance(item, str):
+        fail(f"{item!r} is not a \"host:port\" string")
+    try:
+        host, port = split_host_port(item)
+    except HostNameError as exc:
+        fail(str(exc))
+    if not port or not port.isdigit() or int(port) > 65535:
+        fail(f"{item!r} needs a port number, as in 127.0.0.1:53")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        fail(f"{item!r}: listen and upstream addresses must be IP addresses, not names")
+    return host, int(port)

@@ -1,0 +1,221 @@
+"""The DNS filter: answers every query, forwards only names the client's policy allows.
+
+Denied -> NXDOMAIN, and the name never leaves the appliance (no exfiltration through
+queries). Upstream broken -> SERVFAIL (never NXDOMAIN: that would be cached as "does not
+exist"). Addresses in blocked ranges are removed from answers (rebinding). Malformed ->
+FORMERR, unsupported -> NOTIMP/REFUSED; a packet too short to carry an ID, or one that is
+itself a response, is dropped. `answer()` never raises: every failure becomes an rcode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+
+from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
+
+from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
+
+from .events import EventBus
+from .resolver import Resolver, UpstreamError
+from .store import PolicyStore
+
+log = logging.getLogger(__name__)
+
+REFUSED_TYPES = {QTYPE.ANY, QTYPE.AXFR, QTYPE.IXFR}
+# HTTPS/SVCB records carry address hints and ECH configs that bypass A/AAAA filtering;
+# clients fall back to A/AAAA when they get none.
+EMPTY_TYPES = {64, 65}
+UDP_PLAIN_LIMIT = 512
+UDP_EDNS_LIMIT = 1232
+TCP_IDLE = 10.0
+
+
+def _error_reply(data: bytes, rcode: int) -> bytes:
+    """A header-only reply for a query we could not parse: same ID, QR set, the rcode."""
+    (qid, flags) = struct.unpack("!HH", data[:4])
+    opcode_rd = flags & 0x7900  # opcode and RD echo back
+    return struct.pack("!HHHHHH", qid, 0x8000 | opcode_rd | 0x0080 | rcode, 0, 0, 0, 0)
+
+
+def _qname(request: DNSRecord) -> str | None:
+    """The question name as text, or None when a label holds a dot or non-ASCII bytes."""
+    labels = request.q.qname.label
+    try:
+        texts = [label.decode("ascii") for label in labels]
+    except UnicodeDecodeError:
+        return None
+    if any("." in t or not t for t in texts):
+        return None
+    return ".".join(texts)
+
+
+class DnsFilter:
+    def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None):
+        self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
+
+    async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
+        if len(data) < 12:
+            return None
+        try:
+            request = DNSRecord.parse(data)
+        except Exception:  # dnslib raises more than DNSError on hostile bytes
+            return _error_reply(data, RCODE.FORMERR)
+        if request.header.qr:
+            return None  # a response sent to us: never answer (no reflection loops)
+        try:
+            reply = await self._answer(request, client)
+        except Exception:  # a bug must not cost the client its answer
+            log.exception("dns: failed answering %s", client)
+            reply = request.reply()
+            reply.header.rcode = RCODE.SERVFAIL
+        return self._pack(request, reply, udp)
+
+    async def _answer(self, request: DNSRecord, client: str) -> DNSRecord:
+        reply = request.reply()  # copies ID, RD and the question; sets QR, RA
+        reply.header.aa = 0
+        if request.header.opcode != 0:
+            reply.header.rcode = RCODE.NOTIMP
+            return reply
+        if len(request.questions) != 1:
+            reply.header.rcode = RCODE.FORMERR
+            return reply
+        question = request.q
+        if question.qclass != 1 or question.qtype in REFUSED_TYPES:
+            reply.header.rcode = RCODE.REFUSED
+            return reply
+        session, policy = self.store.lookup(client)
+        text = _qname(request)
+        try:
+            host = parse_host(text) if text is not None else None
+        except HostNameError:
+            host = None
+        qtype = question.qtype
+        qtype_name = QTYPE.get(qtype)
+        if host is None or host.name is None:
+            shown = text if text is not None else repr(str(question.qname))
+            self._event(Decision(False, f"{shown!r} is not a valid host name"),
+                        session, client, shown[:255], qtype_name)
+            reply.header.rcode = RCODE.NXDOMAIN
+            return reply
+        name = host.name
+        if name == HOST_NAME:
+            return self._host_corral(reply, policy, session, client, qtype)
+        decision = policy.decide_dns(host)
+        if not decision.allowed:
+            self._event(decision, session, client, name, qtype_name)
+            reply.header.rcode = RCODE.NXDOMAIN
+            return reply
+        if qtype in EMPTY_TYPES:
+            self._event(decision, session, client, name, qtype_name)
+            return reply
+        try:
+            answer = await self.resolver.query(name, qtype)
+        except UpstreamError as exc:
+            self._event(Decision(False, f"upstream failed: {exc}", decision.rule), session,
+                        client, name, qtype_name, verdict="error")
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply
+        now = time.monotonic()
+        reply.header.rcode = answer.rcode
+        kept, removed = [], []
+        for rr in answer.records:
+            if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+                check = policy.decide_address(parse_host(str(rr.rdata)).address)
+                if not check.allowed:
+                    removed.append(f"{rr.rdata} ({check.reason})")
+                    continue
+            copy = RR(rr.rname, rr.rtype, rr.rclass, answer.ttl(now), rr.rdata)
+            kept.append(copy)
+            reply.add_answer(copy)
+        addresses = [str(rr.rdata) for rr in kept if rr.rtype in (QTYPE.A, QTYPE.AAAA)]
+        extra = {"answers": addresses}
+        if removed:
+            extra["removed"] = removed
+        self._event(decision, session, client, name, qtype_name, **extra)
+        return reply
+
+    def _host_corral(self, reply, policy: Policy, session, client, qtype) -> DNSRecord:
+        if self.gateway is None or not policy.host_ports:
+            reason = "no [host] gateway configured" if self.gateway is None else (
+                "the policy lists no host ports")
+            self._event(Decision(False, f"{HOST_NAME}: {reason}", None,
+                                 "add ports to [host] ports in corral.toml"),
+                        session, client, HOST_NAME, QTYPE.get(qtype))
+            reply.header.rcode = RCODE.NXDOMAIN
+            return reply
+        if qtype == QTYPE.A:
+            reply.add_answer(RR(HOST_NAME, QTYPE.A, ttl=60, rdata=A(str(self.gateway))))
+        ports = ",".join(str(p) for p in sorted(policy.host_ports))
+        self._event(Decision(True, f"{HOST_NAME} is the VM host (ports {ports})"), session,
+                    client, HOST_NAME, QTYPE.get(qtype), answers=[str(self.gateway)])
+        return reply
+
+    def _event(self, decision: Decision, session, client, name, qtype, **extra):
+        self.bus.decision(decision, session=session, client=client, kind="dns", name=name,
+                          qtype=qtype, **extra)
+
+    @staticmethod
+    def _pack(request: DNSRecord, reply: DNSRecord, udp: bool) -> bytes:
+        edns = next((ar for ar in request.ar if ar.rtype == QTYPE.OPT), None)
+        if edns is not None:
+            reply.add_ar(EDNS0(udp_len=UDP_EDNS_LIMIT))
+        wire = reply.pack()
+        limit = UDP_EDNS_LIMIT if edns is not None else UDP_PLAIN_LIMIT
+        if udp and len(wire) > limit:
+            header = DNSHeader(id=reply.header.id, qr=1, ra=1, rd=request.header.rd, tc=1,
+                               rcode=reply.header.rcode)
+            wire = DNSRecord(header, q=request.q).pack()
+        return wire
+
+
+class UdpServer(asyncio.DatagramProtocol):
+    MAX_PENDING = 10_000
+
+    def __init__(self, dns: DnsFilter):
+        self.dns = dns
+        self.transport: asyncio.DatagramTransport | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        if len(self.tasks) >= self.MAX_PENDING:
+            if len(data) >= 12 and self.transport is not None:
+                self.transport.sendto(_error_reply(data, RCODE.REFUSED), addr)
+            return
+        task = asyncio.get_running_loop().create_task(self._reply(data, addr), name="dns-udp")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _reply(self, data: bytes, addr) -> None:
+        wire = await self.dns.answer(data, addr[0], udp=True)
+        if wire is not None and self.transport is not None:
+            self.transport.sendto(wire, addr)
+
+    def error_received(self, exc) -> None:
+        log.debug("dns: udp error %s", exc)
+
+
+async def serve_tcp(dns: DnsFilter, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+    """RFC 7766 framing: 2-byte length, any number of queries, idle timeout."""
+    client = writer.get_extra_info("peername")[0]
+    try:
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE)
+                (length,) = struct.unpack("!H", head)
+                data = await asyncio.wait_for(reader.readexactly(length), TCP_IDLE)
+            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                return
+            wire = await dns.answer(data, client, udp=False)
+            if wire is None:
+                return
+            writer.write(struct.pack("!H", len(wire)) + wire)
+            await writer.drain()
+    finally:
+        writer.close()

@@ -1,0 +1,103 @@
+"""The event bus: every decision goes to live subscribers, the recent ring and the audit log.
+
+An event is a flat dict (it is JSON on the control socket and in the audit log):
+  ts, id, session, client, kind (dns|http|connect|tls), name, port, address,
+  verdict (allow|deny|error), reason, rule, layer, up, down, duration, closed.
+A tunnel or proxied request produces its decision event at once (so `monitor` is live) and
+a second event with `closed: true` and the byte counts when it ends; both share `id`.
+
+Subscribers are bounded queues: a subscriber that cannot keep up loses its oldest events
+(counted in `dropped`), never slows the proxy down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+
+from appliance.policy import Decision
+
+
+class Subscription:
+    def __init__(self, bus: EventBus, session: str | None, verdict: str | None, size: int):
+        self.bus, self.session, self.verdict = bus, session, verdict
+        self.queue: deque[dict] = deque(maxlen=size)
+        self.ready = asyncio.Event()
+        self.dropped = 0
+
+    def wants(self, event: dict) -> bool:
+        return (self.session is None or event.get("session") == self.session) and (
+            self.verdict is None or event.get("verdict") == self.verdict
+        )
+
+    def push(self, event: dict) -> None:
+        if len(self.queue) == self.queue.maxlen:
+            self.dropped += 1
+        self.queue.append(event)
+        self.ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[dict]:
+        while True:
+            while self.queue:
+                yield self.queue.popleft()
+            self.ready.clear()
+            await self.ready.wait()
+
+    def close(self) -> None:
+        self.bus.subscribers.discard(self)
+
+
+class EventBus:
+    def __init__(self, audit=None, recent: int = 1000):
+        self.audit = audit
+        self.recent: deque[dict] = deque(maxlen=recent)
+        self.subscribers: set[Subscription] = set()
+        self.counters: Counter = Counter()
+        """(session, verdict) -> count, for `corral ls` and status."""
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def emit(self, event: dict) -> dict:
+        if "ts" not in event:
+            event["ts"] = round(time.time(), 6)
+        if "id" not in event:
+            event["id"] = self.next_id()
+        if not event.get("closed"):
+            self.counters[(event.get("session"), event.get("verdict"))] += 1
+        self.recent.append(event)
+        for subscription in self.subscribers:
+            if subscription.wants(event):
+                subscription.push(event)
+        if self.audit is not None:
+            self.audit.append(event)
+        return event
+
+    def decision(self, decision: Decision, *, session: str | None, client: str, kind: str,
+                 name: str, port: int | None = None, address: str | None = None,
+                 event_id: int | None = None, **extra) -> dict:
+        rule = decision.rule
+        event = {
+            "id": event_id if event_id is not None else self.next_id(),
+            "session": session, "client": client, "kind": kind, "name": name, "port": port,
+            "address": address, "verdict": decision.verdict, "reason": decision.reason,
+            "rule": rule.text if rule else None, "layer": rule.layer if rule else None,
+            **extra,
+        }
+        if not decision.allowed and decision.hint:
+            event["hint"] = decision.hint
+        return self.emit(event)
+
+    def subscribe(self, session: str | None = None, verdict: str | None = None,
+                  size: int = 10000) -> Subscription:
+        subscription = Subscription(self, session, verdict, size)
+        self.subscribers.add(subscription)
+        return subscription
+
+    def last(self, n: int, session: str | None = None, verdict: str | None = None) -> list[dict]:
+        probe = Subscription(self, session, verdict, 1)
+        return [e for e in self.recent if probe.wants(e)][-n:] if n > 0 else []

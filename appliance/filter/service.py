@@ -1,0 +1,189 @@
+"""`corral-filter --config FILE`: DNS filter, proxy listeners and control socket, one process.
+
+Start-up is all or nothing: the config and every policy file are parsed first (exit 2 with
+file, key and reason on any error), then every listener is bound (exit 1 naming the address
+that failed). Only then does it serve. SIGHUP re-reads the policy files; a bad file keeps
+the policy in force. SIGTERM/SIGINT stop it after flushing the audit log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+
+from appliance.policy import ConfigError
+
+from .audit import AuditLog
+from .config import FilterConfig, load_config
+from .control import ControlServer
+from .dns import DnsFilter, UdpServer, serve_tcp
+from .events import EventBus
+from .proxy import Proxy
+from .resolver import Resolver
+from .store import PolicyStore
+
+log = logging.getLogger("corral.filter")
+IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
+VERSION = "0.1.0"
+
+
+def _socket(host: str, port: int, kind: int) -> socket.socket:
+    """A bound socket; IP_FREEBIND lets it bind a bridge address that does not exist yet."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, kind)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET:
+            sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+        else:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        protocol = "udp" if kind == socket.SOCK_DGRAM else "tcp"
+        message = f"cannot bind {host}:{port} ({protocol}): {exc.strerror}"
+        raise OSError(exc.errno, message) from None
+    sock.setblocking(False)
+    return sock
+
+
+class Service:
+    def __init__(self, config: FilterConfig):
+        self.config = config
+        self.store = PolicyStore(config)  # raises ConfigError before anything is bound
+        self.started = time.time()
+        self.audit: AuditLog | None = None
+        self.bus = EventBus()
+        self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
+                                 config.dns.ttl_max)
+        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway)
+        self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway)
+        self.listeners: dict[str, list[str]] = {}
+        self._servers: list = []
+        self._transports: list = []
+
+    def audit_head(self) -> dict | None:
+        return self.audit.head if self.audit else None
+
+    def status(self) -> dict:
+        return {
+            "version": VERSION,
+            "uptime": round(time.time() - self.started, 3),
+            "listeners": self.listeners,
+            "sessions": len(self.store.sessions),
+            "active_connections": self.proxy.active,
+            "proxy": self.proxy.stats,
+            "resolver": self.resolver.stats,
+            "audit": {"path": str(self.config.audit_path), "head": self.audit_head(),
+                      "error": self.audit.failed if self.audit else None},
+        }
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.proxy.max_header_bytes
+        try:
+            for host, port in self.config.dns.listen:
+                udp = _socket(host, port, socket.SOCK_DGRAM)
+                transport, _ = await loop.create_datagram_endpoint(
+                    lambda: UdpServer(self.dns), sock=udp)
+                self._transports.append(transport)
+                self._record("dns_udp", udp)
+                tcp = _socket(host, udp.getsockname()[1], socket.SOCK_STREAM)  # same port
+                server = await asyncio.start_server(
+                    lambda r, w: serve_tcp(self.dns, r, w), sock=tcp, backlog=1024)
+                self._servers.append(server)
+                self._record("dns_tcp", tcp)
+            for key, handler in (("proxy", self.proxy.serve_explicit),
+                                 ("transparent_http", self.proxy.serve_transparent_http),
+                                 ("transparent_tls", self.proxy.serve_transparent_tls)):
+                addresses = {"proxy": self.config.proxy.listen,
+                             "transparent_http": self.config.proxy.transparent_http,
+                             "transparent_tls": self.config.proxy.transparent_tls}[key]
+                for host, port in addresses:
+                    sock = _socket(host, port, socket.SOCK_STREAM)
+                    server = await asyncio.start_server(handler, sock=sock, limit=limit,
+                                                        backlog=4096)
+                    self._servers.append(server)
+                    self._record(key, sock)
+            self.audit = AuditLog(self.config.audit_path)
+            self.bus.audit = self.audit
+            control = await ControlServer(self).start(self.config.control_socket)
+            self._servers.append(control)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _record(self, key: str, sock: socket.socket) -> None:
+        host, port = sock.getsockname()[:2]
+        self.listeners.setdefault(key, []).append(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    def reload(self) -> None:
+        try:
+            self.store.reload()
+        except ConfigError as exc:
+            log.error("reload refused, policy unchanged: %s", exc)
+            return
+        log.info("policy reloaded: %d sessions", len(self.store.sessions))
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        for transport in self._transports:
+            transport.close()
+        if self.audit is not None:
+            self.audit.close()
+            self.audit = None
+
+
+async def run(config: FilterConfig) -> int:
+    service = Service(config)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    loop.add_signal_handler(signal.SIGINT, stopping.set)
+    loop.add_signal_handler(signal.SIGHUP, service.reload)
+    log.info("corral-filter %s serving: %s", VERSION,
+             "; ".join(f"{k} {', '.join(v)}" for k, v in service.listeners.items()))
+    await stopping.wait()
+    log.info("stopping")
+    await service.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="corral-filter",
+        description="corral's egress filter: DNS filter and HTTP(S) proxy with a control socket.")
+    parser.add_argument("--config", required=True, metavar="FILE", help="the filter's TOML config")
+    parser.add_argument("--check", action="store_true",
+                        help="parse the config and every policy file, print a summary, exit")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+        if args.check:
+            store = PolicyStore(config)
+            print(f"{args.config}: ok; {len(store.base)} appliance rules, "
+                  f"{len(store.sessions)} sessions")
+            return 0
+        return asyncio.run(run(config))
+    except ConfigError as exc:
+        print(f"corral-filter: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"corral-filter: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

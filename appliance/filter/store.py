@@ -1,0 +1,187 @@
+"""The policy store: which compiled Policy judges which client, and the runtime layer on disk.
+
+Each session has its own Policy built from every layer (defaults, appliance, project,
+session runtime). A change compiles a new Policy off to the side and swaps one reference,
+so a request holding the old one finishes under it and no request ever sees half a policy.
+Runtime rules are persisted before the swap (temp file, fsync, rename, fsync directory):
+a rule the caller was told about survives a crash.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.policy import (
+    DEFAULT_RULES,
+    ConfigError,
+    Policy,
+    Rule,
+    RuleError,
+    dedupe,
+    policy_file_rules,
+)
+
+from .config import FilterConfig
+
+RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
+"""What the control socket may add to a session's runtime layer. Not cidr or host ports:
+opening blocked ranges or host services is a change to a file a person reviews."""
+
+
+def read_policy_file(path: str, layer: str) -> list[Rule]:
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise ConfigError(path, "", f"cannot read policy file: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(path, "", "is not UTF-8 text") from None
+    return policy_file_rules(text, path, layer)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dirfd = os.open(path.parent, os.O_DIRECTORY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+@dataclass
+class Session:
+    name: str
+    subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
+    project: tuple[Rule, ...]
+    runtime: tuple[Rule, ...]
+    policy: Policy
+
+
+class PolicyStore:
+    def __init__(self, config: FilterConfig):
+        """Load every layer; raises ConfigError (file, key, line) on any bad file."""
+        self.config = config
+        self.runtime_dir = Path(config.state_dir) / "runtime"
+        self.base: tuple[Rule, ...] = ()
+        self.outside = Policy()
+        self.sessions: dict[str, Session] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the appliance and project files; all or nothing."""
+        base = [*DEFAULT_RULES]
+        for path in self.config.policy_files:
+            base.extend(read_policy_file(path, "appliance"))
+        sessions = {}
+        for s in self.config.sessions:
+            project = [rule for path in s.files for rule in read_policy_file(path, "project")]
+            runtime = self._load_runtime(s.name)
+            sessions[s.name] = Session(s.name, s.subnet, tuple(project), tuple(runtime), Policy())
+        self.base = tuple(dedupe(base))
+        self.outside = Policy(self.base)
+        for session in sessions.values():
+            session.policy = self._compile(session.project, session.runtime)
+        self.sessions = sessions
+
+    def _compile(self, project, runtime) -> Policy:
+        return Policy(dedupe([*self.base, *project, *runtime]))
+
+    def lookup(self, client: str) -> tuple[str | None, Policy]:
+        """The session a client address belongs to and the policy that judges it."""
+        try:
+            address = ipaddress.ip_address(client)
+        except ValueError:
+            return None, self.outside
+        if address.version == 6 and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        for session in self.sessions.values():
+            if address.version == session.subnet.version and address in session.subnet:
+                return session.name, session.policy
+        return None, self.outside
+
+    def session(self, name: str) -> Session:
+        try:
+            return self.sessions[name]
+        except KeyError:
+            known = ", ".join(sorted(self.sessions)) or "none"
+            raise KeyError(f"no session {name!r}; sessions: {known}") from None
+
+    def add(self, name: str, kind: str, text: str) -> tuple[Rule, bool]:
+        """Add a rule to a session's runtime layer. Returns the rule and whether it is new."""
+        session = self.session(name)
+        if kind not in RUNTIME_KINDS:
+            raise RuleError(f"kind {kind!r} cannot be added at run time; expected one of "
+                            f"{', '.join(RUNTIME_KINDS)} (cidr and host ports go in corral.toml)")
+        rule = Rule.parse(kind, text, "session", "api")
+        if any(r.key() == rule.key() for r in session.runtime):
+            return rule, False
+        self._replace(session, (*session.runtime, rule))
+        return rule, True
+
+    def remove(self, name: str, kind: str, text: str) -> Rule:
+        """Remove a runtime rule, named by kind and text as `rules` shows it."""
+        session = self.session(name)
+        wanted = Rule.parse(kind, text, "session").key()
+        for rule in session.runtime:
+            if rule.key() == wanted:
+                self._replace(session, tuple(r for r in session.runtime if r is not rule))
+                return rule
+        others = [r for r in session.policy.rules if r.key() == wanted]
+        if others:
+            r = others[0]
+            raise LookupError(f"{kind} {text} comes from the {r.layer} layer ({r.source}); "
+                              "only session rules can be revoked at run time")
+        raise LookupError(f"session {name} has no runtime {kind} rule {text}")
+
+    def _replace(self, session: Session, runtime: tuple[Rule, ...]) -> None:
+        policy = self._compile(session.project, runtime)  # compile first: may not fail after
+        self._save_runtime(session.name, runtime)
+        session.runtime, session.policy = runtime, policy
+
+    def _runtime_path(self, name: str) -> Path:
+        return self.runtime_dir / f"{name}.json"
+
+    def _save_runtime(self, name: str, runtime) -> None:
+        document = {"version": 1, "session": name,
+                    "rules": [{"kind": r.kind, "rule": r.text} for r in runtime]}
+        write_atomic(self._runtime_path(name), json.dumps(document, indent=1).encode() + b"\n")
+
+    def _load_runtime(self, name: str) -> list[Rule]:
+        path = self._runtime_path(name)
+        try:
+            document = json.loads(path.read_text("utf-8"))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(path), "", f"runtime rules unreadable: {exc}") from None
+        rules = []
+        items = document.get("rules") if isinstance(document, dict) else None
+        if not isinstance(items, list):
+            raise ConfigError(str(path), "rules", "missing or not a list")
+        for index, item in enumerate(items):
+            try:
+                rules.append(Rule.parse(item["kind"], item["rule"], "session", "api"))
+            except (KeyError, TypeError):
+                raise ConfigError(str(path), f"rules[{index}]", "needs kind and rule") from None
+            except RuleError as exc:
+                raise ConfigError(str(path), f"rules[{index}]", str(exc)) from None
+        return rules
+
+    def effective(self, name: str | None) -> list[dict]:
+        policy = self.outside if name is None else self.session(name).policy
+        return policy.to_json()

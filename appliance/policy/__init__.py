@@ -1,0 +1,50 @@
+"""The policy model: rules, layers, presets, parsing and pure decisions. Standard library only.
+
+Typical use:
+
+    rules = [*DEFAULT_RULES, *policy_file_rules(text, "corral.toml", "project")]
+    policy = Policy(rules)
+    policy.decide_http(parse_host("api.example.com"), 443)  # -> Decision
+"""
+
+from .config import ConfigError, PolicyDocument, parse_policy, parse_toml
+from .decide import HOST_NAME, Decision, Policy
+from .layers import (
+    DEFAULT_RULES,
+    dedupe,
+    policy_file_rules,
+    preset_description,
+    preset_names,
+    preset_rules,
+)
+from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
+from .ranges import blocked_range
+from .rules import KINDS, LAYERS, PortSpec, Rule, RuleError
+
+__all__ = [
+    "DEFAULT_RULES",
+    "HOST_NAME",
+    "KINDS",
+    "LAYERS",
+    "ConfigError",
+    "Decision",
+    "Host",
+    "HostNameError",
+    "Policy",
+    "PolicyDocument",
+    "PortSpec",
+    "Rule",
+    "RuleError",
+    "blocked_range",
+    "dedupe",
+    "normalise_name",
+    "parse_address",
+    "parse_host",
+    "parse_policy",
+    "parse_toml",
+    "policy_file_rules",
+    "preset_description",
+    "preset_names",
+    "preset_rules",
+    "split_host_port",
+]

@@ -1,0 +1,152 @@
+"""Policy documents (corral.toml, appliance files, presets): TOML text in, rules out.
+
+Pure: callers read the file and pass its text, so the same parser serves the filter, the
+CLI and the tests. Every error is a ConfigError naming the file, the line where it can be
+found, the key and the offending value. Unknown keys are errors: a typo such as `[htttp]`
+must never silently drop the rules a team meant to write.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+
+from .rules import Rule, RuleError
+
+# key in the document -> (table, field, rule kind)
+SECTIONS = {
+    ("dns", "allow"): "dns",
+    ("http", "allow"): "http",
+    ("tcp", "allow"): "tcp",
+    ("cidr", "allow"): "cidr",
+    ("host", "ports"): "host",
+    ("deny", "names"): "deny",
+}
+TOP_LEVEL = ("presets", "description", "version")
+
+
+class ConfigError(ValueError):
+    """A config or policy file that cannot be used, located as precisely as possible."""
+
+    def __init__(self, path: str, key: str, message: str, line: int | None = None):
+        self.path, self.key, self.message, self.line = path, key, message, line
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class PolicyDocument:
+    """What one policy file says, before presets are expanded."""
+
+    rules: tuple[Rule, ...]
+    """The file's own rules, each tagged with the layer and the file as its source."""
+    presets: tuple[str, ...]
+    """Preset names the file references, in order."""
+
+
+def parse_toml(text: str, path: str) -> dict:
+    """tomllib with errors that name the file (tomllib already gives line and column)."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = _line_from_message(str(exc))
+        raise ConfigError(path, "", f"not valid TOML: {exc}", line) from None
+
+
+def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True) -> PolicyDocument:
+    """Parse a policy document; raises ConfigError."""
+    data = parse_toml(text, path)
+    locate = Locator(text)
+    rules: list[Rule] = []
+    presets: tuple[str, ...] = ()
+    for key, value in data.items():
+        if key in TOP_LEVEL:
+            if key == "presets":
+                if not allow_presets:
+                    raise ConfigError(path, key, "a preset cannot include other presets",
+                                      locate.key("", key))
+                presets = tuple(_string_list(value, path, key, locate.key("", key)))
+            elif not isinstance(value, str):
+                raise ConfigError(path, key, "must be a string", locate.key("", key))
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(path, key, f"unknown key; expected tables {_tables()}"
+                              f" and top-level {', '.join(TOP_LEVEL)}", locate.key("", key))
+        for field, items in value.items():
+            full = f"[{key}] {field}"
+            kind = SECTIONS.get((key, field))
+            if kind is None:
+                known = [f for (t, f) in SECTIONS if t == key]
+                expected = (f"expected {', '.join(known)}" if known
+                            else f"expected tables {_tables()}")
+                raise ConfigError(path, full, f"unknown key; {expected}", locate.key(key, field))
+            if not isinstance(items, list):
+                raise ConfigError(path, full, f"must be a list, got {type(items).__name__}",
+                                  locate.key(key, field))
+            for item in items:
+                if kind == "host" and (not isinstance(item, int) or isinstance(item, bool)):
+                    raise ConfigError(path, full, f"{item!r} is not a port number",
+                                      locate.value(key, item))
+                if kind != "host" and not isinstance(item, str):
+                    raise ConfigError(path, full, f"{item!r} is not a string",
+                                      locate.value(key, item))
+                try:
+                    rules.append(Rule.parse(kind, str(item), layer, path))
+                except RuleError as exc:
+                    raise ConfigError(path, full, str(exc), locate.value(key, item)) from None
+    return PolicyDocument(tuple(rules), presets)
+
+
+def _tables() -> str:
+    return ", ".join(sorted({f"[{t}]" for t, _ in SECTIONS}))
+
+
+def _string_list(value, path: str, key: str, line: int | None) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(path, key, "must be a list of strings", line)
+    return value
+
+
+def _line_from_message(message: str) -> int | None:
+    match = re.search(r"line (\d+)", message)
+    return int(match.group(1)) if match else None
+
+
+class Locator:
+    """Finds the line of a key or value in TOML text. tomllib drops positions, so this is a
+    best effort that is right for the ordinary `[table]` + `key = [...]` layout."""
+
+    _HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_.-]+)\s*\]")
+
+    def __init__(self, text: str):
+        self.lines = text.splitlines()
+
+    def _scan(self, table: str):
+        current = ""
+        for number, line in enumerate(self.lines, 1):
+            header = self._HEADER.match(line)
+            if header and not line.lstrip().startswith("[["):
+                current = header.group(1)
+                continue
+            stripped = line.split("#", 1)[0]
+            if current == table:
+                yield number, stripped
+
+    def key(self, table: str, key: str) -> int | None:
+        if table == "" :
+            for number, line in enumerate(self.lines, 1):
+                if re.match(rf"^\s*\[\s*{re.escape(key)}\s*\]", line):
+                    return number
+        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        for number, line in self._scan(table):
+            if pattern.match(line):
+                return number
+        return None
+
+    def value(self, table: str, value) -> int | None:
+        needles = [repr(value), f'"{value}"'] if isinstance(value, str) else [str(value)]
+        for number, line in self._scan(table):
+            if any(n in line for n in needles):
+                return number
+        return None

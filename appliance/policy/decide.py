@@ -1,0 +1,179 @@
+"""A compiled policy and the pure decisions made against it.
+
+`Policy(rules)` builds hash lookups once: exact names, and wildcard suffixes keyed by the
+suffix. Deciding walks the name's labels (O(labels)), never the rules. A deny anywhere, in
+any layer, wins over every allow (DESIGN: exceptions inside wildcards). When several allows
+match, the most specific one is reported — exact before wildcard, a narrower wildcard before
+a broader one, an inner layer (session) before an outer one (default) — so that `monitor`
+names the rule a person would point at.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .names import Host, IPAddress, parent_domains, unmap
+from .ranges import blocked_range
+from .rules import LAYERS, Rule
+
+HOST_NAME = "host.corral"
+"""The name under which a session reaches the VM host's allowed ports."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one question put to a policy."""
+
+    allowed: bool
+    reason: str
+    """Why, in words a person reads in `corral monitor` and in a 403 body."""
+    rule: Rule | None = None
+    """The rule that decided it (allow or deny); None for the default deny."""
+    hint: str = ""
+    """The command that would change this decision, for denials."""
+
+    @property
+    def verdict(self) -> str:
+        return "allow" if self.allowed else "deny"
+
+
+_Index = dict[str, tuple[Rule, ...]]
+
+
+def _index(rules: Iterable[Rule]) -> tuple[_Index, _Index]:
+    """Split rules into exact-name and wildcard-suffix lookups, inner layers first."""
+    exact: dict[str, list[Rule]] = defaultdict(list)
+    wild: dict[str, list[Rule]] = defaultdict(list)
+    for rule in rules:
+        (wild[rule.suffix] if rule.wildcard else exact[rule.host]).append(rule)
+    order = {layer: -i for i, layer in enumerate(LAYERS)}
+
+    def freeze(d):
+        return {k: tuple(sorted(v, key=lambda r: order[r.layer])) for k, v in d.items()}
+
+    return freeze(exact), freeze(wild)
+
+
+def _lookup(exact: _Index, wild: _Index, host: Host):
+    """Yield the rules whose pattern matches `host`, most specific first."""
+    key = host.name if host.name is not None else str(host.address)
+    yield from exact.get(key, ())
+    if host.name is not None:
+        for parent in parent_domains(host.name):
+            yield from wild.get(parent, ())
+
+
+class Policy:
+    """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
+
+    __slots__ = ("_deny", "_dns", "_http", "_tcp", "cidrs", "host_ports", "rules")
+
+    def __init__(self, rules: Iterable[Rule] = ()):
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        by_kind: dict[str, list[Rule]] = defaultdict(list)
+        for rule in self.rules:
+            by_kind[rule.kind].append(rule)
+        self._deny = _index(by_kind["deny"])
+        self._http = _index(by_kind["http"])
+        self._tcp = _index(by_kind["tcp"])
+        # DNS answers every name some rule lets a client reach (issue: "a name allowed by
+        # an http or tcp rule is also answered by DNS").
+        self._dns = _index(by_kind["dns"] + by_kind["http"] + by_kind["tcp"])
+        self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
+            (ipaddress.ip_network(r.host), r) for r in by_kind["cidr"]
+        )
+        self.host_ports: dict[int, Rule] = {}
+        for rule in sorted(by_kind["host"], key=lambda r: -LAYERS.index(r.layer)):
+            for port in rule.port.ports or ():
+                self.host_ports.setdefault(port, rule)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def denied_by(self, host: Host) -> Rule | None:
+        """The deny rule covering `host`, if any."""
+        return next(_lookup(*self._deny, host), None)
+
+    def decide_dns(self, host: Host) -> Decision:
+        """May a client learn this name's addresses? Denied names are never sent upstream."""
+        deny = self.denied_by(host)
+        if deny is not None:
+            return _denied_by_rule(host, deny)
+        for rule in _lookup(*self._dns, host):
+            return Decision(True, f"{host} allowed by {rule.kind} rule {rule.text}", rule)
+        return Decision(False, f"name {host} is not in the policy", None,
+                        f"corral allow-dns {host}")
+
+    def decide_http(self, host: Host, port: int) -> Decision:
+        """May the proxy connect to host:port (CONNECT, absolute URI, Host header, SNI)?"""
+        return self._decide_port(self._http, host, port, "http")
+
+    def decide_tcp(self, host: Host, port: int) -> Decision:
+        """May a client reach host:port directly (non-HTTP protocols, learned from DNS)?"""
+        return self._decide_port(self._tcp, host, port, "tcp")
+
+    def tcp_rules(self, host: Host) -> list[Rule]:
+        """The tcp rules that cover `host` (unless denied): what DNS answers teach nftables."""
+        if self.denied_by(host) is not None:
+            return []
+        return list(_lookup(*self._tcp, host))
+
+    def decide_address(self, address: IPAddress, name: Host | None = None) -> Decision:
+        """May the proxy dial this resolved address? Blocked ranges need an explicit rule."""
+        address = unmap(address)
+        network = blocked_range(address)
+        if network is None:
+            return Decision(True, f"{address} is a public address")
+        for cidr, rule in self.cidrs:
+            if address.version == cidr.version and address in cidr:
+                return Decision(True, f"{address} allowed by cidr rule {rule.text}", rule)
+        for rule in _lookup(*self._http, Host(address=address)):
+            return Decision(True, f"{address} named by {rule.kind} rule {rule.text}", rule)
+        for rule in _lookup(*self._tcp, Host(address=address)):
+            return Decision(True, f"{address} named by {rule.kind} rule {rule.text}", rule)
+        via = f" ({name} resolved to it)" if name is not None else ""
+        return Decision(False, f"{address} is in blocked range {network}{via}", None,
+                        f"add \"{address}/{address.max_prefixlen}\" to [cidr] allow in corral.toml"
+                        " if it is meant")
+
+    def decide_host_port(self, port: int) -> Decision:
+        """May a client reach the VM host (host.corral) on this port?"""
+        rule = self.host_ports.get(port)
+        if rule is not None:
+            return Decision(True, f"{HOST_NAME}:{port} allowed by host rule", rule)
+        return Decision(False, f"{HOST_NAME}:{port} is not a listed host port", None,
+                        f"add {port} to [host] ports in corral.toml")
+
+    def _decide_port(self, index, host: Host, port: int, kind: str) -> Decision:
+        deny = self.denied_by(host)
+        if deny is not None:
+            return _denied_by_rule(host, deny)
+        other_ports = False
+        for rule in _lookup(*index, host):
+            if rule.port.covers(port):
+                return Decision(True, f"{host}:{port} allowed by {kind} rule {rule.text}", rule)
+            other_ports = True
+        v6 = host.address is not None and host.address.version == 6
+        target = f"[{host}]:{port}" if v6 else f"{host}:{port}"
+        if other_ports:
+            reason = f"{host} is allowed, but not on port {port}"
+        elif host.address is not None:
+            reason = f"IP literal {host} is not named by any {kind} rule"
+        else:
+            reason = f"{host} is not in the {kind} policy"
+        return Decision(False, reason, None, f"corral allow-{kind} {target}")
+
+    def to_json(self) -> list[dict]:
+        return [rule.to_json() for rule in self.rules]
+
+
+def _denied_by_rule(host: Host, rule: Rule) -> Decision:
+    return Decision(False, f"{host} denied by deny rule {rule.text} ({rule.layer} layer)", rule,
+                    f"corral revoke deny {rule.text}" if rule.layer == "session"
+                    else f"remove deny {rule.text} from the {rule.layer} layer ({rule.source})")
+

@@ -1,0 +1,189 @@
+"""Rules: what a line of policy says, parsed once into a frozen, typed value.
+
+A rule's text is its identity: `Rule.parse("http", "API.example.com:443")` and
+`Rule.parse("http", "api.example.com:443")` are the same rule, so revoking by the text
+`corral rules` printed always finds it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
+
+KINDS = ("dns", "http", "tcp", "cidr", "host", "deny")
+"""dns: a name DNS answers. http: host[:port] the proxy reaches. tcp: host:port reached
+directly (nftables set filled from DNS answers). cidr: a blocked range made reachable.
+host: a port of the VM host reachable as host.corral. deny: a name that wins over allows."""
+
+LAYERS = ("default", "appliance", "project", "session")
+"""From the outside in: built-in defaults, appliance-wide (Ansible), project file
+(corral.toml), session runtime additions (CLI/API)."""
+
+HTTP_DEFAULT_PORTS = frozenset({80, 443})
+ALL_PORTS = None  # a PortSpec whose `ports` is None matches every port
+
+
+class RuleError(ValueError):
+    """A rule that cannot be parsed; the message names the rule and what is wrong."""
+
+
+@lru_cache(maxsize=1024)
+def _glob_ports(pattern: str) -> frozenset[int]:
+    # Expanded once per distinct glob, so a decision is a set lookup, never a match.
+    return frozenset(p for p in range(1, 65536) if fnmatch.fnmatchcase(str(p), pattern))
+
+
+@dataclass(frozen=True, slots=True)
+class PortSpec:
+    """Which ports a rule covers."""
+
+    text: str
+    """As written: `443`, `8*`, `*`, or empty for the kind's default."""
+    ports: frozenset[int] | None = field(repr=False)
+    """The ports covered; None covers every port."""
+
+    @classmethod
+    def parse(cls, text: str | None, default: frozenset[int] | None) -> PortSpec:
+        if text is None or text == "":
+            return cls("", default)
+        if text == "*":
+            return cls("*", ALL_PORTS)
+        if text.isdigit():
+            port = int(text)
+            if not 1 <= port <= 65535:
+                raise RuleError(f"port {text} is outside 1-65535")
+            return cls(str(port), frozenset({port}))
+        if all(c.isdigit() or c in "*?[]-" for c in text):
+            ports = _glob_ports(text)
+            if not ports:
+                raise RuleError(f"port pattern {text!r} matches no port in 1-65535")
+            return cls(text, ports)
+        raise RuleError(f"port {text!r} is not a number, a glob such as '8*', or '*'")
+
+    def covers(self, port: int) -> bool:
+        return self.ports is None or port in self.ports
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One allow or deny, remembering where it came from."""
+
+    kind: str
+    """One of KINDS."""
+    host: str
+    """Normalised name, `*.suffix` wildcard, IP literal, or CIDR (kind `cidr`); empty for `host`."""
+    port: PortSpec = field(default_factory=lambda: PortSpec("", None))
+    """Ports covered (http, tcp, host); empty text for dns, cidr and deny."""
+    layer: str = "session"
+    """One of LAYERS."""
+    source: str = ""
+    """Where it was written: a file path, `preset:NAME`, or `api`."""
+
+    @property
+    def wildcard(self) -> bool:
+        return self.host.startswith("*.")
+
+    @property
+    def suffix(self) -> str:
+        """For `*.example.com`: `example.com`; for an exact name: the name itself."""
+        return self.host[2:] if self.wildcard else self.host
+
+    @property
+    def text(self) -> str:
+        """The rule as a user writes it (and as `corral revoke` accepts it)."""
+        if self.kind == "host":
+            return self.port.text
+        host = f"[{self.host}]" if ":" in self.host and self.kind != "cidr" else self.host
+        return f"{host}:{self.port.text}" if self.port.text else host
+
+    def key(self) -> tuple[str, str]:
+        """Identity within a layer: kind and text."""
+        return (self.kind, self.text)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "rule": self.text, "layer": self.layer, "source": self.source}
+
+    @classmethod
+    def parse(cls, kind: str, text: str, layer: str = "session", source: str = "") -> Rule:
+        """Parse `text` as a rule of `kind`; raises RuleError naming what is wrong."""
+        if kind not in KINDS:
+            raise RuleError(f"unknown rule kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if layer not in LAYERS:
+            raise RuleError(f"unknown layer {layer!r}; expected one of {', '.join(LAYERS)}")
+        if not isinstance(text, str | int) or isinstance(text, bool):
+            raise RuleError(f"{kind} rule must be a string, not {type(text).__name__}")
+        text = str(text).strip()
+        try:
+            return getattr(cls, f"_parse_{kind}")(text, layer, source)
+        except HostNameError as exc:
+            raise RuleError(str(exc)) from None
+
+    @classmethod
+    def _parse_dns(cls, text: str, layer: str, source: str) -> Rule:
+        return cls("dns", _pattern(text), PortSpec("", None), layer, source)
+
+    @classmethod
+    def _parse_deny(cls, text: str, layer: str, source: str) -> Rule:
+        host, port = split_host_port(text)
+        if port is not None:
+            raise RuleError(f"deny {text!r}: a deny names a host for every port; drop ':{port}'")
+        address = parse_address(host)
+        pattern = str(address) if address is not None else _pattern(host)
+        return cls("deny", pattern, PortSpec("", None), layer, source)
+
+    @classmethod
+    def _parse_http(cls, text: str, layer: str, source: str) -> Rule:
+        host, port = split_host_port(text)
+        return cls("http", _host_pattern(host), PortSpec.parse(port, HTTP_DEFAULT_PORTS),
+                   layer, source)
+
+    @classmethod
+    def _parse_tcp(cls, text: str, layer: str, source: str) -> Rule:
+        host, port = split_host_port(text)
+        if not port:
+            raise RuleError(f"tcp rule {text!r} needs a port, e.g. {host}:22")
+        return cls("tcp", _host_pattern(host), PortSpec.parse(port, None), layer, source)
+
+    @classmethod
+    def _parse_cidr(cls, text: str, layer: str, source: str) -> Rule:
+        try:
+            network = ipaddress.ip_network(text, strict=False)
+        except ValueError as exc:
+            raise RuleError(f"cidr {text!r} is not a network such as 203.0.113.0/24: {exc}"
+                            ) from None
+        if network.prefixlen == 0:
+            raise RuleError(f"cidr {text!r} would make every address reachable; name a range")
+        return cls("cidr", str(network), PortSpec("", None), layer, source)
+
+    @classmethod
+    def _parse_host(cls, text: str, layer: str, source: str) -> Rule:
+        if not text.isdigit() or not 1 <= int(text) <= 65535:
+            raise RuleError(f"host port {text!r} must be a number in 1-65535")
+        return cls("host", "", PortSpec.parse(text, None), layer, source)
+
+
+def _pattern(text: str) -> str:
+    """A name or `*.suffix` wildcard, normalised. A wildcard never covers a bare TLD."""
+    if text.startswith("*."):
+        suffix = normalise_name(text[2:])
+        if "." not in suffix:
+            raise RuleError(f"{text!r} would allow a whole top-level domain; name a domain")
+        return "*." + suffix
+    if "*" in text:
+        raise RuleError(f"{text!r}: '*' may only stand alone as the first label,"
+                        " as in *.example.com")
+    return normalise_name(text)
+
+
+def _host_pattern(text: str) -> str:
+    """A name pattern or an IP literal (which names exactly that address)."""
+    host: Host | None = None
+    if not text.startswith("*"):
+        host = parse_host(text)
+        if host.address is not None:
+            return str(host.address)
+    return _pattern(text)

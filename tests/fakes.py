@@ -1,0 +1,260 @@
+"""A small fake internet for tests, on 127.0.0.1:0: an authoritative DNS server that logs
+every query it receives, an HTTP origin, and a TLS origin with its own CA.
+
+These stand in for the internet (which tests may not reach), never for corral's own code.
+All servers run on one asyncio loop in a background thread, so test bodies stay plain
+synchronous socket code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import ssl
+import struct
+import threading
+import weakref
+from pathlib import Path
+
+from dnslib import QTYPE, RCODE, RR, DNSRecord
+
+SNI_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The server name each TLS connection of a fake origin asked for."""
+
+
+class Loop:
+    """An asyncio loop on a daemon thread; `run(coro)` runs a coroutine on it and waits."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fakes", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=10):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class FakeDns:
+    """Authoritative for whatever `zone` says: {name: [(qtype, rdata-text, ttl), ...]}.
+
+    Special behaviours per name: `servfail` (answer SERVFAIL), `silent` (never answer),
+    `truncate` (set TC over UDP so the client must retry over TCP).
+    """
+
+    def __init__(self, loop: Loop):
+        self.zone: dict[str, list[tuple[str, str, int]]] = {}
+        self.servfail: set[str] = set()
+        self.silent: set[str] = set()
+        self.truncate: set[str] = set()
+        self.queries: list[tuple[str, str, str]] = []  # (transport, name, qtype)
+        self.loop = loop
+        self.address = loop.run(self._start())
+
+    async def _start(self):
+        loop = asyncio.get_running_loop()
+        fake = self
+
+        class Udp(asyncio.DatagramProtocol):
+            def connection_made(self, transport):
+                self.transport = transport
+
+            def datagram_received(self, data, addr):
+                reply = fake.answer(data, "udp")
+                if reply is not None:
+                    self.transport.sendto(reply, addr)
+
+        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", 0))
+        port = self.udp.get_extra_info("sockname")[1]
+
+        async def tcp(reader, writer):
+            try:
+                (n,) = struct.unpack("!H", await reader.readexactly(2))
+                reply = self.answer(await reader.readexactly(n), "tcp")
+                if reply is not None:
+                    writer.write(struct.pack("!H", len(reply)) + reply)
+                    await writer.drain()
+            except asyncio.IncompleteReadError:
+                pass
+            writer.close()
+
+        self.tcp = await asyncio.start_server(tcp, "127.0.0.1", port)
+        return ("127.0.0.1", port)
+
+    def answer(self, data: bytes, transport: str) -> bytes | None:
+        request = DNSRecord.parse(data)
+        name = str(request.q.qname).rstrip(".").lower()
+        qtype = QTYPE.get(request.q.qtype)
+        self.queries.append((transport, name, qtype))
+        if name in self.silent:
+            return None
+        reply = request.reply()
+        if name in self.servfail:
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
+        if transport == "udp" and name in self.truncate:
+            reply.header.tc = 1
+            return reply.pack()
+        records = self.zone.get(name)
+        if records is None:
+            reply.header.rcode = RCODE.NXDOMAIN
+            return reply.pack()
+        for rtype, value, ttl in records:
+            if rtype == qtype or rtype == "CNAME":
+                reply.add_answer(*RR.fromZone(f"{name}. {ttl} IN {rtype} {value}"))
+                if rtype == "CNAME":
+                    for t2, v2, ttl2 in self.zone.get(value.rstrip("."), []):
+                        if t2 == qtype:
+                            reply.add_answer(*RR.fromZone(f"{value} {ttl2} IN {t2} {v2}"))
+        return reply.pack()
+
+    def names_asked(self) -> set[str]:
+        return {name for _, name, _ in self.queries}
+
+    def close(self):
+        self.udp.close()
+        self.tcp.close()
+
+
+class FakeHttp:
+    """An HTTP/1.1 origin. Every response body is JSON describing the request it got.
+
+    /chunked answers with a chunked body; /close with a close-delimited one; /upgrade
+    switches protocols and then echoes bytes back; anything else answers with a length.
+    """
+
+    def __init__(self, loop: Loop, ssl_context: ssl.SSLContext | None = None, port: int = 0,
+                 host: str = "127.0.0.1"):
+        self.requests: list[dict] = []
+        self.loop = loop
+        self.ssl_context = ssl_context
+        self.port = loop.run(self._start(host, port))
+
+    async def _start(self, host, port):
+        self.server = await asyncio.start_server(self._handle, host, port, ssl=self.ssl_context,
+                                                 reuse_address=True)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                headers = {}
+                for line in lines[1:]:
+                    if line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = b""
+                if "content-length" in headers:
+                    body = await reader.readexactly(int(headers["content-length"]))
+                elif headers.get("transfer-encoding") == "chunked":
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                        if size == 0:
+                            await reader.readuntil(b"\r\n")
+                            break
+                        body += await reader.readexactly(size)
+                        await reader.readexactly(2)
+                info = {"method": method, "path": path, "headers": headers,
+                        "body": body.decode("latin-1"),
+                        "tls_sni": SNI_SEEN.get(tls) if (tls := writer.get_extra_info(
+                            "ssl_object")) else None}
+                self.requests.append(info)
+                payload = json.dumps(info).encode()
+                if path == "/upgrade":
+                    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\n"
+                                 b"Connection: Upgrade\r\n\r\n")
+                    while data := await reader.read(65536):
+                        writer.write(data)
+                    break
+                if path == "/chunked":
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    for i in range(0, len(payload), 7):
+                        part = payload[i : i + 7]
+                        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    writer.write(b"0\r\n\r\n")
+                elif path == "/close":
+                    writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + payload)
+                    await writer.drain()
+                    break
+                elif path.startswith("/big/"):
+                    n = int(path.split("/")[2])
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % n)
+                    writer.write(b"x" * n)
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self):
+        self.server.close()
+
+
+class TestCA:
+    """A throwaway CA and server certificates for names, minted with cryptography."""
+
+    def __init__(self, directory: Path):
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self._x509, self._hashes, self._ser, self._ec = x509, hashes, serialization, ec
+        self._oid = NameOID
+        self.dir = directory
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral test CA")])
+        now = datetime.datetime.now(datetime.UTC)
+        self.cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.ca_path = directory / "ca.pem"
+        self.ca_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+
+    def server_context(self, names: list[str]) -> ssl.SSLContext:
+        x509, ser = self._x509, self._ser
+        key = self._ec.generate_private_key(self._ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        sans = [x509.DNSName(n) for n in names]
+        sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(self._oid.COMMON_NAME, names[0])]))
+            .issuer_name(self.cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(self.key, self._hashes.SHA256())
+        )
+        cert_path, key_path = self.dir / f"{names[0]}.pem", self.dir / f"{names[0]}.key"
+        cert_path.write_bytes(cert.public_bytes(ser.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                               ser.NoEncryption()))
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert_path, key_path)
+        context.sni_callback = lambda ssl_object, name, _: SNI_SEEN.__setitem__(ssl_object, name)
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_path))
+        return context

@@ -1,0 +1,233 @@
+"""The real corral-filter, run as a process, in front of a fake internet on loopback.
+
+Layout (all on 127.0.0.0/8, which Linux routes locally):
+  127.31.0.2:80, :8080   HTTP origin         127.31.0.2:443   HTTPS origin (test CA)
+  fake DNS on 127.0.0.1:<random>: allowed.test, other.test -> 127.31.0.2; private.test -> 10.0.0.1
+  session s1 = 127.0.0.0/24 (clients connect from 127.0.0.1)
+  session s2 = 127.0.1.0/24 (clients bind 127.0.1.1); anything else is outside every session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import FakeDns, FakeHttp, Loop, TestCA
+
+ORIGIN = "127.31.0.2"
+S1_CLIENT = "127.0.0.1"
+S2_CLIENT = "127.0.1.1"
+OUTSIDE_CLIENT = "127.0.2.1"
+
+APPLIANCE_POLICY = """
+[cidr]
+allow = ["127.31.0.0/16"]     # the fake internet lives in loopback
+"""
+
+S1_POLICY = """
+[dns]
+allow = ["dnsonly.test"]
+[http]
+allow = ["allowed.test", "allowed.test:8080", "private.test", "mixed.test", "cname.test",
+         "*.wild.test", "fronted.test"]
+[deny]
+names = ["no.wild.test"]
+[host]
+ports = [8080]
+"""
+
+S2_POLICY = """
+[http]
+allow = ["other.test"]
+"""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+class FilterProcess:
+    """corral-filter started from its console script with a generated config."""
+
+    def __init__(self, directory: Path, dns_upstream, extra_config: str = ""):
+        self.dir = directory
+        self.socket = directory / "filter.sock"
+        self.log = directory / "filter.log"
+        (directory / "appliance.toml").write_text(APPLIANCE_POLICY)
+        (directory / "s1.toml").write_text(S1_POLICY)
+        (directory / "s2.toml").write_text(S2_POLICY)
+        self.config = directory / "filter.toml"
+        self.config.write_text(f"""
+[dns]
+listen = ["127.0.0.1:0"]
+upstream = ["{dns_upstream[0]}:{dns_upstream[1]}"]
+timeout = 0.5
+ttl_min = 1
+[proxy]
+listen = ["127.0.0.1:0"]
+transparent_http = ["127.0.0.1:0"]
+transparent_tls = ["127.0.0.1:0"]
+header_timeout = 2
+[policy]
+files = ["{directory}/appliance.toml"]
+[state]
+dir = "{directory}/state"
+[control]
+socket = "{self.socket}"
+[host]
+gateway = "{ORIGIN}"
+[[session]]
+name = "s1"
+subnet = "127.0.0.0/24"
+files = ["{directory}/s1.toml"]
+[[session]]
+name = "s2"
+subnet = "127.0.1.0/24"
+files = ["{directory}/s2.toml"]
+{extra_config}
+""")
+        self.start()
+
+    def start(self):
+        exe = Path(sys.executable).parent / "corral-filter"
+        with open(self.log, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([str(exe), "--config", str(self.config)],
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"corral-filter exited {self.proc.returncode}:\n"
+                                   + self.log.read_text())
+            if self.socket.exists():
+                try:
+                    self.status = self.control({"op": "status"})
+                    break
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("corral-filter did not come up:\n" + self.log.read_text())
+        listeners = self.status["listeners"]
+
+        def port(key):
+            return int(listeners[key][0].rsplit(":", 1)[1])
+
+        self.dns_port = port("dns_udp")
+        self.proxy_port = port("proxy")
+        self.http_port = port("transparent_http")
+        self.tls_port = port("transparent_tls")
+
+    def control(self, request: dict) -> dict:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(str(self.socket))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return json.loads(data)
+
+    def events(self, **filters) -> list[dict]:
+        return self.control({"op": "events", "last": 10000, **filters})["events"]
+
+    def wait_event(self, predicate, timeout=5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            time.sleep(0.02)
+        raise AssertionError("no matching event; last events:\n" + "\n".join(
+            json.dumps(e) for e in self.events()[-10:]))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def internet(tmp_path_factory):
+    """The fake internet, shared by every integration test."""
+    loop = Loop()
+    ca = TestCA(tmp_path_factory.mktemp("ca"))
+    dns = FakeDns(loop)
+    try:
+        http80 = FakeHttp(loop, port=80, host=ORIGIN)
+        http8080 = FakeHttp(loop, port=8080, host=ORIGIN)
+        https = FakeHttp(loop, ca.server_context(["allowed.test", "other.test", "fronted.test"]),
+                         port=443, host=ORIGIN)
+    except PermissionError:
+        dns.close()
+        loop.close()
+        pytest.skip("binding ports 80/443 on 127.31.0.2 needs root (run scripts/test as root)")
+    for name in ("allowed.test", "other.test", "fronted.test", "x.wild.test", "no.wild.test",
+                 "dnsonly.test"):
+        dns.zone[name] = [("A", ORIGIN, 300), ("AAAA", "2001:db8::1", 300)]
+    dns.zone["private.test"] = [("A", "10.0.0.1", 300)]
+    dns.zone["mixed.test"] = [("A", "10.0.0.1", 300), ("A", ORIGIN, 300)]
+    dns.zone["cname.test"] = [("CNAME", "target.cdn.test.", 300)]
+    dns.zone["target.cdn.test"] = [("A", ORIGIN, 300)]
+
+    class Internet:
+        pass
+
+    world = Internet()
+    world.loop, world.ca, world.dns = loop, ca, dns
+    world.http80, world.http8080, world.https = http80, http8080, https
+    yield world
+    for server in (http80, http8080, https, dns):
+        server.close()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def corral_filter(internet, tmp_path_factory):
+    process = FilterProcess(tmp_path_factory.mktemp("filter"), internet.dns.address)
+    yield process
+    process.stop()
+
+
+def connect(port: int, source: str = S1_CLIENT, timeout: float = 5) -> socket.socket:
+    sock = socket.socket()
+    sock.settimeout(timeout)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def recv_all(sock: socket.socket, limit: int = 1 << 24) -> bytes:
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def os_is_root() -> bool:
+    return os.geteuid() == 0
