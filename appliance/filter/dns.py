@@ -71,7 +71,10 @@ class DnsFilter:
             log.exception("dns: failed answering %s", client)
             reply = request.reply()
             reply.header.rcode = RCODE.SERVFAIL
-        return self._pack(request, reply, udp)
+        try:
+            return self._pack(request, reply, udp)
+        except Exception:  # dnslib parses some questions it then refuses to pack (label > 63)
+            return _error_reply(data, RCODE.FORMERR)
 
     async def _answer(self, request: DNSRecord, client: str) -> DNSRecord:
         reply = request.reply()  # copies ID, RD and the question; sets QR, RA

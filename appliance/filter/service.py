@@ -52,6 +52,20 @@ def _socket(host: str, port: int, kind: int) -> socket.socket:
     return sock
 
 
+def _dns_sockets(host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """UDP and TCP on the same port. With port 0 the kernel picks the UDP port, which may
+    be taken for TCP: then pick again (a few times) rather than fail."""
+    for attempt in range(20):
+        udp = _socket(host, port, socket.SOCK_DGRAM)
+        try:
+            return udp, _socket(host, udp.getsockname()[1], socket.SOCK_STREAM)
+        except OSError:
+            udp.close()
+            if port != 0 or attempt == 19:
+                raise
+    raise AssertionError("unreachable")
+
+
 class Service:
     def __init__(self, config: FilterConfig):
         self.config = config
@@ -88,12 +102,11 @@ class Service:
         limit = self.config.proxy.max_header_bytes
         try:
             for host, port in self.config.dns.listen:
-                udp = _socket(host, port, socket.SOCK_DGRAM)
+                udp, tcp = _dns_sockets(host, port)
                 transport, _ = await loop.create_datagram_endpoint(
                     lambda: UdpServer(self.dns), sock=udp)
                 self._transports.append(transport)
                 self._record("dns_udp", udp)
-                tcp = _socket(host, udp.getsockname()[1], socket.SOCK_STREAM)  # same port
                 server = await asyncio.start_server(
                     lambda r, w: serve_tcp(self.dns, r, w), sock=tcp, backlog=1024)
                 self._servers.append(server)

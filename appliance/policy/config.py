@@ -70,7 +70,7 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
             elif not isinstance(value, str):
                 raise ConfigError(path, key, "must be a string", locate.key("", key))
             continue
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or key not in {table for table, _ in SECTIONS}:
             raise ConfigError(path, key, f"unknown key; expected tables {_tables()}"
                               f" and top-level {', '.join(TOP_LEVEL)}", locate.key("", key))
         for field, items in value.items():

@@ -181,9 +181,8 @@ def _pattern(text: str) -> str:
 
 def _host_pattern(text: str) -> str:
     """A name pattern or an IP literal (which names exactly that address)."""
-    host: Host | None = None
-    if not text.startswith("*"):
-        host = parse_host(text)
+    if "*" not in text:
+        host: Host = parse_host(text)
         if host.address is not None:
             return str(host.address)
     return _pattern(text)

@@ -1,0 +1,161 @@
+"""The control socket: runtime rules, persistence across restarts, events, the audit chain."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+
+import pytest
+from dnslib import RCODE
+
+from appliance.filter import audit
+
+from .conftest import FilterProcess, connect, recv_all
+from .test_dns import addresses, ask
+
+
+@pytest.fixture
+def fresh_filter(internet, tmp_path):
+    """A filter of its own: these tests change policy and restart it."""
+    process = FilterProcess(tmp_path, internet.dns.address)
+    yield process
+    process.stop()
+
+
+def connect_status(port: int, target: str) -> int:
+    with connect(port) as sock:
+        sock.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+        return int(recv_all(sock, 64).split(b" ")[1])
+
+
+def test_socket_is_private(fresh_filter):
+    mode = stat.S_IMODE(os.stat(fresh_filter.socket).st_mode)
+    assert mode == 0o600
+
+
+def test_rule_added_at_runtime_takes_effect_and_survives_restart(fresh_filter, internet):
+    f = fresh_filter
+    assert ask(f.dns_port, "other.test").header.rcode == RCODE.NXDOMAIN
+    assert connect_status(f.proxy_port, "other.test:443") == 403
+
+    answer = f.control({"op": "add", "session": "s1", "kind": "http", "rule": "Other.Test"})
+    assert answer == {"ok": True, "added": True, "rule": {
+        "kind": "http", "rule": "other.test", "layer": "session", "source": "api"}}
+    assert addresses(ask(f.dns_port, "other.test")) == ["127.31.0.2"]
+    assert connect_status(f.proxy_port, "other.test:443") == 200
+
+    again = f.control({"op": "add", "session": "s1", "kind": "http", "rule": "other.test"})
+    assert again["ok"] and again["added"] is False
+
+    f.restart()
+    assert connect_status(f.proxy_port, "other.test:443") == 200
+    rules = f.control({"op": "policy", "session": "s1"})["rules"]
+    assert {"kind": "http", "rule": "other.test", "layer": "session", "source": "api"} in rules
+    assert {"kind": "http", "rule": "allowed.test", "layer": "project",
+            "source": str(f.dir / "s1.toml")} in rules
+
+    removed = f.control({"op": "remove", "session": "s1", "kind": "http", "rule": "other.test"})
+    assert removed["ok"]
+    assert connect_status(f.proxy_port, "other.test:443") == 403
+    f.restart()
+    assert connect_status(f.proxy_port, "other.test:443") == 403
+
+
+def test_runtime_deny_wins_over_project_allow(fresh_filter):
+    f = fresh_filter
+    assert f.control({"op": "add", "session": "s1", "kind": "deny", "rule": "allowed.test"})["ok"]
+    assert ask(f.dns_port, "allowed.test").header.rcode == RCODE.NXDOMAIN
+    assert connect_status(f.proxy_port, "allowed.test:443") == 403
+
+
+@pytest.mark.parametrize(("request_", "error"), [
+    ({"op": "add", "session": "s1", "kind": "http", "rule": "bad name!"}, "not a valid host name"),
+    ({"op": "add", "session": "s1", "kind": "cidr", "rule": "10.0.0.0/8"}, "cannot be added"),
+    ({"op": "add", "session": "nope", "kind": "http", "rule": "x.test"}, "no session 'nope'"),
+    ({"op": "add", "session": "s1", "kind": "http"}, "'rule' must be a str"),
+    ({"op": "remove", "session": "s1", "kind": "http", "rule": "allowed.test"},
+     "comes from the project layer"),
+    ({"op": "frobnicate"}, "unknown op"),
+    (["not", "an", "object"], "a request is a JSON object"),
+])
+def test_bad_requests_get_precise_errors(fresh_filter, request_, error):
+    answer = fresh_filter.control(request_)
+    assert answer["ok"] is False and error in answer["error"]
+
+
+def test_garbage_on_the_socket_is_answered(fresh_filter):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(fresh_filter.socket))
+        sock.sendall(b"{not json\n")
+        assert b"not JSON" in sock.recv(4096)
+    assert fresh_filter.control({"op": "status"})["ok"]
+
+
+def test_subscribe_streams_filtered_events_live(fresh_filter):
+    f = fresh_filter
+    received = []
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(str(f.socket))
+    sock.sendall(json.dumps({"op": "subscribe", "verdict": "deny"}).encode() + b"\n")
+    stream = sock.makefile("rb")
+    assert json.loads(stream.readline())["subscribed"] is True
+
+    def read():
+        for _ in range(2):
+            received.append(json.loads(stream.readline()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    ask(f.dns_port, "allowed.test")  # allowed: filtered out
+    ask(f.dns_port, "denied-one.test")
+    connect_status(f.proxy_port, "denied-two.test:443")
+    reader.join(5)
+    stream.close()
+    sock.close()
+    assert [(e["kind"], e["name"]) for e in received] == [
+        ("dns", "denied-one.test"), ("connect", "denied-two.test")]
+
+
+def test_audit_log_chain_verifies_and_detects_tampering(fresh_filter):
+    f = fresh_filter
+    for name in ("allowed.test", "denied.test", "other.test"):
+        ask(f.dns_port, name)
+    f.wait_event(lambda e: e["name"] == "other.test")
+    verdict = f.control({"op": "audit-verify"})
+    assert verdict["ok"] is True and verdict["line"] is None and verdict["lines"] >= 3
+    f.stop()
+    path = f.dir / "state" / "audit.jsonl"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert audit.verify(path).ok
+    edited = lines[1].replace(b"denied.test", b"harmless.test")
+    path.write_bytes(lines[0] + edited + b"".join(lines[2:]))
+    broken = audit.verify(path)
+    assert not broken.ok and broken.line == 3
+
+
+def test_audit_chain_continues_across_restart(fresh_filter):
+    f = fresh_filter
+    ask(f.dns_port, "allowed.test")
+    f.wait_event(lambda e: e["name"] == "allowed.test")
+    f.restart()
+    ask(f.dns_port, "other.test")
+    f.wait_event(lambda e: e["name"] == "other.test")
+    f.stop()
+    verdict = audit.verify(f.dir / "state" / "audit.jsonl")
+    assert verdict.ok and verdict.lines >= 2
+
+
+def test_sessions_report_counters(fresh_filter):
+    f = fresh_filter
+    ask(f.dns_port, "allowed.test")
+    ask(f.dns_port, "nope.test")
+    f.wait_event(lambda e: e["name"] == "nope.test")
+    sessions = {s["name"]: s for s in f.control({"op": "sessions"})["sessions"]}
+    assert sessions["s1"]["allowed"] >= 1 and sessions["s1"]["denied"] >= 1
+    assert sessions["s2"]["subnet"] == "127.0.1.0/24"

@@ -1,0 +1,254 @@
+"""Policy decisions, table-driven, plus properties (hypothesis) for matching and layers."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.policy import (
+    DEFAULT_RULES,
+    HostNameError,
+    Policy,
+    Rule,
+    RuleError,
+    blocked_range,
+    parse_host,
+    policy_file_rules,
+)
+
+PROJECT = """
+presets = ["pypi", "github"]
+[dns]
+allow = ["example.com", "*.example.org"]
+[http]
+allow = ["example.com", "api.example.net:8443", "*.cdn.example:8*", "203.0.113.7:443"]
+[tcp]
+allow = ["github.com:22", "db.example.net:5432"]
+[cidr]
+allow = ["10.9.0.0/16"]
+[host]
+ports = [5432]
+[deny]
+names = ["upload.example.org", "*.evil.example.org"]
+"""
+
+
+@pytest.fixture(scope="module")
+def policy() -> Policy:
+    return Policy([*DEFAULT_RULES, *policy_file_rules(PROJECT, "corral.toml", "project")])
+
+
+@pytest.mark.parametrize(("name", "allowed", "rule"), [
+    ("example.com", True, "example.com"),
+    ("EXAMPLE.com.", True, "example.com"),
+    ("www.example.com", False, None),  # exact rule: no subdomains
+    ("a.example.org", True, "*.example.org"),
+    ("a.b.example.org", True, "*.example.org"),
+    ("example.org", False, None),  # a wildcard never covers the apex
+    ("upload.example.org", False, "upload.example.org"),  # deny wins inside a wildcard
+    ("x.evil.example.org", False, "*.evil.example.org"),
+    ("pypi.org", True, "pypi.org"),  # from a preset
+    ("api.example.net", True, "api.example.net:8443"),  # http rules are answered by DNS
+    ("db.example.net", True, "db.example.net:5432"),  # so are tcp rules
+    ("metadata.google.internal", False, "metadata.google.internal"),  # built-in deny
+    ("bücher.example.com", False, None),
+])
+def test_dns(policy, name, allowed, rule):
+    decision = policy.decide_dns(parse_host(name))
+    assert decision.allowed is allowed
+    assert (decision.rule.text if decision.rule else None) == rule
+
+
+@pytest.mark.parametrize(("host", "port", "allowed", "reason"), [
+    ("example.com", 443, True, "example.com:443 allowed by http rule example.com"),
+    ("example.com", 80, True, "example.com:80 allowed by http rule example.com"),
+    ("example.com", 8080, False, "example.com is allowed, but not on port 8080"),
+    ("api.example.net", 8443, True,
+     "api.example.net:8443 allowed by http rule api.example.net:8443"),
+    ("api.example.net", 443, False, "api.example.net is allowed, but not on port 443"),
+    ("img.cdn.example", 8080, True, "img.cdn.example:8080 allowed by http rule *.cdn.example:8*"),
+    ("img.cdn.example", 88, True, "img.cdn.example:88 allowed by http rule *.cdn.example:8*"),
+    ("img.cdn.example", 443, False, "img.cdn.example is allowed, but not on port 443"),
+    ("a.example.org", 443, False, "a.example.org is not in the http policy"),  # dns-only
+    ("203.0.113.7", 443, True, "203.0.113.7:443 allowed by http rule 203.0.113.7:443"),
+    ("203.0.113.8", 443, False, "IP literal 203.0.113.8 is not named by any http rule"),
+    ("::ffff:203.0.113.7", 443, True, "203.0.113.7:443 allowed by http rule 203.0.113.7:443"),
+    ("3405803783", 443, True, "203.0.113.7:443 allowed by http rule 203.0.113.7:443"),
+    ("upload.example.org", 443, False,
+     "upload.example.org denied by deny rule upload.example.org (project layer)"),
+])
+def test_http(policy, host, port, allowed, reason):
+    decision = policy.decide_http(parse_host(host), port)
+    assert (decision.allowed, decision.reason) == (allowed, reason)
+
+
+def test_denials_carry_the_command_that_would_allow_them(policy):
+    assert policy.decide_http(parse_host("new.example"), 443).hint == (
+        "corral allow-http new.example:443")
+    assert policy.decide_dns(parse_host("new.example")).hint == "corral allow-dns new.example"
+    assert policy.decide_http(parse_host("2001:db8::5"), 443).hint == (
+        "corral allow-http [2001:db8::5]:443")
+
+
+def test_tcp_rules_and_their_ports(policy):
+    assert policy.decide_tcp(parse_host("github.com"), 22).allowed
+    assert not policy.decide_tcp(parse_host("github.com"), 443).allowed  # http is not tcp
+    assert [r.text for r in policy.tcp_rules(parse_host("db.example.net"))] == [
+        "db.example.net:5432"]
+    assert policy.tcp_rules(parse_host("example.com")) == []
+
+
+@pytest.mark.parametrize(("address", "allowed"), [
+    ("93.184.216.34", True),
+    ("10.0.0.1", False),
+    ("10.9.1.1", True),  # cidr rule
+    ("127.0.0.1", False),
+    ("169.254.169.254", False),
+    ("100.64.0.1", False),
+    ("0.0.0.0", False),
+    ("172.16.5.4", False),
+    ("192.168.1.1", False),
+    ("::1", False),
+    ("fd00::1", False),
+    ("fe80::1", False),
+    ("::ffff:10.0.0.1", False),  # v4-mapped judged as v4
+    ("::ffff:93.184.216.34", True),
+    ("64:ff9b::a00:1", False),  # NAT64 of 10.0.0.1
+    ("2606:4700::1111", True),
+    ("203.0.113.7", True),
+])
+def test_addresses(policy, address, allowed):
+    assert policy.decide_address(ipaddress.ip_address(address)).allowed is allowed
+
+
+def test_ip_rule_names_its_address_even_in_a_blocked_range():
+    policy = Policy([Rule.parse("http", "192.168.1.10:8080")])
+    assert policy.decide_address(ipaddress.ip_address("192.168.1.10")).allowed
+    assert not policy.decide_address(ipaddress.ip_address("192.168.1.11")).allowed
+
+
+def test_host_ports(policy):
+    assert policy.decide_host_port(5432).allowed
+    assert not policy.decide_host_port(22).allowed
+
+
+def test_most_specific_rule_is_reported_inner_layer_first():
+    rules = [
+        Rule.parse("http", "*.example.com", "appliance"),
+        Rule.parse("http", "*.api.example.com", "project"),
+        Rule.parse("http", "v1.api.example.com", "default"),
+        Rule.parse("http", "v1.api.example.com", "session"),
+    ]
+    policy = Policy(rules)
+    assert policy.decide_http(parse_host("v1.api.example.com"), 443).rule.layer == "session"
+    assert policy.decide_http(parse_host("v2.api.example.com"), 443).rule.text == (
+        "*.api.example.com")
+    assert policy.decide_http(parse_host("www.example.com"), 443).rule.layer == "appliance"
+
+
+@pytest.mark.parametrize(("kind", "text", "message"), [
+    ("http", "exa mple.com", "not a valid host name"),
+    ("http", "*.com", "whole top-level domain"),
+    ("http", "a.*.example.com", "'*' may only stand alone"),
+    ("http", "example.com:0", "outside 1-65535"),
+    ("http", "example.com:http", "not a number, a glob"),
+    ("http", "example.com:9*9999", "matches no port"),
+    ("tcp", "github.com", "needs a port"),
+    ("cidr", "0.0.0.0/0", "every address"),
+    ("cidr", "10.0.0.0/33", "not a network"),
+    ("host", "70000", "1-65535"),
+    ("deny", "example.com:443", "every port"),
+    ("dns", "-bad.example", "not a valid host name"),
+    ("dns", "a" * 64 + ".example", "not a valid host name"),
+    ("dns", "x" * 250 + ".example", "longer than 253"),
+    ("dns", "1.2.3", "looks like an IP address"),
+    ("quic", "x", "unknown rule kind"),
+])
+def test_invalid_rules_are_rejected_with_reason(kind, text, message):
+    with pytest.raises(RuleError, match=message):
+        Rule.parse(kind, text)
+
+
+def test_blocked_ranges_cover_the_metadata_address():
+    assert str(blocked_range(ipaddress.ip_address("169.254.169.254"))) == "169.254.0.0/16"
+
+
+# -- properties ------------------------------------------------------------------------
+
+label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?", fullmatch=True)
+tld = st.from_regex(r"[a-z]{2,6}", fullmatch=True)
+names = st.tuples(st.lists(label, min_size=1, max_size=4), tld).map(
+    lambda parts: ".".join([*parts[0], parts[1]]))
+layers = st.sampled_from(["default", "appliance", "project", "session"])
+
+
+@settings(max_examples=300)
+@given(name=names, spelled=st.sampled_from([str.upper, str.title, lambda s: s + "."]))
+def test_normalisation_makes_spellings_equal(name, spelled):
+    policy = Policy([Rule.parse("http", name)])
+    assert policy.decide_http(parse_host(spelled(name)), 443).allowed
+    assert policy.decide_dns(parse_host(spelled(name))).allowed
+
+
+@settings(max_examples=300)
+@given(name=names, extra=label)
+def test_wildcard_covers_every_subdomain_but_not_apex(name, extra):
+    policy = Policy([Rule.parse("http", f"*.{name}")])
+    assert policy.decide_http(parse_host(f"{extra}.{name}"), 443).allowed
+    assert not policy.decide_http(parse_host(name), 443).allowed
+
+
+@settings(max_examples=300)
+@given(name=names, allow_layers=st.lists(layers, min_size=1, max_size=4), deny_layer=layers,
+       wildcard_deny=st.booleans(), extra=label)
+def test_deny_in_any_layer_wins_over_allows_in_every_layer(
+        name, allow_layers, deny_layer, wildcard_deny, extra):
+    host = f"{extra}.{name}"
+    rules = [Rule.parse("http", host, layer) for layer in allow_layers]
+    rules += [Rule.parse("dns", f"*.{name}", layer) for layer in allow_layers]
+    rules.append(Rule.parse("deny", f"*.{name}" if wildcard_deny else host, deny_layer))
+    policy = Policy(rules)
+    assert not policy.decide_http(parse_host(host), 443).allowed
+    assert not policy.decide_dns(parse_host(host)).allowed
+
+
+@settings(max_examples=200)
+@given(rules=st.lists(st.tuples(st.sampled_from(["http", "dns", "deny"]), names, layers),
+                      max_size=8), probe=names, seed=st.randoms())
+def test_decision_does_not_depend_on_rule_order(rules, probe, seed):
+    parsed = [Rule.parse(kind, name, layer) for kind, name, layer in rules]
+    shuffled = list(parsed)
+    seed.shuffle(shuffled)
+    a, b = Policy(parsed), Policy(shuffled)
+    host = parse_host(probe)
+    assert a.decide_http(host, 443).allowed == b.decide_http(host, 443).allowed
+    assert a.decide_dns(host).allowed == b.decide_dns(host).allowed
+
+
+@settings(max_examples=200)
+@given(name=names, layer=layers)
+def test_removing_the_only_allowing_layer_removes_the_allow(name, layer):
+    allow = Rule.parse("http", name, layer)
+    assert Policy([allow]).decide_http(parse_host(name), 443).allowed
+    assert not Policy([r for r in [allow] if r.layer != layer]).decide_http(
+        parse_host(name), 443).allowed
+
+
+@settings(max_examples=500)
+@given(st.ip_addresses(v=4))
+def test_v4_mapped_is_judged_exactly_as_v4(address):
+    mapped = ipaddress.IPv6Address(f"::ffff:{address}")
+    policy = Policy()
+    assert policy.decide_address(mapped).allowed == policy.decide_address(address).allowed
+
+
+@given(st.text(max_size=80))
+def test_parse_host_never_raises_anything_but_its_error(text):
+    try:
+        host = parse_host(text)
+    except HostNameError:
+        return
+    assert (host.name is None) != (host.address is None)
