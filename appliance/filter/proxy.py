@@ -20,6 +20,7 @@ from appliance.policy import HOST_NAME, Decision, Host, HostNameError, Policy, p
 from .config import ProxyConfig
 from .events import EventBus
 from .http import (
+    HOP_BY_HOP,
     Head,
     HttpError,
     parse_absolute,
@@ -314,7 +315,13 @@ class Proxy:
         idle = self.config.idle_timeout
         upgrade = "upgrade" in head.tokens("connection") and head.get("upgrade")
         keep_fields = frozenset({"upgrade"}) if upgrade else frozenset()
-        outgoing = serialise_request(head, path, keep=keep_fields)
+        # Expect: 100-continue is answered here, now that the request is allowed and the
+        # upstream connected: the client sends its body, and the upstream never waits for it.
+        expects = (head.get("expect") or "").lower() == "100-continue"
+        drop = HOP_BY_HOP | {"expect"} if expects else HOP_BY_HOP
+        outgoing = serialise_request(head, path, drop=drop, keep=keep_fields)
+        if expects:
+            client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if head.get("host") is None:
             outgoing = outgoing[:-2] + f"Host: {target}\r\n\r\n".encode()
         try:

@@ -202,6 +202,16 @@ def test_chunked_request_and_chunked_response(corral_filter):
     assert json.loads(chunks)["body"] == "hello world"
 
 
+def test_expect_100_continue_is_answered_by_the_proxy(corral_filter):
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(b"PUT http://allowed.test/e HTTP/1.1\r\nHost: allowed.test\r\n"
+                     b"Content-Length: 5\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(b"hello")
+        reply = body_json(recv_all(sock))
+    assert reply["body"] == "hello" and "expect" not in reply["headers"]
+
+
 def test_close_delimited_response_and_port_rule(corral_filter):
     raw = exchange(corral_filter.proxy_port,
                    b"GET http://allowed.test:8080/close HTTP/1.1\r\n"

@@ -1,0 +1,54 @@
+"""The host CLI: commands, exit codes, and the import boundary."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from cli import exitcodes
+from cli.main import main
+
+ALLOWED_APPLIANCE_IMPORTS = {"appliance.policy", "appliance.pki"}
+
+
+def test_cli_imports_only_policy_and_pki_from_appliance():
+    for path in Path("cli").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name == "appliance" or name.startswith("appliance."):
+                    top = ".".join(name.split(".")[:2])
+                    assert top in ALLOWED_APPLIANCE_IMPORTS, f"{path}: imports {name}"
+
+
+def test_check_prints_rules_with_sources(tmp_path, capsys):
+    (tmp_path / "corral.toml").write_text('presets = ["npm"]\n[http]\nallow = ["a.example"]\n')
+    assert main(["check", str(tmp_path / "corral.toml")]) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "a.example" in out and "preset:npm" in out and "registry.npmjs.org" in out
+
+
+def test_check_json(tmp_path, capsys):
+    (tmp_path / "corral.toml").write_text('[dns]\nallow = ["a.example"]\n')
+    assert main(["check", str(tmp_path / "corral.toml"), "--json"]) == exitcodes.OK
+    rules = json.loads(capsys.readouterr().out)["rules"]
+    assert {"kind": "dns", "rule": "a.example", "layer": "project",
+            "source": str(tmp_path / "corral.toml")} in rules
+
+
+def test_check_error_names_line_and_gives_a_hint(tmp_path, capsys):
+    (tmp_path / "corral.toml").write_text('[http]\nallow = ["no good"]\n')
+    assert main(["check", str(tmp_path / "corral.toml")]) == exitcodes.USAGE
+    err = capsys.readouterr().err
+    assert "corral.toml:2: [http] allow: 'no good'" in err and "hint:" in err
+
+
+def test_presets_json(capsys):
+    assert main(["presets", "--json"]) == exitcodes.OK
+    names = {p["name"] for p in json.loads(capsys.readouterr().out)}
+    assert {"pypi", "github", "golang"} <= names
