@@ -53,11 +53,25 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class FirewallConfig:
+    interfaces: tuple[str, ...] = ("corral*",)
+    """Name patterns of the sandbox-facing interfaces (bridges); `*` only at the end."""
+    log_group: int = 2713
+    """NFLOG group that rejected packets are reported on (the filter reads it)."""
+    log_rate: int = 20
+    """Rejected packets reported per second and session (the counters count them all)."""
+    learn_ttl_min: int = 60
+    """Floor for how long a DNS-learned tcp allowance lasts, in seconds."""
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     name: str
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
     files: tuple[str, ...] = ()
     """The session's project layer (corral.toml files)."""
+    gateway: ipaddress.IPv4Address | None = None
+    """Where the session reaches DNS and the proxy: the subnet's first address by default."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class FilterConfig:
     gateway: ipaddress.IPv4Address | None = None
     """What host.corral resolves to."""
     sessions: tuple[SessionConfig, ...] = field(default_factory=tuple)
+    firewall: FirewallConfig = field(default_factory=FirewallConfig)
 
     @property
     def audit_path(self) -> Path:
@@ -87,7 +102,8 @@ _SCHEMA = {
     "state": {"dir"},
     "control": {"socket"},
     "host": {"gateway"},
-    "session": {"name", "subnet", "files"},
+    "session": {"name", "subnet", "files", "gateway"},
+    "firewall": {"interfaces", "log_group", "log_rate", "learn_ttl_min"},
 }
 
 
@@ -204,7 +220,35 @@ def parse_config(text: str, path: str) -> FilterConfig:
                 fail("session", "subnet",
                      f"session {name}: {subnet} overlaps session {other.name}'s {other.subnet}",
                      subnet_text)
-        sessions.append(SessionConfig(name, subnet, strings("session", "files", entry)))
+        if subnet.version != 4 or subnet.prefixlen > 30:
+            fail("session", "subnet", f"session {name}: {subnet} must be IPv4, /30 or larger",
+                 subnet_text)
+        session_gateway = next(subnet.hosts())
+        if "gateway" in entry:
+            try:
+                session_gateway = ipaddress.IPv4Address(str(entry["gateway"]))
+            except ValueError:
+                session_gateway = None
+            if session_gateway is None or session_gateway not in subnet:
+                fail("session", "gateway", f"session {name}: {entry['gateway']!r} is not an "
+                     f"address in {subnet}", entry["gateway"])
+        sessions.append(SessionConfig(name, subnet, strings("session", "files", entry),
+                                      session_gateway))
+
+    patterns = section("firewall").get("interfaces", ["corral*"])
+    if not isinstance(patterns, list) or not patterns or not all(
+        isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,14}\*?", p) for p in patterns
+    ):
+        fail("firewall", "interfaces", "must be a non-empty list of interface names, with an "
+             "optional trailing '*' (for example \"corral*\")")
+    firewall = FirewallConfig(
+        interfaces=tuple(patterns),
+        log_group=number("firewall", "log_group", 2713, int),
+        log_rate=number("firewall", "log_rate", 20, int),
+        learn_ttl_min=number("firewall", "learn_ttl_min", 60, int),
+    )
+    if firewall.log_group > 65535:
+        fail("firewall", "log_group", "must be at most 65535")
 
     return FilterConfig(
         path=path,
@@ -215,6 +259,7 @@ def parse_config(text: str, path: str) -> FilterConfig:
         control_socket=string("control", "socket", "/run/corral/filter.sock"),
         gateway=gateway,
         sessions=tuple(sessions),
+        firewall=firewall,
     )
 
 

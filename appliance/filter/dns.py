@@ -53,8 +53,12 @@ def _qname(request: DNSRecord) -> str | None:
 
 
 class DnsFilter:
-    def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None):
+    def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
+                 learner=None, learn_ttl_min: int = 60):
         self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
+        self.learner = learner
+        """Something with learn([(sandbox, destination, port, ttl)]): the firewall's set."""
+        self.learn_ttl_min = learn_ttl_min
 
     async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
         if len(data) < 12:
@@ -137,8 +141,28 @@ class DnsFilter:
         extra = {"answers": addresses}
         if removed:
             extra["removed"] = removed
+        tcp_rules = policy.tcp_rules(host) if session is not None else []
+        if tcp_rules and qtype == QTYPE.A and kept:
+            learned = await self._learn(client, kept, tcp_rules, answer.ttl(now))
+            extra["learned"] = learned
         self._event(decision, session, client, name, qtype_name, **extra)
         return reply
+
+    async def _learn(self, client: str, records, rules, ttl: int) -> list[str] | str:
+        """Open the firewall for this client to these addresses on the tcp rules' ports,
+        before the answer leaves: the client must never race its own connect."""
+        ports = sorted({p for rule in rules for p in rule.port.ports or ()})
+        timeout = max(ttl, self.learn_ttl_min)
+        entries = [(client, str(rr.rdata), port, timeout)
+                   for rr in records if rr.rtype == QTYPE.A for port in ports]
+        if self.learner is None:
+            return "not learned: the filter has no firewall to teach"
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.learner.learn, entries)
+        except Exception as exc:  # fail closed: no element, no connection; say why
+            log.error("dns: could not add tcp allowances: %s", exc)
+            return f"not learned: {exc}"
+        return [f"{dst}:{port}" for _, dst, port, _ in entries]
 
     def _host_corral(self, reply, policy: Policy, session, client, qtype) -> DNSRecord:
         if self.gateway is None or not policy.host_ports:

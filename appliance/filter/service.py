@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 
+from appliance.firewall import nflog
 from appliance.policy import ConfigError
 
 from .audit import AuditLog
@@ -66,6 +67,17 @@ def _dns_sockets(host: str, port: int) -> tuple[socket.socket, socket.socket]:
     raise AssertionError("unreachable")
 
 
+def _learner():
+    """The firewall's learned set, or None where nftables is not available to this process."""
+    from appliance.firewall.nft import Nft, NftError
+
+    try:
+        return Nft()
+    except NftError as exc:
+        log.warning("tcp rules cannot be enforced: %s", exc)
+        return None
+
+
 class Service:
     def __init__(self, config: FilterConfig):
         self.config = config
@@ -75,11 +87,14 @@ class Service:
         self.bus = EventBus()
         self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
                                  config.dns.ttl_max)
-        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway)
+        self.learner = _learner()
+        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learner,
+                             config.firewall.learn_ttl_min)
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway)
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
+        self._nflog: socket.socket | None = None
 
     def audit_head(self) -> dict | None:
         return self.audit.head if self.audit else None
@@ -123,6 +138,7 @@ class Service:
                                                         backlog=4096)
                     self._servers.append(server)
                     self._record(key, sock)
+            self._start_drop_reader()
             self.audit = AuditLog(self.config.audit_path)
             self.bus.audit = self.audit
             control = await ControlServer(self).start(self.config.control_socket)
@@ -130,6 +146,43 @@ class Service:
         except BaseException:
             await self.stop()
             raise
+
+    def _start_drop_reader(self) -> None:
+        """Firewall rejects, reported over NFLOG, become events (when the firewall is here)."""
+        if not self.config.sessions:
+            return
+        try:
+            sock = nflog.open_group(self.config.firewall.log_group)
+        except OSError as exc:
+            log.warning("firewall drop events unavailable (NFLOG group %d): %s",
+                        self.config.firewall.log_group, exc)
+            return
+        self._nflog = sock
+
+        def readable():
+            while True:
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    return
+                except OSError as exc:  # ENOBUFS: the kernel dropped reports; counters did not
+                    log.warning("firewall drop events: %s", exc)
+                    return
+                for drop in nflog.parse(data):
+                    self._drop_event(drop)
+
+        asyncio.get_running_loop().add_reader(sock.fileno(), readable)
+
+    def _drop_event(self, drop: nflog.Drop) -> None:
+        target = f"{drop.destination}:{drop.port}" if drop.port else drop.destination
+        self.bus.emit({
+            "session": drop.session if drop.session in self.store.sessions else None,
+            "client": drop.source, "kind": "firewall", "name": drop.destination,
+            "port": drop.port, "address": drop.destination, "verdict": "deny",
+            "reason": f"rejected by the firewall: {drop.protocol} to {target}",
+            "rule": None, "layer": None, "protocol": drop.protocol,
+            "hint": "use the proxy (HTTP_PROXY), or add a tcp rule for the name",
+        })
 
     def _record(self, key: str, sock: socket.socket) -> None:
         host, port = sock.getsockname()[:2]
@@ -145,6 +198,10 @@ class Service:
         log.info("policy reloaded: %d sessions", len(self.store.sessions))
 
     async def stop(self) -> None:
+        if self._nflog is not None:
+            asyncio.get_running_loop().remove_reader(self._nflog.fileno())
+            self._nflog.close()
+            self._nflog = None
         for server in self._servers:
             server.close()
         for transport in self._transports:

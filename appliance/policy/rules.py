@@ -24,6 +24,7 @@ LAYERS = ("default", "appliance", "project", "session")
 (corral.toml), session runtime additions (CLI/API)."""
 
 HTTP_DEFAULT_PORTS = frozenset({80, 443})
+MAX_TCP_PORTS = 256
 ALL_PORTS = None  # a PortSpec whose `ports` is None matches every port
 
 
@@ -146,7 +147,11 @@ class Rule:
         host, port = split_host_port(text)
         if not port:
             raise RuleError(f"tcp rule {text!r} needs a port, e.g. {host}:22")
-        return cls("tcp", _host_pattern(host), PortSpec.parse(port, None), layer, source)
+        spec = PortSpec.parse(port, None)
+        if spec.ports is None or len(spec.ports) > MAX_TCP_PORTS:
+            raise RuleError(f"tcp rule {text!r}: name the ports (a number, or a glob covering at "
+                            f"most {MAX_TCP_PORTS}); each one becomes a firewall set element")
+        return cls("tcp", _host_pattern(host), spec, layer, source)
 
     @classmethod
     def _parse_cidr(cls, text: str, layer: str, source: str) -> Rule:

@@ -1,0 +1,227 @@
+"""The nftables ruleset, as the JSON commands of one transaction. Pure: config in, JSON out.
+
+Everything lives in its own table, `inet corral`; other tables (podman's netavark) are never
+touched, and nothing is flushed but this table. The transaction creates the table if it is
+missing, deletes it, and builds it anew, so the kernel swaps old for new atomically: if any
+command fails, nothing changes and the previous ruleset stays in force.
+
+Traffic from a sandbox interface (the `[firewall] interfaces` patterns):
+  raw prerouting  drop spoofed sources (not a session subnet, or not routed back the way it came)
+  nat prerouting  TCP 80/443 to non-local addresses -> the transparent listeners
+  input           only DNS and the proxy listeners on the session's own gateway; else reject
+  forward         only (sandbox . destination . port) in the DNS-learned set, or a tcp rule
+                  naming an IP; else reject. Nothing is routed in to a sandbox, so sessions
+                  cannot reach each other. IPv6 is rejected everywhere.
+Every reject is counted per session (named counter `deny_<session>`), logged to NFLOG at a
+limited rate (prefix "corral <session> <chain> "), and answered fast: TCP reset for TCP,
+ICMP admin-prohibited for the rest.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from appliance.filter.config import FilterConfig, SessionConfig
+
+TABLE = "corral"
+FAMILY = "inet"
+LEARNED = "learned"
+"""The set the DNS filter fills: sandbox address . destination address . port, with timeout."""
+UNKNOWN = "unknown"
+"""Counter/log name for traffic from a sandbox interface that belongs to no session."""
+
+
+_TABLE = {"family": FAMILY, "name": TABLE}
+
+
+def _t(**fields) -> dict:
+    return {"family": FAMILY, "table": TABLE, **fields}
+
+
+def _match(left, right, op: str = "==") -> dict:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _payload(protocol: str, field: str) -> dict:
+    return {"payload": {"protocol": protocol, "field": field}}
+
+
+def _prefix(network: ipaddress.IPv4Network) -> dict:
+    return {"prefix": {"addr": str(network.network_address), "len": network.prefixlen}}
+
+
+def _iifname(patterns: Iterable[str], key: str = "iifname") -> dict:
+    names = list(patterns)
+    right = names[0] if len(names) == 1 else {"set": names}
+    return _match({"meta": {"key": key}}, right)
+
+
+def _rule(chain: str, *expr, comment: str | None = None) -> dict:
+    rule = _t(chain=chain, expr=list(expr))
+    if comment:
+        rule["comment"] = comment
+    return {"add": {"rule": rule}}
+
+
+def _chain(name: str, hook: str | None = None, kind: str = "filter", prio: int = 0) -> dict:
+    chain = _t(name=name)
+    if hook is not None:
+        chain.update(type=kind, hook=hook, prio=prio, policy="accept")
+    return {"add": {"chain": chain}}
+
+
+def listener_ports(config: FilterConfig) -> dict[str, list[int]]:
+    """The ports a sandbox may reach on its gateway; the firewall needs fixed numbers."""
+    ports = {
+        "dns": sorted({p for _, p in config.dns.listen}),
+        "proxy": sorted({p for _, p in config.proxy.listen}),
+        "transparent_http": sorted({p for _, p in config.proxy.transparent_http}),
+        "transparent_tls": sorted({p for _, p in config.proxy.transparent_tls}),
+    }
+    for key, values in ports.items():
+        if 0 in values:
+            raise ValueError(f"{config.path}: the firewall needs fixed {key} ports, not 0")
+    for key in ("transparent_http", "transparent_tls"):
+        if len(ports[key]) > 1:
+            raise ValueError(f"{config.path}: [proxy] {key}: the firewall redirects to one port")
+    return ports
+
+
+def _deny_chain(name: str, group: int, rate: int) -> list[dict]:
+    """Count, report (rate-limited) and reject: the one way anything is refused."""
+    chain = f"deny_{name}"
+    return [
+        {"add": {"counter": _t(name=chain)}},
+        _chain(chain),
+        _rule(chain, {"counter": chain},
+              {"limit": {"rate": rate, "burst": rate * 2, "per": "second"}},
+              {"log": {"prefix": f"corral {name} ", "group": group}}),
+        _rule(chain, _match({"meta": {"key": "l4proto"}}, "tcp"),
+              {"reject": {"type": "tcp reset"}}),
+        _rule(chain, {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+    ]
+
+
+def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]]] | None = None,
+          learned: list[dict] | None = None) -> list[dict]:
+    """The whole ruleset as one transaction.
+
+    `static_tcp`: per session, tcp rules that name an IP: (address, ports).
+    `learned`: elements of the learned set to carry over from the ruleset being replaced.
+    """
+    fw = config.firewall
+    ports = listener_ports(config)
+    static_tcp = static_tcp or {}
+    sandbox_if = _iifname(fw.interfaces)
+    ip_saddr, ip_daddr = _payload("ip", "saddr"), _payload("ip", "daddr")
+    tcp_dport = _payload("tcp", "dport")
+
+    commands: list[dict] = [
+        {"add": {"table": _TABLE}},  # so that the delete below cannot fail on first apply
+        {"delete": {"table": _TABLE}},
+        {"add": {"table": _TABLE}},
+        {"add": {"set": _t(name=LEARNED, type=["ipv4_addr", "ipv4_addr", "inet_service"],
+                           flags=["timeout"])}},
+        _chain("raw_prerouting", "prerouting", prio=-300),
+        _chain("nat_prerouting", "prerouting", kind="nat", prio=-100),
+        _chain("filter_input", "input", prio=-5),
+        _chain("filter_forward", "forward", prio=-5),
+    ]
+    if learned:
+        commands.append({"add": {"element": _t(name=LEARNED, elem=learned)}})
+    for name in [s.name for s in config.sessions] + [UNKNOWN, "ipv6"]:
+        commands += _deny_chain(name, fw.log_group, fw.log_rate)
+
+    # Spoofing: a sandbox speaks only from its own subnet, and only on its own bridge.
+    subnets = [s.subnet for s in config.sessions]
+    if subnets:
+        commands.append(_rule("raw_prerouting", sandbox_if, _match(
+            {"meta": {"key": "nfproto"}}, "ipv4"), _match(ip_saddr, {"set": [
+                _prefix(n) for n in subnets]}, "!="), {"drop": None},
+            comment="source outside every session subnet"))
+    else:
+        commands.append(_rule("raw_prerouting", sandbox_if, _match(
+            {"meta": {"key": "nfproto"}}, "ipv4"), {"drop": None}, comment="no sessions"))
+    commands.append(_rule("raw_prerouting", sandbox_if, _match(
+        {"fib": {"result": "oif", "flags": ["saddr", "iif"]}}, False), {"drop": None},
+        comment="reverse path: source not routed back through this interface"))
+
+    forward_in = [_rule("filter_forward", _match({"ct": {"key": "state"}},
+                                                 ["established", "related"]), {"accept": None})]
+    forward_in.append(_rule("filter_forward", sandbox_if, _match(
+        {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
+        comment="no IPv6 path out"))
+    commands += forward_in
+    commands.append(_rule("filter_input", sandbox_if, _match(
+        {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
+        comment="no IPv6 to the appliance"))
+
+    for session in config.sessions:
+        commands += _session(session, ports, static_tcp.get(session.name, []), ip_saddr,
+                             ip_daddr, tcp_dport)
+
+    commands.append(_rule("filter_input", sandbox_if, {"jump": {"target": f"deny_{UNKNOWN}"}}))
+    commands.append(_rule("filter_forward", sandbox_if,
+                          {"jump": {"target": f"deny_{UNKNOWN}"}}))
+    commands.append(_rule("filter_forward", _iifname(fw.interfaces, "oifname"), _match(
+        {"ct": {"key": "state"}}, ["new"]), {"jump": {"target": f"deny_{UNKNOWN}"}},
+        comment="nothing is routed in to a sandbox: no session reaches another"))
+    return commands
+
+
+def _session(session: SessionConfig, ports, static, ip_saddr, ip_daddr, tcp_dport) -> list:
+    source = _match(ip_saddr, _prefix(session.subnet))
+    gateway = _match(ip_daddr, str(session.gateway))
+    deny = {"jump": {"target": f"deny_{session.name}"}}
+    l4 = {"meta": {"key": "l4proto"}}
+    rules = []
+    tcp_ports = sorted({*ports["dns"], *ports["proxy"], *ports["transparent_http"],
+                        *ports["transparent_tls"]})
+    if ports["dns"]:
+        rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
+            _payload("udp", "dport"), {"set": ports["dns"]}), {"accept": None}))
+    if tcp_ports:
+        rules.append(_rule("filter_input", source, gateway, _match(l4, "tcp"), _match(
+            tcp_dport, {"set": tcp_ports}), {"accept": None}))
+    rules.append(_rule("filter_input", source, deny))
+
+    not_local = _match({"fib": {"result": "type", "flags": ["daddr"]}}, "local", "!=")
+    for key, port in (("transparent_http", 80), ("transparent_tls", 443)):
+        if ports[key]:
+            rules.append(_rule("nat_prerouting", source, not_local, _match(l4, "tcp"),
+                               _match(tcp_dport, port), {"redirect": {"port": ports[key][0]}}))
+
+    rules.append(_rule("filter_forward", source, _match(l4, "tcp"), _match(
+        {"concat": [ip_saddr, ip_daddr, tcp_dport]}, f"@{LEARNED}"), {"accept": None},
+        comment="tcp rules, learned from DNS answers"))
+    for address, port_list in static:
+        rules.append(_rule("filter_forward", source, _match(l4, "tcp"), _match(ip_daddr, address),
+                           _match(tcp_dport, {"set": port_list}), {"accept": None},
+                           comment="tcp rule naming an address"))
+    rules.append(_rule("filter_forward", source, deny))
+    return rules
+
+
+def build_base(interfaces: Iterable[str]) -> list[dict]:
+    """The boot ruleset, loaded before networking: sandbox interfaces reach nothing at all."""
+    sandbox_if = _iifname(interfaces)
+    commands = [
+        {"add": {"table": _TABLE}},
+        {"delete": {"table": _TABLE}},
+        {"add": {"table": _TABLE}},
+        _chain("filter_input", "input", prio=-5),
+        _chain("filter_forward", "forward", prio=-5),
+        *_deny_chain(UNKNOWN, 0, 1)[:2],
+    ]
+    commands.append(_rule(f"deny_{UNKNOWN}", {"counter": f"deny_{UNKNOWN}"}))
+    commands.append(_rule(f"deny_{UNKNOWN}", _match({"meta": {"key": "l4proto"}}, "tcp"),
+                          {"reject": {"type": "tcp reset"}}))
+    commands.append(_rule(f"deny_{UNKNOWN}", {"reject": {"type": "icmpx",
+                                                         "expr": "admin-prohibited"}}))
+    for chain in ("filter_input", "filter_forward"):
+        commands.append(_rule(chain, sandbox_if, {"jump": {"target": f"deny_{UNKNOWN}"}},
+                              comment="boot: the filter is not configured yet"))
+    commands.append(_rule("filter_forward", _iifname(interfaces, "oifname"),
+                          {"jump": {"target": f"deny_{UNKNOWN}"}}))
+    return commands
