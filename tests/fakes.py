@@ -48,7 +48,8 @@ class FakeDns:
     `truncate` (set TC over UDP so the client must retry over TCP).
     """
 
-    def __init__(self, loop: Loop):
+    def __init__(self, loop: Loop, host: str = "127.0.0.1", port: int = 0, log=None):
+        self.host, self.port, self.log = host, port, log
         self.zone: dict[str, list[tuple[str, str, int]]] = {}
         self.servfail: set[str] = set()
         self.silent: set[str] = set()
@@ -70,7 +71,7 @@ class FakeDns:
                 if reply is not None:
                     self.transport.sendto(reply, addr)
 
-        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", 0))
+        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(self.host, self.port))
         port = self.udp.get_extra_info("sockname")[1]
 
         async def tcp(reader, writer):
@@ -84,14 +85,17 @@ class FakeDns:
                 pass
             writer.close()
 
-        self.tcp = await asyncio.start_server(tcp, "127.0.0.1", port)
-        return ("127.0.0.1", port)
+        self.tcp = await asyncio.start_server(tcp, self.host, port)
+        return (self.host, port)
 
     def answer(self, data: bytes, transport: str) -> bytes | None:
         request = DNSRecord.parse(data)
         name = str(request.q.qname).rstrip(".").lower()
         qtype = QTYPE.get(request.q.qtype)
         self.queries.append((transport, name, qtype))
+        if self.log is not None:
+            self.log.write(f"{transport} {name} {qtype}\n")
+            self.log.flush()
         if name in self.silent:
             return None
         reply = request.reply()

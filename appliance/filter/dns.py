@@ -65,7 +65,10 @@ class DnsFilter:
             return None
         try:
             request = DNSRecord.parse(data)
-        except Exception:  # dnslib raises more than DNSError on hostile bytes
+        except Exception as exc:  # dnslib raises more than DNSError on hostile bytes
+            session, _ = self.store.lookup(client)
+            self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
+                           "verdict": "error", "reason": f"malformed query: {exc}"[:200]})
             return _error_reply(data, RCODE.FORMERR)
         if request.header.qr:
             return None  # a response sent to us: never answer (no reflection loops)

@@ -68,9 +68,12 @@ class Client:
 class Denied(Exception):
     """A decision that ends the request; carries what to tell the client."""
 
-    def __init__(self, decision: Decision, target: str, status: int = 403):
+    def __init__(self, decision: Decision, target: str, status: int = 403,
+                 recorded: bool = False):
         super().__init__(decision.reason)
         self.decision, self.target, self.status = decision, target, status
+        self.recorded = recorded
+        """Whether an event already says so; the edge records the ones that are not."""
 
 
 def response(status: int, reason: str, body: str, extra: dict[str, str] | None = None) -> bytes:
@@ -150,10 +153,8 @@ class Proxy:
         timeout = self.config.header_timeout if first else self.config.idle_timeout
         try:
             return await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), timeout)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise HttpError(400, "connection closed in the middle of a request head") from None
-            return None
+        except asyncio.IncompleteReadError:
+            return None  # the client hung up, mid-head or between requests: nobody to answer
         except asyncio.LimitOverrunError:
             raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
                             "bytes") from None
@@ -205,6 +206,12 @@ class Proxy:
             raise Denied(Decision(False, failure), target, 502)
         raise Denied(refusal, target)
 
+    def _error_event(self, client: Client, exc: HttpError) -> None:
+        """Requests refused as malformed are visible too (verdict "error")."""
+        session, _ = self.store.lookup(client.address)
+        self.bus.emit({"session": session, "client": client.label, "kind": "http", "name": None,
+                       "verdict": "error", "reason": f"{exc.status}: {exc}"[:200]})
+
     def _event(self, decision, client, session, kind, host, port, address=None, **extra):
         return self.bus.decision(decision, session=session, client=client.label, kind=kind,
                                  name=str(host), port=port, address=address, **extra)
@@ -220,14 +227,13 @@ class Proxy:
         session, policy, decision = self._decide(client, host, port)
         if not decision.allowed:
             self._event(decision, client, session, kind, host, port)
-            raise Denied(decision, target)
+            raise Denied(decision, target, recorded=True)
         try:
             up_r, up_w, address = await self._dial(policy, host, port, target)
         except Denied as denied:
             verdict = "deny" if denied.status == 403 else "error"
-            rule_decision = Decision(False, denied.decision.reason, denied.decision.rule,
-                                     denied.decision.hint)
-            self._event(rule_decision, client, session, kind, host, port, verdict=verdict)
+            self._event(denied.decision, client, session, kind, host, port, verdict=verdict)
+            denied.recorded = True
             raise
         event = self._event(decision, client, session, kind, host, port, address)
         return up_r, up_w, event
@@ -245,6 +251,7 @@ class Proxy:
                         return
                     head = parse_request(data)
                 except HttpError as exc:
+                    self._error_event(client, exc)
                     client.writer.write(error_response(exc.status, str(exc)))
                     return
                 first = False
@@ -256,9 +263,14 @@ class Proxy:
                         return
                     keep, upstream = await self._request(client, head, transparent_port, upstream)
                 except Denied as denied:
+                    if not denied.recorded:
+                        session, _ = self.store.lookup(client.address)
+                        self.bus.decision(denied.decision, session=session, client=client.label,
+                                          kind="http", name=denied.target, port=None)
                     client.writer.write(deny_response(denied))
                     return
                 except HttpError as exc:
+                    self._error_event(client, exc)
                     client.writer.write(error_response(exc.status, str(exc)))
                     return
                 if not keep:
@@ -301,7 +313,7 @@ class Proxy:
             session, _, decision = self._decide(client, host, port)
             if not decision.allowed:  # the policy may have changed since the last request
                 self._event(decision, client, session, "http", host, port)
-                raise Denied(decision, target)
+                raise Denied(decision, target, recorded=True)
             up_r, up_w = upstream[1], upstream[2]
             event = self._event(decision, client, session, "http", host, port,
                                 up_w.get_extra_info("peername")[0])
@@ -379,6 +391,9 @@ class Proxy:
             except Denied as denied:
                 self._event(denied.decision, client, event["session"], "connect", host, port,
                             event["address"], event_id=event["id"])
+                # Answer in the protocol the client is speaking inside the tunnel.
+                client.writer.write(TLS_ACCESS_DENIED if denied.target == "tls"
+                                    else deny_response(denied))
                 return
             await tunnel(client.reader, client.writer, up_r, up_w, counters,
                          self.config.idle_timeout)
@@ -409,7 +424,7 @@ class Proxy:
             hello = await self._read_hello(client, buf)
             if hello.sni is not None and (host.name is None or hello.sni != host.name):
                 raise Denied(Decision(False, f"TLS SNI {hello.sni} differs from CONNECT host "
-                                      f"{host} (domain fronting)"), f"{host}:{port}")
+                                      f"{host} (domain fronting)"), "tls")
         elif _METHOD_START.match(bytes(buf)):
             try:
                 rest = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"),

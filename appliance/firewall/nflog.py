@@ -19,6 +19,7 @@ NFULNL_MSG_PACKET = 0
 NFULNL_MSG_CONFIG = 1
 NFULA_CFG_CMD = 1
 NFULA_CFG_MODE = 2
+NFULA_CFG_QTHRESH = 5
 NFULA_PAYLOAD = 9
 NFULA_PREFIX = 10
 NFULNL_CFG_CMD_BIND = 1
@@ -58,7 +59,9 @@ def open_group(group: int) -> socket.socket:
         sock.bind((0, 0))
         bind = _attr(NFULA_CFG_CMD, struct.pack("=B", NFULNL_CFG_CMD_BIND))
         mode = _attr(NFULA_CFG_MODE, struct.pack(">IBB", COPY_RANGE, NFULNL_COPY_PACKET, 0))
-        for seq, attrs in ((1, bind), (2, mode)):
+        # Deliver each report at once; the default batches them for up to a second.
+        threshold = _attr(NFULA_CFG_QTHRESH, struct.pack(">I", 1))
+        for seq, attrs in ((1, bind), (2, mode + threshold)):
             sock.send(_config_message(group, attrs, seq))
             _expect_ack(sock.recv(65536))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)

@@ -144,6 +144,7 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         commands.append(_rule("raw_prerouting", sandbox_if, _match(
             {"meta": {"key": "nfproto"}}, "ipv4"), {"drop": None}, comment="no sessions"))
     commands.append(_rule("raw_prerouting", sandbox_if, _match(
+        {"meta": {"key": "nfproto"}}, "ipv4"), _match(
         {"fib": {"result": "oif", "flags": ["saddr", "iif"]}}, False), {"drop": None},
         comment="reverse path: source not routed back through this interface"))
 
@@ -153,6 +154,11 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
         comment="no IPv6 path out"))
     commands += forward_in
+    # Neighbour discovery only, so that a sandbox's IPv6 packet reaches the reject below
+    # and fails fast; without it the sandbox cannot even send, and its connect hangs.
+    commands.append(_rule("filter_input", sandbox_if, _match(
+        _payload("icmpv6", "type"), {"set": ["nd-neighbor-solicit", "nd-neighbor-advert"]}),
+        {"accept": None}, comment="IPv6 neighbour discovery: no data, fast rejects"))
     commands.append(_rule("filter_input", sandbox_if, _match(
         {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
         comment="no IPv6 to the appliance"))

@@ -1,0 +1,166 @@
+"""The e2e world: real corral-filter and real nftables in an appliance namespace, sandboxes
+and a fake internet in namespaces of their own. Root only; skips with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from . import netns
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/e2e" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "e2e needs root (network namespaces, nftables): run scripts/test as root"
+    for tool in ("ip", "nft", "curl"):
+        if shutil.which(tool) is None:
+            return f"e2e needs {tool}: scripts/setup installs it"
+    try:
+        import nftables  # noqa: F401
+    except ImportError:
+        return "e2e needs the nftables Python bindings: scripts/setup links them"
+    return None
+
+
+S1_POLICY = """
+[http]
+allow = ["allowed.test", "private.test"]
+[tcp]
+allow = ["ssh.test:22"]
+"""
+S2_POLICY = """
+[http]
+allow = ["other.test"]
+"""
+
+
+class World:
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.socket = directory / "filter.sock"
+        (directory / "s1.toml").write_text(S1_POLICY)
+        (directory / "s2.toml").write_text(S2_POLICY)
+        self.config = directory / "filter.toml"
+        self.config.write_text(f"""
+[dns]
+listen = ["10.213.1.1:53", "10.213.2.1:53"]
+upstream = ["203.0.113.53:53"]
+[proxy]
+listen = ["10.213.1.1:3128", "10.213.2.1:3128"]
+transparent_http = ["0.0.0.0:3129"]
+transparent_tls = ["0.0.0.0:3130"]
+header_timeout = 5
+[state]
+dir = "{directory}/state"
+[control]
+socket = "{self.socket}"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+files = ["{directory}/s1.toml"]
+[[session]]
+name = "s2"
+subnet = "10.213.2.0/24"
+files = ["{directory}/s2.toml"]
+""")
+        self.processes = []
+
+    def start(self):
+        netns.build(sessions=2)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.internet = netns.spawn(netns.INTERNET, [sys.executable, "-m", "tests.e2e.internet",
+                                                     str(self.dir)], self.dir / "internet.log",
+                                    env)
+        self.processes.append(self.internet)
+        netns.sh(str(BIN / "corral-firewall"), "apply", "--config", str(self.config),
+                 ns=netns.APPLIANCE)
+        self.filter = netns.spawn(netns.APPLIANCE, [str(BIN / "corral-filter"), "--config",
+                                                    str(self.config)], self.dir / "filter.log")
+        self.processes.append(self.filter)
+        self._wait(lambda: (self.dir / "ready").exists(), "the fake internet", "internet.log")
+        self._wait(self._filter_up, "corral-filter", "filter.log")
+
+    def _filter_up(self):
+        try:
+            return self.control({"op": "status"})["ok"]
+        except OSError:
+            return False
+
+    def _wait(self, ready, what, log):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{what} exited:\n" + (self.dir / log).read_text())
+            time.sleep(0.05)
+        raise RuntimeError(f"{what} did not come up:\n" + (self.dir / log).read_text())
+
+    def control(self, request: dict) -> dict:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(str(self.socket))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+        return json.loads(data)
+
+    def events(self) -> list[dict]:
+        """Every event so far, from the audit log (the ring of recent events is bounded)."""
+        path = self.dir / "state" / "audit.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def counters(self) -> dict:
+        out = netns.sh("nft", "-j", "list", "counters", "table", "inet", "corral",
+                       ns=netns.APPLIANCE).stdout
+        return {c["counter"]["name"]: c["counter"]["packets"]
+                for c in json.loads(out)["nftables"] if "counter" in c}
+
+    def upstream_queries(self) -> str:
+        path = self.dir / "dns-queries.log"
+        return path.read_text() if path.exists() else ""
+
+    def in_sandbox(self, index: int, *args: str, timeout: float = 120):
+        import subprocess
+
+        return subprocess.run(["ip", "netns", "exec", netns.sandbox_name(index), *args],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def stop(self):
+        for process in self.processes:
+            netns.stop(process)
+        netns.cleanup()
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    w = World(tmp_path_factory.mktemp("e2e"))
+    try:
+        w.start()
+        yield w
+    finally:
+        w.stop()
