@@ -34,9 +34,10 @@ def static_tcp_rules(store: PolicyStore) -> dict[str, list[tuple[str, list[int] 
     return out
 
 
-def transaction(config_path: str, learned: list[dict] | None = None) -> list[dict]:
+def transaction(config_path: str, learned: list[dict] | None = None,
+                counts: dict | None = None) -> list[dict]:
     config = load_config(config_path)
-    return build(config, static_tcp_rules(PolicyStore(config)), learned)
+    return build(config, static_tcp_rules(PolicyStore(config)), learned, counts)
 
 
 def cmd_apply(args) -> int:
@@ -50,7 +51,7 @@ def cmd_apply(args) -> int:
     if not args.config:
         raise SystemExit("corral-firewall: apply needs --config FILE (or --base)")
     learned = nft.learned_elements()
-    commands = transaction(args.config, learned)
+    commands = transaction(args.config, learned, nft.counters())
     nft.apply(commands)
     print(f"corral-firewall: ruleset loaded ({len(commands)} commands, "
           f"{len(learned)} learned elements kept)")

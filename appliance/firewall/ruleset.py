@@ -88,11 +88,13 @@ def listener_ports(config: FilterConfig) -> dict[str, list[int]]:
     return ports
 
 
-def _deny_chain(name: str, group: int, rate: int) -> list[dict]:
+def _deny_chain(name: str, group: int, rate: int, counts: dict | None = None) -> list[dict]:
     """Count, report (rate-limited) and reject: the one way anything is refused."""
     chain = f"deny_{name}"
+    kept = (counts or {}).get(chain, {})
     return [
-        {"add": {"counter": _t(name=chain)}},
+        {"add": {"counter": _t(name=chain, packets=kept.get("packets", 0),
+                               bytes=kept.get("bytes", 0))}},
         _chain(chain),
         _rule(chain, {"counter": chain},
               {"limit": {"rate": rate, "burst": rate * 2, "per": "second"}},
@@ -104,11 +106,12 @@ def _deny_chain(name: str, group: int, rate: int) -> list[dict]:
 
 
 def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]]] | None = None,
-          learned: list[dict] | None = None) -> list[dict]:
+          learned: list[dict] | None = None, counts: dict | None = None) -> list[dict]:
     """The whole ruleset as one transaction.
 
     `static_tcp`: per session, tcp rules that name an IP: (address, ports).
-    `learned`: elements of the learned set to carry over from the ruleset being replaced.
+    `learned`, `counts`: the learned set's elements and the counters' values, carried over
+    from the ruleset being replaced (a re-apply forgets neither).
     """
     fw = config.firewall
     ports = listener_ports(config)
@@ -131,7 +134,7 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
     if learned:
         commands.append({"add": {"element": _t(name=LEARNED, elem=learned)}})
     for name in [s.name for s in config.sessions] + [UNKNOWN, "ipv6"]:
-        commands += _deny_chain(name, fw.log_group, fw.log_rate)
+        commands += _deny_chain(name, fw.log_group, fw.log_rate, counts)
 
     # Spoofing: a sandbox speaks only from its own subnet, and only on its own bridge.
     subnets = [s.subnet for s in config.sessions]

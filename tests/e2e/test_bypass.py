@@ -187,3 +187,15 @@ def _without_counts(listing: str) -> str:
     import re
 
     return re.sub(r"packets \d+ bytes \d+|expires \S+", "", listing)
+
+
+def test_firewall_show_reports_counters_and_learned_elements(world):
+    bin_dir = netns.Path(sys.executable).parent
+    code, _ = selftest(world, 1, "--allowed", "allowed.test", "--only", "gateway-ssh")
+    assert code == 0
+    shown = json.loads(netns.sh(str(bin_dir / "corral-firewall"), "show", "--json",
+                                ns=netns.APPLIANCE).stdout)
+    assert shown["counters"]["deny_s1"]["packets"] > 0
+    assert shown["rules"] > 20
+    human = netns.sh(str(bin_dir / "corral-firewall"), "show", ns=netns.APPLIANCE).stdout
+    assert "rejected (packets / bytes):" in human and "learned tcp allowances:" in human

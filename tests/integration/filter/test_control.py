@@ -159,3 +159,23 @@ def test_sessions_report_counters(fresh_filter):
     sessions = {s["name"]: s for s in f.control({"op": "sessions"})["sessions"]}
     assert sessions["s1"]["allowed"] >= 1 and sessions["s1"]["denied"] >= 1
     assert sessions["s2"]["subnet"] == "127.0.1.0/24"
+
+
+def test_sighup_reloads_policy_files_and_a_bad_file_keeps_the_policy(fresh_filter):
+    import signal
+    import time
+
+    f = fresh_filter
+    assert connect_status(f.proxy_port, "other.test:443") == 403
+    policy = f.dir / "s1.toml"
+    policy.write_text(policy.read_text().replace('"fronted.test"', '"fronted.test", "other.test"'))
+    f.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while connect_status(f.proxy_port, "other.test:443") != 200:
+        assert time.monotonic() < deadline, "reload did not take effect"
+        time.sleep(0.05)
+    policy.write_text("[http]\nallow = [\"not valid\"]\n")
+    f.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert connect_status(f.proxy_port, "other.test:443") == 200  # the old policy holds
+    assert "reload refused, policy unchanged" in f.log.read_text()
