@@ -21,7 +21,8 @@ from appliance.policy import (
     preset_names,
 )
 
-from . import exitcodes, output
+from . import control, exitcodes, output
+from .client import CliError
 
 
 def cmd_check(args) -> int:
@@ -67,6 +68,52 @@ def parser() -> argparse.ArgumentParser:
     presets = sub.add_parser("presets", help="list the presets a corral.toml can name")
     presets.add_argument("--json", action="store_true", help="machine-readable output")
     presets.set_defaults(run=cmd_presets)
+
+    def appliance_command(name, help, run, session=True, description=None):
+        command = sub.add_parser(name, help=help, description=description or help)
+        command.add_argument("--appliance", default="default", metavar="NAME",
+                             help="which appliance (default: %(default)s)")
+        if session:
+            command.add_argument("--session", metavar="NAME",
+                                 help="which session (default: the only one)")
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        command.set_defaults(run=run)
+        return command
+
+    examples = {"allow-http": "HOST[:PORT]   e.g. api.example.com, *.example.org:8443",
+                "allow-dns": "NAME          e.g. example.com, *.example.org",
+                "allow-tcp": "HOST:PORT     e.g. github.com:22",
+                "deny": "NAME          wins over every allow, e.g. upload.example.org"}
+    for name, example in examples.items():
+        metavar, _, text = example.partition(" ")
+        command = appliance_command(
+            name, f"add a {control.KIND_OF_COMMAND[name]} rule to a session's runtime layer",
+            control.cmd_allow)
+        command.add_argument("rule", metavar=metavar.strip(), help=text.strip())
+    revoke = appliance_command("revoke", "remove a rule from a session's runtime layer",
+                               control.cmd_revoke)
+    revoke.add_argument("rule", nargs="+", metavar="[KIND] RULE",
+                        help="the rule as `corral rules` shows it, optionally after its kind")
+    appliance_command("rules", "a session's effective rules: rule, kind, layer, source",
+                      control.cmd_rules)
+    monitor = appliance_command("monitor", "watch decisions live (reconnects by itself)",
+                                control.cmd_monitor)
+    monitor.add_argument("--denied", action="store_true", help="only denials")
+    monitor.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    audit = appliance_command("audit", "read the audit log, or verify its hash chain",
+                              control.cmd_audit, session=False)
+    audit.add_argument("--since", metavar="T", help="10m, 2h, 3d, or an ISO time")
+    audit.add_argument("--limit", type=int, default=1000, help="at most this many records")
+    audit.add_argument("--verify", action="store_true", help="check the chain (exit 5 if broken)")
+    audit.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    appliance_command("status", "the appliance's health: API, filter, firewall",
+                      control.cmd_status, session=False)
+    certs = sub.add_parser("certs", help="the control plane's certificates")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")
+    rotate = certs_sub.add_parser("rotate", help="issue a new CA and certificates; the old "
+                                  "client certificate stops working")
+    rotate.add_argument("--appliance", default="default", metavar="NAME")
+    rotate.set_defaults(run=control.cmd_certs_rotate)
     return top
 
 
@@ -77,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         output.error(str(exc), "fix the file and run `corral check` again")
         return exitcodes.USAGE
+    except CliError as exc:
+        output.error(str(exc), exc.hint)
+        return exc.code
     except Exception as exc:
         if args.debug:
             raise

@@ -26,3 +26,40 @@ def error(message: str, hint: str = "") -> None:
     sys.stderr.write(f"corral: error: {message}\n")
     if hint:
         sys.stderr.write(f"corral: hint: {hint}\n")
+
+
+def data_line(value) -> None:
+    """One JSON object per line, flushed: for streams (`monitor --json`)."""
+    sys.stdout.write(json.dumps(value, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def notice(text: str) -> None:
+    sys.stderr.write(f"corral: {text}\n")
+    sys.stderr.flush()
+
+
+_COLORS = {"allow": "\033[32m", "deny": "\033[31m", "error": "\033[33m"}
+
+
+def event(e: dict, color: bool = False) -> None:
+    """One decision, one line: time, session, verdict, kind, target, reason, and the fix."""
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(e.get("ts", 0)).strftime("%H:%M:%S")
+    verdict = e.get("verdict", "?")
+    verdict_text = "done" if e.get("closed") else verdict.upper()
+    target = e.get("name") or "-"
+    if e.get("port"):
+        target = f"{target}:{e['port']}"
+    detail = e.get("reason") or ""
+    if e.get("closed"):
+        detail = f"{e.get('up', 0)} B up, {e.get('down', 0)} B down, {e.get('duration', 0)}s"
+    text = (f"{when} {e.get('session') or '-':<10} {verdict_text:<5} {e.get('kind', '?'):<8} "
+            f"{target:<40} {detail}")
+    if verdict != "allow" and e.get("hint") and not e.get("closed"):
+        text += f"  -> {e['hint']}"
+    if color and verdict in _COLORS and not e.get("closed"):
+        text = f"{_COLORS[verdict]}{text}\033[0m"
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()

@@ -132,8 +132,31 @@ class Verdict:
     head: dict | None = None
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "lines": self.lines, "error": self.error, "line": self.line,
+        return {"intact": self.ok, "lines": self.lines, "error": self.error, "line": self.line,
                 "head": self.head}
+
+
+def page(path: Path, after: int = 0, since: float | None = None,
+         limit: int = 100) -> tuple[list[dict], bool]:
+    """Records with seq > `after` (and ts >= `since`), at most `limit`; and whether more follow.
+    A scan from the start: the log is append-only and read rarely."""
+    records: list[dict] = []
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return [], False
+    with f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            if record.get("seq", 0) <= after or (since is not None and record.get("ts", 0) < since):
+                continue
+            if len(records) == limit:
+                return records, True
+            records.append(record)
+    return records, False
 
 
 def verify(path: Path, expect_head: dict | None = None) -> Verdict:

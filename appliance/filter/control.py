@@ -11,6 +11,7 @@ per line, until the client hangs up. Requests:
   {"op": "remove", "session": S, "kind": K, "rule": R}
   {"op": "events", "last": N, "session": S?, "verdict": V?}
   {"op": "subscribe", "session": S?, "verdict": V?}
+  {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
 """
 
@@ -41,7 +42,8 @@ def _field(request: dict, name: str, kind=str, required=True):
     if value is None and not required:
         return None
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ControlError(f"{name!r} must be a {kind.__name__}")
+        names = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+        raise ControlError(f"{name!r} must be a {names}")
     return value
 
 
@@ -129,11 +131,17 @@ class ControlServer:
             return {"ok": True, "events": service.bus.last(
                 min(last, 10000), _field(request, "session", required=False),
                 _field(request, "verdict", required=False))}
+        if op == "audit":
+            after = _field(request, "after", int, required=False) or 0
+            since = _field(request, "since", (int, float), required=False)
+            limit = min(_field(request, "limit", int, required=False) or 100, 1000)
+            records, more = audit.page(service.config.audit_path, after, since, limit)
+            return {"ok": True, "records": records, "more": more, "head": service.audit_head()}
         if op == "audit-verify":
             verdict = audit.verify(service.config.audit_path, service.audit_head())
             return {"ok": True, **verdict.to_json()}
         raise ControlError(f"unknown op {op!r}; expected status, sessions, policy, add, remove, "
-                           "events, subscribe, audit-verify")
+                           "events, subscribe, audit, audit-verify")
 
     async def _subscribe(self, request: dict, writer: asyncio.StreamWriter) -> None:
         subscription = self.service.bus.subscribe(

@@ -110,7 +110,19 @@ class Service:
             "resolver": self.resolver.stats,
             "audit": {"path": str(self.config.audit_path), "head": self.audit_head(),
                       "error": self.audit.failed if self.audit else None},
+            "firewall": self._firewall_status(),
         }
+
+    def _firewall_status(self) -> dict:
+        if self.learner is None:
+            return {"loaded": False, "error": "nftables is not available to the filter"}
+        try:
+            items = self.learner.list_table()
+        except Exception as exc:  # status must answer whatever nftables says
+            return {"loaded": False, "error": str(exc)}
+        if items is None:
+            return {"loaded": False, "error": "table inet corral is not loaded"}
+        return {"loaded": True, "rules": sum(1 for i in items if "rule" in i)}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -7,7 +7,7 @@ import struct
 
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from .conftest import ORIGIN, OUTSIDE_CLIENT, S1_CLIENT, S2_CLIENT
+from tests.integration.conftest import ORIGIN, OUTSIDE_CLIENT, S1_CLIENT, S2_CLIENT
 
 
 def ask(port, name, qtype="A", source=S1_CLIENT, tcp=False, raw: bytes | None = None):

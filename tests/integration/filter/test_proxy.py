@@ -9,7 +9,7 @@ import ssl
 
 import pytest
 
-from .conftest import ORIGIN, S2_CLIENT, connect, recv_all
+from tests.integration.conftest import ORIGIN, S2_CLIENT, connect, recv_all
 
 
 def exchange(port: int, request: bytes, source: str = "127.0.0.1") -> bytes:

@@ -1,0 +1,55 @@
+"""The admin API: a Flask app that is a thin adapter over the filter's control socket.
+
+`create_app(config)` builds everything (nothing happens at import time); one blueprint per
+resource under /v1; every answer, errors included, is JSON.
+"""
+
+from __future__ import annotations
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from .config import ApiConfig
+from .filter_client import FilterClient, FilterUnavailable
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and a message naming what is wrong."""
+
+    def __init__(self, status: int, message: str, **detail):
+        super().__init__(message)
+        self.status, self.message, self.detail = status, message, detail
+
+
+def create_app(config: ApiConfig, client: FilterClient | None = None) -> Flask:
+    app = Flask("corral-api")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body
+    app.json.sort_keys = False
+    app.extensions["corral.config"] = config
+    app.extensions["corral.filter"] = client or FilterClient(config.control_socket)
+
+    from . import audit, events, policy, sessions, status
+
+    for module in (policy, events, audit, sessions, status):
+        app.register_blueprint(module.blueprint, url_prefix="/v1")
+
+    @app.errorhandler(ApiError)
+    def api_error(exc: ApiError):
+        return jsonify(error={"status": exc.status, "message": exc.message, **exc.detail}), (
+            exc.status)
+
+    @app.errorhandler(FilterUnavailable)
+    def filter_down(exc: FilterUnavailable):
+        return jsonify(error={"status": 503, "message": str(exc)}), 503
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        return jsonify(error={"status": exc.code, "message": exc.description}), exc.code
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        app.logger.exception("unhandled error")
+        return jsonify(error={"status": 500, "message": f"internal error: {type(exc).__name__}"}
+                       ), 500
+
+    return app

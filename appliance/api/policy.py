@@ -1,0 +1,35 @@
+"""/v1/policy: a session's effective rules; runtime rules added and revoked; presets."""
+
+from __future__ import annotations
+
+from flask import Blueprint, jsonify, request
+
+from appliance.policy import preset_description, preset_names
+
+from .request import body, call
+
+blueprint = Blueprint("policy", __name__)
+
+
+@blueprint.get("/policy")
+def effective():
+    return jsonify(call({"op": "policy", "session": request.args.get("session")}))
+
+
+@blueprint.post("/policy/rules")
+def add():
+    data = body({"session": str, "kind": str, "rule": str})
+    answer = call({"op": "add", **data})
+    return jsonify(answer), 201 if answer["added"] else 200
+
+
+@blueprint.delete("/policy/rules")
+def revoke():
+    data = body({"session": str, "kind": str, "rule": str})
+    return jsonify(call({"op": "remove", **data}))
+
+
+@blueprint.get("/presets")
+def presets():
+    return jsonify(presets=[{"name": n, "description": preset_description(n)}
+                            for n in preset_names()])

@@ -1,0 +1,56 @@
+"""What every view needs: a validated JSON body, query arguments, and a filter call."""
+
+from __future__ import annotations
+
+from flask import current_app, request
+
+from . import ApiError
+
+VERDICTS = ("allow", "deny", "error")
+
+
+def body(required: dict[str, type], optional: dict[str, type] | None = None) -> dict:
+    """The JSON object body, with exactly these keys of these types; ApiError(400) otherwise."""
+    optional = optional or {}
+    if not request.is_json:
+        raise ApiError(415, "send a JSON body with Content-Type: application/json")
+    data = request.get_json(silent=True)
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    unknown = sorted(set(data) - set(required) - set(optional))
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(unknown)}; expected "
+                       f"{', '.join([*required, *optional])}", fields=unknown)
+    for name, kind in {**required, **optional}.items():
+        if name not in data:
+            if name in required:
+                raise ApiError(400, f"missing field {name!r}", field=name)
+            continue
+        if not isinstance(data[name], kind) or isinstance(data[name], bool):
+            raise ApiError(400, f"field {name!r} must be a {kind.__name__}", field=name)
+    return data
+
+
+def arg_int(name: str, default: int, low: int = 0, high: int = 10000) -> int:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ApiError(400, f"query argument {name!r} must be a whole number in {low}-{high}")
+    return int(raw)
+
+
+def arg_verdict() -> str | None:
+    verdict = request.args.get("verdict")
+    if verdict is not None and verdict not in VERDICTS:
+        raise ApiError(400, f"verdict must be one of {', '.join(VERDICTS)}")
+    return verdict
+
+
+def call(message: dict) -> dict:
+    """Ask the filter; its refusals become 400 (or 404 for an unknown session)."""
+    answer = current_app.extensions["corral.filter"].request(message)
+    if not answer.pop("ok", False):
+        error = answer.get("error", "the filter refused the request")
+        raise ApiError(404 if error.startswith("no session") else 400, error)
+    return answer

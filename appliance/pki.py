@@ -1,0 +1,118 @@
+"""The control plane's certificates: an ephemeral Ed25519 CA, one server and one client cert.
+
+The CA's private key exists only inside `issue()`: it signs the two certificates and is
+dropped when the function returns; it is never serialised. So nothing can mint another
+client certificate later, and rotating means issuing a whole new set: the server then trusts
+only the new CA, and every old client certificate stops working.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALIDITY = datetime.timedelta(days=825)
+SERVER_FILES = ("ca.crt", "server.crt", "server.key")
+CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One issued set, as PEM bytes. The CA key is not in it: it no longer exists."""
+
+    ca_cert: bytes
+    server_cert: bytes
+    server_key: bytes
+    client_cert: bytes
+    client_key: bytes
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "corral"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _pem_key(key: ed25519.Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _sign(subject, public_key, issuer, ca_key, now, *, ca=False, sans=None, usage=None):
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+               .public_key(public_key).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + VALIDITY)
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None),
+                              critical=True))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=False, content_commitment=False, key_encipherment=False,
+            data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+            encipher_only=False, decipher_only=False), critical=True)
+    else:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=True)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(ca_key, None).public_bytes(serialization.Encoding.PEM)
+
+
+def issue(addresses: list[str] = ("127.0.0.1",), names: list[str] = ()) -> Bundle:
+    """A fresh CA, a server certificate for `addresses` and `names`, a client certificate."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ed25519.Ed25519PrivateKey.generate()
+    ca_name = _name(f"corral ephemeral CA {now:%Y-%m-%d %H:%M:%S}")
+    ca_cert = _sign(ca_name, ca_key.public_key(), ca_name, ca_key, now, ca=True)
+    sans = [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+    sans += [x509.DNSName(n) for n in names]
+    server_key = ed25519.Ed25519PrivateKey.generate()
+    server_cert = _sign(_name("corral-api"), server_key.public_key(), ca_name, ca_key, now,
+                        sans=sans, usage=ExtendedKeyUsageOID.SERVER_AUTH)
+    client_key = ed25519.Ed25519PrivateKey.generate()
+    client_cert = _sign(_name("corral-cli"), client_key.public_key(), ca_name, ca_key, now,
+                        usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    del ca_key  # the only reference: nothing can sign with this CA again
+    return Bundle(ca_cert, server_cert, _pem_key(server_key), client_cert, _pem_key(client_key))
+
+
+def _write(directory: Path, files: dict[str, bytes]) -> None:
+    """Each file atomically (temp, fsync, rename); keys 0600 from birth; directory 0700."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    for name, data in files.items():
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")  # mkstemp: mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if not name.endswith(".key"):
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, directory / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def write_server(bundle: Bundle, directory: Path) -> None:
+    _write(Path(directory), {"ca.crt": bundle.ca_cert, "server.crt": bundle.server_cert,
+                             "server.key": bundle.server_key})
+
+
+def write_client(bundle: Bundle, directory: Path) -> None:
+    _write(Path(directory), {"ca.crt": bundle.ca_cert, "client.crt": bundle.client_cert,
+                             "client.key": bundle.client_key})
+
+
+def missing(directory: Path, files: tuple[str, ...]) -> list[str]:
+    """Which of `files` are absent or empty in `directory`."""
+    return [f for f in files if not (Path(directory) / f).is_file()
+            or (Path(directory) / f).stat().st_size == 0]

@@ -1,0 +1,165 @@
+"""Talking to an appliance's admin API: where it is, its credentials, mTLS requests, SSE.
+
+An appliance is a directory under the user's config directory, written by provisioning:
+
+  $XDG_CONFIG_HOME/corral/appliances/<name>/   (0700)
+      appliance.toml   endpoint = "127.0.0.1:7443"  (+ server_dir, api_pidfile when local)
+      ca.crt  client.crt  client.key (0600)
+
+`--appliance NAME` picks one; the default is "default".
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlencode
+
+from appliance import pki
+
+
+class CliError(Exception):
+    """An error for a person: what went wrong, and the command that fixes it."""
+
+    def __init__(self, message: str, hint: str = "", code: int = 1):
+        super().__init__(message)
+        self.hint, self.code = hint, code
+
+
+def config_home() -> Path:
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "corral"
+
+
+@dataclass(frozen=True)
+class Appliance:
+    name: str
+    directory: Path
+    endpoint: str
+    server_dir: Path | None = None
+    """The API's TLS directory, when the appliance runs on this host (local backend)."""
+    api_pidfile: Path | None = None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.endpoint.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def load_appliance(name: str) -> Appliance:
+    from . import exitcodes
+
+    directory = config_home() / "appliances" / name
+    settings = directory / "appliance.toml"
+    if not settings.is_file():
+        known = sorted(p.name for p in (config_home() / "appliances").glob("*") if p.is_dir())
+        raise CliError(
+            f"no appliance {name!r} (no {settings})",
+            f"known appliances: {', '.join(known)}" if known else
+            "provision one first: `corral up` writes the endpoint and credentials",
+            exitcodes.NOT_CONFIGURED)
+    try:
+        data = tomllib.loads(settings.read_text())
+        endpoint = data["endpoint"]
+    except (tomllib.TOMLDecodeError, KeyError) as exc:
+        raise CliError(f"{settings}: unreadable ({exc})",
+                       "re-provision the appliance to rewrite it", exitcodes.NOT_CONFIGURED
+                       ) from None
+    missing = pki.missing(directory, pki.CLIENT_FILES)
+    if missing:
+        raise CliError(f"appliance {name!r} has no credentials: {', '.join(missing)} missing in "
+                       f"{directory}", "provisioning writes them: run `corral provision`",
+                       exitcodes.NOT_CONFIGURED)
+    return Appliance(name, directory, endpoint,
+                     Path(data["server_dir"]) if data.get("server_dir") else None,
+                     Path(data["api_pidfile"]) if data.get("api_pidfile") else None)
+
+
+def write_appliance(name: str, endpoint: str, bundle: pki.Bundle, **extra: str) -> Path:
+    """What provisioning does on the user's side: credentials and endpoint, private."""
+    directory = config_home() / "appliances" / name
+    pki.write_client(bundle, directory)
+    lines = [f'endpoint = "{endpoint}"'] + [f'{k} = "{v}"' for k, v in extra.items()]
+    (directory / "appliance.toml").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+class Client:
+    def __init__(self, appliance: Appliance, timeout: float = 10.0):
+        self.appliance, self.timeout = appliance, timeout
+        context = ssl.create_default_context(cafile=str(appliance.directory / "ca.crt"))
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.load_cert_chain(appliance.directory / "client.crt",
+                                appliance.directory / "client.key")
+        self.context = context
+
+    def _connection(self, timeout: float | None) -> http.client.HTTPSConnection:
+        host, port = self.appliance.host_port
+        return http.client.HTTPSConnection(host, port, context=self.context,
+                                           timeout=timeout or self.timeout)
+
+    def _failed(self, exc: Exception) -> CliError:
+        from . import exitcodes
+
+        where = f"{self.appliance.name} at {self.appliance.endpoint}"
+        if isinstance(exc, ssl.SSLError | ssl.CertificateError):
+            return CliError(f"TLS with {where} failed: {getattr(exc, 'reason', None) or exc}",
+                            "the credentials may be from before a rotation: re-run "
+                            "`corral provision` (or `corral certs rotate`)", exitcodes.UNREACHABLE)
+        return CliError(f"cannot reach {where}: {getattr(exc, 'strerror', None) or exc}",
+                        "is the appliance up? `corral up` starts it; `corral status` checks it",
+                        exitcodes.UNREACHABLE)
+
+    def request(self, method: str, path: str, body: dict | None = None, **query) -> dict:
+        query = {k: v for k, v in query.items() if v is not None}
+        url = f"/v1{path}" + (f"?{urlencode(query)}" if query else "")
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        connection = self._connection(None)
+        try:
+            connection.request(method, url, body=payload, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._failed(exc) from None
+        finally:
+            connection.close()
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise CliError(f"the appliance answered {response.status} with non-JSON") from None
+        if response.status >= 400:
+            raise CliError(answer.get("error", {}).get("message", f"HTTP {response.status}"),
+                           code=3 if response.status == 503 else 1)
+        return answer
+
+    def stream(self, path: str, **query) -> Iterator[dict]:
+        """Server-Sent Events from the API; returns when the stream ends."""
+        query = {k: v for k, v in query.items() if v is not None}
+        connection = self._connection(60.0)
+        try:
+            connection.request("GET", f"/v1{path}?{urlencode(query)}")
+            response = connection.getresponse()
+            if response.status != 200:
+                answer = json.loads(response.read() or b"{}")
+                raise CliError(answer.get("error", {}).get("message", f"HTTP {response.status}"))
+            data = []
+            while True:
+                line = response.readline()
+                if not line:
+                    return
+                line = line.rstrip(b"\r\n")
+                if line.startswith(b"data:"):
+                    data.append(line[5:].strip())
+                elif not line and data:
+                    yield json.loads(b"\n".join(data))
+                    data = []
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._failed(exc) from None
+        finally:
+            connection.close()

@@ -1,0 +1,200 @@
+"""Commands that talk to an appliance's admin API: rules, monitor, audit, status, certs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import sys
+import time
+
+from appliance import pki
+
+from . import exitcodes, output
+from .client import Client, CliError, load_appliance
+
+KIND_OF_COMMAND = {"allow-http": "http", "allow-dns": "dns", "allow-tcp": "tcp", "deny": "deny"}
+
+
+def client_for(args) -> Client:
+    return Client(load_appliance(args.appliance))
+
+
+def pick_session(client: Client, given: str | None) -> str:
+    """The named session, or the only one there is."""
+    if given:
+        return given
+    names = [s["name"] for s in client.request("GET", "/sessions")["sessions"]]
+    if len(names) == 1:
+        return names[0]
+    raise CliError("which session? " + (f"there are {len(names)}: {', '.join(names)}" if names
+                                         else "there are none"),
+                   "pass --session NAME" if names else "start one with `corral run`",
+                   exitcodes.USAGE)
+
+
+def cmd_allow(args) -> int:
+    client = client_for(args)
+    kind = KIND_OF_COMMAND[args.command]
+    session = pick_session(client, args.session)
+    answer = client.request("POST", "/policy/rules",
+                            {"session": session, "kind": kind, "rule": args.rule})
+    if args.json:
+        output.data(answer)
+    else:
+        verb = "added" if answer["added"] else "already there:"
+        output.line(f"{verb} {kind} {answer['rule']['rule']} (session {session})")
+    return exitcodes.OK
+
+
+def cmd_revoke(args) -> int:
+    client = client_for(args)
+    session = pick_session(client, args.session)
+    if len(args.rule) == 2:
+        kind, text = args.rule
+    else:
+        (text,) = args.rule
+        rules = client.request("GET", "/policy", session=session)["rules"]
+        matches = [r for r in rules if r["rule"] == text and r["layer"] == "session"]
+        if len(matches) != 1:
+            kinds = sorted({r["kind"] for r in rules if r["rule"] == text})
+            raise CliError(f"{len(matches) or 'no'} runtime rule(s) read {text!r} in session "
+                           f"{session}", f"name the kind: `corral revoke KIND {text}`"
+                           + (f" (kinds: {', '.join(kinds)})" if kinds else ""), exitcodes.USAGE)
+        kind = matches[0]["kind"]
+    answer = client.request("DELETE", "/policy/rules",
+                            {"session": session, "kind": kind, "rule": text})
+    if args.json:
+        output.data(answer)
+    else:
+        output.line(f"revoked {kind} {answer['rule']['rule']} (session {session})")
+    return exitcodes.OK
+
+
+def cmd_rules(args) -> int:
+    client = client_for(args)
+    session = pick_session(client, args.session)
+    rules = client.request("GET", "/policy", session=session)["rules"]
+    if args.json:
+        output.data({"session": session, "rules": rules})
+    else:
+        output.table([[r["rule"], r["kind"], r["layer"], r["source"]] for r in rules],
+                     ["RULE", "KIND", "LAYER", "SOURCE"])
+    return exitcodes.OK
+
+
+def cmd_monitor(args) -> int:
+    client = client_for(args)
+    verdict = "deny" if args.denied else None
+    delay = 0.5
+    while True:
+        try:
+            for event in client.stream("/events/stream", session=args.session, verdict=verdict):
+                delay = 0.5
+                if args.json:
+                    output.data_line(event)
+                else:
+                    output.event(event, color=_color(args))
+            output.notice("the stream ended; reconnecting")
+        except CliError as exc:
+            if exc.code != exitcodes.UNREACHABLE:
+                raise
+            output.notice(f"{exc}; reconnecting in {delay:.1f}s")
+        except KeyboardInterrupt:
+            return exitcodes.OK
+        try:
+            time.sleep(delay)
+        except KeyboardInterrupt:
+            return exitcodes.OK
+        delay = min(delay * 2, 5.0)
+
+
+def _color(args) -> bool:
+    if args.color == "auto":
+        return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    return args.color == "always"
+
+
+def parse_since(text: str) -> float:
+    """`10m`, `2h`, `3d` ago, or an ISO 8601 time."""
+    match = re.fullmatch(r"(\d+)([smhd])", text)
+    if match:
+        seconds = int(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        return time.time() - seconds
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise CliError(f"--since {text!r} is neither a duration (10m, 2h) nor an ISO time",
+                       code=exitcodes.USAGE) from None
+    if moment.tzinfo is None:
+        moment = moment.astimezone()
+    return moment.timestamp()
+
+
+def cmd_audit(args) -> int:
+    client = client_for(args)
+    if args.verify:
+        verdict = client.request("GET", "/audit/verify")
+        if args.json:
+            output.data(verdict)
+        elif verdict["intact"]:
+            output.line(f"audit log intact: {verdict['lines']} records, chain verified up to "
+                        f"seq {verdict['head']['seq']}")
+        else:
+            output.error(f"audit log broken at line {verdict['line']}: {verdict['error']}")
+        return exitcodes.OK if verdict["intact"] else exitcodes.AUDIT_BROKEN
+    since = parse_since(args.since) if args.since else None
+    after, shown, records = 0, 0, []
+    while shown < args.limit:
+        page = client.request("GET", "/audit", after=after, since=since,
+                              limit=min(1000, args.limit - shown))
+        records = page["records"]
+        for record in records:
+            if args.json:
+                output.data_line(record)
+            else:
+                output.event(record, color=_color(args))
+        shown += len(records)
+        if not page["more"] or not records:
+            break
+        after = records[-1]["seq"]
+    return exitcodes.OK
+
+
+def cmd_status(args) -> int:
+    client = client_for(args)
+    status = client.request("GET", "/status")
+    if args.json:
+        output.data(status)
+        return exitcodes.OK
+    health = status["filter"]
+    firewall = status.get("firewall") or {}
+    output.line(f"appliance {args.appliance}: api {status['version']}, up {status['uptime']:.0f}s")
+    if health["healthy"]:
+        output.line(f"filter: healthy, up {health['uptime']:.0f}s, {health['sessions']} sessions,"
+                    f" {health['active_connections']} connections")
+    else:
+        output.line(f"filter: DOWN: {health['error']}")
+    output.line("firewall: " + (f"loaded, {firewall['rules']} rules" if firewall.get("loaded")
+                                else f"NOT LOADED: {firewall.get('error', 'unknown')}"))
+    return exitcodes.OK if health["healthy"] and firewall.get("loaded") else exitcodes.FAILURE
+
+
+def cmd_certs_rotate(args) -> int:
+    """A new CA, server and client certificate; the old client certificate stops working."""
+    appliance = load_appliance(args.appliance)
+    if appliance.server_dir is None:
+        raise CliError(f"appliance {appliance.name} does not run on this host",
+                       "rotate a VM appliance's certificates by re-provisioning it "
+                       "(playbooks/rotate-certs.yml)", exitcodes.USAGE)
+    host = appliance.host_port[0]
+    bundle = pki.issue([host] if host[:1].isdigit() or ":" in host else ["127.0.0.1"],
+                       [] if host[:1].isdigit() or ":" in host else [host])
+    pki.write_server(bundle, appliance.server_dir)
+    pki.write_client(bundle, appliance.directory)
+    if appliance.api_pidfile and appliance.api_pidfile.exists():
+        os.kill(int(appliance.api_pidfile.read_text().split()[0]), signal.SIGHUP)
+    output.line(f"rotated: new CA and certificates for {appliance.name}; the API reloads them, "
+                "and the previous client certificate no longer works")
+    return exitcodes.OK

@@ -1,0 +1,92 @@
+"""The real corral-api (gunicorn, TLS 1.3, client certificates) in front of the real filter."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance import pki
+from cli.client import Appliance, Client
+
+
+class ApiProcess:
+    def __init__(self, directory: Path, control_socket: Path):
+        self.dir = directory
+        self.server_dir = directory / "server"
+        self.bundle = pki.issue(["127.0.0.1"])
+        pki.write_server(self.bundle, self.server_dir)
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.pidfile = directory / "api.pid"
+        self.config = directory / "api.toml"
+        self.config.write_text(f"""
+[api]
+listen = "fd://{self.listener.fileno()}"
+tls_dir = "{self.server_dir}"
+control_socket = "{control_socket}"
+max_body = 4096
+threads = 8
+""")
+        self.log = directory / "api.log"
+        exe = Path(sys.executable).parent / "corral-api"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(exe), "--config", str(self.config)],
+                                         pass_fds=[self.listener.fileno()], stdout=log,
+                                         stderr=log)
+        self.wait_ready()
+
+    def client_dir(self, name="client", bundle=None) -> Path:
+        directory = self.dir / name
+        pki.write_client(bundle or self.bundle, directory)
+        return directory
+
+    def client(self, directory: Path | None = None) -> Client:
+        directory = directory or self.client_dir()
+        return Client(Appliance("test", directory, f"127.0.0.1:{self.port}",
+                                self.server_dir, self.pidfile))
+
+    def wait_ready(self, timeout=20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("corral-api exited:\n" + self.log.read_text())
+            try:
+                self.client().request("GET", "/status")
+                return
+            except Exception:
+                time.sleep(0.1)
+        raise RuntimeError("corral-api did not come up:\n" + self.log.read_text())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def api(corral_filter, tmp_path_factory):
+    process = ApiProcess(tmp_path_factory.mktemp("api"), corral_filter.socket)
+    yield process
+    process.stop()
+
+
+def tls_client(ca: Path, cert: Path | None = None, key: Path | None = None,
+               version=ssl.TLSVersion.TLSv1_3) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(ca))
+    context.minimum_version = context.maximum_version = version
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
