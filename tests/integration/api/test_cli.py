@@ -1,0 +1,171 @@
+"""The `corral` command end to end: real CLI process, real API (mTLS), real filter."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.client import write_appliance
+from tests.integration.conftest import connect, recv_all
+
+CORRAL = str(Path(sys.executable).parent / "corral")
+
+
+@pytest.fixture(scope="module")
+def home(api, tmp_path_factory):
+    """A user's config directory holding one provisioned appliance, "default"."""
+    directory = tmp_path_factory.mktemp("home")
+    os.environ["XDG_CONFIG_HOME"] = str(directory)  # write_appliance reads it
+    (api.dir / "api.pid").write_text(f"{api.proc.pid}\n")
+    write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
+                    server_dir=str(api.server_dir), api_pidfile=str(api.dir / "api.pid"))
+    yield directory
+    del os.environ["XDG_CONFIG_HOME"]
+
+
+def corral(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    return subprocess.run([CORRAL, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def connect_status(port: int, target: str) -> int:
+    with connect(port) as sock:
+        sock.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+        return int(recv_all(sock, 64).split(b" ")[1])
+
+
+def read_line(process: subprocess.Popen, timeout: float = 5.0):
+    """One line of a child's output, or fail after `timeout` (never block forever)."""
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    assert ready, f"no output within {timeout}s"
+    return process.stdout.readline()
+
+
+def test_credentials_are_private(home):
+    directory = home / "corral" / "appliances" / "default"
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert oct((directory / "client.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_rule_added_with_the_cli_changes_the_filters_decisions(home, corral_filter):
+    assert connect_status(corral_filter.proxy_port, "cli-added.test:443") == 403
+    added = corral(home, "allow-http", "cli-added.test", "--session", "s1")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout == "added http cli-added.test (session s1)\n"
+    assert connect_status(corral_filter.proxy_port, "cli-added.test:443") != 403
+
+    rules = json.loads(corral(home, "rules", "--session", "s1", "--json").stdout)["rules"]
+    assert {"kind": "http", "rule": "cli-added.test", "layer": "session",
+            "source": "api"} in rules
+    table = corral(home, "rules", "--session", "s1").stdout
+    assert "RULE" in table and "cli-added.test" in table and "project" in table
+
+    revoked = corral(home, "revoke", "cli-added.test", "--session", "s1")
+    assert revoked.returncode == 0 and "revoked http cli-added.test" in revoked.stdout
+    assert connect_status(corral_filter.proxy_port, "cli-added.test:443") == 403
+
+
+def test_allow_dns_tcp_and_deny(home):
+    for command, rule in (("allow-dns", "*.docs.test"), ("allow-tcp", "git.test:22"),
+                          ("deny", "bad.docs.test")):
+        result = corral(home, command, rule, "--session", "s2", "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["rule"]["rule"] == rule
+    refused = corral(home, "allow-tcp", "git.test", "--session", "s2")
+    assert refused.returncode == 1 and "needs a port" in refused.stderr
+
+
+def test_monitor_shows_a_denial_within_a_second(home, corral_filter):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    with subprocess.Popen([CORRAL, "monitor", "--session", "s1", "--denied", "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env) as monitor:
+        try:
+            time.sleep(1.0)  # let it subscribe
+            started = time.monotonic()
+            connect_status(corral_filter.proxy_port, "monitor-probe.test:443")
+            event = json.loads(read_line(monitor))
+            elapsed = time.monotonic() - started
+            assert event["name"] == "monitor-probe.test" and event["verdict"] == "deny"
+            assert event["hint"] == "corral allow-http monitor-probe.test:443"
+            assert elapsed < 1.0
+        finally:
+            monitor.terminate()
+
+
+def test_monitor_human_lines_carry_the_hint(home, corral_filter):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    with subprocess.Popen([CORRAL, "monitor", "--session", "s1", "--color", "always"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                          text=True) as monitor:
+        try:
+            time.sleep(1.0)
+            connect_status(corral_filter.proxy_port, "human-probe.test:443")
+            line = read_line(monitor)
+            assert "\033[31m" in line and "DENY" in line and "human-probe.test:443" in line
+            assert "-> corral allow-http human-probe.test:443" in line
+        finally:
+            monitor.terminate()
+
+
+def test_audit_verify_and_listing(home):
+    verified = corral(home, "audit", "--verify")
+    assert verified.returncode == 0 and "audit log intact" in verified.stdout
+    listing = corral(home, "audit", "--since", "1h", "--json", "--limit", "3")
+    records = [json.loads(line) for line in listing.stdout.splitlines()]
+    assert len(records) == 3 and records[0]["seq"] < records[1]["seq"]
+    bad = corral(home, "audit", "--since", "last tuesday")
+    assert bad.returncode == 2 and "neither a duration" in bad.stderr
+
+
+def test_status(home):
+    result = corral(home, "status", "--json")
+    status = json.loads(result.stdout)
+    assert status["filter"]["healthy"] is True
+    human = corral(home, "status")
+    assert "filter: healthy" in human.stdout and "firewall:" in human.stdout
+
+
+def test_errors_name_the_fix(home, tmp_path):
+    missing = corral(home, "rules", "--appliance", "nope")
+    assert missing.returncode == 4
+    assert "no appliance 'nope'" in missing.stderr and "known appliances: default" in missing.stderr
+    which = corral(home, "rules")
+    assert which.returncode == 2 and "which session? there are 2: s1, s2" in which.stderr
+    assert "--session" in which.stderr
+    empty = corral(tmp_path, "status")
+    assert empty.returncode == 4 and "corral up" in empty.stderr
+    unreachable_home = tmp_path / "unreachable"
+    shutil.copytree(home, unreachable_home)
+    settings = unreachable_home / "corral" / "appliances" / "default" / "appliance.toml"
+    settings.write_text('endpoint = "127.0.0.1:1"\n')
+    down = corral(unreachable_home, "status")
+    assert down.returncode == 3
+    assert "cannot reach default at 127.0.0.1:1" in down.stderr and "corral up" in down.stderr
+
+
+def test_certs_rotate_replaces_every_certificate(home, api):
+    before = home / "before"
+    shutil.copytree(home / "corral", before / "corral")
+    result = corral(home, "certs", "rotate")
+    assert result.returncode == 0, result.stderr
+    deadline = time.monotonic() + 20
+    while corral(home, "status", "--json").returncode not in (0, 1):  # 1: firewall not here
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    stale = corral(before, "status")
+    assert stale.returncode == 3 and "TLS" in stale.stderr
+    from appliance import pki
+
+    api.bundle = pki.Bundle(*(p.read_bytes() for p in (
+        home / "corral/appliances/default/ca.crt", api.server_dir / "server.crt",
+        api.server_dir / "server.key", home / "corral/appliances/default/client.crt",
+        home / "corral/appliances/default/client.key")))
