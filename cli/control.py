@@ -193,8 +193,13 @@ def cmd_certs_rotate(args) -> int:
                        [] if host[:1].isdigit() or ":" in host else [host])
     pki.write_server(bundle, appliance.server_dir)
     pki.write_client(bundle, appliance.directory)
-    if appliance.api_pidfile and appliance.api_pidfile.exists():
-        os.kill(int(appliance.api_pidfile.read_text().split()[0]), signal.SIGHUP)
+    if appliance.api_pidfile:
+        try:
+            os.kill(int(appliance.api_pidfile.read_text().split()[0]), signal.SIGHUP)
+        except (OSError, ValueError, IndexError) as exc:
+            raise CliError(f"new certificates written, but the API could not be told to load "
+                           f"them ({appliance.api_pidfile}: {exc})",
+                           "restart corral-api: it loads them when it starts") from None
     output.line(f"rotated: new CA and certificates for {appliance.name}; the API reloads them, "
                 "and the previous client certificate no longer works")
     return exitcodes.OK

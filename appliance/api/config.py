@@ -8,7 +8,7 @@ from pathlib import Path
 from appliance.policy import ConfigError, parse_toml, split_host_port
 from appliance.policy.config import Locator
 
-KEYS = {"listen", "tls_dir", "control_socket", "max_body", "threads"}
+KEYS = {"listen", "tls_dir", "control_socket", "max_body", "threads", "pidfile"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class ApiConfig:
     """Largest request body accepted; larger gets 413."""
     threads: int = 16
     """Worker threads: each live `monitor` stream holds one."""
+    pidfile: str = ""
+    """Where gunicorn writes its pid (SIGHUP there reloads the certificates); none if empty."""
 
     @property
     def tls(self) -> Path:
@@ -44,6 +46,8 @@ def load(path: str) -> ApiConfig:
             raise ConfigError(path, f"[api] {key}", f"unknown key; expected "
                               f"{', '.join(sorted(KEYS))}", where.key("api", key))
     config = ApiConfig(**api)
+    if not isinstance(config.pidfile, str):
+        raise ConfigError(path, "[api] pidfile", "must be a string", where.key("api", "pidfile"))
     for key in ("listen", "tls_dir", "control_socket"):
         if not isinstance(getattr(config, key), str) or not getattr(config, key):
             raise ConfigError(path, f"[api] {key}", "must be a non-empty string",

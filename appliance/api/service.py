@@ -48,6 +48,8 @@ class Server(BaseApplication):
             "graceful_timeout": 5,
             "proc_name": "corral-api",
         }
+        if self.config.pidfile:
+            options["pidfile"] = self.config.pidfile
         for key, value in options.items():
             self.cfg.set(key, value)
 

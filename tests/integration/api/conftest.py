@@ -34,8 +34,13 @@ tls_dir = "{self.server_dir}"
 control_socket = "{control_socket}"
 max_body = 4096
 threads = 8
+pidfile = "{self.pidfile}"
 """)
         self.log = directory / "api.log"
+        self.start()
+
+    def start(self):
+        """Run corral-api on the listening socket this fixture holds (so the port survives)."""
         exe = Path(sys.executable).parent / "corral-api"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(exe), "--config", str(self.config)],
@@ -65,7 +70,7 @@ threads = 8
                 time.sleep(0.1)
         raise RuntimeError("corral-api did not come up:\n" + self.log.read_text())
 
-    def stop(self):
+    def terminate(self):
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -73,6 +78,9 @@ threads = 8
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def stop(self):
+        self.terminate()
         self.listener.close()
 
 

@@ -24,9 +24,8 @@ def home(api, tmp_path_factory):
     """A user's config directory holding one provisioned appliance, "default"."""
     directory = tmp_path_factory.mktemp("home")
     os.environ["XDG_CONFIG_HOME"] = str(directory)  # write_appliance reads it
-    (api.dir / "api.pid").write_text(f"{api.proc.pid}\n")
     write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
-                    server_dir=str(api.server_dir), api_pidfile=str(api.dir / "api.pid"))
+                    server_dir=str(api.server_dir), api_pidfile=str(api.pidfile))
     yield directory
     del os.environ["XDG_CONFIG_HOME"]
 
@@ -114,6 +113,28 @@ def test_monitor_human_lines_carry_the_hint(home, corral_filter):
             assert "-> corral allow-http human-probe.test:443" in line
         finally:
             monitor.terminate()
+
+
+def test_monitor_survives_an_api_restart(home, api, corral_filter):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    with subprocess.Popen([CORRAL, "monitor", "--session", "s1", "--denied", "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as monitor:
+        try:
+            time.sleep(1.0)
+            api.terminate()
+            api.start()
+            deadline = time.monotonic() + 15
+            while True:  # until the monitor has re-subscribed, a probe may go unseen
+                connect_status(corral_filter.proxy_port, "after-restart.test:443")
+                ready, _, _ = select.select([monitor.stdout], [], [], 1.0)
+                if ready:
+                    break
+                assert time.monotonic() < deadline, "monitor did not reconnect"
+            event = json.loads(monitor.stdout.readline())
+            assert event["name"] == "after-restart.test"
+        finally:
+            monitor.terminate()
+        assert b"reconnecting" in monitor.stderr.read()
 
 
 def test_audit_verify_and_listing(home):
