@@ -107,14 +107,18 @@ _SCHEMA = {
 }
 
 
-def load_config(path: str) -> FilterConfig:
+def read_text(path: str) -> str:
+    """A config or policy file's text; ConfigError naming the file when it cannot be read."""
     try:
-        text = Path(path).read_text("utf-8")
+        return Path(path).read_text("utf-8")
     except OSError as exc:
         raise ConfigError(path, "", f"cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(path, "", "is not UTF-8 text") from None
-    return parse_config(text, path)
+
+
+def load_config(path: str) -> FilterConfig:
+    return parse_config(read_text(path), path)
 
 
 def parse_config(text: str, path: str) -> FilterConfig:

@@ -189,12 +189,12 @@ def parse_absolute(target: str) -> Target:
     return Target(host, port, path)
 
 
-def serialise_request(head: Head, path: str, drop: frozenset[str] = HOP_BY_HOP,
-                      keep: frozenset[str] = frozenset()) -> bytes:
-    """Origin-form request line plus the fields a next hop may see."""
-    method, _, version = head.start
+def _serialise(start: str, head: Head, drop: frozenset[str], keep: frozenset[str],
+               close: bool = False) -> bytes:
+    """A start line and the fields the next hop may see: hop-by-hop fields and those the
+    Connection header names are dropped, except `keep` (Upgrade), which Connection names."""
     named = head.tokens("connection")
-    lines = [f"{method} {path} {version}"]
+    lines = [start]
     for name, value in head.headers:
         low = name.lower()
         if (low in drop or low in named) and low not in keep:
@@ -202,7 +202,23 @@ def serialise_request(head: Head, path: str, drop: frozenset[str] = HOP_BY_HOP,
         lines.append(f"{name}: {value}")
     if keep:
         lines.append("Connection: " + ", ".join(sorted(keep)))
+    elif close:
+        lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def serialise_request(head: Head, path: str, drop: frozenset[str] = HOP_BY_HOP,
+                      keep: frozenset[str] = frozenset()) -> bytes:
+    """Origin-form request line plus the fields a next hop may see."""
+    method, _, version = head.start
+    return _serialise(f"{method} {path} {version}", head, drop, keep)
+
+
+def serialise_response(reply: Head, close: bool = False,
+                       keep: frozenset[str] = frozenset()) -> bytes:
+    """The upstream's response for the client, as HTTP/1.1, with our own Connection header."""
+    _, status, reason = reply.start
+    return _serialise(f"HTTP/1.1 {status} {reason}", reply, HOP_BY_HOP, keep, close)
 
 
 def parse_chunk_size(line: bytes) -> int:

@@ -28,6 +28,7 @@ from .http import (
     parse_request,
     parse_response,
     serialise_request,
+    serialise_response,
 )
 from .relay import (
     Counters,
@@ -356,12 +357,12 @@ class Proxy:
             no_body = head.start[0] == "HEAD" or status in (204, 304)
             framed = no_body or reply.chunked or reply.content_length is not None
             if status == 101 and upgrade:
-                client.writer.write(_serialise_response(reply, keep=frozenset({"upgrade"})))
+                client.writer.write(serialise_response(reply, keep=frozenset({"upgrade"})))
                 await client.writer.drain()
                 await tunnel(client.reader, client.writer, up_r, up_w, counters, idle)
                 return False, upstream
             close = client_close or not framed
-            client.writer.write(_serialise_response(reply, close=close))
+            client.writer.write(serialise_response(reply, close=close))
             if not no_body:
                 if framed:
                     await copy_body(reply, up_r, client.writer, counters, False, idle)
@@ -437,7 +438,7 @@ class Proxy:
             buf += rest
             self._check_inner(client, inner, host, port)
         up_w.write(bytes(buf))
-        counters.up += len(buf)
+        counters.add(len(buf), upward=True)
 
     def _check_inner(self, client: Client, inner: Head, host: Host, port: int) -> None:
         if inner.start[0] == "CONNECT":
@@ -499,7 +500,7 @@ class Proxy:
         counters = Counters()
         try:
             up_w.write(bytes(buf))
-            counters.up += len(buf)
+            counters.add(len(buf), upward=True)
             await tunnel(client.reader, client.writer, up_r, up_w, counters,
                          self.config.idle_timeout)
         finally:
@@ -519,21 +520,3 @@ def _wants_close(head: Head, version: str) -> bool:
     tokens = head.tokens("connection")
     return "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
 
-
-def _serialise_response(reply: Head, close: bool = False,
-                        keep: frozenset[str] = frozenset()) -> bytes:
-    _, status, reason = reply.start
-    named = reply.tokens("connection")
-    lines = [f"HTTP/1.1 {status} {reason}"]
-    for name, value in reply.headers:
-        low = name.lower()
-        if (low in ("connection", "keep-alive", "proxy-connection") or low in named) and (
-            low not in keep
-        ):
-            continue
-        lines.append(f"{name}: {value}")
-    if keep:
-        lines.append("Connection: " + ", ".join(sorted(keep)))
-    elif close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

@@ -27,7 +27,11 @@ class Counters:
     started: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)
 
-    def touch(self) -> None:
+    def add(self, n: int, upward: bool) -> None:
+        if upward:
+            self.up += n
+        else:
+            self.down += n
         self.last = time.monotonic()
 
     def duration(self) -> float:
@@ -72,11 +76,7 @@ async def _pump(reader, writer, counters: Counters, upward: bool, idle: float) -
                 with contextlib.suppress(OSError):
                     writer.write_eof()
             return
-        counters.touch()
-        if upward:
-            counters.up += len(data)
-        else:
-            counters.down += len(data)
+        counters.add(len(data), upward)
         writer.write(data)
         await writer.drain()
 
@@ -101,10 +101,7 @@ async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, i
         if not data:
             raise ConnectionError("peer closed in the middle of a message body")
         n -= len(data)
-        if upward:
-            counters.up += len(data)
-        else:
-            counters.down += len(data)
+        counters.add(len(data), upward)
         writer.write(data)
         await writer.drain()
 
@@ -144,6 +141,6 @@ async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: fl
 
 async def copy_until_eof(reader, writer, counters: Counters, idle: float) -> None:
     while data := await asyncio.wait_for(reader.read(CHUNK), idle):
-        counters.down += len(data)
+        counters.add(len(data), upward=False)
         writer.write(data)
         await writer.drain()

@@ -26,7 +26,7 @@ from appliance.policy import (
     policy_file_rules,
 )
 
-from .config import FilterConfig
+from .config import FilterConfig, read_text
 
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
@@ -34,13 +34,7 @@ opening blocked ranges or host services is a change to a file a person reviews."
 
 
 def read_policy_file(path: str, layer: str) -> list[Rule]:
-    try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise ConfigError(path, "", f"cannot read policy file: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(path, "", "is not UTF-8 text") from None
-    return policy_file_rules(text, path, layer)
+    return policy_file_rules(read_text(path), path, layer)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

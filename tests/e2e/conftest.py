@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import control
 
 from . import netns
 
@@ -114,17 +115,7 @@ files = ["{directory}/s2.toml"]
         raise RuntimeError(f"{what} did not come up:\n" + (self.dir / log).read_text())
 
     def control(self, request: dict) -> dict:
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(10)
-            sock.connect(str(self.socket))
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(1 << 20)
-                if not chunk:
-                    break
-                data += chunk
-        return json.loads(data)
+        return control(self.socket, request)
 
     def events(self) -> list[dict]:
         """Every event so far, from the audit log (the ring of recent events is bounded)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import FakeDns, FakeHttp, Loop, TestCA
+from tests.helpers import control, stop
 
 ORIGIN = "127.31.0.2"
 S1_CLIENT = "127.0.0.1"
@@ -127,17 +128,7 @@ files = ["{directory}/s2.toml"]
         self.tls_port = port("transparent_tls")
 
     def control(self, request: dict) -> dict:
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(5)
-            sock.connect(str(self.socket))
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        return json.loads(data)
+        return control(self.socket, request)
 
     def events(self, **filters) -> list[dict]:
         return self.control({"op": "events", "last": 10000, **filters})["events"]
@@ -153,13 +144,7 @@ files = ["{directory}/s2.toml"]
             json.dumps(e) for e in self.events()[-10:]))
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
     def restart(self):
         self.stop()

@@ -13,6 +13,7 @@ import pytest
 
 from appliance import pki
 from cli.client import Appliance, Client
+from tests.helpers import stop
 
 
 class ApiProcess:
@@ -71,13 +72,7 @@ pidfile = "{self.pidfile}"
         raise RuntimeError("corral-api did not come up:\n" + self.log.read_text())
 
     def terminate(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
     def stop(self):
         self.terminate()

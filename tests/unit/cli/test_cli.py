@@ -18,12 +18,26 @@ def test_cli_imports_only_policy_and_pki_from_appliance():
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "appliance":
+                names = [f"appliance.{a.name}" for a in node.names]  # from appliance import pki
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             for name in names:
                 if name == "appliance" or name.startswith("appliance."):
                     top = ".".join(name.split(".")[:2])
                     assert top in ALLOWED_APPLIANCE_IMPORTS, f"{path}: imports {name}"
+
+
+def test_the_boundary_check_catches_a_forbidden_import(tmp_path, monkeypatch):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "bad.py").write_text("from appliance import filter\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        test_cli_imports_only_policy_and_pki_from_appliance()
+    except AssertionError as exc:
+        assert "imports appliance.filter" in str(exc)
+    else:
+        raise AssertionError("a forbidden import went unnoticed")
 
 
 def test_check_prints_rules_with_sources(tmp_path, capsys):
