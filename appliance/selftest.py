@@ -208,6 +208,23 @@ def probes(args):
         _expect_refused(p, args.v6_target, 443, firewall=False)
         p.expect = {"kind": "counter", "counter": "deny_ipv6"}
 
+    @probe("ipv6-aaaa-answers", 3)
+    def _(p):
+        rcode, addresses = resolve(gw, allowed, qtype=28)
+        reached = []
+        for address in [a for a in addresses if ":" in a]:
+            try:
+                tcp(address, 443).close()
+                reached.append(address)
+            except OSError as exc:
+                if not refused(exc):
+                    reached.append(f"{address} ({exc})")
+        p.ok = rcode == 0 and not reached
+        if addresses:
+            p.expect = {"kind": "counter", "counter": "deny_ipv6"}
+        p.detail = (f"AAAA {allowed}: {', '.join(addresses) or 'no usable answer'}; "
+                    + (f"reached {reached}" if reached else "no IPv6 path"))
+
     @probe("v4-mapped-via-proxy", 3)
     def _(p):
         sock, head = connect_via_proxy(args, f"[::ffff:{ip()}]:443")

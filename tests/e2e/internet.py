@@ -21,7 +21,7 @@ from tests.fakes import FakeDns, FakeHttp, Loop, TestCA
 WEB = "203.0.113.10"
 RESOLVER = "203.0.113.53"
 SSH_HOST = "203.0.113.22"
-WEB_V6 = "2001:db8:ff::10"
+WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 
 ZONE = {
     "allowed.test": [("A", WEB, 300), ("AAAA", WEB_V6, 300)],

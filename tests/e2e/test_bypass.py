@@ -48,7 +48,7 @@ def recorded(world, expect: dict, events: list[dict], counters: dict) -> bool:
 def battery(world):
     returncode, probes = selftest(
         world, 1, "--allowed", "allowed.test", "--denied", "denied.test",
-        "--foreign-resolver", "203.0.113.53", "--v6-target", "2001:db8:ff::10",
+        "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--slow-connections", "2000")
