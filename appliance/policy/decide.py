@@ -13,9 +13,9 @@ from __future__ import annotations
 import ipaddress
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from .names import Host, IPAddress, parent_domains, unmap
+from .names import Host, IPAddress, unmap
 from .ranges import blocked_range
 from .rules import LAYERS, Rule
 
@@ -23,9 +23,9 @@ HOST_NAME = "host.corral"
 """The name under which a session reaches the VM host's allowed ports."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The answer to one question put to a policy."""
+class Decision(NamedTuple):
+    """The answer to one question put to a policy. (A NamedTuple: one is built per request,
+    and a frozen dataclass costs several times more to construct.)"""
 
     allowed: bool
     reason: str
@@ -57,13 +57,36 @@ def _index(rules: Iterable[Rule]) -> tuple[_Index, _Index]:
     return freeze(exact), freeze(wild)
 
 
-def _lookup(exact: _Index, wild: _Index, host: Host):
-    """Yield the rules whose pattern matches `host`, most specific first."""
-    key = host.name if host.name is not None else str(host.address)
-    yield from exact.get(key, ())
-    if host.name is not None:
-        for parent in parent_domains(host.name):
-            yield from wild.get(parent, ())
+def _lookup(exact: _Index, wild: _Index, host: Host) -> list[Rule]:
+    """The rules whose pattern matches `host`, most specific first. O(labels)."""
+    found = list(exact.get(host.key, ()))
+    name = host.name
+    if name is not None:
+        dot = name.find(".")
+        while dot >= 0:
+            name = name[dot + 1 :]
+            rules = wild.get(name)
+            if rules:
+                found.extend(rules)
+            dot = name.find(".")
+    return found
+
+
+def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
+    """The most specific matching rule, without building the list (the deny check)."""
+    rules = exact.get(host.key)
+    if rules:
+        return rules[0]
+    name = host.name
+    if name is not None:
+        dot = name.find(".")
+        while dot >= 0:
+            name = name[dot + 1 :]
+            rules = wild.get(name)
+            if rules:
+                return rules[0]
+            dot = name.find(".")
+    return None
 
 
 class Policy:
@@ -97,14 +120,15 @@ class Policy:
 
     def denied_by(self, host: Host) -> Rule | None:
         """The deny rule covering `host`, if any."""
-        return next(_lookup(*self._deny, host), None)
+        return _first(*self._deny, host)
 
     def decide_dns(self, host: Host) -> Decision:
         """May a client learn this name's addresses? Denied names are never sent upstream."""
         deny = self.denied_by(host)
         if deny is not None:
             return _denied_by_rule(host, deny)
-        for rule in _lookup(*self._dns, host):
+        rule = _first(*self._dns, host)
+        if rule is not None:
             return Decision(True, f"{host} allowed by {rule.kind} rule {rule.text}", rule)
         return Decision(False, f"name {host} is not in the policy", None,
                         f"corral allow-dns {host}")
@@ -121,7 +145,7 @@ class Policy:
         """The tcp rules that cover `host` (unless denied): what DNS answers teach nftables."""
         if self.denied_by(host) is not None:
             return []
-        return list(_lookup(*self._tcp, host))
+        return _lookup(*self._tcp, host)
 
     def decide_address(self, address: IPAddress, name: Host | None = None) -> Decision:
         """May the proxy dial this resolved address? Blocked ranges need an explicit rule."""
@@ -132,9 +156,9 @@ class Policy:
         for cidr, rule in self.cidrs:
             if address.version == cidr.version and address in cidr:
                 return Decision(True, f"{address} allowed by cidr rule {rule.text}", rule)
-        for rule in _lookup(*self._http, Host(address=address)):
-            return Decision(True, f"{address} named by {rule.kind} rule {rule.text}", rule)
-        for rule in _lookup(*self._tcp, Host(address=address)):
+        literal = Host(address=address)
+        rule = _first(*self._http, literal) or _first(*self._tcp, literal)
+        if rule is not None:
             return Decision(True, f"{address} named by {rule.kind} rule {rule.text}", rule)
         via = f" ({name} resolved to it)" if name is not None else ""
         return Decision(False, f"{address} is in blocked range {network}{via}", None,

@@ -11,11 +11,15 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+_NAME = re.compile(r"(?:[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\.)*"
+                   r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+_NOT_INET_ATON = re.compile(r"[g-wyzG-WYZ_-]")
+"""A character that no spelling inet_aton accepts can contain (x is 0x)."""
 _MAX_NAME = 253
 
 
@@ -31,12 +35,14 @@ class Host:
     """Lower-case A-label name without trailing dot, e.g. `xn--bcher-kva.example`."""
     address: IPAddress | None = None
     """An IP literal; v4-mapped IPv6 (`::ffff:a.b.c.d`) is already unwrapped to IPv4."""
+    key: str = field(init=False, compare=False, repr=False)
+    """The name, or the address as text: what policy lookups are keyed on (computed once)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", self.name if self.name is not None else str(self.address))
 
     def __str__(self) -> str:
-        if self.name is not None:
-            return self.name
-        assert self.address is not None
-        return str(self.address)
+        return self.key
 
 
 def unmap(address: IPAddress) -> IPAddress:
@@ -54,6 +60,8 @@ def parse_address(text: str) -> IPAddress | None:
     must be judged as the address they mean and never as names.
     """
     text = text.strip()
+    if ":" not in text and _NOT_INET_ATON.search(text):
+        return None  # the common case, a name: no exception-driven probing
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
     if "%" in text:  # a zone index (fe80::1%eth0) names a link-local address
@@ -87,6 +95,8 @@ def normalise_name(text: str) -> str:
         except UnicodeError as exc:
             raise HostNameError(f"{text!r} is not a valid internationalised name: {exc}") from None
     name = name.lower()
+    if len(name) <= _MAX_NAME and _NAME.fullmatch(name) and not name.rpartition(".")[2].isdigit():
+        return name  # valid: the per-label checks below only explain what is wrong
     if len(name) > _MAX_NAME:
         raise HostNameError(f"{text[:40]!r}... is longer than {_MAX_NAME} characters")
     labels = name.split(".")

@@ -83,6 +83,16 @@ class Rule:
     """One of LAYERS."""
     source: str = ""
     """Where it was written: a file path, `preset:NAME`, or `api`."""
+    text: str = field(init=False, compare=False, repr=False)
+    """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
+
+    def __post_init__(self):
+        if self.kind == "host":
+            text = self.port.text
+        else:
+            host = f"[{self.host}]" if ":" in self.host and self.kind != "cidr" else self.host
+            text = f"{host}:{self.port.text}" if self.port.text else host
+        object.__setattr__(self, "text", text)
 
     @property
     def wildcard(self) -> bool:
@@ -92,14 +102,6 @@ class Rule:
     def suffix(self) -> str:
         """For `*.example.com`: `example.com`; for an exact name: the name itself."""
         return self.host[2:] if self.wildcard else self.host
-
-    @property
-    def text(self) -> str:
-        """The rule as a user writes it (and as `corral revoke` accepts it)."""
-        if self.kind == "host":
-            return self.port.text
-        host = f"[{self.host}]" if ":" in self.host and self.kind != "cidr" else self.host
-        return f"{host}:{self.port.text}" if self.port.text else host
 
     def key(self) -> tuple[str, str]:
         """Identity within a layer: kind and text."""
