@@ -54,6 +54,10 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class FirewallConfig:
+    manage: bool = False
+    """Re-apply the ruleset whenever a session is registered or unregistered at run time.
+    Off, a new session's traffic is dropped (not in any known subnet) until someone runs
+    `corral-firewall apply`: closed either way."""
     interfaces: tuple[str, ...] = ("corral*",)
     """Name patterns of the sandbox-facing interfaces (bridges); `*` only at the end."""
     log_group: int = 2713
@@ -103,7 +107,7 @@ _SCHEMA = {
     "control": {"socket"},
     "host": {"gateway"},
     "session": {"name", "subnet", "files", "gateway"},
-    "firewall": {"interfaces", "log_group", "log_rate", "learn_ttl_min"},
+    "firewall": {"manage", "interfaces", "log_group", "log_rate", "learn_ttl_min"},
 }
 
 
@@ -204,40 +208,14 @@ def parse_config(text: str, path: str) -> FilterConfig:
         except ValueError:
             fail("host", "gateway", f"{text!r} is not an IPv4 address", text)
 
-    sessions = []
-    names: set[str] = set()
+    sessions: list[SessionConfig] = []
     for entry in data.get("session", []):
-        name = entry.get("name")
-        if not isinstance(name, str) or not SESSION_NAME.match(name):
-            fail("session", "name", f"{name!r} must be 1-32 of a-z, 0-9 and '-'", name)
-        if name in names:
-            fail("session", "name", f"session {name!r} is defined twice", name)
-        names.add(name)
-        subnet_text = entry.get("subnet")
         try:
-            subnet = ipaddress.ip_network(str(subnet_text), strict=True)
-        except ValueError as exc:
-            fail("session", "subnet", f"session {name}: {subnet_text!r} is not a subnet: {exc}",
-                 subnet_text)
-        for other in sessions:
-            if subnet.version == other.subnet.version and subnet.overlaps(other.subnet):
-                fail("session", "subnet",
-                     f"session {name}: {subnet} overlaps session {other.name}'s {other.subnet}",
-                     subnet_text)
-        if subnet.version != 4 or subnet.prefixlen > 30:
-            fail("session", "subnet", f"session {name}: {subnet} must be IPv4, /30 or larger",
-                 subnet_text)
-        session_gateway = next(subnet.hosts())
-        if "gateway" in entry:
-            try:
-                session_gateway = ipaddress.IPv4Address(str(entry["gateway"]))
-            except ValueError:
-                session_gateway = None
-            if session_gateway is None or session_gateway not in subnet:
-                fail("session", "gateway", f"session {name}: {entry['gateway']!r} is not an "
-                     f"address in {subnet}", entry["gateway"])
-        sessions.append(SessionConfig(name, subnet, strings("session", "files", entry),
-                                      session_gateway))
+            sessions.append(make_session(entry.get("name"), entry.get("subnet"),
+                                         entry.get("gateway"), strings("session", "files", entry),
+                                         sessions))
+        except SessionError as exc:
+            fail("session", exc.key, str(exc), exc.value)
 
     patterns = section("firewall").get("interfaces", ["corral*"])
     if not isinstance(patterns, list) or not patterns or not all(
@@ -245,7 +223,11 @@ def parse_config(text: str, path: str) -> FilterConfig:
     ):
         fail("firewall", "interfaces", "must be a non-empty list of interface names, with an "
              "optional trailing '*' (for example \"corral*\")")
+    manage = section("firewall").get("manage", False)
+    if not isinstance(manage, bool):
+        fail("firewall", "manage", f"must be true or false, got {manage!r}")
     firewall = FirewallConfig(
+        manage=manage,
         interfaces=tuple(patterns),
         log_group=number("firewall", "log_group", 2713, int),
         log_rate=number("firewall", "log_rate", 20, int),
@@ -265,6 +247,44 @@ def parse_config(text: str, path: str) -> FilterConfig:
         sessions=tuple(sessions),
         firewall=firewall,
     )
+
+
+class SessionError(ValueError):
+    """A session that cannot be had; `key` and `value` say which field and what it was."""
+
+    def __init__(self, key: str, message: str, value=None):
+        super().__init__(message)
+        self.key, self.value = key, value
+
+
+def make_session(name, subnet_text, gateway_text, files, existing) -> SessionConfig:
+    """Validate one session against those that exist (config file or registered at run time)."""
+    if not isinstance(name, str) or not SESSION_NAME.match(name):
+        raise SessionError("name", f"{name!r} must be 1-32 of a-z, 0-9 and '-'", name)
+    if any(other.name == name for other in existing):
+        raise SessionError("name", f"session {name!r} is defined twice", name)
+    try:
+        subnet = ipaddress.ip_network(str(subnet_text), strict=True)
+    except ValueError as exc:
+        raise SessionError("subnet", f"session {name}: {subnet_text!r} is not a subnet: {exc}",
+                           subnet_text) from None
+    if subnet.version != 4 or subnet.prefixlen > 30:
+        raise SessionError("subnet", f"session {name}: {subnet} must be IPv4, /30 or larger",
+                           subnet_text)
+    for other in existing:
+        if subnet.overlaps(other.subnet):
+            raise SessionError("subnet", f"session {name}: {subnet} overlaps session "
+                               f"{other.name}'s {other.subnet}", subnet_text)
+    gateway = next(subnet.hosts())
+    if gateway_text is not None:
+        try:
+            gateway = ipaddress.IPv4Address(str(gateway_text))
+        except ValueError:
+            gateway = None
+        if gateway is None or gateway not in subnet:
+            raise SessionError("gateway", f"session {name}: {gateway_text!r} is not an address "
+                               f"in {subnet}", gateway_text)
+    return SessionConfig(name, subnet, tuple(files), gateway)
 
 
 def _address(item, fail) -> Address:

@@ -11,6 +11,8 @@ per line, until the client hangs up. Requests:
   {"op": "remove", "session": S, "kind": K, "rule": R}
   {"op": "events", "last": N, "session": S?, "verdict": V?}
   {"op": "subscribe", "session": S?, "verdict": V?}
+  {"op": "session-add", "name": N, "subnet": CIDR, "gateway": IP?, "files": [PATH]?}
+  {"op": "session-remove", "name": N, "forget_rules": BOOL?}
   {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
 """
@@ -88,7 +90,7 @@ class ControlServer:
                     answer = self.dispatch(op, request)
                 except json.JSONDecodeError as exc:
                     answer = {"ok": False, "error": f"not JSON: {exc}"}
-                except (ControlError, RuleError, KeyError, LookupError) as exc:
+                except (ControlError, RuleError, KeyError, LookupError, ValueError) as exc:
                     answer = {"ok": False, "error": exc.args[0] if exc.args else str(exc)}
                 await self._send(writer, answer)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -108,10 +110,28 @@ class ControlServer:
             return {"ok": True, **service.status()}
         if op == "sessions":
             counters = service.bus.counters
+            registered = {s.name for s in store.registered}
             return {"ok": True, "sessions": [
                 {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
+                 "registered": s.name in registered,
                  "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")]}
                 for s in store.sessions.values()]}
+        if op == "session-add":
+            files = _field(request, "files", list, required=False) or []
+            if not all(isinstance(f, str) and f for f in files):
+                raise ControlError("'files' must be a list of file paths")
+            session, added = service.register_session(
+                _field(request, "name"), _field(request, "subnet"),
+                _field(request, "gateway", required=False), files)
+            return {"ok": True, "added": added, "session": {
+                "name": session.name, "subnet": str(session.subnet),
+                "gateway": str(session.gateway), "files": list(session.files)}}
+        if op == "session-remove":
+            forget = request.get("forget_rules", False)
+            if not isinstance(forget, bool):
+                raise ControlError("'forget_rules' must be true or false")
+            service.unregister_session(_field(request, "name"), forget)
+            return {"ok": True}
         if op == "policy":
             session = _field(request, "session", required=False)
             return {"ok": True, "session": session, "rules": store.effective(session)}
@@ -140,8 +160,9 @@ class ControlServer:
         if op == "audit-verify":
             verdict = audit.verify(service.config.audit_path, service.audit_head())
             return {"ok": True, **verdict.to_json()}
-        raise ControlError(f"unknown op {op!r}; expected status, sessions, policy, add, remove, "
-                           "events, subscribe, audit, audit-verify")
+        raise ControlError(f"unknown op {op!r}; expected status, sessions, session-add, "
+                           "session-remove, policy, add, remove, events, subscribe, audit, "
+                           "audit-verify")
 
     async def _subscribe(self, request: dict, writer: asyncio.StreamWriter) -> None:
         subscription = self.service.bus.subscribe(

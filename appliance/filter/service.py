@@ -16,12 +16,13 @@ import socket
 import sys
 import time
 
-from appliance.firewall import nflog
+from appliance.firewall import nflog, ruleset
+from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError
 
 from .audit import AuditLog
 from .config import FilterConfig, load_config
-from .control import ControlServer
+from .control import ControlError, ControlServer
 from .dns import DnsFilter, UdpServer, serve_tcp
 from .events import EventBus
 from .proxy import Proxy
@@ -69,8 +70,6 @@ def _dns_sockets(host: str, port: int) -> tuple[socket.socket, socket.socket]:
 
 def _learner():
     """The firewall's learned set, or None where nftables is not available to this process."""
-    from appliance.firewall.nft import Nft, NftError
-
     try:
         return Nft()
     except NftError as exc:
@@ -200,6 +199,34 @@ class Service:
         host, port = sock.getsockname()[:2]
         self.listeners.setdefault(key, []).append(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    def register_session(self, name, subnet, gateway, files):
+        """A session registered at run time; with `[firewall] manage`, the ruleset follows,
+        and if nftables refuses it the session is taken back out (fail closed)."""
+        session, added = self.store.register(name, subnet, gateway, files)
+        if added and self.config.firewall.manage:
+            try:
+                self.apply_firewall()
+            except (NftError, ControlError) as exc:
+                self.store.unregister(name)
+                raise ControlError(f"session {name} not registered: the firewall could not "
+                                   f"follow: {exc}") from None
+        log.info("session %s %s: %s", name, "registered" if added else "unchanged",
+                 session.subnet)
+        return session, added
+
+    def unregister_session(self, name: str, forget_rules: bool) -> None:
+        self.store.unregister(name, forget_rules)
+        if self.config.firewall.manage:
+            self.apply_firewall()
+        log.info("session %s unregistered%s", name, " (rules forgotten)" if forget_rules else "")
+
+    def apply_firewall(self) -> None:
+        """Load the ruleset for every session now known (one transaction). Raises on refusal."""
+        if self.learner is None:
+            raise ControlError("the filter manages the firewall but nftables is unavailable")
+        self.learner.apply(ruleset.for_store(self.store, self.learner.learned_elements(),
+                                             self.learner.counters()))
 
     def reload(self) -> None:
         try:

@@ -26,7 +26,7 @@ from appliance.policy import (
     policy_file_rules,
 )
 
-from .config import FilterConfig, read_text
+from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
@@ -71,26 +71,87 @@ class PolicyStore:
         """Load every layer; raises ConfigError (file, key, line) on any bad file."""
         self.config = config
         self.runtime_dir = Path(config.state_dir) / "runtime"
+        self.registered_path = Path(config.state_dir) / "sessions.json"
+        self.registered: tuple[SessionConfig, ...] = self._load_registered()
+        """Sessions registered at run time (by the sandbox manager), kept across restarts."""
         self.base: tuple[Rule, ...] = ()
         self.outside = Policy()
         self.sessions: dict[str, Session] = {}
         self.reload()
+
+    def session_configs(self) -> tuple[SessionConfig, ...]:
+        """Every session: from the config file, then those registered at run time."""
+        return (*self.config.sessions, *self.registered)
 
     def reload(self) -> None:
         """Re-read the appliance and project files; all or nothing."""
         base = [*DEFAULT_RULES]
         for path in self.config.policy_files:
             base.extend(read_policy_file(path, "appliance"))
-        sessions = {}
-        for s in self.config.sessions:
-            project = [rule for path in s.files for rule in read_policy_file(path, "project")]
-            runtime = self._load_runtime(s.name)
-            sessions[s.name] = Session(s.name, s.subnet, tuple(project), tuple(runtime), Policy())
         self.base = tuple(dedupe(base))
+        sessions = {s.name: self._build(s) for s in self.session_configs()}
         self.outside = Policy(self.base)
-        for session in sessions.values():
-            session.policy = self._compile(session.project, session.runtime)
         self.sessions = sessions
+
+    def _build(self, s: SessionConfig) -> Session:
+        project = tuple(rule for path in s.files for rule in read_policy_file(path, "project"))
+        runtime = tuple(self._load_runtime(s.name))
+        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime))
+
+    def register(self, name: str, subnet: str, gateway: str | None = None,
+                 files: list[str] | tuple[str, ...] = ()) -> tuple[SessionConfig, bool]:
+        """Add a session at run time; (its config, whether it is new). Raises SessionError or
+        ConfigError (a project file that does not parse): nothing changes then."""
+        for existing in self.registered:
+            if existing.name == name:
+                again = make_session(name, subnet, gateway, files, [])
+                if again == existing:
+                    return existing, False
+                raise SessionError("name", f"session {name!r} exists with other settings: "
+                                   f"{existing.subnet}, files {list(existing.files)}", name)
+        config = make_session(name, subnet, gateway, files, self.session_configs())
+        session = self._build(config)  # may raise: before anything is written
+        self._save_registered((*self.registered, config))
+        self.sessions[name] = session
+        return config, True
+
+    def unregister(self, name: str, forget_rules: bool = False) -> None:
+        """Remove a session registered at run time; `forget_rules` deletes its runtime layer."""
+        if any(s.name == name for s in self.config.sessions):
+            raise SessionError("name", f"session {name!r} is in {self.config.path}; "
+                               "remove it there", name)
+        if not any(s.name == name for s in self.registered):
+            raise KeyError(f"no session {name!r} registered at run time")
+        self._save_registered(tuple(s for s in self.registered if s.name != name))
+        self.sessions.pop(name, None)
+        if forget_rules:
+            self._runtime_path(name).unlink(missing_ok=True)
+
+    def _save_registered(self, registered: tuple[SessionConfig, ...]) -> None:
+        document = {"version": 1, "sessions": [
+            {"name": s.name, "subnet": str(s.subnet), "gateway": str(s.gateway),
+             "files": list(s.files)} for s in registered]}
+        write_atomic(self.registered_path, json.dumps(document, indent=1).encode() + b"\n")
+        self.registered = registered
+
+    def _load_registered(self) -> tuple[SessionConfig, ...]:
+        try:
+            document = json.loads(self.registered_path.read_text("utf-8"))
+            entries = document["sessions"]
+        except FileNotFoundError:
+            return ()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(str(self.registered_path), "", f"unreadable: {exc!r}") from None
+        out: list[SessionConfig] = []
+        for index, entry in enumerate(entries):
+            try:
+                out.append(make_session(entry.get("name"), entry.get("subnet"),
+                                        entry.get("gateway"), entry.get("files", []),
+                                        [*self.config.sessions, *out]))
+            except (SessionError, AttributeError) as exc:
+                raise ConfigError(str(self.registered_path), f"sessions[{index}]", str(exc)
+                                  ) from None
+        return tuple(out)
 
     def _compile(self, project, runtime) -> Policy:
         return Policy(dedupe([*self.base, *project, *runtime]))

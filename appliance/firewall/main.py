@@ -17,27 +17,16 @@ import sys
 
 from appliance.filter.config import FirewallConfig, load_config
 from appliance.filter.store import PolicyStore
-from appliance.policy import ConfigError, parse_address
+from appliance.policy import ConfigError
 
 from .nft import Nft, NftError
-from .ruleset import build, build_base
-
-
-def static_tcp_rules(store: PolicyStore) -> dict[str, list[tuple[str, list[int] | None]]]:
-    """Per session, the tcp rules that name an IP address (no DNS answer will teach those)."""
-    out: dict[str, list] = {}
-    for name, session in store.sessions.items():
-        for rule in session.policy.rules:
-            address = parse_address(rule.host) if rule.kind == "tcp" else None
-            if address is not None and address.version == 4:  # IPv6 has no path out
-                out.setdefault(name, []).append((str(address), sorted(rule.port.ports)))
-    return out
+from .ruleset import build_base, for_store
 
 
 def transaction(config_path: str, learned: list[dict] | None = None,
                 counts: dict | None = None) -> list[dict]:
-    config = load_config(config_path)
-    return build(config, static_tcp_rules(PolicyStore(config)), learned, counts)
+    """The ruleset for the config's sessions and those registered in its state directory."""
+    return for_store(PolicyStore(load_config(config_path)), learned, counts)
 
 
 def cmd_apply(args) -> int:

@@ -19,10 +19,12 @@ ICMP admin-prohibited for the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Iterable
 
 from appliance.filter.config import FilterConfig, SessionConfig
+from appliance.policy import parse_address
 
 TABLE = "corral"
 FAMILY = "inet"
@@ -210,6 +212,24 @@ def _session(session: SessionConfig, ports, static, ip_saddr, ip_daddr, tcp_dpor
                            comment="tcp rule naming an address"))
     rules.append(_rule("filter_forward", source, deny))
     return rules
+
+
+def static_tcp_rules(store) -> dict[str, list[tuple[str, list[int]]]]:
+    """Per session, the tcp rules that name an IPv4 address (no DNS answer teaches those)."""
+    out: dict[str, list] = {}
+    for name, session in store.sessions.items():
+        for rule in session.policy.rules:
+            address = parse_address(rule.host) if rule.kind == "tcp" else None
+            if address is not None and address.version == 4:  # IPv6 has no path out
+                out.setdefault(name, []).append((str(address), sorted(rule.port.ports)))
+    return out
+
+
+def for_store(store, learned: list[dict] | None = None,
+              counts: dict | None = None) -> list[dict]:
+    """The ruleset for every session the store knows: the config's and those registered."""
+    config = dataclasses.replace(store.config, sessions=store.session_configs())
+    return build(config, static_tcp_rules(store), learned, counts)
 
 
 def build_base(interfaces: Iterable[str]) -> list[dict]:

@@ -60,10 +60,10 @@ class World:
         self.config = directory / "filter.toml"
         self.config.write_text(f"""
 [dns]
-listen = ["10.213.1.1:53", "10.213.2.1:53"]
-upstream = ["203.0.113.53:53"]
+listen = ["0.0.0.0:53"]          # every gateway, sessions registered later included;
+upstream = ["203.0.113.53:53"]   # the firewall confines each sandbox to its own gateway
 [proxy]
-listen = ["10.213.1.1:3128", "10.213.2.1:3128"]
+listen = ["0.0.0.0:3128"]
 transparent_http = ["0.0.0.0:3129"]
 transparent_tls = ["0.0.0.0:3130"]
 header_timeout = 5
@@ -71,6 +71,8 @@ header_timeout = 5
 dir = "{directory}/state"
 [control]
 socket = "{self.socket}"
+[firewall]
+manage = true
 [[session]]
 name = "s1"
 subnet = "10.213.1.0/24"

@@ -58,7 +58,7 @@ def sandbox_name(index: int) -> str:
 
 def build(sessions: int = 2) -> None:
     cleanup()
-    for name in [APPLIANCE, INTERNET] + [sandbox_name(i) for i in range(1, sessions + 1)]:
+    for name in (APPLIANCE, INTERNET):
         sh("ip", "netns", "add", name)
         sh("ip", "link", "set", "lo", "up", ns=name)
     sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=APPLIANCE)
@@ -81,23 +81,30 @@ def build(sessions: int = 2) -> None:
     sh("ip", "route", "add", "10.213.0.0/16", "via", "198.51.100.1", ns=INTERNET)
     sh("ip", "-6", "route", "add", "2001:db8::/40", "via", "2001:db8:ff::1", ns=INTERNET)
 
-    # appliance <-> each sandbox, on a "corral-sN" interface (the firewall's pattern)
     for i in range(1, sessions + 1):
-        sandbox, bridge = sandbox_name(i), f"corral-s{i}"
-        sh("ip", "link", "add", bridge, "netns", APPLIANCE, "type", "veth", "peer", "name",
-           "eth0", "netns", sandbox)
-        sh("ip", "addr", "add", f"10.213.{i}.1/24", "dev", bridge, ns=APPLIANCE)
-        sh("ip", "-6", "addr", "add", f"2001:db8:{i}::1/64", "dev", bridge, "nodad", ns=APPLIANCE)
-        sh("ip", "link", "set", bridge, "up", ns=APPLIANCE)
-        sh("ip", "addr", "add", f"10.213.{i}.2/24", "dev", "eth0", ns=sandbox)
-        sh("ip", "-6", "addr", "add", f"2001:db8:{i}::2/64", "dev", "eth0", "nodad", ns=sandbox)
-        sh("ip", "link", "set", "eth0", "up", ns=sandbox)
-        sh("ip", "route", "add", "default", "via", f"10.213.{i}.1", ns=sandbox)
-        sh("ip", "-6", "route", "add", "default", "via", f"2001:db8:{i}::1", ns=sandbox)
-        sh("sysctl", "-qw", "net.ipv4.ping_group_range=0 2147483647", ns=sandbox)
-        # `ip netns exec` shows this file as /etc/resolv.conf inside the sandbox
-        Path(f"/etc/netns/{sandbox}").mkdir(parents=True, exist_ok=True)
-        Path(f"/etc/netns/{sandbox}/resolv.conf").write_text(f"nameserver 10.213.{i}.1\n")
+        add_sandbox(i)
+
+
+def add_sandbox(i: int) -> None:
+    """Sandbox i (10.213.i.2) wired to the appliance on "corral-si" (the firewall's pattern)."""
+    sandbox, bridge = sandbox_name(i), f"corral-s{i}"
+    if sandbox not in existing():
+        sh("ip", "netns", "add", sandbox)
+        sh("ip", "link", "set", "lo", "up", ns=sandbox)
+    sh("ip", "link", "add", bridge, "netns", APPLIANCE, "type", "veth", "peer", "name",
+       "eth0", "netns", sandbox)
+    sh("ip", "addr", "add", f"10.213.{i}.1/24", "dev", bridge, ns=APPLIANCE)
+    sh("ip", "-6", "addr", "add", f"2001:db8:{i}::1/64", "dev", bridge, "nodad", ns=APPLIANCE)
+    sh("ip", "link", "set", bridge, "up", ns=APPLIANCE)
+    sh("ip", "addr", "add", f"10.213.{i}.2/24", "dev", "eth0", ns=sandbox)
+    sh("ip", "-6", "addr", "add", f"2001:db8:{i}::2/64", "dev", "eth0", "nodad", ns=sandbox)
+    sh("ip", "link", "set", "eth0", "up", ns=sandbox)
+    sh("ip", "route", "add", "default", "via", f"10.213.{i}.1", ns=sandbox)
+    sh("ip", "-6", "route", "add", "default", "via", f"2001:db8:{i}::1", ns=sandbox)
+    sh("sysctl", "-qw", "net.ipv4.ping_group_range=0 2147483647", ns=sandbox)
+    # `ip netns exec` shows this file as /etc/resolv.conf inside the sandbox
+    Path(f"/etc/netns/{sandbox}").mkdir(parents=True, exist_ok=True)
+    Path(f"/etc/netns/{sandbox}/resolv.conf").write_text(f"nameserver 10.213.{i}.1\n")
 
 
 def spawn(ns: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

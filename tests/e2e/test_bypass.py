@@ -199,3 +199,22 @@ def test_firewall_show_reports_counters_and_learned_elements(world):
     assert shown["rules"] > 20
     human = netns.sh(str(bin_dir / "corral-firewall"), "show", ns=netns.APPLIANCE).stdout
     assert "rejected (packets / bytes):" in human and "learned tcp allowances:" in human
+
+
+def test_a_session_registered_at_run_time_is_governed_at_once(world):
+    netns.add_sandbox(3)
+    (world.dir / "s3.toml").write_text('[http]\nallow = ["other.test"]\n')
+    answer = world.control({"op": "session-add", "name": "s3", "subnet": "10.213.3.0/24",
+                            "files": [str(world.dir / "s3.toml")]})
+    assert answer["ok"], answer
+    try:
+        code, probes = selftest(
+            world, 3, "--allowed", "other.test", "--denied", "allowed.test",
+            "--other-gateway", "10.213.1.1", "--only", "dns-allowed", "--only", "http-via-proxy",
+            "--only", "dns-exfiltration", "--only", "gateway-ssh", "--only",
+            "other-session-gateway", "--only", "noproxy-http-denied-host")
+        assert code == 0, json.dumps(probes, indent=1)
+        assert world.counters()["deny_s3"] > 0
+    finally:
+        assert world.control({"op": "session-remove", "name": "s3"})["ok"]
+    assert "deny_s3" not in world.counters()  # the ruleset followed the session out

@@ -179,3 +179,51 @@ def test_sighup_reloads_policy_files_and_a_bad_file_keeps_the_policy(fresh_filte
     time.sleep(0.5)
     assert connect_status(f.proxy_port, "other.test:443") == 200  # the old policy holds
     assert "reload refused, policy unchanged" in f.log.read_text()
+
+
+def test_sessions_registered_at_run_time_are_judged_and_survive_restart(fresh_filter):
+    f = fresh_filter
+    project = f.dir / "s3.toml"
+    project.write_text('[http]\nallow = ["other.test"]\n')
+    source = "127.0.5.1"
+    assert ask(f.dns_port, "other.test", source=source).header.rcode == RCODE.NXDOMAIN
+    added = f.control({"op": "session-add", "name": "s3", "subnet": "127.0.5.0/24",
+                       "files": [str(project)]})
+    assert added == {"ok": True, "added": True, "session": {
+        "name": "s3", "subnet": "127.0.5.0/24", "gateway": "127.0.5.1",
+        "files": [str(project)]}}
+    assert addresses(ask(f.dns_port, "other.test", source=source)) == ["127.31.0.2"]
+    again = f.control({"op": "session-add", "name": "s3", "subnet": "127.0.5.0/24",
+                       "files": [str(project)]})
+    assert again["ok"] and again["added"] is False
+    f.control({"op": "add", "session": "s3", "kind": "dns", "rule": "extra.test"})
+
+    f.restart()
+    sessions = {s["name"]: s for s in f.control({"op": "sessions"})["sessions"]}
+    assert sessions["s3"]["registered"] is True and sessions["s1"]["registered"] is False
+    assert addresses(ask(f.dns_port, "other.test", source=source)) == ["127.31.0.2"]
+
+    assert f.control({"op": "session-remove", "name": "s3", "forget_rules": True})["ok"]
+    assert ask(f.dns_port, "other.test", source=source).header.rcode == RCODE.NXDOMAIN
+    assert not (f.dir / "state" / "runtime" / "s3.json").exists()
+    f.restart()
+    assert "s3" not in {s["name"] for s in f.control({"op": "sessions"})["sessions"]}
+
+
+@pytest.mark.parametrize(("request_", "error"), [
+    ({"op": "session-add", "name": "s9", "subnet": "127.0.0.0/25"}, "overlaps session s1"),
+    ({"op": "session-add", "name": "s1", "subnet": "127.0.9.0/24"}, "defined twice"),
+    ({"op": "session-add", "name": "Bad!", "subnet": "127.0.9.0/24"}, "must be 1-32"),
+    ({"op": "session-add", "name": "s9", "subnet": "127.0.9.7/24"}, "host bits set"),
+    ({"op": "session-add", "name": "s9", "subnet": "127.0.9.0/24", "gateway": "10.0.0.1"},
+     "not an address in 127.0.9.0/24"),
+    ({"op": "session-add", "name": "s9", "subnet": "127.0.9.0/24", "files": ["/nope.toml"]},
+     "/nope.toml: cannot read"),
+    ({"op": "session-remove", "name": "s1"}, "remove it there"),
+    ({"op": "session-remove", "name": "ghost"}, "no session 'ghost' registered"),
+])
+def test_bad_session_registrations_change_nothing(fresh_filter, request_, error):
+    before = fresh_filter.control({"op": "sessions"})["sessions"]
+    answer = fresh_filter.control(request_)
+    assert answer["ok"] is False and error in answer["error"], answer
+    assert fresh_filter.control({"op": "sessions"})["sessions"] == before
