@@ -6,6 +6,7 @@ file, key and reason, and `corral-filter` exits 2 without starting half-configur
 
 from __future__ import annotations
 
+import grp
 import ipaddress
 import re
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ class FilterConfig:
     state_dir: str = "/var/lib/corral"
     """Runtime rules and the audit log live here."""
     control_socket: str = "/run/corral/filter.sock"
+    control_group: str | None = None
+    """A group that may use the control socket too (mode 0660): the admin API's user."""
     gateway: ipaddress.IPv4Address | None = None
     """What host.corral resolves to."""
     sessions: tuple[SessionConfig, ...] = field(default_factory=tuple)
@@ -104,7 +107,7 @@ _SCHEMA = {
               "idle_timeout", "connect_timeout", "max_header_bytes", "max_connections"},
     "policy": {"files"},
     "state": {"dir"},
-    "control": {"socket"},
+    "control": {"socket", "group"},
     "host": {"gateway"},
     "session": {"name", "subnet", "files", "gateway"},
     "firewall": {"manage", "interfaces", "log_group", "log_rate", "learn_ttl_min"},
@@ -243,6 +246,8 @@ def parse_config(text: str, path: str) -> FilterConfig:
         policy_files=strings("policy", "files"),
         state_dir=string("state", "dir", "/var/lib/corral"),
         control_socket=string("control", "socket", "/run/corral/filter.sock"),
+        control_group=_group(section("control").get("group"),
+                             lambda m: fail("control", "group", m)),
         gateway=gateway,
         sessions=tuple(sessions),
         firewall=firewall,
@@ -285,6 +290,19 @@ def make_session(name, subnet_text, gateway_text, files, existing) -> SessionCon
             raise SessionError("gateway", f"session {name}: {gateway_text!r} is not an address "
                                f"in {subnet}", gateway_text)
     return SessionConfig(name, subnet, tuple(files), gateway)
+
+
+def _group(name, fail) -> str | None:
+    """A group that exists on this host, or None when the key is absent."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        fail(f"must be a group name, got {name!r}")
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        fail(f"no group {name!r} on this host")
+    return name
 
 
 def _address(item, fail) -> Address:

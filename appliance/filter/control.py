@@ -20,6 +20,7 @@ per line, until the client hangs up. Requests:
 from __future__ import annotations
 
 import asyncio
+import grp
 import json
 import logging
 import os
@@ -59,14 +60,17 @@ class ControlServer:
     def __init__(self, service):
         self.service = service  # the running Service: store, bus, audit, listeners
 
-    async def start(self, path: str) -> asyncio.AbstractServer:
+    async def start(self, path: str, group: str | None = None) -> asyncio.AbstractServer:
+        """Listen on `path`: 0600, or 0660 owned by `group` (the admin API's user)."""
         _prepare(Path(path))
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             server = await asyncio.start_unix_server(self.handle, path, limit=MAX_REQUEST)
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        if group is not None:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            os.chmod(path, 0o660)
         return server
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

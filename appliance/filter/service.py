@@ -152,7 +152,8 @@ class Service:
             self._start_drop_reader()
             self.audit = AuditLog(self.config.audit_path)
             self.bus.audit = self.audit
-            control = await ControlServer(self).start(self.config.control_socket)
+            control = await ControlServer(self).start(self.config.control_socket,
+                                                      self.config.control_group)
             self._servers.append(control)
         except BaseException:
             await self.stop()

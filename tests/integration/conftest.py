@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(items):
 class FilterProcess:
     """corral-filter started from its console script with a generated config."""
 
-    def __init__(self, directory: Path, dns_upstream, extra_config: str = ""):
+    def __init__(self, directory: Path, dns_upstream, extra_config: str = "",
+                 control_extra: str = ""):
         self.dir = directory
         self.socket = directory / "filter.sock"
         self.log = directory / "filter.log"
@@ -84,6 +85,7 @@ files = ["{directory}/appliance.toml"]
 dir = "{directory}/state"
 [control]
 socket = "{self.socket}"
+{control_extra}
 [host]
 gateway = "{ORIGIN}"
 [[session]]

@@ -35,6 +35,19 @@ def test_socket_is_private(fresh_filter):
     assert mode == 0o600
 
 
+def test_socket_can_be_shared_with_the_api_group(internet, tmp_path):
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name if os.getgid() != 0 else "daemon"
+    process = FilterProcess(tmp_path, internet.dns.address, control_extra=f'group = "{group}"')
+    try:
+        info = os.stat(process.socket)
+        assert stat.S_IMODE(info.st_mode) == 0o660
+        assert info.st_gid == grp.getgrnam(group).gr_gid
+    finally:
+        process.stop()
+
+
 def test_rule_added_at_runtime_takes_effect_and_survives_restart(fresh_filter, internet):
     f = fresh_filter
     assert ask(f.dns_port, "other.test").header.rcode == RCODE.NXDOMAIN

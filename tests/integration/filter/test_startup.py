@@ -45,6 +45,7 @@ socket = "{tmp_path}/filter.sock"
      "subnet = \"10.0.0.128/25\"", "overlaps session a"),
     ("[host]\ngateway = \"nope\"", "[host] gateway: 'nope' is not an IPv4 address"),
     ("[dns\n", "not valid TOML"),
+    ("group = \"no-such-group-xyz\"", "[control] group: no group 'no-such-group-xyz'"),
 ])
 def test_invalid_config_exits_2_naming_key(tmp_path, extra, message):
     result = run(write(tmp_path, extra))
