@@ -1,0 +1,3 @@
+"""Sandboxes: the agent's hardened podman containers. `podman.py` is the only code that runs
+podman; `image.py` builds the sandbox image from Debian packages; `hardening.py` says how a
+sandbox container is started."""

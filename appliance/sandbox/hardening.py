@@ -1,0 +1,78 @@
+"""How a sandbox container is started: every hardening flag in one pure function.
+
+Read-only root, a size-limited tmpfs /tmp, no capabilities, no-new-privileges, a non-root
+user with the host user's UID/GID inside a user namespace (so that UID is not the host's),
+an init as PID 1, memory/pids/cpu limits, no host socket, proxy settings for every tool
+that reads its own, and DNS pointed at the session's filter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Each tool reads its own spelling (curl/pip/requests: both cases; npm: npm_config_*;
+# git: http.proxy via GIT_CONFIG_*; Java: JAVA_TOOL_OPTIONS).
+NO_PROXY = "localhost,127.0.0.1,::1"
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    name: str
+    """The container's name."""
+    image: str
+    network: str | None
+    """A podman network, or None for no network at all."""
+    gateway: str | None
+    """The filter's address on that network: DNS and proxy."""
+    uid: int = 1000
+    gid: int = 1000
+    proxy_port: int = 3128
+    memory: str = "4g"
+    pids: int = 2048
+    cpus: str = "2"
+    tmp_size: str = "1g"
+    userns_base: int = 200_000
+    """Container ID 0 maps to this host ID; 65536 IDs are mapped."""
+    volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    """(source, target) pairs: the home volume and the workspace."""
+    workdir: str = "/work"
+
+
+def proxy_environment(gateway: str, port: int) -> dict[str, str]:
+    proxy = f"http://{gateway}:{port}"
+    return {
+        "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy, "http_proxy": proxy, "https_proxy": proxy,
+        "ALL_PROXY": proxy, "all_proxy": proxy, "NO_PROXY": NO_PROXY, "no_proxy": NO_PROXY,
+        "npm_config_proxy": proxy, "npm_config_https_proxy": proxy,
+        "PIP_PROXY": proxy,
+        "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "http.proxy", "GIT_CONFIG_VALUE_0": proxy,
+        "JAVA_TOOL_OPTIONS": (f"-Dhttp.proxyHost={gateway} -Dhttp.proxyPort={port} "
+                              f"-Dhttps.proxyHost={gateway} -Dhttps.proxyPort={port} "
+                              "-Dhttp.nonProxyHosts=localhost|127.0.0.1"),
+    }
+
+
+def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
+    """`podman run` arguments for a sandbox (after `run`)."""
+    args = [
+        "--detach", "--name", s.name, "--hostname", s.name,
+        "--read-only", "--read-only-tmpfs=false",
+        "--tmpfs", f"/tmp:rw,nosuid,nodev,size={s.tmp_size}",  # noqa: S108 - inside the sandbox
+        "--cap-drop=ALL", "--security-opt=no-new-privileges",
+        "--uidmap", f"0:{s.userns_base}:65536", "--gidmap", f"0:{s.userns_base}:65536",
+        "--user", f"{s.uid}:{s.gid}", "--init",
+        "--memory", s.memory, "--pids-limit", str(s.pids), "--cpus", s.cpus,
+        "--workdir", s.workdir,
+        "--env", "HOME=/home/agent", "--env", "TERM=xterm-256color",
+    ]
+    if s.network is None:
+        args += ["--network", "none"]
+    else:
+        args += ["--network", s.network]
+        if s.gateway:
+            args += ["--dns", s.gateway]
+            for key, value in proxy_environment(s.gateway, s.proxy_port).items():
+                args += ["--env", f"{key}={value}"]
+    for source, target in s.volumes:
+        args += ["--volume", f"{source}:{target}:rw"]
+    return [*args, s.image, *command]

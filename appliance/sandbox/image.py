@@ -1,0 +1,85 @@
+"""The sandbox image, from Debian packages only: no registry, no third-party image to trust.
+
+  mmdebstrap (bookworm, PACKAGES) -> rootfs.tar -> `podman import` -> corral-base:VERSION
+  + the layer in CONTAINERFILE (the selftest, /work, labels)   -> corral-sandbox:VERSION
+
+The package list lives here and nowhere else; change it (or the layer) and bump VERSION.
+A team layers its own tools on top with a Containerfile that starts
+`FROM localhost/corral-sandbox:<VERSION>` (see README).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .podman import Podman, PodmanError
+
+VERSION = "1"
+SUITE = "bookworm"
+PACKAGES = (
+    "ca-certificates", "git", "curl", "less", "jq", "ripgrep", "openssh-client",
+    "python3", "python3-venv", "python3-pip", "nodejs", "npm", "build-essential",
+    "catatonit",
+)
+BASE = f"localhost/corral-base:{VERSION}"
+IMAGE = f"localhost/corral-sandbox:{VERSION}"
+SELFTEST = Path(__file__).resolve().parents[1] / "selftest.py"
+
+CONTAINERFILE = f"""\
+FROM {BASE}
+COPY selftest.py /usr/local/bin/corral-selftest
+RUN chmod 0755 /usr/local/bin/corral-selftest \\
+ && mkdir -p /work /home/agent && chmod 1777 /work /home/agent
+LABEL io.corral.image="sandbox" io.corral.version="{VERSION}" \\
+      io.corral.packages="{' '.join(PACKAGES)}"
+WORKDIR /work
+CMD ["/bin/bash", "-l"]
+"""
+
+
+def build(podman: Podman, mirror: str = "http://deb.debian.org/debian",
+          progress: Callable[[str], None] = print, rebuild: bool = False) -> str:
+    """Build (or keep) the sandbox image; returns its reference. Raises PodmanError."""
+    if not rebuild and podman.image_exists(IMAGE):
+        progress(f"image {IMAGE} is there; `--rebuild` to build it again")
+        return IMAGE
+    if shutil.which("mmdebstrap") is None:
+        raise PodmanError("mmdebstrap is not installed: apt-get install mmdebstrap")
+    with tempfile.TemporaryDirectory(prefix="corral-image-") as tmp:
+        work = Path(tmp)
+        started = time.monotonic()
+        if rebuild or not podman.image_exists(BASE):
+            progress(f"[1/3] mmdebstrap {SUITE} with {len(PACKAGES)} packages ...")
+            _mmdebstrap(work / "rootfs.tar", mirror)
+            progress(f"[2/3] podman import -> {BASE} ({time.monotonic() - started:.0f}s)")
+            podman.run("import", "--change", 'CMD ["/bin/bash"]', str(work / "rootfs.tar"),
+                       BASE)
+        else:
+            progress(f"[1-2/3] {BASE} is there (same package list): only the layer is built")
+        progress(f"[3/3] podman build -> {IMAGE} ({time.monotonic() - started:.0f}s)")
+        shutil.copy(SELFTEST, work / "selftest.py")
+        (work / "Containerfile").write_text(CONTAINERFILE)
+        podman.run("build", "--network", "none", "--tag", IMAGE, "--file",
+                   str(work / "Containerfile"), str(work))
+        progress(f"built {IMAGE} in {time.monotonic() - started:.0f}s")
+    return IMAGE
+
+
+def _mmdebstrap(target: Path, mirror: str) -> None:
+    import subprocess
+
+    command = [
+        "mmdebstrap", "--quiet", "--variant=apt", f"--include={','.join(PACKAGES)}",
+        # documentation and translations are not what an agent needs; they are a third
+        "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
+        "--dpkgopt=path-exclude=/usr/share/locale/*",
+        SUITE, str(target), mirror,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    if result.returncode != 0:
+        raise PodmanError(f"mmdebstrap failed (exit {result.returncode}): "
+                          f"{result.stderr.strip()[-2000:]}")
