@@ -59,6 +59,9 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
         "--read-only", "--read-only-tmpfs=false",
         "--tmpfs", f"/tmp:rw,nosuid,nodev,size={s.tmp_size}",  # noqa: S108 - inside the sandbox
         "--cap-drop=ALL", "--security-opt=no-new-privileges",
+        # private IPC: /dev/shm lives in the container's own mount namespace, with no
+        # host-side mount to leak into other namespaces (or be shared with anyone)
+        "--ipc", "private",
         "--uidmap", f"0:{s.userns_base}:65536", "--gidmap", f"0:{s.userns_base}:65536",
         "--user", f"{s.uid}:{s.gid}", "--init",
         "--memory", s.memory, "--pids-limit", str(s.pids), "--cpus", s.cpus,

@@ -10,6 +10,7 @@ A team layers its own tools on top with a Containerfile that starts
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 import time
@@ -29,23 +30,39 @@ BASE = f"localhost/corral-base:{VERSION}"
 IMAGE = f"localhost/corral-sandbox:{VERSION}"
 SELFTEST = Path(__file__).resolve().parents[1] / "selftest.py"
 
-CONTAINERFILE = f"""\
-FROM {BASE}
+CONTAINERFILE = """\
+FROM {base}
 COPY selftest.py /usr/local/bin/corral-selftest
 RUN chmod 0755 /usr/local/bin/corral-selftest \\
  && mkdir -p /work /home/agent && chmod 1777 /work /home/agent
-LABEL io.corral.image="sandbox" io.corral.version="{VERSION}" \\
-      io.corral.packages="{' '.join(PACKAGES)}"
+LABEL io.corral.image="sandbox" io.corral.version="{version}" \\
+      io.corral.packages="{packages}" io.corral.layer="{digest}"
 WORKDIR /work
 CMD ["/bin/bash", "-l"]
 """
 
 
+def layer_digest() -> str:
+    """What the top layer is made of: the Containerfile and the selftest it copies in."""
+    digest = hashlib.sha256(CONTAINERFILE.encode())
+    digest.update(SELFTEST.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _current(podman: Podman) -> bool:
+    if not podman.image_exists(IMAGE):
+        return False
+    labels = podman.json("image", "inspect", IMAGE)[0].get("Labels") or {}
+    return labels.get("io.corral.layer") == layer_digest()
+
+
 def build(podman: Podman, mirror: str = "http://deb.debian.org/debian",
           progress: Callable[[str], None] = print, rebuild: bool = False) -> str:
-    """Build (or keep) the sandbox image; returns its reference. Raises PodmanError."""
-    if not rebuild and podman.image_exists(IMAGE):
-        progress(f"image {IMAGE} is there; `--rebuild` to build it again")
+    """Build the sandbox image, or keep it when it is current; returns its reference.
+    The slow base (packages) is rebuilt only when VERSION changes or `rebuild` says so; the
+    layer whenever its inputs (the selftest included) change. Raises PodmanError."""
+    if not rebuild and _current(podman):
+        progress(f"image {IMAGE} is current")
         return IMAGE
     if shutil.which("mmdebstrap") is None:
         raise PodmanError("mmdebstrap is not installed: apt-get install mmdebstrap")
@@ -62,7 +79,8 @@ def build(podman: Podman, mirror: str = "http://deb.debian.org/debian",
             progress(f"[1-2/3] {BASE} is there (same package list): only the layer is built")
         progress(f"[3/3] podman build -> {IMAGE} ({time.monotonic() - started:.0f}s)")
         shutil.copy(SELFTEST, work / "selftest.py")
-        (work / "Containerfile").write_text(CONTAINERFILE)
+        (work / "Containerfile").write_text(CONTAINERFILE.format(
+            base=BASE, version=VERSION, packages=" ".join(PACKAGES), digest=layer_digest()))
         podman.run("build", "--network", "none", "--tag", IMAGE, "--file",
                    str(work / "Containerfile"), str(work))
         progress(f"built {IMAGE} in {time.monotonic() - started:.0f}s")

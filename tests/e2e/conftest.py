@@ -73,6 +73,7 @@ dir = "{directory}/state"
 socket = "{self.socket}"
 [firewall]
 manage = true
+interfaces = ["corral*", "podman*"]   # namespace sandboxes, and podman's bridges
 [[session]]
 name = "s1"
 subnet = "10.213.1.0/24"
@@ -144,6 +145,32 @@ files = ["{directory}/s2.toml"]
         for process in self.processes:
             netns.stop(process)
         netns.cleanup()
+
+
+CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
+
+
+@pytest.fixture(scope="session")
+def podman():
+    """podman on this host; sandbox tests skip (saying why) where it cannot run."""
+    from appliance.sandbox.podman import Podman
+
+    if os.geteuid() != 0:
+        pytest.skip("sandbox tests need root (rootful podman): run scripts/test as root")
+    if shutil.which("podman") is None or shutil.which("mmdebstrap") is None:
+        pytest.skip("podman and mmdebstrap are missing: scripts/setup installs them")
+    return Podman(CONTAINERS_CONF)
+
+
+@pytest.fixture(scope="session")
+def sandbox_image(podman):
+    """The real sandbox image, built from Debian packages (kept between runs)."""
+    from appliance.sandbox import image
+
+    started = time.monotonic()
+    reference = image.build(podman, progress=lambda line: print(f"image: {line}"))
+    print(f"image: ready after {time.monotonic() - started:.0f}s")
+    return reference
 
 
 @pytest.fixture(scope="session")

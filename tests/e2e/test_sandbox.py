@@ -3,34 +3,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from appliance.sandbox import hardening, image
-from appliance.sandbox.podman import Podman, PodmanError
+from appliance.sandbox.podman import PodmanError
 
-CONF = Path(__file__).with_name("containers.conf")
 NAME = "corral-e2e-hardened"
-
-
-@pytest.fixture(scope="module")
-def podman():
-    if os.geteuid() != 0:
-        pytest.skip("sandbox tests need root (rootful podman): run scripts/test as root")
-    if shutil.which("podman") is None or shutil.which("mmdebstrap") is None:
-        pytest.skip("podman and mmdebstrap are missing: scripts/setup installs them")
-    return Podman(CONF)
-
-
-@pytest.fixture(scope="module")
-def sandbox_image(podman):
-    started = time.monotonic()
-    reference = image.build(podman, progress=lambda line: print(f"image: {line}"))
-    print(f"image: ready after {time.monotonic() - started:.0f}s")
-    return reference
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +26,7 @@ def container(podman, sandbox_image, tmp_path_factory):
     podman.run("run", *hardening.run_arguments(spec, ["sleep", "600"]))
     print(f"hardened podman run: {time.monotonic() - started:.2f}s")
     yield spec
-    podman.run("rm", "--force", "--time", "0", NAME)
+    podman.remove_container(NAME)
 
 
 def image_host_id(inside: int) -> int:

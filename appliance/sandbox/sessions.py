@@ -1,0 +1,155 @@
+"""Sessions: one agent container on its own podman bridge network, registered with the filter.
+
+create:  allocate a /24 from the pool -> `podman network create` (no podman DNS) ->
+         register subnet and project files with the filter (which re-applies the firewall)
+         -> start the hardened container -> write the record (atomically).
+         Any step that fails undoes the ones before it: nothing half-made is left.
+stop:    remove the container, unregister from the filter, remove the network; the record
+         stays (state "stopped") until `remove`.
+A record is what the manager meant; `list()` reconciles it with what podman reports.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance.filter.config import SESSION_NAME
+from appliance.filter.store import write_atomic
+
+from . import hardening
+from .image import IMAGE
+from .podman import Podman, PodmanError
+
+LABEL = "io.corral.session"
+
+
+class SessionError(RuntimeError):
+    """A session could not be created or found; the message says why."""
+
+
+@dataclass
+class Record:
+    name: str
+    subnet: str
+    gateway: str
+    network: str
+    container: str
+    image: str
+    created: float
+    state: str = "running"
+    """running | stopped (as meant; `list()` adds what podman says)."""
+
+
+class SessionManager:
+    def __init__(self, podman: Podman, control: Callable[[dict], dict], state_dir: Path,
+                 pool: str = "10.213.0.0/16", image: str = IMAGE, uid: int = 1000,
+                 gid: int = 1000, proxy_port: int = 3128):
+        self.podman, self.control = podman, control
+        self.records_dir = Path(state_dir) / "sessions"
+        self.pool = ipaddress.IPv4Network(pool)
+        self.image, self.uid, self.gid, self.proxy_port = image, uid, gid, proxy_port
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
+        return self.records_dir / f"{name}.json"
+
+    def _save(self, record: Record) -> None:
+        write_atomic(self._path(record.name), json.dumps(asdict(record), indent=1).encode())
+
+    def records(self) -> list[Record]:
+        out = []
+        for path in sorted(self.records_dir.glob("*.json")):
+            out.append(Record(**json.loads(path.read_text())))
+        return out
+
+    def get(self, name: str) -> Record:
+        try:
+            return Record(**json.loads(self._path(name).read_text()))
+        except FileNotFoundError:
+            known = ", ".join(r.name for r in self.records()) or "none"
+            raise SessionError(f"no session {name!r}; sessions: {known}") from None
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def _allocate(self) -> ipaddress.IPv4Network:
+        taken = {ipaddress.IPv4Network(r.subnet) for r in self.records()}
+        for network in self.podman.json("network", "ls", "--format", "json") or []:
+            for subnet in network.get("subnets") or []:
+                taken.add(ipaddress.ip_network(subnet["subnet"]))
+        for session in self.control({"op": "sessions"}).get("sessions", []):
+            taken.add(ipaddress.ip_network(session["subnet"]))
+        for candidate in self.pool.subnets(new_prefix=24):
+            if not any(candidate.overlaps(t) for t in taken):
+                return candidate
+        raise SessionError(f"no free /24 left in {self.pool}")
+
+    def create(self, name: str, project_files: list[str] = (),
+               volumes: tuple[tuple[str, str], ...] = (),
+               command: list[str] = ("sleep", "infinity")) -> Record:
+        if not SESSION_NAME.match(name):
+            raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
+        if self._path(name).exists():
+            raise SessionError(f"session {name!r} exists; `corral rm {name}` first")
+        subnet = self._allocate()
+        gateway = str(next(subnet.hosts()))
+        network = container = f"corral-{name}"
+        undo: list[Callable[[], object]] = []
+        try:
+            self.podman.run("network", "create", "--driver", "bridge", "--subnet", str(subnet),
+                            "--gateway", gateway, "--disable-dns", "--label", f"{LABEL}={name}",
+                            network)
+            undo.append(lambda: self.podman.run("network", "rm", "--force", network,
+                                                check=False))
+            answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
+                                   "gateway": gateway, "files": list(project_files)})
+            if not answer.get("ok"):
+                raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
+            undo.append(lambda: self.control({"op": "session-remove", "name": name}))
+            spec = hardening.Sandbox(name=container, image=self.image, network=network,
+                                     gateway=gateway, uid=self.uid, gid=self.gid,
+                                     proxy_port=self.proxy_port, volumes=tuple(volumes))
+            arguments = hardening.run_arguments(spec, list(command))
+            self.podman.run("run", "--label", f"{LABEL}={name}", *arguments)
+            undo.append(lambda: self.podman.remove_container(container))
+            record = Record(name, str(subnet), gateway, network, container, self.image,
+                            round(time.time(), 3))
+            self._save(record)
+            return record
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+
+    def stop(self, name: str) -> Record:
+        """Container, filter session and network go; the record stays, marked stopped."""
+        record = self.get(name)
+        self.podman.remove_container(record.container)
+        answer = self.control({"op": "session-remove", "name": name})
+        if not answer.get("ok") and "no session" not in answer.get("error", ""):
+            raise SessionError(f"the filter kept session {name}: {answer.get('error')}")
+        self.podman.run("network", "rm", "--force", record.network, check=False)
+        record.state = "stopped"
+        self._save(record)
+        return record
+
+    def remove(self, name: str) -> None:
+        record = self.get(name)
+        if record.state != "stopped":
+            self.stop(name)
+        self._path(name).unlink()
+
+    def list(self) -> list[dict]:
+        """Records, each with what podman reports now (a crash or reboot shows up here)."""
+        try:
+            running = {c["Names"][0]: c["State"] for c in self.podman.json(
+                "ps", "--all", "--filter", f"label={LABEL}", "--format", "json") or []}
+        except PodmanError as exc:
+            raise SessionError(f"cannot ask podman about sessions: {exc}") from None
+        return [{**asdict(r), "container_state": running.get(r.container, "absent")}
+                for r in self.records()]

@@ -1,0 +1,95 @@
+"""Sessions for real: a hardened container on its own podman bridge inside the appliance
+namespace, registered with the real filter and firewall; the whole battery runs inside it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from appliance.sandbox.podman import Podman
+from appliance.sandbox.sessions import SessionError, SessionManager
+
+from . import netns
+from .conftest import CONTAINERS_CONF
+from .test_bypass import recorded
+
+PROJECT = """
+[http]
+allow = ["allowed.test", "private.test"]
+[tcp]
+allow = ["ssh.test:22"]
+"""
+
+
+@pytest.fixture(scope="module")
+def manager(world, sandbox_image):
+    inside = Podman(CONTAINERS_CONF, prefix=("nsenter", f"--net=/run/netns/{netns.APPLIANCE}"))
+    return SessionManager(inside, world.control, world.dir / "manager", image=sandbox_image)
+
+
+@pytest.fixture(scope="module")
+def session(world, manager):
+    manager.podman.remove_container("corral-p1")  # what an interrupted run may have left
+    manager.podman.run("network", "rm", "--force", "corral-p1", check=False)
+    project = world.dir / "p1.toml"
+    project.write_text(PROJECT)
+    started = time.monotonic()
+    record = manager.create("p1", [str(project)])
+    print(f"session p1 started in {time.monotonic() - started:.2f}s on {record.subnet}")
+    yield record
+    if any(r.name == "p1" and r.state != "stopped" for r in manager.records()):
+        manager.stop("p1")
+
+
+def test_the_battery_passes_inside_a_real_session(world, manager, session):
+    result = manager.podman.run(
+        "exec", session.container, "corral-selftest", "--json", "--allowed", "allowed.test",
+        "--denied", "denied.test", "--foreign-resolver", "203.0.113.53",
+        "--v6-target", "3fff:ff::10", "--private-name", "private.test",
+        "--tcp-name", "ssh.test:22", "--slow-connections", "500", check=False, timeout=300)
+    probes = [json.loads(line) for line in result.stdout.decode().splitlines()
+              if line.startswith("{")]
+    failed = [p for p in probes if not p["ok"]]
+    assert probes and not failed, json.dumps(failed, indent=1)
+    time.sleep(0.3)
+    events, counters = world.events(), world.counters()
+    missing = [p for p in probes if p["expect"]
+               and not recorded(world, p["expect"], events, counters)]
+    assert not missing, json.dumps(missing, indent=1)
+    assert any(e.get("session") == "p1" and e["verdict"] == "deny" for e in events)
+
+
+def test_the_proxy_settings_reach_every_tool(manager, session):
+    env = manager.podman.run("exec", session.container, "env").stdout.decode()
+    proxy = f"http://{session.gateway}:3128"
+    for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "npm_config_https_proxy",
+                "PIP_PROXY", "GIT_CONFIG_VALUE_0"):
+        assert f"{key}={proxy}" in env
+    assert "NO_PROXY=localhost" in env
+    resolv = manager.podman.run("exec", session.container, "cat", "/etc/resolv.conf").stdout
+    assert f"nameserver {session.gateway}".encode() in resolv
+
+
+def test_names_are_checked_and_duplicates_refused(manager, session):
+    with pytest.raises(SessionError, match="must be 1-32"):
+        manager.create("Bad Name")
+    with pytest.raises(SessionError, match="exists"):
+        manager.create("p1")
+
+
+def test_stop_leaves_nothing_behind(world, manager, session):
+    listed = {s["name"]: s for s in manager.list()}
+    assert listed["p1"]["container_state"] == "running"
+    manager.stop("p1")
+    podman = manager.podman
+    assert podman.run("container", "exists", session.container, check=False).returncode == 1
+    assert podman.run("network", "exists", session.network, check=False).returncode == 1
+    assert "p1" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
+    ruleset = netns.sh("nft", "list", "table", "inet", "corral", ns=netns.APPLIANCE).stdout
+    assert session.subnet not in ruleset and "deny_p1" not in ruleset
+    assert {s["name"]: s for s in manager.list()}["p1"]["container_state"] == "absent"
+    manager.remove("p1")
+    with pytest.raises(SessionError, match="no session 'p1'"):
+        manager.get("p1")
