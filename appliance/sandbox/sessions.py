@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,7 +23,7 @@ from pathlib import Path
 from appliance.filter.config import SESSION_NAME
 from appliance.filter.store import write_atomic
 
-from . import hardening
+from . import hardening, workspace
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
@@ -45,12 +47,21 @@ class Record:
     """running | stopped (as meant; `list()` adds what podman says)."""
 
 
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    """The workspace belongs to the agent's user as the user namespace maps it."""
+    for directory, dirs, files in os.walk(root):
+        os.chown(directory, uid, gid)
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
+
+
 class SessionManager:
     def __init__(self, podman: Podman, control: Callable[[dict], dict], state_dir: Path,
                  pool: str = "10.213.0.0/16", image: str = IMAGE, uid: int = 1000,
                  gid: int = 1000, proxy_port: int = 3128):
         self.podman, self.control = podman, control
         self.records_dir = Path(state_dir) / "sessions"
+        self.workspaces = Path(state_dir) / "workspaces"
         self.pool = ipaddress.IPv4Network(pool)
         self.image, self.uid, self.gid, self.proxy_port = image, uid, gid, proxy_port
 
@@ -89,8 +100,11 @@ class SessionManager:
                 return candidate
         raise SessionError(f"no free /24 left in {self.pool}")
 
-    def create(self, name: str, project_files: list[str] = (),
-               volumes: tuple[tuple[str, str], ...] = (),
+    def workspace(self, name: str) -> tuple[Path, Path]:
+        """(work, base): what the agent changes, and what it started from."""
+        return self.workspaces / name / "work", self.workspaces / name / "base"
+
+    def create(self, name: str, project_files: list[str] = (), project: Path | None = None,
                command: list[str] = ("sleep", "infinity")) -> Record:
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
@@ -100,7 +114,16 @@ class SessionManager:
         gateway = str(next(subnet.hosts()))
         network = container = f"corral-{name}"
         undo: list[Callable[[], object]] = []
+        volumes: tuple[tuple[str, str], ...] = ()
         try:
+            if project is not None:
+                work, base = self.workspace(name)
+                shutil.rmtree(work.parent, ignore_errors=True)  # a stopped session's old copy
+                undo.append(lambda: shutil.rmtree(work.parent, ignore_errors=True))
+                workspace.copy_in(Path(project), work, base)
+                _chown_tree(work, hardening.Sandbox.userns_base + self.uid,
+                            hardening.Sandbox.userns_base + self.gid)
+                volumes = ((str(work), "/work"),)
             self.podman.run("network", "create", "--driver", "bridge", "--subnet", str(subnet),
                             "--gateway", gateway, "--disable-dns", "--label", f"{LABEL}={name}",
                             network)
@@ -113,7 +136,7 @@ class SessionManager:
             undo.append(lambda: self.control({"op": "session-remove", "name": name}))
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
                                      gateway=gateway, uid=self.uid, gid=self.gid,
-                                     proxy_port=self.proxy_port, volumes=tuple(volumes))
+                                     proxy_port=self.proxy_port, volumes=volumes)
             arguments = hardening.run_arguments(spec, list(command))
             self.podman.run("run", "--label", f"{LABEL}={name}", *arguments)
             undo.append(lambda: self.podman.remove_container(container))
@@ -138,10 +161,23 @@ class SessionManager:
         self._save(record)
         return record
 
+    def diff(self, name: str) -> list[workspace.Change]:
+        self.get(name)
+        return workspace.changes(*reversed(self.workspace(name)))
+
+    def apply(self, name: str, project: Path, paths: list[str] | None = None,
+              force: bool = False) -> list[workspace.Change]:
+        """The agent's changes into the host project; raises workspace.Conflict."""
+        self.get(name)
+        work, base = self.workspace(name)
+        return workspace.apply(Path(project), base, work, paths, force)
+
     def remove(self, name: str) -> None:
+        """Stop if needed, then forget the session and its workspace."""
         record = self.get(name)
         if record.state != "stopped":
             self.stop(name)
+        shutil.rmtree(self.workspaces / name, ignore_errors=True)
         self._path(name).unlink()
 
     def list(self) -> list[dict]:

@@ -33,10 +33,15 @@ def manager(world, sandbox_image):
 def session(world, manager):
     manager.podman.remove_container("corral-p1")  # what an interrupted run may have left
     manager.podman.run("network", "rm", "--force", "corral-p1", check=False)
-    project = world.dir / "p1.toml"
-    project.write_text(PROJECT)
+    policy = world.dir / "p1.toml"
+    policy.write_text(PROJECT)
+    project = world.dir / "project"
+    (project / ".corral").mkdir(parents=True)
+    (project / ".corral" / "client.key").write_text("never inside")
+    (project / "app.py").write_text("print('v1')\n")
+    (project / "notes.md").write_text("notes\n")
     started = time.monotonic()
-    record = manager.create("p1", [str(project)])
+    record = manager.create("p1", [str(policy)], project=project)
     print(f"session p1 started in {time.monotonic() - started:.2f}s on {record.subnet}")
     yield record
     if any(r.name == "p1" and r.state != "stopped" for r in manager.records()):
@@ -77,6 +82,36 @@ def test_names_are_checked_and_duplicates_refused(manager, session):
         manager.create("Bad Name")
     with pytest.raises(SessionError, match="exists"):
         manager.create("p1")
+
+
+def test_work_holds_the_project_without_corral(manager, session):
+    listing = manager.podman.run("exec", session.container, "ls", "-A", "/work").stdout.split()
+    assert sorted(listing) == [b"app.py", b"notes.md"]
+    assert manager.podman.run("exec", session.container, "cat", "/work/.corral/client.key",
+                              check=False).returncode != 0
+
+
+def test_diff_and_apply_round_trip_with_a_refused_conflict(world, manager, session):
+    project = world.dir / "project"
+    run = manager.podman.run
+    run("exec", session.container, "sh", "-c",
+        "printf \"print('v2')\\n\" > /work/app.py && echo new > /work/added.txt "
+        "&& printf 'edited by agent\\n' > /work/notes.md")
+    from appliance.sandbox.workspace import Conflict, render
+
+    text = render(manager.diff("p1"))
+    assert "-print('v1')\n+print('v2')\n" in text and "+++ b/added.txt" in text
+    assert text.endswith("1 added, 2 modified, 0 removed, 0 binary")
+    (project / "notes.md").write_text("edited by the human\n")  # meanwhile, on the host
+    with pytest.raises(Conflict) as info:
+        manager.apply("p1", project)
+    assert info.value.paths == ["notes.md"]
+    assert (project / "app.py").read_text() == "print('v1')\n"  # nothing was written
+    applied = manager.apply("p1", project, paths=["app.py", "added.txt"])
+    assert {c.path for c in applied} == {"app.py", "added.txt"}
+    assert (project / "app.py").read_text() == "print('v2')\n"
+    assert (project / "notes.md").read_text() == "edited by the human\n"
+    assert [c.path for c in manager.diff("p1")] == ["notes.md"]
 
 
 def test_stop_leaves_nothing_behind(world, manager, session):

@@ -1,0 +1,220 @@
+"""The workspace: the agent proposes, a human disposes.
+
+At start the project is copied twice, without `.corral/`: `work/` (mounted at /work, the
+agent's) and `base/` (never mounted: what the agent started from). `changes()` compares the
+two; `apply()` writes the agent's changes into the host project, but only where the host
+still holds what `base/` holds — a file the person edited meanwhile is a conflict, and then
+nothing at all is written unless forced. Applied changes are folded into `base/`, so the next
+apply carries only what is new.
+
+The agent controls `work/` completely, so nothing read from it is trusted: symlinks are
+compared and applied as links (never followed), a link pointing out of the project is
+refused, and no write goes through a directory that is a symlink on the host.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXCLUDED = (".corral",)
+"""Top-level names never copied in: the project's corral directory holds its credentials."""
+BINARY_PROBE = 8192
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    """file | link"""
+    data: bytes
+    """File contents, or the link's target."""
+    executable: bool = False
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str
+    """Relative, with / separators."""
+    action: str
+    """added | modified | removed"""
+    before: Entry | None
+    after: Entry | None
+
+    @property
+    def binary(self) -> bool:
+        return any(e is not None and e.kind == "file" and _binary(e.data)
+                   for e in (self.before, self.after))
+
+
+@dataclass
+class Conflict(Exception):
+    paths: list[str] = field(default_factory=list)
+    """Files the host changed since the session started."""
+    refused: list[str] = field(default_factory=list)
+    """Changes that would write outside the project (links out, symlinked directories)."""
+
+    def __str__(self) -> str:
+        parts = []
+        if self.paths:
+            parts.append("changed on the host since the session started: "
+                         + ", ".join(self.paths))
+        if self.refused:
+            parts.append("refused: " + "; ".join(self.refused))
+        return "; ".join(parts)
+
+
+def _binary(data: bytes) -> bool:
+    head = data[:BINARY_PROBE]
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start < len(head) - 4  # a cut multi-byte character at the end is fine
+    return False
+
+
+def copy_in(project: Path, work: Path, base: Path) -> None:
+    """The project into `work/` and `base/`, without `.corral/`; symlinks stay symlinks."""
+    def ignore(directory, names):
+        return [n for n in names if n in EXCLUDED] if Path(directory) == project else []
+
+    for target in (base, work):
+        shutil.copytree(project, target, symlinks=True, ignore=ignore)
+
+
+def snapshot(root: Path) -> dict[str, Entry]:
+    """Every file and link below `root`, by relative path; directories are implied."""
+    out: dict[str, Entry] = {}
+    for directory, dirs, files in os.walk(root, followlinks=False):
+        here = Path(directory)
+        for name in [*files, *[d for d in dirs if (here / d).is_symlink()]]:
+            path = here / name
+            relative = path.relative_to(root).as_posix()
+            if relative.split("/", 1)[0] in EXCLUDED:
+                continue
+            info = path.lstat()
+            if stat.S_ISLNK(info.st_mode):
+                out[relative] = Entry("link", os.readlink(path).encode())
+            elif stat.S_ISREG(info.st_mode):
+                out[relative] = Entry("file", path.read_bytes(), bool(info.st_mode & 0o111))
+    return out
+
+
+def changes(base: Path, work: Path) -> list[Change]:
+    before, after = snapshot(base), snapshot(work)
+    out = []
+    for path in sorted(set(before) | set(after)):
+        old, new = before.get(path), after.get(path)
+        if old == new:
+            continue
+        action = "added" if old is None else "removed" if new is None else "modified"
+        out.append(Change(path, action, old, new))
+    return out
+
+
+def render(changeset: list[Change]) -> str:
+    """A unified diff of the text changes, a line for each binary one, and a summary."""
+    lines: list[str] = []
+    for change in changeset:
+        old, new = change.before, change.after
+        if change.binary or "link" in {e.kind for e in (old, new) if e}:
+            what = (f"symlink -> {new.data.decode(errors='replace')}" if new and new.kind == "link"
+                    else "binary file")
+            lines.append(f"{change.action}: {change.path} ({what})")
+            continue
+        a = old.data.decode().splitlines(keepends=True) if old else []
+        b = new.data.decode().splitlines(keepends=True) if new else []
+        header_a = f"a/{change.path}" if old else "/dev/null"
+        header_b = f"b/{change.path}" if new else "/dev/null"
+        lines.extend(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                     for line in difflib.unified_diff(a, b, header_a, header_b))
+        if old and new and old.executable != new.executable:
+            lines.append(f"mode: {change.path} {'+x' if new.executable else '-x'}\n")
+    counts = {a: sum(1 for c in changeset if c.action == a) for a in ("added", "modified",
+                                                                      "removed")}
+    binary = sum(1 for c in changeset if c.binary)
+    summary = (f"{counts['added']} added, {counts['modified']} modified, {counts['removed']} "
+               f"removed, {binary} binary")
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines) + summary
+
+
+def _selected(change: Change, paths: list[str] | None) -> bool:
+    if not paths:
+        return True
+    return any(change.path == p.rstrip("/") or change.path.startswith(p.rstrip("/") + "/")
+               for p in paths)
+
+
+def _host_entry(project: Path, relative: str) -> Entry | None:
+    path = project / relative
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return Entry("link", os.readlink(path).encode())
+    if stat.S_ISREG(info.st_mode):
+        return Entry("file", path.read_bytes(), bool(info.st_mode & 0o111))
+    return Entry("other", b"")
+
+
+def _inside(project: Path, relative: str) -> bool:
+    """No component of the parent directory is a symlink, and it stays under the project."""
+    current = project
+    for part in Path(relative).parent.parts:
+        current = current / part
+        if current.is_symlink():
+            return False
+    return (project / relative).resolve(strict=False).parent.is_relative_to(project.resolve())
+
+
+def apply(project: Path, base: Path, work: Path, paths: list[str] | None = None,
+          force: bool = False) -> list[Change]:
+    """Write the selected changes into `project`; all or nothing. Raises Conflict."""
+    project = project.resolve()
+    selected = [c for c in changes(base, work) if _selected(c, paths)]
+    conflict = Conflict()
+    for change in selected:
+        if not _inside(project, change.path):
+            conflict.refused.append(f"{change.path}: a directory on the way is a symlink")
+        new = change.after
+        if new is not None and new.kind == "link":
+            target = (project / change.path).parent / new.data.decode(errors="replace")
+            if os.path.isabs(new.data) or not target.resolve(strict=False).is_relative_to(
+                    project):
+                conflict.refused.append(f"{change.path}: symlink points out of the project "
+                                        f"({new.data.decode(errors='replace')})")
+        if not force and _host_entry(project, change.path) != change.before:
+            conflict.paths.append(change.path)
+    if conflict.refused or conflict.paths:
+        raise conflict
+    for change in selected:
+        _write(project / change.path, change.after)
+        _write(base / change.path, change.after)  # the next apply starts from here
+    return selected
+
+
+def _write(path: Path, entry: Entry | None) -> None:
+    if entry is None:
+        if path.is_symlink() or path.exists():
+            path.unlink()
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    if entry.kind == "link":
+        path.symlink_to(entry.data.decode())
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(entry.data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o755 if entry.executable else 0o644)
+    os.replace(tmp, path)
