@@ -114,6 +114,37 @@ def test_diff_and_apply_round_trip_with_a_refused_conflict(world, manager, sessi
     assert [c.path for c in manager.diff("p1")] == ["notes.md"]
 
 
+def test_two_sessions_get_only_their_own_policy_and_cannot_reach_each_other(
+        world, manager, session):
+    other_policy = world.dir / "p2.toml"
+    other_policy.write_text('[http]\nallow = ["other.test"]\n')
+    manager.podman.remove_container("corral-p2")
+    manager.podman.run("network", "rm", "--force", "corral-p2", check=False)
+    other = manager.create("p2", [str(other_policy)])
+    try:
+        assert other.subnet != session.subnet
+
+        def curl(record, url):
+            result = manager.podman.run("exec", record.container, "curl", "-sS", "-m", "5",
+                                        "-o", "/dev/null", "-w", "%{http_code}", url,
+                                        check=False)
+            return result.stdout.decode()
+
+        assert curl(session, "http://allowed.test/") == "200"
+        assert curl(session, "http://other.test/") == "403"
+        assert curl(other, "http://other.test/") == "200"
+        assert curl(other, "http://allowed.test/") == "403"
+        address = manager.podman.json("inspect", other.container)[0]["NetworkSettings"][
+            "Networks"][other.network]["IPAddress"]
+        assert curl(session, f"http://{address}:8080/") == "403"  # through the proxy
+        started = time.monotonic()
+        across = manager.podman.run("exec", session.container, "curl", "-sS", "-m", "5",
+                                    "--noproxy", "*", f"http://{address}:8080/", check=False)
+        assert across.returncode == 7 and time.monotonic() - started < 3  # refused at once
+    finally:
+        manager.remove("p2")
+
+
 def test_stop_leaves_nothing_behind(world, manager, session):
     listed = {s["name"]: s for s in manager.list()}
     assert listed["p1"]["container_state"] == "running"
