@@ -92,6 +92,7 @@ def _mmdebstrap(target: Path, mirror: str) -> None:
 
     command = [
         "mmdebstrap", "--quiet", "--variant=apt", f"--include={','.join(PACKAGES)}",
+        "--aptopt=Acquire::Retries \"3\"",  # a mirror hiccup should not fail the build
         # documentation and translations are not what an agent needs; they are a third
         "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
