@@ -88,7 +88,9 @@ class SessionManager:
 
     # -- life cycle --------------------------------------------------------------------------
 
-    def _allocate(self) -> ipaddress.IPv4Network:
+    def _candidates(self):
+        """Free-looking /24s of the pool: not a record's, a podman network's or a filter
+        session's. The host may still use one (podman checks): the caller moves on then."""
         taken = {ipaddress.IPv4Network(r.subnet) for r in self.records()}
         for network in self.podman.json("network", "ls", "--format", "json") or []:
             for subnet in network.get("subnets") or []:
@@ -97,7 +99,19 @@ class SessionManager:
             taken.add(ipaddress.ip_network(session["subnet"]))
         for candidate in self.pool.subnets(new_prefix=24):
             if not any(candidate.overlaps(t) for t in taken):
-                return candidate
+                yield candidate
+
+    def _network(self, name: str, network: str) -> ipaddress.IPv4Network:
+        """Create the session's bridge network on the first free /24."""
+        for subnet in self._candidates():
+            try:
+                self.podman.run("network", "create", "--driver", "bridge", "--subnet",
+                                str(subnet), "--gateway", str(next(subnet.hosts())),
+                                "--disable-dns", "--label", f"{LABEL}={name}", network)
+                return subnet
+            except PodmanError as exc:
+                if "already used on the host" not in str(exc):
+                    raise
         raise SessionError(f"no free /24 left in {self.pool}")
 
     def workspace(self, name: str) -> tuple[Path, Path]:
@@ -110,12 +124,14 @@ class SessionManager:
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
         if self._path(name).exists():
             raise SessionError(f"session {name!r} exists; `corral rm {name}` first")
-        subnet = self._allocate()
-        gateway = str(next(subnet.hosts()))
         network = container = f"corral-{name}"
         undo: list[Callable[[], object]] = []
         volumes: tuple[tuple[str, str], ...] = ()
         try:
+            subnet = self._network(name, network)
+            gateway = str(next(subnet.hosts()))
+            undo.append(lambda: self.podman.run("network", "rm", "--force", network,
+                                                check=False))
             if project is not None:
                 work, base = self.workspace(name)
                 shutil.rmtree(work.parent, ignore_errors=True)  # a stopped session's old copy
@@ -124,11 +140,6 @@ class SessionManager:
                 _chown_tree(work, hardening.Sandbox.userns_base + self.uid,
                             hardening.Sandbox.userns_base + self.gid)
                 volumes = ((str(work), "/work"),)
-            self.podman.run("network", "create", "--driver", "bridge", "--subnet", str(subnet),
-                            "--gateway", gateway, "--disable-dns", "--label", f"{LABEL}={name}",
-                            network)
-            undo.append(lambda: self.podman.run("network", "rm", "--force", network,
-                                                check=False))
             answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
                                    "gateway": gateway, "files": list(project_files)})
             if not answer.get("ok"):
