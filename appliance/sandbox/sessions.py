@@ -149,8 +149,9 @@ class SessionManager:
                                      gateway=gateway, uid=self.uid, gid=self.gid,
                                      proxy_port=self.proxy_port, volumes=volumes)
             arguments = hardening.run_arguments(spec, list(command))
-            self.podman.run("run", "--label", f"{LABEL}={name}", *arguments)
+            # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))
+            self.podman.run("run", "--label", f"{LABEL}={name}", *arguments)
             record = Record(name, str(subnet), gateway, network, container, self.image,
                             round(time.time(), 3))
             self._save(record)

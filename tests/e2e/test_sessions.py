@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from appliance.sandbox.podman import Podman
+from appliance.sandbox.podman import Podman, PodmanError
 from appliance.sandbox.sessions import SessionError, SessionManager
 
 from . import netns
@@ -159,3 +159,20 @@ def test_stop_leaves_nothing_behind(world, manager, session):
     manager.remove("p1")
     with pytest.raises(SessionError, match="no session 'p1'"):
         manager.get("p1")
+
+
+def test_a_failed_create_leaves_nothing_behind(world, manager, tmp_path):
+    broken = SessionManager(manager.podman, world.control, manager.records_dir.parent,
+                            image="localhost/corral-no-such-image:0")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "f.txt").write_text("x\n")
+    with pytest.raises(PodmanError):
+        broken.create("p3", project=project)
+    podman = manager.podman
+    assert podman.run("container", "exists", "corral-p3", check=False).returncode == 1
+    assert podman.run("network", "exists", "corral-p3", check=False).returncode == 1
+    assert "p3" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
+    assert not broken.workspace("p3")[0].parent.exists()
+    with pytest.raises(SessionError, match="no session 'p3'"):
+        broken.get("p3")
