@@ -90,6 +90,17 @@ def listener_ports(config: FilterConfig) -> dict[str, list[int]]:
     return ports
 
 
+def _still_ours(learned: list[dict], subnets) -> list[dict]:
+    """Learned elements whose sandbox address is in a current session's subnet. A stopped
+    session's allowances must not pass to the next session that gets the same addresses."""
+    kept = []
+    for element in learned:
+        source = ipaddress.ip_address(element["elem"]["val"]["concat"][0])
+        if any(source in subnet for subnet in subnets):
+            kept.append(element)
+    return kept
+
+
 def _deny_chain(name: str, group: int, rate: int, counts: dict | None = None) -> list[dict]:
     """Count, report (rate-limited) and reject: the one way anything is refused."""
     chain = f"deny_{name}"
@@ -133,6 +144,7 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         _chain("filter_input", "input", prio=-5),
         _chain("filter_forward", "forward", prio=-5),
     ]
+    learned = _still_ours(learned or [], [s.subnet for s in config.sessions])
     if learned:
         commands.append({"add": {"element": _t(name=LEARNED, elem=learned)}})
     for name in [s.name for s in config.sessions] + [UNKNOWN, "ipv6"]:

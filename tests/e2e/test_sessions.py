@@ -3,6 +3,7 @@ namespace, registered with the real filter and firewall; the whole battery runs 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 
@@ -155,6 +156,12 @@ def test_stop_leaves_nothing_behind(world, manager, session):
     assert "p1" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
     ruleset = netns.sh("nft", "list", "table", "inet", "corral", ns=netns.APPLIANCE).stdout
     assert session.subnet not in ruleset and "deny_p1" not in ruleset
+    learned = json.loads(netns.sh("nft", "-j", "list", "set", "inet", "corral", "learned",
+                                  ns=netns.APPLIANCE).stdout)
+    sources = [e["elem"]["val"]["concat"][0] for item in learned["nftables"] if "set" in item
+               for e in item["set"].get("elem", [])]
+    subnet = ipaddress.ip_network(session.subnet)
+    assert not [s for s in sources if ipaddress.ip_address(s) in subnet]  # nothing inherited
     assert {s["name"]: s for s in manager.list()}["p1"]["container_state"] == "absent"
     manager.remove("p1")
     with pytest.raises(SessionError, match="no session 'p1'"):

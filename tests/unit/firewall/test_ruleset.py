@@ -79,3 +79,13 @@ def test_port_zero_cannot_be_firewalled():
 def test_base_ruleset_denies_sandbox_interfaces():
     text = json.dumps(build_base(["corral*"]))
     assert text.count('"jump": {"target": "deny_unknown"}') == 3
+
+
+def test_learned_allowances_of_a_gone_session_are_not_carried_over():
+    def element(source):
+        return {"elem": {"val": {"concat": [source, "203.0.113.22", 22]}, "timeout": 300}}
+
+    learned = [element("10.213.1.2"), element("10.213.9.2")]  # s1's, and a stopped session's
+    commands = build(parse_config(CONFIG, "filter.toml"), learned=learned)
+    added = [c["add"]["element"]["elem"] for c in commands if "element" in c.get("add", {})]
+    assert added == [[element("10.213.1.2")]]
