@@ -140,11 +140,3 @@ def split_host_port(text: str) -> tuple[str, str | None]:
     host, sep, port = text.partition(":")
     return host, (port if sep else None)
 
-
-def parent_domains(name: str):
-    """Yield every proper parent of `name`: a.b.c -> b.c, c. O(labels)."""
-    index = name.find(".")
-    while index >= 0:
-        name = name[index + 1 :]
-        yield name
-        index = name.find(".")

@@ -45,8 +45,6 @@ BLOCKED_V6 = tuple(
     )
 )
 
-METADATA = ipaddress.IPv4Address("169.254.169.254")
-
 
 def blocked_range(address: IPAddress) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
     """The blocked network `address` falls into, or None when it is an ordinary address."""

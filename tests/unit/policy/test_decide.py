@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from appliance.policy import (
@@ -229,12 +229,16 @@ def test_decision_does_not_depend_on_rule_order(rules, probe, seed):
 
 
 @settings(max_examples=200)
-@given(name=names, layer=layers)
-def test_removing_the_only_allowing_layer_removes_the_allow(name, layer):
-    allow = Rule.parse("http", name, layer)
-    assert Policy([allow]).decide_http(parse_host(name), 443).allowed
-    assert not Policy([r for r in [allow] if r.layer != layer]).decide_http(
-        parse_host(name), 443).allowed
+@given(name=names, allowing=st.sets(layers, min_size=1), dropped=layers, other=names)
+def test_dropping_a_layer_keeps_exactly_the_allows_other_layers_give(
+        name, allowing, dropped, other):
+    assume(other != name)
+    rules = [Rule.parse("http", name, layer) for layer in allowing]
+    rules += [Rule.parse("http", other, layer) for layer in ("default", "session")]
+    kept = Policy([r for r in rules if r.layer != dropped])
+    assert kept.decide_http(parse_host(name), 443).allowed == bool(allowing - {dropped})
+    # `other` is allowed in two layers: dropping any one layer leaves it allowed
+    assert kept.decide_http(parse_host(other), 443).allowed
 
 
 @settings(max_examples=500)
