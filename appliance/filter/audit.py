@@ -44,6 +44,8 @@ class AuditLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.seq, self.prev = self._recover()
+        """The head: the last record on disk. Changed only under `_lock`, after its fsync."""
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._file = open(self.path, "ab")  # noqa: SIM115 - owned until close()
         os.chmod(self.path, 0o600)
@@ -53,7 +55,13 @@ class AuditLog:
 
     @property
     def head(self) -> dict:
-        return {"seq": self.seq, "hash": self.prev}
+        with self._lock:
+            return {"seq": self.seq, "hash": self.prev}
+
+    def verify(self) -> Verdict:
+        """The file against the head, with no batch half-written while it is read."""
+        with self._lock:
+            return verify(self.path, {"seq": self.seq, "hash": self.prev})
 
     def _recover(self) -> tuple[int, str]:
         """Continue the chain from the last complete line; cut a torn tail left by a crash."""
@@ -94,24 +102,36 @@ class AuditLog:
                 except queue.Empty:
                     break
             stop = any(e is _STOP for e in batch)
-            lines = []
+            seq, prev, lines = self.seq, self.prev, []
             for event in batch:
                 if event is _STOP:
                     continue
-                self.seq += 1
-                line = encode(self.seq, self.prev, event)
-                self.prev = _hash(line)
+                seq += 1
+                line = encode(seq, prev, event)
+                prev = _hash(line)
                 lines.append(line + b"\n")
             if lines:
-                try:
-                    self._file.write(b"".join(lines))
-                    self._file.flush()
-                    os.fsync(self._file.fileno())
-                except OSError as exc:  # disk full: say so loudly; status reports it
-                    self.failed = f"audit write failed: {exc}"
-                    log.error("%s", self.failed)
+                with self._lock:  # the head moves only once the batch is on disk
+                    size = self._file.tell()
+                    try:
+                        self._file.write(b"".join(lines))
+                        self._file.flush()
+                        os.fsync(self._file.fileno())
+                        self.seq, self.prev = seq, prev
+                    except OSError as exc:  # disk full: say so loudly; status reports it
+                        self.failed = f"audit write failed, {len(lines)} records lost: {exc}"
+                        log.error("%s", self.failed)
+                        self._cut_back(size)
             if stop:
                 return
+
+    def _cut_back(self, size: int) -> None:
+        """After a failed write, drop any part of it, so the chain goes on from the head."""
+        try:
+            self._file.truncate(size)
+            self._file.flush()
+        except OSError as exc:
+            log.error("audit: could not cut a failed write back: %s", exc)
 
     def close(self) -> None:
         """Write everything queued, then close."""

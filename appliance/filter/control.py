@@ -162,7 +162,8 @@ class ControlServer:
             records, more = audit.page(service.config.audit_path, after, since, limit)
             return {"ok": True, "records": records, "more": more, "head": service.audit_head()}
         if op == "audit-verify":
-            verdict = audit.verify(service.config.audit_path, service.audit_head())
+            verdict = (service.audit.verify() if service.audit is not None
+                       else audit.verify(service.config.audit_path))
             return {"ok": True, **verdict.to_json()}
         raise ControlError(f"unknown op {op!r}; expected status, sessions, session-add, "
                            "session-remove, policy, add, remove, events, subscribe, audit, "

@@ -65,3 +65,64 @@ def test_torn_last_line_is_cut_on_open_and_chain_goes_on(tmp_path):
     assert not verify(path).ok
     log = write(path, [{"n": 3}])
     assert log.head["seq"] == 3 and verify(path, log.head).ok
+
+
+def test_verify_during_heavy_writing_never_sees_a_false_cut(tmp_path):
+    import threading
+
+    log = AuditLog(tmp_path / "audit.jsonl")
+    done = threading.Event()
+
+    def write():
+        for i in range(20_000):
+            log.append({"n": i})
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    verdicts = []
+    while not done.is_set() or len(verdicts) < 20:
+        verdicts.append(log.verify())
+    writer.join()
+    log.close()
+    broken = [v for v in verdicts if not v.ok]
+    assert not broken, broken[0]
+    assert verify(tmp_path / "audit.jsonl", log.head).lines == 20_000
+
+
+class _FillsUp:
+    """A file whose next write stores half its bytes and then fails: a disk filling up."""
+
+    def __init__(self, real):
+        self.real, self.fail = real, True
+
+    def write(self, data):
+        if self.fail:
+            self.fail = False
+            self.real.write(data[: len(data) // 2])
+            self.real.flush()
+            raise OSError(28, "No space left on device")
+        return self.real.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_failed_write_is_cut_back_and_the_chain_goes_on(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.append({"n": 1})
+    log.close()
+    log = AuditLog(path)
+    before = log.head
+    log._file = _FillsUp(log._file)
+    log.append({"n": 2})
+    deadline = __import__("time").monotonic() + 5
+    while log.failed is None:
+        assert __import__("time").monotonic() < deadline
+    assert "1 records lost" in log.failed and log.head == before
+    assert log.verify().ok  # the half-written record is gone
+    log.append({"n": 3})
+    log.close()
+    result = verify(path, log.head)
+    assert result.ok and result.lines == 2
