@@ -3,7 +3,10 @@
 An appliance is a directory under the user's config directory, written by provisioning:
 
   $XDG_CONFIG_HOME/corral/appliances/<name>/   (0700)
-      appliance.toml   endpoint = "127.0.0.1:7443"  (+ server_dir, api_pidfile when local)
+      appliance.toml   endpoint = "127.0.0.1:7443"
+                       podman = [...]   the words that run podman on the appliance (terminals)
+                       sandbox = [...]  ... and corral-sandbox (image builds)
+                       + backend, state_dir, server_dir, api_pidfile for the local backend
       ca.crt  client.crt  client.key (0600)
 
 `--appliance NAME` picks one; the default is "default".
@@ -19,6 +22,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlencode
 
 from appliance import pki
@@ -44,6 +48,10 @@ class Appliance:
     server_dir: Path | None = None
     """The API's TLS directory, when the appliance runs on this host (local backend)."""
     api_pidfile: Path | None = None
+    backend: str = "vm"
+    state_dir: Path | None = None
+    podman: tuple[str, ...] = ("podman",)
+    sandbox: tuple[str, ...] = ("corral-sandbox",)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -75,16 +83,24 @@ def load_appliance(name: str) -> Appliance:
         raise CliError(f"appliance {name!r} has no credentials: {', '.join(missing)} missing in "
                        f"{directory}", "provisioning writes them: run `corral provision`",
                        exitcodes.NOT_CONFIGURED)
-    return Appliance(name, directory, endpoint,
-                     Path(data["server_dir"]) if data.get("server_dir") else None,
-                     Path(data["api_pidfile"]) if data.get("api_pidfile") else None)
+    def path(key):
+        return Path(data[key]) if data.get(key) else None
+
+    words = {k: tuple(data[k]) for k in ("podman", "sandbox") if isinstance(data.get(k), list)}
+    return Appliance(name, directory, endpoint, path("server_dir"), path("api_pidfile"),
+                     data.get("backend", "vm"), path("state_dir"), **words)
 
 
-def write_appliance(name: str, endpoint: str, bundle: pki.Bundle, **extra: str) -> Path:
-    """What provisioning does on the user's side: credentials and endpoint, private."""
+def write_appliance(name: str, endpoint: str, bundle: pki.Bundle | None = None,
+                    **extra: str | list[str]) -> Path:
+    """What provisioning does on the user's side: credentials and endpoint, private.
+    Without a bundle only appliance.toml is (re)written: the credentials stay."""
     directory = config_home() / "appliances" / name
-    pki.write_client(bundle, directory)
-    lines = [f'endpoint = "{endpoint}"'] + [f'{k} = "{v}"' for k, v in extra.items()]
+    if bundle is not None:
+        pki.write_client(bundle, directory)
+    # JSON strings and lists of strings are valid TOML values
+    lines = [f"endpoint = {json.dumps(endpoint)}"] + [f"{k} = {json.dumps(v)}"
+                                                      for k, v in extra.items()]
     (directory / "appliance.toml").write_text("\n".join(lines) + "\n")
     return directory
 
@@ -115,12 +131,19 @@ class Client:
                         "is the appliance up? `corral up` starts it; `corral status` checks it",
                         exitcodes.UNREACHABLE)
 
-    def request(self, method: str, path: str, body: dict | None = None, **query) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, /, *,
+                upload: tuple[BinaryIO, int, str] | None = None, timeout: float | None = None,
+                **query) -> dict:
+        """One API call. `upload` = (file, size, content type) sends a file as the body;
+        lists in `query` become repeated arguments."""
         query = {k: v for k, v in query.items() if v is not None}
-        url = f"/v1{path}" + (f"?{urlencode(query)}" if query else "")
+        url = f"/v1{path}" + (f"?{urlencode(query, doseq=True)}" if query else "")
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
-        connection = self._connection(None)
+        if upload is not None:
+            payload, size, kind = upload
+            headers = {"Content-Type": kind, "Content-Length": str(size)}
+        connection = self._connection(timeout)
         try:
             connection.request(method, url, body=payload, headers=headers)
             response = connection.getresponse()

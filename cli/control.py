@@ -178,7 +178,13 @@ def cmd_status(args) -> int:
         output.line(f"filter: DOWN: {health['error']}")
     output.line("firewall: " + (f"loaded, {firewall['rules']} rules" if firewall.get("loaded")
                                 else f"NOT LOADED: {firewall.get('error', 'unknown')}"))
-    return exitcodes.OK if health["healthy"] and firewall.get("loaded") else exitcodes.FAILURE
+    sandbox = status.get("sandbox")
+    if sandbox is not None:
+        output.line(f"sandbox: healthy, {sandbox['sessions']} sessions, image {sandbox['image']}"
+                    + ("" if sandbox["image_present"] else " MISSING: `corral image build`")
+                    if sandbox["healthy"] else f"sandbox: DOWN: {sandbox['error']}")
+    return exitcodes.OK if health["healthy"] and firewall.get("loaded") and (
+        sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
 
 
 def cmd_certs_rotate(args) -> int:

@@ -21,7 +21,7 @@ from appliance.policy import (
     preset_names,
 )
 
-from . import control, exitcodes, output
+from . import control, exitcodes, local, output, sessions
 from .client import CliError
 
 
@@ -49,6 +49,14 @@ def cmd_presets(args) -> int:
     else:
         output.table([[n, preset_description(n)] for n in names], ["PRESET", "DESCRIPTION"])
     return exitcodes.OK
+
+
+def cmd_up(args) -> int:
+    if args.backend == "local":
+        return local.up(args)
+    raise CliError("the VM backend is not available in this version",
+                   "on Linux, run the appliance on this host: `sudo corral up --backend local`",
+                   exitcodes.USAGE)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +116,86 @@ def parser() -> argparse.ArgumentParser:
     audit.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     appliance_command("status", "the appliance's health: API, filter, firewall",
                       control.cmd_status, session=False)
+
+    run = appliance_command("run", "start a session for a project and attach to it",
+                            sessions.cmd_run, session=False,
+                            description="Copy the project (without .corral/) into a new "
+                            "hardened session and open a shell in it (or run CMD).")
+    run.add_argument("--project", metavar="DIR", help="default: the current directory")
+    run.add_argument("--preset", action="append", metavar="P",
+                     help="a policy preset (repeatable); see `corral presets`")
+    run.add_argument("--name", metavar="N", help="the session's name (default: from the "
+                     "project's)")
+    run.add_argument("--detach", action="store_true", help="start it, do not attach")
+    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
+    shell = appliance_command("shell", "another terminal in a running session (re-attach)",
+                              sessions.cmd_shell, session=False)
+    shell.add_argument("session", nargs="?", help="default: the only one")
+    shell.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
+    appliance_command("ls", "sessions: state, age, allowed/denied counters", sessions.cmd_ls,
+                      session=False)
+    for name, text, run_fn in (
+            ("stop", "stop a session: container and network go, the workspace stays",
+             sessions.cmd_stop),
+            ("rm", "remove a session and its workspace", sessions.cmd_rm),
+            ("diff", "what the agent changed, as a unified diff with a summary",
+             sessions.cmd_diff),
+            ("apply", "write the agent's changes into the project on this host",
+             sessions.cmd_apply)):
+        command = appliance_command(name, text, run_fn, session=False)
+        command.add_argument("name", metavar="SESSION")
+        if name == "rm":
+            command.add_argument("--home", action="store_true",
+                                 help="also remove the project's home directory")
+        if name == "apply":
+            command.add_argument("--project", metavar="DIR",
+                                 help="default: the current directory")
+            command.add_argument("--path", action="append", metavar="P",
+                                 help="only this file or directory (repeatable)")
+            command.add_argument("--force", action="store_true",
+                                 help="overwrite files changed on this host meanwhile")
+    selftest = appliance_command(
+        "selftest", "the bypass battery inside a session (or a throwaway one)",
+        sessions.cmd_selftest, session=False,
+        description="Run every escape attempt THREATS.md lists from inside a session; each "
+        "must fail, fast. Without SESSION a throwaway session is started and removed.")
+    selftest.add_argument("session", nargs="?")
+    selftest.add_argument("--allowed", metavar="HOST", help="a host the policy allows "
+                          "(default: the session's first exact http rule)")
+    selftest.add_argument("--preset", action="append", metavar="P",
+                          help="presets of the throwaway session")
+    for option in ("denied", "foreign-resolver", "v6-target", "private-name", "tcp-name",
+                   "other-gateway"):
+        selftest.add_argument(f"--{option}", metavar="X", help=argparse.SUPPRESS)
+    selftest.add_argument("--slow-connections", type=int, metavar="N",
+                          help="connections of the slowloris probe")
+    selftest.add_argument("--only", action="append", metavar="PROBE",
+                          help="run only this probe (repeatable)")
+    image = sub.add_parser("image", help="the sandbox image")
+    image_sub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
+    build = image_sub.add_parser("build", help="build the sandbox image on the appliance "
+                                 "(keeps it when current)")
+    build.add_argument("--appliance", default="default", metavar="NAME")
+    build.add_argument("--rebuild", action="store_true", help="rebuild the Debian base too")
+    build.set_defaults(run=sessions.cmd_image_build)
+
+    up = sub.add_parser("up", help="bring an appliance up",
+                        description="Bring the appliance up. --backend local runs the "
+                        "services on this Linux host (root): firewall, filter, sandbox "
+                        "service and API, supervised; state and logs in --state-dir.")
+    up.add_argument("--backend", choices=["vm", "local"], default="vm")
+    up.add_argument("--name", default="default", help="the appliance's name for --appliance")
+    up.add_argument("--state-dir", default=str(local.DEFAULT_STATE), metavar="DIR")
+    up.add_argument("--upstream", action="append", metavar="IP:PORT",
+                    help="the filter's upstream resolvers (default: the host's)")
+    up.add_argument("--dns-listen", default="0.0.0.0:53", metavar="IP:PORT")
+    up.add_argument("--api-listen", default="127.0.0.1:7443", metavar="IP:PORT")
+    up.add_argument("--no-image", action="store_true", help="do not build the sandbox image")
+    up.set_defaults(run=cmd_up)
+    down = sub.add_parser("down", help="stop sessions, services and ruleset (local backend)")
+    down.add_argument("--appliance", default="default", metavar="NAME")
+    down.set_defaults(run=local.down)
+
     certs = sub.add_parser("certs", help="the control plane's certificates")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")
     rotate = certs_sub.add_parser("rotate", help="issue a new CA and certificates; the old "

@@ -1,4 +1,5 @@
-"""The admin API: a Flask app that is a thin adapter over the filter's control socket.
+"""The admin API: a Flask app that is a thin adapter over the control sockets of the filter
+(policy, events, audit) and of the sandbox service (sessions).
 
 `create_app(config)` builds everything (nothing happens at import time); one blueprint per
 resource under /v1; every answer, errors included, is JSON.
@@ -9,8 +10,9 @@ from __future__ import annotations
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
+from appliance.control_client import ControlClient, ServiceUnavailable
+
 from .config import ApiConfig
-from .filter_client import FilterClient, FilterUnavailable
 
 
 class ApiError(Exception):
@@ -21,12 +23,16 @@ class ApiError(Exception):
         self.status, self.message, self.detail = status, message, detail
 
 
-def create_app(config: ApiConfig, client: FilterClient | None = None) -> Flask:
+def create_app(config: ApiConfig) -> Flask:
     app = Flask("corral-api")
-    app.config["MAX_CONTENT_LENGTH"] = config.max_body
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body  # uploads raise it for themselves
     app.json.sort_keys = False
     app.extensions["corral.config"] = config
-    app.extensions["corral.filter"] = client or FilterClient(config.control_socket)
+    app.extensions["corral.filter"] = ControlClient(config.control_socket, "the filter")
+    # creating a session builds a network and starts a container: allow it minutes
+    app.extensions["corral.sandbox"] = ControlClient(
+        config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
+        else None
 
     from . import audit, events, policy, sessions, status
 
@@ -38,8 +44,8 @@ def create_app(config: ApiConfig, client: FilterClient | None = None) -> Flask:
         return jsonify(error={"status": exc.status, "message": exc.message, **exc.detail}), (
             exc.status)
 
-    @app.errorhandler(FilterUnavailable)
-    def filter_down(exc: FilterUnavailable):
+    @app.errorhandler(ServiceUnavailable)
+    def service_down(exc: ServiceUnavailable):
         return jsonify(error={"status": 503, "message": str(exc)}), 503
 
     @app.errorhandler(HTTPException)

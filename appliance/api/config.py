@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.policy import ConfigError, parse_toml, split_host_port
-from appliance.policy.config import Locator
-
-KEYS = {"listen", "tls_dir", "control_socket", "max_body", "threads", "pidfile"}
+from appliance.policy import ConfigError, split_host_port
+from appliance.settings import load_table, non_empty, positive
 
 
 @dataclass(frozen=True)
@@ -18,8 +16,12 @@ class ApiConfig:
     tls_dir: str = "/etc/corral/api"
     """Holds ca.crt, server.crt and server.key (see appliance.pki)."""
     control_socket: str = "/run/corral/filter.sock"
+    sandbox_socket: str = "/run/corral/sandbox.sock"
+    """The sandbox service (sessions); empty: this appliance has none."""
     max_body: int = 16 * 1024
-    """Largest request body accepted; larger gets 413."""
+    """Largest JSON body accepted; larger gets 413."""
+    max_upload: int = 512 * 1024 * 1024
+    """Largest project archive or applied changeset accepted."""
     threads: int = 16
     """Worker threads: each live `monitor` stream holds one."""
     pidfile: str = ""
@@ -31,32 +33,9 @@ class ApiConfig:
 
 
 def load(path: str) -> ApiConfig:
-    try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise ConfigError(path, "", f"cannot read: {exc.strerror}") from None
-    data = parse_toml(text, path)
-    where = Locator(text)
-    for key in data:
-        if key != "api":
-            raise ConfigError(path, key, "unknown key; expected [api]", where.key("", key))
-    api = data.get("api", {})
-    for key in api:
-        if key not in KEYS:
-            raise ConfigError(path, f"[api] {key}", f"unknown key; expected "
-                              f"{', '.join(sorted(KEYS))}", where.key("api", key))
-    config = ApiConfig(**api)
-    if not isinstance(config.pidfile, str):
-        raise ConfigError(path, "[api] pidfile", "must be a string", where.key("api", "pidfile"))
-    for key in ("listen", "tls_dir", "control_socket"):
-        if not isinstance(getattr(config, key), str) or not getattr(config, key):
-            raise ConfigError(path, f"[api] {key}", "must be a non-empty string",
-                              where.key("api", key))
-    for key in ("max_body", "threads"):
-        value = getattr(config, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(path, f"[api] {key}", f"must be a positive whole number, got "
-                              f"{value!r}", where.key("api", key))
+    config, where = load_table(path, "api", ApiConfig)
+    non_empty(path, "api", config, where, "listen", "tls_dir", "control_socket")
+    positive(path, "api", config, where, "max_body", "max_upload", "threads")
     if not config.listen.startswith("fd://"):
         _, port = split_host_port(config.listen)
         if not port or not port.isdigit():

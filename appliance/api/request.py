@@ -1,4 +1,4 @@
-"""What every view needs: a validated JSON body, query arguments, and a filter call."""
+"""What every view needs: a validated JSON body, query arguments, and a service call."""
 
 from __future__ import annotations
 
@@ -47,9 +47,14 @@ def arg_verdict() -> str | None:
     return verdict
 
 
-def call(message: dict) -> dict:
-    """Ask the filter; its refusals become 400 (or 404 for an unknown session)."""
-    answer = current_app.extensions["corral.filter"].request(message)
+def call(message: dict, service: str = "filter", **options) -> dict:
+    """Ask the filter (or the sandbox service); its refusals become 400 (or 404 for an
+    unknown session). `options` go to the client: a payload, a timeout."""
+    client = current_app.extensions[f"corral.{service}"]
+    if client is None:
+        raise ApiError(501, "this appliance has no sandbox service ([api] sandbox_socket is "
+                       "empty): it cannot run sessions")
+    answer = client.request(message, **options)
     if not answer.pop("ok", False):
         error = answer.get("error", "the filter refused the request")
         raise ApiError(404 if error.startswith("no session") else 400, error)

@@ -1,14 +1,141 @@
-"""/v1/sessions: the sessions the filter knows, with allowed/denied counters."""
+"""/v1/sessions: agent sessions (the sandbox service) with their counters (the filter).
+
+  GET    /sessions                     every session: record, container state, counters
+  POST   /sessions                     create: a JSON body, or a project archive (tar, gzip
+                                       allowed) as the body with the settings as query args
+  GET    /sessions/NAME                one
+  POST   /sessions/NAME/stop           container and network go; workspace and home stay
+  DELETE /sessions/NAME[?home=1]       forget it (and the project's home)
+  GET    /sessions/NAME/diff           unified diff + summary of the agent's changes
+  GET    /sessions/NAME/changes        the changes with contents, for the host to apply
+  POST   /sessions/NAME/applied        what the host applied: the next diff starts there
+  POST   /sessions/NAME/selftest       the bypass battery inside the session
+"""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, current_app, jsonify, request
 
-from .request import call
+from appliance.control_client import ServiceUnavailable
+
+from . import ApiError
+from .request import body, call
 
 blueprint = Blueprint("sessions", __name__)
+
+ARCHIVES = ("application/x-tar", "application/gzip")
+SELFTEST_OPTIONS = {"allowed": str, "denied": str, "foreign_resolver": str, "v6_target": str,
+                    "private_name": str, "tcp_name": str, "other_gateway": str,
+                    "slow_connections": int, "only": list}
+
+
+def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:
+    if current_app.extensions["corral.sandbox"] is None:
+        return {}, None
+    try:
+        return {s["name"]: s for s in call({"op": "list"}, "sandbox")["sessions"]}, None
+    except ServiceUnavailable as exc:
+        return {}, str(exc)
 
 
 @blueprint.get("/sessions")
 def listing():
-    return jsonify(call({"op": "sessions"}))
+    """The filter's sessions (every one has a policy) joined with the sandbox's records
+    (a stopped session is only there)."""
+    filtered = {s["name"]: s for s in call({"op": "sessions"})["sessions"]}
+    sandboxes, problem = _sandbox_sessions()
+    merged = []
+    for name in sorted(set(filtered) | set(sandboxes)):
+        entry = {"name": name, "allowed": 0, "denied": 0, **filtered.get(name, {})}
+        if name in sandboxes:
+            entry.update(sandboxes[name])
+        else:
+            entry.setdefault("state", "running")  # a session from the filter's config
+        merged.append(entry)
+    answer = {"sessions": merged}
+    if problem:
+        answer["sandbox_error"] = problem
+    return jsonify(answer)
+
+
+@blueprint.get("/sessions/<name>")
+def one(name: str):
+    for session in listing().get_json()["sessions"]:
+        if session["name"] == name:
+            return jsonify(session)
+    raise ApiError(404, f"no session {name!r}")
+
+
+@blueprint.post("/sessions")
+def create():
+    if request.mimetype in ARCHIVES:
+        settings = _query_settings()
+        size = request.content_length
+        if size is None:
+            raise ApiError(411, "send the project archive with a Content-Length")
+        limit = current_app.extensions["corral.config"].max_upload
+        if size > limit:
+            raise ApiError(413, f"the project archive is {size} bytes; the limit is {limit} "
+                           "([api] max_upload)")
+        answer = call({"op": "create", **settings}, "sandbox", payload=request.stream, size=size)
+    else:
+        settings = body({"name": str}, {"presets": list, "project_id": str, "uid": int,
+                                        "gid": int})
+        answer = call({"op": "create", **settings}, "sandbox")
+    return jsonify(answer["session"]), 201
+
+
+def _query_settings() -> dict:
+    args = request.args
+    unknown = sorted(set(args) - {"name", "preset", "project_id", "uid", "gid"})
+    if unknown:
+        raise ApiError(400, f"unknown query argument(s): {', '.join(unknown)}")
+    if not args.get("name"):
+        raise ApiError(400, "missing query argument 'name'")
+    settings: dict = {"name": args["name"], "presets": args.getlist("preset")}
+    if args.get("project_id"):
+        settings["project_id"] = args["project_id"]
+    for key in ("uid", "gid"):
+        if key in args:
+            if not args[key].isdigit():
+                raise ApiError(400, f"query argument {key!r} must be a whole number")
+            settings[key] = int(args[key])
+    return settings
+
+
+@blueprint.post("/sessions/<name>/stop")
+def stop(name: str):
+    return jsonify(call({"op": "stop", "name": name}, "sandbox")["session"])
+
+
+@blueprint.delete("/sessions/<name>")
+def remove(name: str):
+    home = request.args.get("home", "0")
+    if home not in ("0", "1"):
+        raise ApiError(400, "home must be 0 or 1")
+    return jsonify(call({"op": "remove", "name": name, "home": home == "1"}, "sandbox"))
+
+
+@blueprint.get("/sessions/<name>/diff")
+def diff(name: str):
+    return jsonify(call({"op": "diff", "name": name}, "sandbox"))
+
+
+@blueprint.get("/sessions/<name>/changes")
+def changes(name: str):
+    return jsonify(call({"op": "changes", "name": name, "paths": request.args.getlist("path")},
+                        "sandbox"))
+
+
+@blueprint.post("/sessions/<name>/applied")
+def applied(name: str):
+    request.max_content_length = current_app.extensions["corral.config"].max_upload
+    data = body({"changes": list})
+    return jsonify(call({"op": "fold", "name": name, "changes": data["changes"]}, "sandbox"))
+
+
+@blueprint.post("/sessions/<name>/selftest")
+def selftest(name: str):
+    options = body({"allowed": str}, {k: v for k, v in SELFTEST_OPTIONS.items()
+                                      if k != "allowed"})
+    return jsonify(call({"op": "selftest", "name": name, "options": options}, "sandbox"))

@@ -4,6 +4,8 @@
   corral-firewall apply --base [--config FILE]   boot: sandbox interfaces reach nothing
   corral-firewall show [--json]           what is loaded, with counters and learned elements
   corral-firewall print --config FILE     the JSON transaction, without loading it
+  corral-firewall remove                  delete table inet corral (`corral down`, once no
+                                          sandbox is left running)
 
 Exit 0 on success, 1 when nftables refuses (the previous ruleset stays in force), 2 on a bad
 config or policy file.
@@ -77,6 +79,16 @@ def cmd_print(args) -> int:
     return 0
 
 
+def cmd_remove(args) -> int:
+    nft = Nft()
+    if nft.list_table() is None:
+        print("corral-firewall: no corral table loaded; nothing to remove")
+        return 0
+    nft.run([{"delete": {"table": {"family": "inet", "name": "corral"}}}])
+    print("corral-firewall: table inet corral removed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="corral-firewall", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     printer = sub.add_parser("print", help="print the JSON transaction without loading it")
     printer.add_argument("--config", metavar="FILE", required=True)
     printer.set_defaults(run=cmd_print)
+    remove = sub.add_parser("remove", help="delete corral's table (only with no sandboxes)")
+    remove.set_defaults(run=cmd_remove)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -4,9 +4,10 @@ create:  allocate a /24 from the pool -> `podman network create` (no podman DNS)
          register subnet and project files with the filter (which re-applies the firewall)
          -> start the hardened container -> write the record (atomically).
          Any step that fails undoes the ones before it: nothing half-made is left.
-stop:    remove the container, unregister from the filter, remove the network; the record
-         stays (state "stopped") until `remove`.
-A record is what the manager meant; `list()` reconciles it with what podman reports.
+stop:    remove the container, unregister from the filter, remove the network; the record,
+         the workspace and the project's home stay (state "stopped") until `remove`.
+A record is what the manager meant; `list()` shows it next to what podman reports, and
+`reconcile()` (at service start) stops what died meanwhile and removes orphans.
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from appliance import workspace
 from appliance.filter.config import SESSION_NAME
 from appliance.filter.store import write_atomic
 
-from . import hardening, workspace
+from . import hardening
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
 LABEL = "io.corral.session"
+OWNER = "io.corral.owner"
+"""On every container and network: the state directory of the manager that made it, so a
+manager reconciles only its own (two appliances or test runs may share one podman)."""
 
 
 class SessionError(RuntimeError):
@@ -45,6 +50,13 @@ class Record:
     created: float
     state: str = "running"
     """running | stopped (as meant; `list()` adds what podman says)."""
+    project: str = ""
+    """The project's id: sessions of one project share its home directory."""
+    uid: int = 1000
+    gid: int = 1000
+    presets: list[str] = field(default_factory=list)
+    reason: str = ""
+    """Why a session stopped when nobody asked it to (reconcile)."""
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:
@@ -62,6 +74,8 @@ class SessionManager:
         self.podman, self.control = podman, control
         self.records_dir = Path(state_dir) / "sessions"
         self.workspaces = Path(state_dir) / "workspaces"
+        self.homes = Path(state_dir) / "homes"
+        self.owner = str(Path(state_dir).resolve())
         self.pool = ipaddress.IPv4Network(pool)
         self.image, self.uid, self.gid, self.proxy_port = image, uid, gid, proxy_port
 
@@ -107,7 +121,8 @@ class SessionManager:
             try:
                 self.podman.run("network", "create", "--driver", "bridge", "--subnet",
                                 str(subnet), "--gateway", str(next(subnet.hosts())),
-                                "--disable-dns", "--label", f"{LABEL}={name}", network)
+                                "--disable-dns", "--label", f"{LABEL}={name}",
+                                "--label", f"{OWNER}={self.owner}", network)
                 return subnet
             except PodmanError as exc:
                 if "already used on the host" not in str(exc):
@@ -118,15 +133,44 @@ class SessionManager:
         """(work, base): what the agent changes, and what it started from."""
         return self.workspaces / name / "work", self.workspaces / name / "base"
 
+    def home(self, project: str) -> Path:
+        return self.homes / project
+
+    def _policy_files(self, name: str, project_files: list[str], presets: list[str],
+                      project: Path | None) -> list[str]:
+        """The session's own layers: the given files, the project's corral.toml (copied out
+        of the agent's reach first: /work is the agent's, its policy is not), presets."""
+        directory = self.workspaces / name / "policy"
+        directory.mkdir(parents=True, exist_ok=True)
+        files = list(project_files)
+        if project is not None and (project / "corral.toml").is_file():
+            shutil.copyfile(project / "corral.toml", directory / "corral.toml")
+            files.append(str(directory / "corral.toml"))
+        if presets:
+            (directory / "presets.toml").write_text(f"presets = {json.dumps(list(presets))}\n")
+            files.append(str(directory / "presets.toml"))
+        for path in directory.iterdir():
+            path.chmod(0o644)  # the filter runs as its own user
+        return files
+
     def create(self, name: str, project_files: list[str] = (), project: Path | None = None,
-               command: list[str] = ("sleep", "infinity")) -> Record:
+               command: list[str] = ("sleep", "infinity"), presets: list[str] = (),
+               project_id: str = "", uid: int | None = None, gid: int | None = None
+               ) -> Record:
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
+        if project_id and not SESSION_NAME.match(project_id):
+            raise SessionError(f"project id {project_id!r} must be 1-32 of a-z, 0-9 and '-'")
+        uid, gid = self.uid if uid is None else uid, self.gid if gid is None else gid
+        for what, value in (("uid", uid), ("gid", gid)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 65536:
+                raise SessionError(f"{what} must be 1-65535 (never root), got {value!r}")
         if self._path(name).exists():
             raise SessionError(f"session {name!r} exists; `corral rm {name}` first")
         network = container = f"corral-{name}"
         undo: list[Callable[[], object]] = []
         volumes: tuple[tuple[str, str], ...] = ()
+        mapped = hardening.Sandbox.userns_base
         try:
             subnet = self._network(name, network)
             gateway = str(next(subnet.hosts()))
@@ -137,23 +181,34 @@ class SessionManager:
                 shutil.rmtree(work.parent, ignore_errors=True)  # a stopped session's old copy
                 undo.append(lambda: shutil.rmtree(work.parent, ignore_errors=True))
                 workspace.copy_in(Path(project), work, base)
-                _chown_tree(work, hardening.Sandbox.userns_base + self.uid,
-                            hardening.Sandbox.userns_base + self.gid)
+                _chown_tree(work, mapped + uid, mapped + gid)
                 volumes = ((str(work), "/work"),)
+            else:
+                undo.append(lambda: shutil.rmtree(self.workspaces / name, ignore_errors=True))
+            if project_id:
+                home = self.home(project_id)
+                if not home.exists():
+                    home.mkdir(parents=True)
+                    os.chown(home, mapped + uid, mapped + gid)
+                volumes = (*volumes, (str(home), "/home/agent"))
+            files = self._policy_files(name, list(project_files), list(presets),
+                                       Path(project) if project is not None else None)
             answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
-                                   "gateway": gateway, "files": list(project_files)})
+                                   "gateway": gateway, "files": files})
             if not answer.get("ok"):
                 raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
             undo.append(lambda: self.control({"op": "session-remove", "name": name}))
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
-                                     gateway=gateway, uid=self.uid, gid=self.gid,
+                                     gateway=gateway, uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes)
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))
-            self.podman.run("run", "--label", f"{LABEL}={name}", *arguments)
+            self.podman.run("run", "--label", f"{LABEL}={name}", "--label",
+                            f"{OWNER}={self.owner}", *arguments)
             record = Record(name, str(subnet), gateway, network, container, self.image,
-                            round(time.time(), 3))
+                            round(time.time(), 3), project=project_id, uid=uid, gid=gid,
+                            presets=list(presets))
             self._save(record)
             return record
         except BaseException:
@@ -161,7 +216,7 @@ class SessionManager:
                 step()
             raise
 
-    def stop(self, name: str) -> Record:
+    def stop(self, name: str, reason: str = "") -> Record:
         """Container, filter session and network go; the record stays, marked stopped."""
         record = self.get(name)
         self.podman.remove_container(record.container)
@@ -169,7 +224,7 @@ class SessionManager:
         if not answer.get("ok") and "no session" not in answer.get("error", ""):
             raise SessionError(f"the filter kept session {name}: {answer.get('error')}")
         self.podman.run("network", "rm", "--force", record.network, check=False)
-        record.state = "stopped"
+        record.state, record.reason = "stopped", reason
         self._save(record)
         return record
 
@@ -177,27 +232,64 @@ class SessionManager:
         self.get(name)
         return workspace.changes(*reversed(self.workspace(name)))
 
-    def apply(self, name: str, project: Path, paths: list[str] | None = None,
-              force: bool = False) -> list[workspace.Change]:
-        """The agent's changes into the host project; raises workspace.Conflict."""
+    def fold(self, name: str, applied: list[workspace.Change]) -> None:
+        """The host took these changes: the next diff starts from them."""
         self.get(name)
-        work, base = self.workspace(name)
-        return workspace.apply(Path(project), base, work, paths, force)
+        workspace.fold(self.workspace(name)[1], applied)
 
-    def remove(self, name: str) -> None:
-        """Stop if needed, then forget the session and its workspace."""
+    def remove(self, name: str, home: bool = False) -> None:
+        """Stop if needed, then forget the session and its workspace (and with `home`, the
+        project's home, unless another session of the project still has it)."""
         record = self.get(name)
+        if home and record.project:
+            others = [r.name for r in self.records()
+                      if r.project == record.project and r.name != name]
+            if others:
+                raise SessionError(f"the home of project {record.project} is also used by "
+                                   f"{', '.join(others)}; remove those first")
         if record.state != "stopped":
             self.stop(name)
         shutil.rmtree(self.workspaces / name, ignore_errors=True)
+        if home and record.project:
+            shutil.rmtree(self.home(record.project), ignore_errors=True)
         self._path(name).unlink()
+
+    def _containers(self) -> dict[str, str]:
+        """Our containers (by label) and their states, as podman reports them now."""
+        try:
+            return {c["Names"][0]: c["State"] for c in self.podman.json(
+                "ps", "--all", "--filter", f"label={OWNER}={self.owner}", "--format", "json"
+            ) or []}
+        except PodmanError as exc:
+            raise SessionError(f"cannot ask podman about sessions: {exc}") from None
 
     def list(self) -> list[dict]:
         """Records, each with what podman reports now (a crash or reboot shows up here)."""
-        try:
-            running = {c["Names"][0]: c["State"] for c in self.podman.json(
-                "ps", "--all", "--filter", f"label={LABEL}", "--format", "json") or []}
-        except PodmanError as exc:
-            raise SessionError(f"cannot ask podman about sessions: {exc}") from None
-        return [{**asdict(r), "container_state": running.get(r.container, "absent")}
+        containers = self._containers()
+        return [{**asdict(r), "container_state": containers.get(r.container, "absent")}
                 for r in self.records()]
+
+    def reconcile(self) -> list[str]:
+        """After a restart or a crash: a session whose container is no longer running is
+        stopped properly (network, filter registration); a container or network of ours
+        that no record knows is removed. Returns what it did, for the log."""
+        done = []
+        containers = self._containers()
+        for record in self.records():
+            state = containers.pop(record.container, "absent")
+            if record.state == "running" and state != "running":
+                self.stop(record.name, reason=f"container was {state} at reconcile")
+                done.append(f"stopped {record.name} (container {state})")
+            elif record.state == "stopped" and state != "absent":  # a stop cut short
+                self.stop(record.name, reason=record.reason)
+                done.append(f"finished stopping {record.name}")
+        for orphan in containers:  # labelled ours, but no record: a create cut short
+            self.podman.remove_container(orphan)
+            done.append(f"removed orphan container {orphan}")
+        known = {r.network for r in self.records() if r.state == "running"}
+        for network in self.podman.json("network", "ls", "--filter",
+                                        f"label={OWNER}={self.owner}", "--format", "json") or []:
+            if network["name"] not in known:
+                self.podman.run("network", "rm", "--force", network["name"], check=False)
+                done.append(f"removed orphan network {network['name']}")
+        return done

@@ -51,6 +51,9 @@ allow = ["other.test"]
 """
 
 
+APPLIANCE_NAME = "e2e"
+
+
 class World:
     def __init__(self, directory: Path):
         self.dir = directory
@@ -86,19 +89,34 @@ files = ["{directory}/s2.toml"]
         self.processes = []
 
     def start(self):
+        """The appliance is the local backend (`corral up --backend local`) run inside the
+        appliance namespace: supervisor, firewall, filter, sandbox service and API."""
         netns.build(sessions=2)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.internet = netns.spawn(netns.INTERNET, [sys.executable, "-m", "tests.e2e.internet",
                                                      str(self.dir)], self.dir / "internet.log",
                                     env)
         self.processes.append(self.internet)
-        netns.sh(str(BIN / "corral-firewall"), "apply", "--config", str(self.config),
-                 ns=netns.APPLIANCE)
-        self.filter = netns.spawn(netns.APPLIANCE, [str(BIN / "corral-filter"), "--config",
-                                                    str(self.config)], self.dir / "filter.log")
-        self.processes.append(self.filter)
         self._wait(lambda: (self.dir / "ready").exists(), "the fake internet", "internet.log")
-        self._wait(self._filter_up, "corral-filter", "filter.log")
+        started = time.monotonic()
+        result = self.corral("up", "--backend", "local", "--name", APPLIANCE_NAME,
+                             "--state-dir", str(self.dir), "--no-image", timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"corral up failed:\n{result.stdout}{result.stderr}")
+        print(f"corral up --backend local: {time.monotonic() - started:.1f}s")
+        self._wait(self._filter_up, "corral-filter", "logs/filter.log")
+
+    def corral(self, *args: str, timeout: float = 600, **kw):
+        """The host CLI, run in the appliance namespace (where the API listens)."""
+        import subprocess
+
+        return subprocess.run(["nsenter", f"--net=/run/netns/{netns.APPLIANCE}",
+                               str(BIN / "corral"), *args], capture_output=True, text=True,
+                              timeout=timeout, env=self.cli_env, **kw)
+
+    @property
+    def cli_env(self) -> dict:
+        return {**os.environ, "XDG_CONFIG_HOME": str(self.dir / "config")}
 
     def _filter_up(self):
         try:
@@ -114,6 +132,9 @@ files = ["{directory}/s2.toml"]
             for process in self.processes:
                 if process.poll() is not None:
                     raise RuntimeError(f"{what} exited:\n" + (self.dir / log).read_text())
+            if what == "corral-filter" and not (self.dir / "supervisor.pid").exists():
+                raise RuntimeError("the supervisor exited:\n" + (
+                    self.dir / "logs" / "supervisor.log").read_text())
             time.sleep(0.05)
         raise RuntimeError(f"{what} did not come up:\n" + (self.dir / log).read_text())
 
@@ -142,9 +163,13 @@ files = ["{directory}/s2.toml"]
                               capture_output=True, text=True, timeout=timeout)
 
     def stop(self):
-        for process in self.processes:
-            netns.stop(process)
-        netns.cleanup()
+        try:
+            down = self.corral("down", "--appliance", APPLIANCE_NAME, timeout=180)
+            print(f"corral down: {down.stdout.strip()} {down.stderr.strip()}")
+        finally:
+            for process in self.processes:
+                netns.stop(process)
+            netns.cleanup()
 
 
 CONTAINERS_CONF = Path(__file__).with_name("containers.conf")

@@ -98,17 +98,22 @@ def test_diff_and_apply_round_trip_with_a_refused_conflict(world, manager, sessi
     run("exec", session.container, "sh", "-c",
         "printf \"print('v2')\\n\" > /work/app.py && echo new > /work/added.txt "
         "&& printf 'edited by agent\\n' > /work/notes.md")
-    from appliance.sandbox.workspace import Conflict, render
+    from appliance.workspace import Conflict, apply, render
+
+    def host_apply(**options):  # what `corral apply` does on the host, then tells the manager
+        applied = apply(project, manager.diff("p1"), **options)
+        manager.fold("p1", applied)
+        return applied
 
     text = render(manager.diff("p1"))
     assert "-print('v1')\n+print('v2')\n" in text and "+++ b/added.txt" in text
     assert text.endswith("1 added, 2 modified, 0 removed, 0 binary")
     (project / "notes.md").write_text("edited by the human\n")  # meanwhile, on the host
     with pytest.raises(Conflict) as info:
-        manager.apply("p1", project)
+        host_apply()
     assert info.value.paths == ["notes.md"]
     assert (project / "app.py").read_text() == "print('v1')\n"  # nothing was written
-    applied = manager.apply("p1", project, paths=["app.py", "added.txt"])
+    applied = host_apply(paths=["app.py", "added.txt"])
     assert {c.path for c in applied} == {"app.py", "added.txt"}
     assert (project / "app.py").read_text() == "print('v2')\n"
     assert (project / "notes.md").read_text() == "edited by the human\n"

@@ -16,8 +16,36 @@ from cli.client import Appliance, Client
 from tests.helpers import stop
 
 
-class ApiProcess:
+class SandboxProcess:
+    """The real corral-sandbox on its socket, with its own state directory (it reconciles
+    only what it made, so other podman users on this host are safe from it)."""
+
     def __init__(self, directory: Path, control_socket: Path):
+        self.socket = directory / "sandbox.sock"
+        self.config = directory / "sandbox.toml"
+        self.config.write_text(f"""
+[sandbox]
+socket = "{self.socket}"
+state_dir = "{directory}/sandbox"
+filter_socket = "{control_socket}"
+""")
+        self.log = directory / "sandbox.log"
+        exe = Path(sys.executable).parent / "corral-sandbox"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(exe), "serve", "--config", str(self.config)],
+                                         stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("corral-sandbox did not come up:\n" + self.log.read_text())
+            time.sleep(0.05)
+
+    def stop(self):
+        stop(self.proc)
+
+
+class ApiProcess:
+    def __init__(self, directory: Path, control_socket: Path, sandbox_socket: Path | None = None):
         self.dir = directory
         self.server_dir = directory / "server"
         self.bundle = pki.issue(["127.0.0.1"])
@@ -33,7 +61,9 @@ class ApiProcess:
 listen = "fd://{self.listener.fileno()}"
 tls_dir = "{self.server_dir}"
 control_socket = "{control_socket}"
+sandbox_socket = "{sandbox_socket or directory / 'no-sandbox.sock'}"
 max_body = 4096
+max_upload = 65536
 threads = 8
 pidfile = "{self.pidfile}"
 """)
@@ -81,9 +111,13 @@ pidfile = "{self.pidfile}"
 
 @pytest.fixture(scope="module")
 def api(corral_filter, tmp_path_factory):
-    process = ApiProcess(tmp_path_factory.mktemp("api"), corral_filter.socket)
+    directory = tmp_path_factory.mktemp("api")
+    sandbox = SandboxProcess(directory, corral_filter.socket)
+    process = ApiProcess(directory, corral_filter.socket, sandbox.socket)
+    process.sandbox = sandbox
     yield process
     process.stop()
+    sandbox.stop()
 
 
 def tls_client(ca: Path, cert: Path | None = None, key: Path | None = None,

@@ -151,8 +151,10 @@ def test_status(home):
     result = corral(home, "status", "--json")
     status = json.loads(result.stdout)
     assert status["filter"]["healthy"] is True
+    assert status["sandbox"]["healthy"] is True and status["sandbox"]["sessions"] == 0
     human = corral(home, "status")
     assert "filter: healthy" in human.stdout and "firewall:" in human.stdout
+    assert "sandbox: healthy, 0 sessions, image localhost/corral-sandbox:" in human.stdout
 
 
 def test_errors_name_the_fix(home, tmp_path):

@@ -9,10 +9,10 @@ from pathlib import Path
 from cli import exitcodes
 from cli.main import main
 
-ALLOWED_APPLIANCE_IMPORTS = {"appliance.policy", "appliance.pki"}
+ALLOWED_APPLIANCE_IMPORTS = {"appliance.policy", "appliance.pki", "appliance.workspace"}
 
 
-def test_cli_imports_only_policy_and_pki_from_appliance():
+def test_cli_imports_only_policy_pki_and_workspace_from_appliance():
     for path in Path("cli").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -28,12 +28,24 @@ def test_cli_imports_only_policy_and_pki_from_appliance():
                     assert top in ALLOWED_APPLIANCE_IMPORTS, f"{path}: imports {name}"
 
 
+def test_the_shared_workspace_module_is_standard_library_only():
+    """The CLI may import it because it pulls in nothing: keep it that way."""
+    import sys
+
+    tree = ast.parse(Path("appliance/workspace.py").read_text())
+    modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names}
+    modules |= {n.module.split(".")[0] for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    assert modules - {"__future__"} <= sys.stdlib_module_names, modules
+
+
 def test_the_boundary_check_catches_a_forbidden_import(tmp_path, monkeypatch):
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "bad.py").write_text("from appliance import filter\n")
     monkeypatch.chdir(tmp_path)
     try:
-        test_cli_imports_only_policy_and_pki_from_appliance()
+        test_cli_imports_only_policy_pki_and_workspace_from_appliance()
     except AssertionError as exc:
         assert "imports appliance.filter" in str(exc)
     else:

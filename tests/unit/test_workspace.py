@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from appliance.sandbox.workspace import Conflict, apply, changes, copy_in, render
+from appliance.workspace import Conflict, apply, changes, copy_in, fold, from_json, render, to_json
 
 
 @pytest.fixture
@@ -22,6 +22,14 @@ def dirs(tmp_path):
     work, base = tmp_path / "work", tmp_path / "base"
     copy_in(project, work, base)
     return project, work, base
+
+
+def round_trip(project, base, work, **options):
+    """What `corral apply` does: changes on the appliance, applied on the host, folded back."""
+    wire = [to_json(c) for c in changes(base, work)]
+    applied = apply(project, [from_json(c) for c in wire], **options)
+    fold(base, applied)
+    return applied
 
 
 def agent_edits(work):
@@ -55,7 +63,7 @@ def test_diff_shows_text_binary_mode_and_a_summary(dirs):
 def test_apply_writes_the_changes_and_the_next_apply_is_empty(dirs):
     project, work, base = dirs
     agent_edits(work)
-    applied = apply(project, base, work)
+    applied = round_trip(project, base, work)
     assert {c.path for c in applied} == {"src/app.py", "src/new.py", "gone.txt", "blob.bin",
                                          "run.sh"}
     assert (project / "src" / "app.py").read_text() == "print('hello, world')\n"
@@ -64,7 +72,7 @@ def test_apply_writes_the_changes_and_the_next_apply_is_empty(dirs):
     assert os.stat(project / "run.sh").st_mode & 0o111
     assert (project / ".corral" / "client.key").read_text() == "secret"
     assert changes(base, work) == []
-    assert apply(project, base, work) == []
+    assert round_trip(project, base, work) == []
 
 
 def test_a_host_edit_since_the_start_is_a_conflict_and_nothing_is_written(dirs):
@@ -72,18 +80,18 @@ def test_a_host_edit_since_the_start_is_a_conflict_and_nothing_is_written(dirs):
     agent_edits(work)
     (project / "src" / "app.py").write_text("print('the human was here')\n")
     with pytest.raises(Conflict) as info:
-        apply(project, base, work)
+        round_trip(project, base, work)
     assert info.value.paths == ["src/app.py"]
     assert (project / "gone.txt").exists() and not (project / "src" / "new.py").exists()
     assert "changed on the host since the session started: src/app.py" in str(info.value)
-    apply(project, base, work, force=True)
+    round_trip(project, base, work, force=True)
     assert (project / "src" / "app.py").read_text() == "print('hello, world')\n"
 
 
 def test_path_limits_what_is_applied(dirs):
     project, work, base = dirs
     agent_edits(work)
-    applied = apply(project, base, work, paths=["src"])
+    applied = round_trip(project, base, work, paths=["src"])
     assert {c.path for c in applied} == {"src/app.py", "src/new.py"}
     assert (project / "gone.txt").exists()
     assert {c.path for c in changes(base, work)} == {"gone.txt", "blob.bin", "run.sh"}
@@ -94,10 +102,10 @@ def test_a_symlink_out_of_the_project_is_refused(dirs):
     (work / "escape").symlink_to("/etc/passwd")
     (work / "inner").symlink_to("src/app.py")
     with pytest.raises(Conflict) as info:
-        apply(project, base, work)
+        round_trip(project, base, work)
     assert info.value.refused == ["escape: symlink points out of the project (/etc/passwd)"]
     assert not (project / "inner").exists()  # all or nothing
-    applied = apply(project, base, work, paths=["inner"])
+    applied = round_trip(project, base, work, paths=["inner"])
     assert [c.path for c in applied] == ["inner"]
     assert os.readlink(project / "inner") == "src/app.py"
 
@@ -110,6 +118,18 @@ def test_no_write_goes_through_a_symlinked_directory_on_the_host(dirs, tmp_path)
     (work / "docs").mkdir()
     (work / "docs" / "x.md").write_text("planted\n")
     with pytest.raises(Conflict) as info:
-        apply(project, base, work, force=True)
+        round_trip(project, base, work, force=True)
     assert "docs/x.md: a directory on the way is a symlink" in info.value.refused
     assert not (outside / "x.md").exists()
+
+
+def test_a_changeset_from_the_network_cannot_name_a_path_outside():
+    for path in ("../escape", "/etc/passwd", "a/../../b", "", "a//b"):
+        with pytest.raises(ValueError, match="not a relative path"):
+            from_json({"path": path, "action": "added", "before": None,
+                       "after": {"kind": "file", "executable": False, "data": ""}})
+    with pytest.raises(ValueError, match="base64"):
+        from_json({"path": "x", "action": "added", "before": None,
+                   "after": {"kind": "file", "executable": False, "data": "@@"}})
+    with pytest.raises(ValueError, match="action"):
+        from_json({"path": "x", "action": "moved", "before": None, "after": None})

@@ -1,11 +1,13 @@
-"""The workspace: the agent proposes, a human disposes.
+"""The workspace: the agent proposes, a human disposes. Standard library only: the appliance
+computes changes, the host CLI applies them (the two sides may be different machines).
 
 At start the project is copied twice, without `.corral/`: `work/` (mounted at /work, the
 agent's) and `base/` (never mounted: what the agent started from). `changes()` compares the
-two; `apply()` writes the agent's changes into the host project, but only where the host
-still holds what `base/` holds — a file the person edited meanwhile is a conflict, and then
-nothing at all is written unless forced. Applied changes are folded into `base/`, so the next
-apply carries only what is new.
+two (appliance side); `apply()` writes a changeset into the host project, but only where the
+host still holds what the change started from — a file the person edited meanwhile is a
+conflict, and then nothing at all is written unless forced (host side). `fold()` writes the
+applied changes into `base/`, so the next apply carries only what is new (appliance side).
+Changesets travel as JSON (`to_json` / `from_json`).
 
 The agent controls `work/` completely, so nothing read from it is trusted: symlinks are
 compared and applied as links (never followed), a link pointing out of the project is
@@ -14,6 +16,7 @@ refused, and no write goes through a directory that is a symlink on the host.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import os
 import shutil
@@ -144,7 +147,7 @@ def render(changeset: list[Change]) -> str:
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines) + summary
 
 
-def _selected(change: Change, paths: list[str] | None) -> bool:
+def selected(change: Change, paths: list[str] | None) -> bool:
     if not paths:
         return True
     return any(change.path == p.rstrip("/") or change.path.startswith(p.rstrip("/") + "/")
@@ -174,13 +177,16 @@ def _inside(project: Path, relative: str) -> bool:
     return (project / relative).resolve(strict=False).parent.is_relative_to(project.resolve())
 
 
-def apply(project: Path, base: Path, work: Path, paths: list[str] | None = None,
+def apply(project: Path, changeset: list[Change], paths: list[str] | None = None,
           force: bool = False) -> list[Change]:
     """Write the selected changes into `project`; all or nothing. Raises Conflict."""
     project = project.resolve()
-    selected = [c for c in changes(base, work) if _selected(c, paths)]
+    chosen = [c for c in changeset if selected(c, paths)]
     conflict = Conflict()
-    for change in selected:
+    for change in chosen:
+        if not _safe_path(change.path):
+            conflict.refused.append(f"{change.path}: not a relative path inside the project")
+            continue
         if not _inside(project, change.path):
             conflict.refused.append(f"{change.path}: a directory on the way is a symlink")
         new = change.after
@@ -194,10 +200,24 @@ def apply(project: Path, base: Path, work: Path, paths: list[str] | None = None,
             conflict.paths.append(change.path)
     if conflict.refused or conflict.paths:
         raise conflict
-    for change in selected:
+    for change in chosen:
         _write(project / change.path, change.after)
-        _write(base / change.path, change.after)  # the next apply starts from here
-    return selected
+    return chosen
+
+
+def fold(base: Path, applied: list[Change]) -> None:
+    """What the host now holds becomes what the next diff starts from."""
+    for change in applied:
+        if not _safe_path(change.path):
+            raise ValueError(f"{change.path!r} is not a relative path inside the workspace")
+        _write(base / change.path, change.after)
+
+
+def _safe_path(relative: str) -> bool:
+    """A changeset may come over the network: only plain relative paths, never `..`."""
+    parts = relative.split("/")
+    return bool(relative) and not relative.startswith("/") and all(
+        p not in ("", ".", "..") for p in parts) and "\x00" not in relative
 
 
 def _write(path: Path, entry: Entry | None) -> None:
@@ -218,3 +238,45 @@ def _write(path: Path, entry: Entry | None) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o755 if entry.executable else 0o644)
     os.replace(tmp, path)
+
+
+# -- changesets as JSON ------------------------------------------------------------------------
+
+def _entry_json(entry: Entry | None) -> dict | None:
+    if entry is None:
+        return None
+    return {"kind": entry.kind, "executable": entry.executable,
+            "data": base64.b64encode(entry.data).decode()}
+
+
+def _entry(data: object, where: str) -> Entry | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or data.get("kind") not in ("file", "link") or not \
+            isinstance(data.get("data"), str) or not isinstance(data.get("executable"), bool):
+        raise ValueError(f"{where}: an entry is {{kind: file|link, executable: bool, "
+                         f"data: base64}}")
+    try:
+        raw = base64.b64decode(data["data"], validate=True)
+    except ValueError:
+        raise ValueError(f"{where}: data is not base64") from None
+    return Entry(data["kind"], raw, data["executable"])
+
+
+def to_json(change: Change) -> dict:
+    return {"path": change.path, "action": change.action, "binary": change.binary,
+            "before": _entry_json(change.before), "after": _entry_json(change.after)}
+
+
+def from_json(data: object) -> Change:
+    """A change as `to_json` wrote it; ValueError naming the field otherwise."""
+    if not isinstance(data, dict) or not isinstance(data.get("path"), str):
+        raise ValueError("a change is an object with a string 'path'")
+    path = data["path"]
+    if not _safe_path(path):
+        raise ValueError(f"{path!r}: not a relative path inside the project")
+    if data.get("action") not in ("added", "modified", "removed"):
+        raise ValueError(f"{path}: action must be added, modified or removed")
+    before = _entry(data.get("before"), f"{path}: before")
+    after = _entry(data.get("after"), f"{path}: after")
+    return Change(path, data["action"], before, after)

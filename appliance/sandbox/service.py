@@ -1,0 +1,357 @@
+"""`corral-sandbox`: the one privileged process that runs podman for the admin API.
+
+  corral-sandbox serve --config FILE     the session service on its unix socket
+  corral-sandbox image build [--rebuild] build (or keep) the sandbox image
+
+Rootful podman needs root and the admin API must not have it, so sessions live here,
+behind a socket the API's group may use (0660) — the same JSON-lines protocol as the
+filter's control socket. A request may carry a payload (a project archive): its size is
+"payload" in the request line and the bytes follow the line. Requests:
+
+  {"op": "status"}
+  {"op": "list"}
+  {"op": "create", "name": N, "presets": [P]?, "project_id": ID?, "uid": U?, "gid": G?,
+   "payload": BYTES?}                                  the payload is a tar of the project
+  {"op": "stop", "name": N}          {"op": "remove", "name": N, "home": BOOL?}
+  {"op": "diff", "name": N}          {"op": "changes", "name": N, "paths": [P]?}
+  {"op": "fold", "name": N, "changes": [CHANGE]}       what the host applied
+  {"op": "selftest", "name": N, "options": {...}}      the battery inside the session
+  {"op": "stop-all"}                                   before the firewall goes away
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import json
+import logging
+import os
+import signal
+import socketserver
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from appliance import workspace
+from appliance.control_client import ControlClient, ServiceUnavailable
+from appliance.policy import ConfigError, preset_names
+from appliance.settings import load_table, non_empty, positive
+
+from . import image
+from .podman import Podman, PodmanError
+from .sessions import SessionError, SessionManager
+
+log = logging.getLogger("corral.sandbox")
+MAX_LINE = 64 * 1024 * 1024  # a `fold` carries file contents
+MAX_MEMBERS = 200_000
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    socket: str = "/run/corral/sandbox.sock"
+    group: str = ""
+    """Owner group of the socket (0660): the admin API's. Empty: 0600, root only."""
+    state_dir: str = "/var/lib/corral/sandbox"
+    filter_socket: str = "/run/corral/filter.sock"
+    pool: str = "10.213.0.0/16"
+    image: str = image.IMAGE
+    containers_conf: str = ""
+    """A containers.conf for podman (the host's defaults when empty)."""
+    proxy_port: int = 3128
+    max_project: int = 2 * 1024**3
+    """The most a project may hold once unpacked, in bytes."""
+
+
+def load(path: str) -> SandboxConfig:
+    config, where = load_table(path, "sandbox", SandboxConfig)
+    non_empty(path, "sandbox", config, where, "socket", "state_dir", "filter_socket", "pool",
+              "image")
+    positive(path, "sandbox", config, where, "proxy_port", "max_project")
+    return config
+
+
+class RequestError(Exception):
+    pass
+
+
+def _string_list(request: dict, key: str) -> list[str]:
+    value = request.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RequestError(f"{key!r} must be a list of strings")
+    return value
+
+
+def _name(request: dict) -> str:
+    name = request.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("'name' must be a session name")
+    return name
+
+
+class Sessions:
+    """The requests, answered with a SessionManager; one mutation at a time."""
+
+    def __init__(self, config: SandboxConfig, manager: SessionManager):
+        self.config, self.manager = config, manager
+        self.lock = threading.Lock()
+
+    def answer(self, request: dict, payload: BinaryIO | None) -> dict:
+        op = request.get("op")
+        manager = self.manager
+        if op == "status":
+            return {"image": manager.image, "image_present": manager.podman.image_exists(
+                manager.image), "sessions": len(manager.records())}
+        if op == "list":
+            return {"sessions": manager.list()}
+        if op == "create":
+            return {"session": self._create(request, payload)}
+        if op in ("diff", "changes"):
+            changes = manager.diff(_name(request))
+            if op == "diff":
+                return {"diff": workspace.render(changes), "changes": [
+                    {"path": c.path, "action": c.action, "binary": c.binary} for c in changes]}
+            paths = _string_list(request, "paths")
+            return {"changes": [workspace.to_json(c) for c in changes
+                                if workspace.selected(c, paths)]}
+        if op == "selftest":
+            return self._selftest(_name(request), request.get("options"))
+        with self.lock:
+            if op == "stop":
+                return {"session": vars(manager.stop(_name(request)))}
+            if op == "remove":
+                home = request.get("home", False)
+                if not isinstance(home, bool):
+                    raise RequestError("'home' must be true or false")
+                manager.remove(_name(request), home=home)
+                return {}
+            if op == "fold":
+                changes = request.get("changes")
+                if not isinstance(changes, list):
+                    raise RequestError("'changes' must be a list of changes")
+                manager.fold(_name(request), [workspace.from_json(c) for c in changes])
+                return {"folded": len(changes)}
+            if op == "stop-all":
+                stopped = [manager.stop(r.name, reason="appliance going down").name
+                           for r in manager.records() if r.state == "running"]
+                return {"stopped": stopped}
+        raise RequestError(f"unknown op {op!r}; expected status, list, create, stop, remove, "
+                           "diff, changes, fold, selftest, stop-all")
+
+    def _create(self, request: dict, payload: BinaryIO | None) -> dict:
+        presets = _string_list(request, "presets")
+        unknown = sorted(set(presets) - set(preset_names()))
+        if unknown:
+            raise RequestError(f"unknown preset(s) {', '.join(unknown)}; presets: "
+                               f"{', '.join(preset_names())}")
+        options = {k: request[k] for k in ("uid", "gid") if k in request}
+        project_id = request.get("project_id") or ""
+        if not isinstance(project_id, str):
+            raise RequestError("'project_id' must be a string")
+        with self.lock, tempfile.TemporaryDirectory(
+                dir=self.manager.workspaces.parent, prefix="upload-") as tmp:
+            project = None
+            if payload is not None:
+                project = Path(tmp) / "project"
+                self._unpack(payload, project)
+            record = self.manager.create(_name(request), project=project, presets=presets,
+                                         project_id=project_id, **options)
+        log.info("created session %s on %s", record.name, record.subnet)
+        return vars(record)
+
+    def _unpack(self, payload: BinaryIO, target: Path) -> None:
+        """A project archive from the host, unpacked with tarfile's "data" filter: no
+        absolute paths, no `..`, no links out, no devices, no set-uid bits."""
+        try:
+            with tarfile.open(fileobj=payload, mode="r:*") as archive:
+                members = archive.getmembers()
+                if len(members) > MAX_MEMBERS:
+                    raise RequestError(f"the project has {len(members)} entries; the limit is "
+                                       f"{MAX_MEMBERS}")
+                size = sum(m.size for m in members)
+                if size > self.config.max_project:
+                    raise RequestError(f"the project unpacks to {size} bytes; the limit is "
+                                       f"{self.config.max_project} ([sandbox] max_project)")
+                target.mkdir()
+                archive.extractall(target, filter="data")
+        except tarfile.TarError as exc:
+            raise RequestError(f"the project archive is unusable: {exc}") from None
+
+    def _selftest(self, name: str, options: object) -> dict:
+        if not isinstance(options, dict) or not isinstance(options.get("allowed"), str):
+            raise RequestError("'options' must be an object with at least 'allowed'")
+        record = self.manager.get(name)
+        args = ["corral-selftest", "--json"]
+        for key, value in options.items():
+            flag = "--" + key.replace("_", "-")
+            if key == "only":
+                for probe in value:
+                    args += ["--only", str(probe)]
+            elif key in ("allowed", "denied", "foreign_resolver", "v6_target", "private_name",
+                         "tcp_name", "other_gateway", "slow_connections"):
+                args += [flag, str(value)]
+            else:
+                raise RequestError(f"unknown selftest option {key!r}")
+        result = self.manager.podman.run("exec", record.container, *args, check=False,
+                                         timeout=600)
+        probes = [json.loads(line) for line in result.stdout.decode().splitlines()
+                  if line.startswith("{")]
+        if not probes:
+            raise SessionError(f"the selftest did not run in {name}: "
+                               f"{result.stderr.decode(errors='replace').strip()[-500:]}")
+        return {"probes": probes, "passed": result.returncode == 0}
+
+
+class Handler(socketserver.StreamRequestHandler):
+    timeout = 120  # seconds a client may stall mid-request
+
+    def handle(self) -> None:
+        sessions: Sessions = self.server.sessions  # type: ignore[attr-defined]
+        while True:
+            try:
+                line = self.rfile.readline(MAX_LINE + 1)
+            except OSError:
+                return
+            if not line:
+                return
+            close = False
+            try:
+                if len(line) > MAX_LINE:
+                    close = True
+                    raise RequestError("request line too long")
+                request = json.loads(line)
+                if not isinstance(request, dict):
+                    raise RequestError("a request is a JSON object")
+                with self._payload(request) as payload:
+                    close = payload is not None  # the stream is spent or out of step
+                    answer = {"ok": True, **sessions.answer(request, payload)}
+            except json.JSONDecodeError as exc:
+                answer = {"ok": False, "error": f"not JSON: {exc}"}
+            except (RequestError, SessionError, PodmanError, workspace.Conflict, ValueError,
+                    ServiceUnavailable) as exc:
+                answer = {"ok": False, "error": str(exc)}
+            except Exception as exc:  # answer everything; the service stays up
+                log.exception("request failed")
+                answer = {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+            try:
+                self.wfile.write(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
+                self.wfile.flush()
+            except OSError:
+                return
+            if close:
+                return
+
+    def _payload(self, request: dict):
+        """The request's payload as a temporary file (never whole in memory), or None."""
+        size = request.pop("payload", None)
+        if size is None:
+            return _Nothing()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise RequestError("'payload' must be a size in bytes")
+        spool = tempfile.SpooledTemporaryFile(max_size=8 << 20)  # noqa: SIM115 - returned
+        remaining = size
+        while remaining:
+            chunk = self.rfile.read(min(remaining, 1 << 20))
+            if not chunk:
+                spool.close()
+                raise RequestError(f"the payload ended after {size - remaining} of {size} "
+                                   "bytes")
+            spool.write(chunk)
+            remaining -= len(chunk)
+        spool.seek(0)
+        return spool
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, group: str, sessions: Sessions):
+        self.sessions = sessions
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        Path(path).unlink(missing_ok=True)
+        old = os.umask(0o177)  # born 0600: no window where others can connect
+        try:
+            super().__init__(path, Handler)
+        finally:
+            os.umask(old)
+        if group:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            os.chmod(path, 0o660)
+
+
+def _manager(config: SandboxConfig) -> SessionManager:
+    podman = Podman(Path(config.containers_conf) if config.containers_conf else None)
+    filter_client = ControlClient(config.filter_socket, "the filter", timeout=60)
+    state = Path(config.state_dir)
+    state.mkdir(parents=True, exist_ok=True, mode=0o711)
+    return SessionManager(podman, filter_client.request, state, pool=config.pool,
+                          image=config.image, proxy_port=config.proxy_port)
+
+
+def serve(config: SandboxConfig) -> int:
+    manager = _manager(config)
+    try:
+        for line in manager.reconcile():
+            log.info("reconcile: %s", line)
+    except (SessionError, PodmanError, ServiceUnavailable) as exc:
+        log.error("reconcile failed (sessions are listed as podman reports them): %s", exc)
+    server = Server(config.socket, config.group, Sessions(config, manager))
+
+    def stop(signum, frame):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("serving on %s (image %s)", config.socket, config.image)
+    with server:
+        server.serve_forever()
+    Path(config.socket).unlink(missing_ok=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="corral-sandbox", description="corral's session "
+                                     "service: the only process that runs podman.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = sub.add_parser("serve", help="answer session requests on the socket")
+    serve_parser.add_argument("--config", required=True, metavar="FILE")
+    image_parser = sub.add_parser("image", help="the sandbox image")
+    image_parser.add_argument("action", choices=["build"])
+    image_parser.add_argument("--config", metavar="FILE", help="for containers_conf")
+    image_parser.add_argument("--rebuild", action="store_true",
+                              help="rebuild the Debian base too, not only the top layer")
+    image_parser.add_argument("--mirror", default="http://deb.debian.org/debian")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load(args.config) if args.config else SandboxConfig()
+    except ConfigError as exc:
+        print(f"corral-sandbox: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "image":
+        conf = Path(config.containers_conf) if config.containers_conf else None
+        try:
+            image.build(Podman(conf), mirror=args.mirror, rebuild=args.rebuild,
+                        progress=lambda line: print(line, flush=True))
+        except (PodmanError, subprocess.SubprocessError) as exc:
+            print(f"corral-sandbox: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

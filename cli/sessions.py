@@ -1,0 +1,257 @@
+"""Session commands: run, shell, ls, stop, rm, diff, apply, selftest, image build.
+
+The appliance keeps sessions (through the admin API); terminals are `podman exec` on the
+appliance, run with the words its appliance.toml gives (`podman = [...]`): directly for the
+local backend, over SSH for a VM. `apply` writes on this host: the appliance sends the
+changes, `appliance.workspace` checks them against the project here and writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from appliance import workspace
+
+from . import exitcodes, output
+from .client import Client, CliError, load_appliance
+from .control import client_for
+
+SLOW = 600.0  # seconds for creating a session or running the battery
+
+
+def project_id(project: Path) -> str:
+    """Stable per project directory: its name (readable) and a hash of its path (unique)."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", project.name.lower()).strip("-")[:23] or "project"
+    return f"{stem}-{hashlib.sha256(str(project).encode()).hexdigest()[:8]}"
+
+
+def _session_name(project: Path) -> str:
+    return f"{project_id(project).rsplit('-', 1)[0][:26]}-{secrets.token_hex(2)}"
+
+
+def _archive(project: Path) -> tuple[tempfile.SpooledTemporaryFile, int, int]:
+    """The project as a gzipped tar, without the top-level `.corral/` (its credentials)."""
+    excluded = {project / name for name in workspace.EXCLUDED}
+    count = 0
+
+    def keep(info: tarfile.TarInfo):
+        nonlocal count
+        if project / info.name in excluded or any(
+                (project / info.name).is_relative_to(e) for e in excluded):
+            return None
+        count += 1
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)  # noqa: SIM115 - returned
+    with tarfile.open(fileobj=spool, mode="w:gz", compresslevel=3) as archive:
+        archive.add(project, arcname=".", filter=keep)
+    size = spool.tell()
+    spool.seek(0)
+    return spool, size, count
+
+
+def _terminal(client: Client, container: str, command: list[str]) -> int:
+    """An interactive process in the session (a TTY when we have one)."""
+    tty = ["-it"] if sys.stdin.isatty() and sys.stdout.isatty() else ["-i"]
+    argv = [*client.appliance.podman, "exec", *tty, "--workdir", "/work", container,
+            *(command or ["bash", "-l"])]
+    try:
+        return subprocess.call(argv)
+    except FileNotFoundError:
+        raise CliError(f"cannot run {argv[0]!r} to reach the session",
+                       "check `podman = [...]` in the appliance's appliance.toml") from None
+
+
+def cmd_run(args) -> int:
+    client = client_for(args)
+    project = Path(args.project or os.getcwd()).resolve()
+    if not project.is_dir():
+        raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
+    name = args.name or _session_name(project)
+    uid = int(os.environ.get("SUDO_UID", os.getuid())) or 1000
+    gid = int(os.environ.get("SUDO_GID", os.getgid())) or 1000
+    started = time.monotonic()
+    spool, size, count = _archive(project)
+    with spool:
+        output.notice(f"copying {project} ({count} entries, {size / 1e6:.1f} MB packed) and "
+                      f"starting session {name} ...")
+        session = client.request("POST", "/sessions", upload=(spool, size, "application/gzip"),
+                                 timeout=SLOW, name=name, preset=args.preset,
+                                 project_id=project_id(project), uid=uid, gid=gid)
+    output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
+                  f"{session['subnet']}")
+    if args.json:
+        output.data(session)
+    if args.detach:
+        return exitcodes.OK
+    code = _terminal(client, session["container"], args.cmd)
+    output.notice(f"session {name} keeps running: `corral shell {name}` re-attaches; "
+                  f"`corral diff {name}`, `corral apply {name}`, `corral stop {name}`")
+    return code
+
+
+def cmd_shell(args) -> int:
+    client = client_for(args)
+    name = _pick(client, args.session)
+    session = client.request("GET", f"/sessions/{name}")
+    if session.get("container_state") != "running":
+        raise CliError(f"session {name} is not running ({session.get('container_state')})",
+                       f"start a new one with `corral run`; `corral diff {name}` still works")
+    return _terminal(client, session["container"], args.cmd)
+
+
+def _pick(client: Client, given: str | None) -> str:
+    from .control import pick_session
+
+    return pick_session(client, given)
+
+
+def _age(created: float | None) -> str:
+    if not created:
+        return "-"
+    seconds = max(0, time.time() - created)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_ls(args) -> int:
+    answer = client_for(args).request("GET", "/sessions")
+    if args.json:
+        output.data(answer)
+        return exitcodes.OK
+    rows = []
+    for s in answer["sessions"]:
+        state = s.get("container_state", s.get("state", "-"))
+        if s.get("state") == "stopped":
+            state = "stopped" + (f" ({s['reason']})" if s.get("reason") else "")
+        rows.append([s["name"], state, _age(s.get("created")), s.get("subnet", "-"),
+                     s.get("allowed", 0), s.get("denied", 0)])
+    output.table(rows, ["SESSION", "STATE", "AGE", "SUBNET", "ALLOWED", "DENIED"])
+    if answer.get("sandbox_error"):
+        output.notice(f"sandbox service: {answer['sandbox_error']}")
+    return exitcodes.OK
+
+
+def cmd_stop(args) -> int:
+    session = client_for(args).request("POST", f"/sessions/{args.name}/stop", timeout=SLOW)
+    if args.json:
+        output.data(session)
+    else:
+        output.line(f"stopped {args.name}: container and network removed; the workspace "
+                    f"stays for `corral diff/apply {args.name}` until `corral rm {args.name}`")
+    return exitcodes.OK
+
+
+def cmd_rm(args) -> int:
+    client_for(args).request("DELETE", f"/sessions/{args.name}", timeout=SLOW,
+                             home=1 if args.home else None)
+    output.line(f"removed {args.name}" + (" and its project's home" if args.home else ""))
+    return exitcodes.OK
+
+
+def cmd_diff(args) -> int:
+    answer = client_for(args).request("GET", f"/sessions/{args.name}/diff")
+    if args.json:
+        output.data(answer)
+    else:
+        output.line(answer["diff"])
+    return exitcodes.OK
+
+
+def cmd_apply(args) -> int:
+    client = client_for(args)
+    project = Path(args.project or os.getcwd()).resolve()
+    session = client.request("GET", f"/sessions/{args.name}")
+    if session.get("project") and session["project"] != project_id(project) and not args.force:
+        raise CliError(f"session {args.name} was started from another project "
+                       f"({session['project']}), not {project}",
+                       "run it in that project, pass --project DIR, or --force",
+                       exitcodes.USAGE)
+    wire = client.request("GET", f"/sessions/{args.name}/changes", path=args.path)["changes"]
+    changeset = [workspace.from_json(c) for c in wire]
+    try:
+        applied = workspace.apply(project, changeset, args.path, args.force)
+    except workspace.Conflict as conflict:
+        if args.json:
+            output.data({"applied": [], "conflicts": conflict.paths,
+                         "refused": conflict.refused})
+        raise CliError(f"nothing applied: {conflict}",
+                       "look at `corral diff`; keep your edits, or pass --force to overwrite "
+                       "them (refused paths are never written)") from None
+    applied_json = [workspace.to_json(c) for c in applied]
+    if applied:
+        client.request("POST", f"/sessions/{args.name}/applied", {"changes": applied_json},
+                       timeout=SLOW)
+    if args.json:
+        output.data({"applied": [c.path for c in applied], "conflicts": [], "refused": []})
+    else:
+        for change in applied:
+            output.line(f"{change.action:>8}  {change.path}")
+        output.line(f"applied {len(applied)} change(s) to {project}")
+    return exitcodes.OK
+
+
+def _default_allowed(client: Client, session: str) -> str:
+    """An allowed name to prove the legitimate path works: the session's first exact http
+    rule (a wildcard names no host)."""
+    for rule in client.request("GET", "/policy", session=session)["rules"]:
+        if rule["kind"] == "http" and not rule["rule"].startswith("*"):
+            return rule["rule"].split(":")[0]
+    raise CliError(f"session {session} allows no http host to test the allowed path with",
+                   "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
+
+
+def cmd_selftest(args) -> int:
+    client = client_for(args)
+    throwaway = None
+    if args.session is None:
+        throwaway = f"selftest-{secrets.token_hex(3)}"
+        output.notice(f"starting throwaway session {throwaway} ...")
+        client.request("POST", "/sessions", {"name": throwaway, "presets": args.preset or []},
+                       timeout=SLOW)
+    session = args.session or throwaway
+    try:
+        options = {"allowed": args.allowed or _default_allowed(client, session)}
+        for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
+                    "other_gateway", "slow_connections", "only"):
+            if getattr(args, key) is not None:
+                options[key] = getattr(args, key)
+        output.notice(f"running the bypass battery in {session} ...")
+        result = client.request("POST", f"/sessions/{session}/selftest", options, timeout=SLOW)
+    finally:
+        if throwaway:
+            client.request("DELETE", f"/sessions/{throwaway}", timeout=SLOW)
+    probes = result["probes"]
+    failed = [p for p in probes if not p["ok"]]
+    if args.json:
+        output.data(result)
+    else:
+        output.table([["ok" if p["ok"] else "FAIL", p["id"], p.get("threat", ""),
+                       f"{p.get('ms', 0):.1f}", p.get("detail", "")] for p in probes],
+                     ["", "PROBE", "THREAT", "MS", "DETAIL"])
+        output.line(f"\n{len(probes) - len(failed)}/{len(probes)} probes passed in {session}")
+    return exitcodes.OK if result["passed"] and not failed else exitcodes.FAILURE
+
+
+def cmd_image_build(args) -> int:
+    appliance = load_appliance(args.appliance)
+    argv = [*appliance.sandbox, "image", "build", *(["--rebuild"] if args.rebuild else [])]
+    if appliance.state_dir:
+        argv += ["--config", str(appliance.state_dir / "sandbox.toml")]
+    code = subprocess.call(argv)
+    if code != 0:
+        raise CliError(f"the image build failed (exit {code})", "see its output above")
+    return exitcodes.OK

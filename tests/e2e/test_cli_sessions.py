@@ -1,0 +1,252 @@
+"""The whole product path on the local backend: `corral run/shell/ls/selftest/diff/apply/
+stop/rm/down/up` against the API, the sandbox service, real podman, the real filter and
+firewall — as a person would use it, in the appliance namespace the World brought up."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import time
+
+import pytest
+
+from appliance.sandbox.podman import Podman
+
+from . import netns
+from .conftest import APPLIANCE_NAME, BIN
+from .test_bypass import recorded
+
+PROJECT_POLICY = """
+[http]
+allow = ["allowed.test", "private.test"]
+[tcp]
+allow = ["ssh.test:22"]
+"""
+BATTERY = ["--allowed", "allowed.test", "--denied", "denied.test", "--foreign-resolver",
+           "203.0.113.53", "--v6-target", "3fff:ff::10", "--private-name", "private.test",
+           "--tcp-name", "ssh.test:22", "--slow-connections", "500"]
+
+
+def corral(world, *args, check=True, timeout=600):
+    command, *rest = args
+    result = world.corral(command, "--appliance", APPLIANCE_NAME, *rest, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"corral {' '.join(args)}: exit {result.returncode}\n"
+                             f"{result.stdout}{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def project(world):
+    path = world.dir / "cli-project"
+    (path / ".corral").mkdir(parents=True)
+    (path / ".corral" / "client.key").write_text("never inside")
+    (path / "corral.toml").write_text(PROJECT_POLICY)
+    (path / "app.py").write_text("print('v1')\n")
+    (path / "notes.md").write_text("notes\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def c1(world, sandbox_image, project):
+    started = time.monotonic()
+    result = corral(world, "run", "--project", str(project), "--name", "c1", "--detach",
+                    "--preset", "pypi", "--json")
+    print(f"corral run --detach: session c1 up in {time.monotonic() - started:.2f}s")
+    yield json.loads(result.stdout)
+    corral(world, "rm", "c1", check=False)
+
+
+def test_run_starts_a_listed_session(world, c1):
+    listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
+    assert listed["c1"]["container_state"] == "running" and listed["c1"]["state"] == "running"
+    assert listed["c1"]["presets"] == ["pypi"] and listed["c1"]["project"].startswith(
+        "cli-project-")
+    table = corral(world, "ls").stdout
+    assert table.splitlines()[0].split() == ["SESSION", "STATE", "AGE", "SUBNET", "ALLOWED",
+                                             "DENIED"]
+    assert any(line.split()[:2] == ["c1", "running"] for line in table.splitlines())
+    rules = json.loads(corral(world, "rules", "--session", "c1", "--json").stdout)["rules"]
+    assert {"allowed.test", "pypi.org"} <= {r["rule"] for r in rules}  # project + preset
+
+
+def test_a_command_runs_as_the_hardened_user_in_work(world, c1):
+    out = corral(world, "shell", "c1", "--", "sh", "-c",
+                 "id -u; pwd; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; ls -A; "
+                 "touch /x 2>&1 || echo read-only").stdout.split()
+    assert out[0] != "0" and out[1] == "/work"
+    assert out[2:6] == ["CapEff:", "0000000000000000", "NoNewPrivs:", "1"]
+    assert sorted(out[6:9]) == ["app.py", "corral.toml", "notes.md"]  # no .corral
+    assert out[-1] == "read-only"
+
+
+class Terminal:
+    """`corral shell` on a real pseudo-terminal, as a person types into it."""
+
+    def __init__(self, world, session):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the CLI in the appliance namespace
+            os.execve("/usr/bin/nsenter", ["nsenter", f"--net=/run/netns/{netns.APPLIANCE}",
+                                           str(BIN / "corral"), "shell", "--appliance",
+                                           APPLIANCE_NAME, session], world.cli_env)
+        self.seen = b""
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode() + b"\n")
+
+    def expect(self, marker: str, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while marker.encode() not in self.seen:
+            ready, _, _ = select.select([self.fd], [], [], max(0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"no {marker!r} within {timeout}s; saw {self.seen[-500:]!r}")
+            try:
+                self.seen += os.read(self.fd, 65536)
+            except OSError:
+                raise AssertionError(f"the terminal closed; saw {self.seen[-500:]!r}") from None
+        return self.seen.decode(errors="replace")
+
+    def close(self) -> None:
+        self.send("exit")
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+
+
+def test_reattach_gives_a_second_shell_in_the_same_container(world, c1):
+    first, second = Terminal(world, "c1"), Terminal(world, "c1")
+    try:
+        first.send("echo $((6*7))-first; touch /tmp/left-by-first; tty")
+        first.expect("42-first")
+        assert "/dev/pts/" in first.expect("/dev/pts/")  # a real terminal inside
+        second.send("test -e /tmp/left-by-first && echo $((6*7))-second-sees-it")
+        second.expect("42-second-sees-it")
+        first.send("echo shell-$$-of-$(hostname)")
+        second.send("echo shell-$$-of-$(hostname)")
+        mine = [line for line in first.expect("of-corral-c1").split() if
+                line.startswith("shell-") and line.endswith("of-corral-c1")]
+        theirs = [line for line in second.expect("of-corral-c1").split() if
+                  line.startswith("shell-") and line.endswith("of-corral-c1")]
+        assert mine and theirs and mine[-1] != theirs[-1]  # two shells, one container
+        first.close()
+        second.close()
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_selftest_passes_in_the_session_and_every_denial_is_recorded(world, c1):
+    result = corral(world, "selftest", "c1", *BATTERY, "--json", check=False)
+    answer = json.loads(result.stdout)
+    failed = [p for p in answer["probes"] if not p["ok"]]
+    assert result.returncode == 0 and answer["passed"] and not failed, json.dumps(failed)
+    time.sleep(0.3)
+    events, counters = world.events(), world.counters()
+    missing = [p for p in answer["probes"] if p["expect"]
+               and not recorded(world, p["expect"], events, counters)]
+    assert not missing, json.dumps(missing, indent=1)
+    human = corral(world, "selftest", "c1", *BATTERY, "--only", "dns-exfiltration").stdout
+    assert "1/1 probes passed in c1" in human
+
+
+def test_selftest_without_a_session_uses_a_throwaway_one(world, sandbox_image):
+    result = corral(world, "selftest", "--allowed", "allowed.test", "--only",
+                    "dns-exfiltration", "--only", "metadata-direct", "--json")
+    assert json.loads(result.stdout)["passed"]
+    names = [s["name"] for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]]
+    assert not [n for n in names if n.startswith("selftest-")]  # removed again
+
+
+def test_diff_and_apply_on_the_host_with_a_refused_conflict(world, c1, project):
+    corral(world, "shell", "c1", "--", "sh", "-c",
+           "printf \"print('v2')\\n\" > app.py && echo new > added.txt "
+           "&& echo 'by the agent' > notes.md")
+    diff = corral(world, "diff", "c1").stdout
+    assert "-print('v1')\n+print('v2')\n" in diff and "+++ b/added.txt" in diff
+    assert diff.rstrip().endswith("1 added, 2 modified, 0 removed, 0 binary")
+    (project / "notes.md").write_text("by the human\n")
+    refused = corral(world, "apply", "c1", "--project", str(project), check=False)
+    assert refused.returncode == 1 and "changed on the host since the session started: " \
+        "notes.md" in refused.stderr and "--force" in refused.stderr
+    assert (project / "app.py").read_text() == "print('v1')\n"  # nothing at all was written
+    applied = corral(world, "apply", "c1", "--project", str(project), "--path", "app.py",
+                     "--path", "added.txt").stdout
+    assert "applied 2 change(s)" in applied
+    assert (project / "app.py").read_text() == "print('v2')\n"
+    assert (project / "added.txt").read_text() == "new\n"
+    assert (project / "notes.md").read_text() == "by the human\n"
+    remaining = json.loads(corral(world, "diff", "c1", "--json").stdout)["changes"]
+    assert [c["path"] for c in remaining] == ["notes.md"]
+    elsewhere = world.dir / "elsewhere"
+    elsewhere.mkdir()
+    wrong = corral(world, "apply", "c1", "--project", str(elsewhere), check=False)
+    assert wrong.returncode == 2 and "started from another project" in wrong.stderr
+
+
+def test_a_session_whose_container_died_is_reconciled(world, sandbox_image):
+    corral(world, "run", "--name", "c2", "--detach", "--project", str(world.dir / "cli-project"))
+    podman = Podman(world.dir / "containers.conf",
+                    prefix=("nsenter", f"--net=/run/netns/{netns.APPLIANCE}"))
+    podman.remove_container("corral-c2")  # behind corral's back (retries podman#11594)
+    supervisor = int((world.dir / "supervisor.pid").read_text())
+    sandbox = subprocess.run(["pgrep", "-P", str(supervisor), "-f", "corral-sandbox serve"],
+                             capture_output=True, text=True).stdout.split()
+    assert len(sandbox) == 1
+    os.kill(int(sandbox[0]), signal.SIGKILL)  # a crash: the supervisor restarts it
+    deadline = time.monotonic() + 30
+    while True:
+        result = corral(world, "ls", "--json", check=False)
+        sessions = {s["name"]: s for s in json.loads(result.stdout or "{}").get("sessions", [])} \
+            if result.returncode == 0 else {}
+        if sessions.get("c2", {}).get("state") == "stopped":
+            break
+        assert time.monotonic() < deadline, result.stdout + result.stderr
+        time.sleep(0.5)
+    assert "container was absent" in sessions["c2"]["reason"]
+    assert "c2" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
+    assert podman.run("network", "exists", "corral-c2", check=False).returncode == 1
+    assert "restarting" in (world.dir / "logs" / "supervisor.log").read_text()
+    shared = corral(world, "rm", "c2", "--home", check=False)  # c1 has the same project
+    assert shared.returncode == 1 and "also used by c1" in shared.stderr
+    corral(world, "rm", "c2")
+
+
+def test_stop_then_rm_leave_nothing_behind(world, c1):
+    corral(world, "stop", "c1")
+    listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
+    assert listed["c1"]["state"] == "stopped" and listed["c1"]["container_state"] == "absent"
+    assert "c1" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
+    kept = corral(world, "diff", "c1").stdout  # the workspace stays until rm
+    assert kept.rstrip().endswith(" binary")
+    ruleset = netns.sh("nft", "list", "table", "inet", "corral", ns=netns.APPLIANCE).stdout
+    assert c1["subnet"] not in ruleset
+    corral(world, "rm", "c1")
+    assert "c1" not in corral(world, "ls").stdout
+    assert not (world.dir / "sandbox" / "workspaces" / "c1").exists()
+
+
+def test_down_stops_everything_and_up_brings_it_back(world, c1):
+    corral(world, "run", "--name", "c3", "--detach", "--project", str(world.dir / "cli-project"))
+    down = corral(world, "down")
+    assert "is down" in down.stdout
+    table = netns.sh("nft", "list", "tables", ns=netns.APPLIANCE).stdout
+    assert "corral" not in table
+    assert not (world.dir / "supervisor.pid").exists()
+    up = world.corral("up", "--backend", "local", "--name", APPLIANCE_NAME, "--state-dir",
+                      str(world.dir), "--no-image", timeout=120)
+    assert up.returncode == 0, up.stderr
+    listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
+    assert listed["c3"]["state"] == "stopped"  # the session did not outlive its ruleset
+    assert "appliance going down" in listed["c3"]["reason"]
+    assert json.loads(corral(world, "audit", "--verify", "--json").stdout)["intact"]
+    corral(world, "rm", "c3")
