@@ -164,9 +164,13 @@ def parser() -> argparse.ArgumentParser:
                           "(default: the session's first exact http rule)")
     selftest.add_argument("--preset", action="append", metavar="P",
                           help="presets of the throwaway session")
-    for option in ("denied", "foreign-resolver", "v6-target", "private-name", "tcp-name",
-                   "other-gateway"):
-        selftest.add_argument(f"--{option}", metavar="X", help=argparse.SUPPRESS)
+    for option, text in (("denied", "a name the policy denies"),
+                         ("foreign-resolver", "a resolver outside, to try DNS around the filter"),
+                         ("v6-target", "an IPv6 address outside"),
+                         ("private-name", "an allowed name that resolves to a private address"),
+                         ("tcp-name", "NAME:PORT allowed by a tcp rule (expects a banner)"),
+                         ("other-gateway", "another session's gateway")):
+        selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--slow-connections", type=int, metavar="N",
                           help="connections of the slowloris probe")
     selftest.add_argument("--only", action="append", metavar="PROBE",

@@ -221,6 +221,16 @@ def test_a_session_whose_container_died_is_reconciled(world, sandbox_image):
     corral(world, "rm", "c2")
 
 
+def test_run_with_a_command_attaches_runs_it_and_keeps_the_session(world, project):
+    ran = corral(world, "run", "--name", "c5", "--project", str(project), "--", "sh", "-c",
+                 "echo inside-$(id -u)-$(cat /work/app.py | wc -l); exit 3", check=False)
+    assert ran.returncode == 3 and "inside-" in ran.stdout  # the command's own exit status
+    assert "corral shell c5" in ran.stderr  # how to come back
+    listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
+    assert listed["c5"]["container_state"] == "running"
+    corral(world, "rm", "c5")
+
+
 def test_stop_then_rm_leave_nothing_behind(world, c1):
     corral(world, "stop", "c1")
     listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
