@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import errno
 import os
 import shutil
 import stat
@@ -28,6 +29,8 @@ from pathlib import Path
 EXCLUDED = (".corral",)
 """Top-level names never copied in: the project's corral directory holds its credentials."""
 BINARY_PROBE = 8192
+MAX_FILE = 256 * 1024 * 1024
+"""The largest file a diff or apply carries."""
 
 
 @dataclass(frozen=True)
@@ -92,21 +95,47 @@ def copy_in(project: Path, work: Path, base: Path) -> None:
 
 
 def snapshot(root: Path) -> dict[str, Entry]:
-    """Every file and link below `root`, by relative path; directories are implied."""
+    """Every file and link below `root`, by relative path; directories are implied.
+
+    The agent may change `work/` while this runs, as root, reads it: every name is opened
+    relative to its directory's descriptor without following links (os.fwalk, O_NOFOLLOW),
+    and only what fstat says is a regular file is read — a file swapped for a link to a host
+    path, or a directory swapped for one, is never followed; FIFOs and devices never block."""
     out: dict[str, Entry] = {}
-    for directory, dirs, files in os.walk(root, followlinks=False):
-        here = Path(directory)
-        for name in [*files, *[d for d in dirs if (here / d).is_symlink()]]:
-            path = here / name
-            relative = path.relative_to(root).as_posix()
+    for directory, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        here = Path(directory).relative_to(root)
+        for name in [*files, *dirs]:
+            relative = (here / name).as_posix()
             if relative.split("/", 1)[0] in EXCLUDED:
                 continue
-            info = path.lstat()
-            if stat.S_ISLNK(info.st_mode):
-                out[relative] = Entry("link", os.readlink(path).encode())
-            elif stat.S_ISREG(info.st_mode):
-                out[relative] = Entry("file", path.read_bytes(), bool(info.st_mode & 0o111))
+            entry = _read(name, dir_fd, relative)
+            if entry is not None:
+                out[relative] = entry
     return out
+
+
+def _read(name: str, dir_fd: int, relative: str) -> Entry | None:
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            return Entry("link", os.readlink(name, dir_fd=dir_fd).encode())
+        if not stat.S_ISREG(info.st_mode):
+            return None  # a directory (implied), FIFO, socket or device
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None  # gone meanwhile
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # became a link since the stat: read it next time
+            return None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        if info.st_size > MAX_FILE:
+            raise ValueError(f"{relative} is {info.st_size} bytes; files over {MAX_FILE} "
+                             "bytes are not carried back (copy it out of the session by hand)")
+        return Entry("file", f.read(MAX_FILE + 1)[:MAX_FILE], bool(info.st_mode & 0o111))
 
 
 def changes(base: Path, work: Path) -> list[Change]:
@@ -208,8 +237,9 @@ def apply(project: Path, changeset: list[Change], paths: list[str] | None = None
 def fold(base: Path, applied: list[Change]) -> None:
     """What the host now holds becomes what the next diff starts from."""
     for change in applied:
-        if not _safe_path(change.path):
-            raise ValueError(f"{change.path!r} is not a relative path inside the workspace")
+        if not _safe_path(change.path) or not _inside(base, change.path):
+            raise ValueError(f"{change.path!r} is not a path inside the workspace")
+    for change in applied:
         _write(base / change.path, change.after)
 
 

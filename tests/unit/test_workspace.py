@@ -133,3 +133,30 @@ def test_a_changeset_from_the_network_cannot_name_a_path_outside():
                    "after": {"kind": "file", "executable": False, "data": "@@"}})
     with pytest.raises(ValueError, match="action"):
         from_json({"path": "x", "action": "moved", "before": None, "after": None})
+
+
+def test_what_the_agent_swaps_in_is_never_followed(dirs, tmp_path):
+    _, work, base = dirs
+    secret = tmp_path / "host-secret"
+    secret.write_text("host only\n")
+    (work / "src" / "app.py").unlink()
+    (work / "src" / "app.py").symlink_to(secret)  # a file swapped for a link to the host
+    os.mkfifo(work / "pipe")  # would block a naive reader forever
+    (work / "linked-dir").symlink_to(tmp_path)
+    found = {c.path: c for c in changes(base, work)}
+    assert found["src/app.py"].after.kind == "link"
+    assert b"host only" not in found["src/app.py"].after.data
+    assert "pipe" not in found and found["linked-dir"].after.kind == "link"
+    assert not any(p.startswith("linked-dir/") for p in found)
+
+
+def test_fold_refuses_paths_through_a_symlinked_directory(dirs, tmp_path):
+    _, _, base = dirs
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (base / "docs").symlink_to(outside)
+    change = from_json({"path": "docs/x.md", "action": "added", "before": None,
+                        "after": {"kind": "file", "executable": False, "data": "eA=="}})
+    with pytest.raises(ValueError, match="not a path inside"):
+        fold(base, [change])
+    assert not (outside / "x.md").exists()
