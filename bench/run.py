@@ -1,0 +1,419 @@
+"""corral's benchmark: corral-filter behind its real nftables ruleset, next to squid and
+dnsmasq and a direct baseline, in one run, on one topology of network namespaces.
+
+  corral-bench-client 10.232.0.2 ─cb-sbx0─ 10.232.0.1  corral-bench-app  10.232.1.1 ─ 10.232.1.2
+   (a corral sandbox: its traffic      (corral-filter + ruleset;              corral-bench-up
+    meets the ruleset and the filter)   squid, dnsmasq)                       (nginx :80/:443,
+  corral-bench-direct 10.232.2.2 ─cbd0─ 10.232.2.1                             dnsmasq for
+   (direct baseline and the peers: not a sandbox interface, so not under corral's ruleset)
+                                                                               allowed.test)
+
+Every number is the median of --reps runs; ratios are medians of per-run ratios to the
+direct run made just before. Results: bench/results/<time>.{json,md}. Never a timed test:
+tests/bench only checks that a tiny run completes and reports every row.
+
+  scripts/bench [--reps 3] [--bulk-mib 100] [--dns-seconds 4]     (root; a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from pathlib import Path
+
+PREFIX = "corral-bench-"
+CLIENT, DIRECT, APP, UP = (PREFIX + n for n in ("client", "direct", "app", "up"))
+GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
+BIN = Path(sys.executable).parent
+RESULTS = Path(__file__).resolve().parent / "results"
+TOOLS = ("nginx", "squid", "dnsmasq", "dnsperf", "curl", "openssl", "nft")
+
+
+def sh(*args: str, ns: str | None = None, check: bool = True, timeout: float = 600):
+    command = ["ip", "netns", "exec", ns, *args] if ns else list(args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {result.stderr.strip() or result.stdout}")
+    return result
+
+
+def cleanup() -> None:
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(PREFIX):
+            continue
+        for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.2)
+        sh("ip", "netns", "del", name, check=False)
+
+
+def topology() -> None:
+    cleanup()
+    for ns in (CLIENT, DIRECT, APP, UP):
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "set", "lo", "up", ns=ns)
+        sh("sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000", ns=ns)
+    sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=APP)
+    for client, app_if, client_ip, app_ip in ((CLIENT, "cb-sbx0", "10.232.0.2", GATEWAY),
+                                              (DIRECT, "cbd0", "10.232.2.2", PEER_GATEWAY),
+                                              (UP, "cb-up0", UPSTREAM, "10.232.1.1")):
+        sh("ip", "link", "add", app_if, "netns", APP, "type", "veth", "peer", "name", "eth0",
+           "netns", client)
+        sh("ip", "addr", "add", f"{app_ip}/24", "dev", app_if, ns=APP)
+        sh("ip", "link", "set", app_if, "up", ns=APP)
+        sh("ip", "addr", "add", f"{client_ip}/24", "dev", "eth0", ns=client)
+        sh("ip", "link", "set", "eth0", "up", ns=client)
+        sh("ip", "route", "add", "default", "via", app_ip, ns=client)
+
+
+def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+    out = open(log, "ab")  # noqa: SIM115 - the child keeps it
+    return subprocess.Popen(["ip", "netns", "exec", ns, *args], stdout=out, stderr=out,
+                            start_new_session=True)
+
+
+def wait_port(ns: str, host: str, port: int, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    probe = f"import socket; socket.create_connection(('{host}', {port}), 1).close()"
+    while sh(sys.executable, "-c", probe, ns=ns, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not listen on {host}:{port}")
+        time.sleep(0.2)
+
+
+class Bench:
+    def __init__(self, directory: Path, args):
+        self.dir, self.args = directory, args
+        self.processes: list[subprocess.Popen] = []
+        self.rows: list[dict] = []
+
+    # -- the servers -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        d, mib = self.dir, self.args.bulk_mib
+        d.chmod(0o755)  # nginx's and squid's workers run as www-data and proxy
+        (d / "www").mkdir()
+        with open(d / "www" / "bulk", "wb") as f:
+            f.write(os.urandom(1 << 20) * mib)  # incompressible, really on disk
+        (d / "www" / "1k").write_bytes(os.urandom(1024))
+        sh("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+           "-nodes", "-subj", "/CN=bulk.allowed.test", "-addext",
+           "subjectAltName=DNS:*.allowed.test", "-days", "2", "-keyout", str(d / "key.pem"),
+           "-out", str(d / "cert.pem"))
+        (d / "nginx.conf").write_text(NGINX.format(dir=d, up=UPSTREAM))
+        self.processes.append(spawn(UP, ["nginx", "-c", str(d / "nginx.conf")], d / "nginx.log"))
+        self.processes.append(spawn(UP, [
+            "dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
+            f"--listen-address={UPSTREAM}", "--address=/allowed.test/" + UPSTREAM,
+            "--cache-size=0", f"--pid-file={d}/dnsmasq-up.pid", "--user=root"],
+            d / "dnsmasq-up.log"))
+        # peers, reached from the direct namespace
+        self.processes.append(spawn(APP, [
+            "dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
+            f"--listen-address={PEER_GATEWAY}", f"--server={UPSTREAM}", "--cache-size=10000",
+            f"--pid-file={d}/dnsmasq-peer.pid", "--user=root"], d / "dnsmasq-peer.log"))
+        (d / "squid").mkdir()
+        shutil.chown(d / "squid", "proxy", "proxy")
+        (d / "squid.conf").write_text(SQUID.format(dir=d, gateway=PEER_GATEWAY, up=UPSTREAM))
+        self.processes.append(spawn(APP, ["squid", "-N", "-f", str(d / "squid.conf")],
+                                    d / "squid.log"))
+        # corral: the filter behind its real ruleset
+        (d / "policy.toml").write_text(POLICY)
+        (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM))
+        sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
+        self.processes.append(spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                          str(d / "filter.toml")], d / "filter.log"))
+        wait_port(DIRECT, UPSTREAM, 443, "nginx")
+        wait_port(DIRECT, PEER_GATEWAY, 3138, "squid", timeout=60)
+        wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        sh("nft", "delete", "table", "inet", "corral", ns=APP, check=False)
+        cleanup()
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def curl(self, ns: str, *args: str) -> float:
+        """MiB/s of one download."""
+        out = sh("curl", "-sS", "-k", "-o", "/dev/null", "--noproxy", "", "-w",
+                 "%{speed_download} %{size_download}", *args, ns=ns).stdout.split()
+        size = int(float(out[1]))
+        if size != self.args.bulk_mib << 20:
+            raise RuntimeError(f"curl {' '.join(args)} got {size} bytes")
+        return float(out[0]) / (1 << 20)
+
+    def bulk(self) -> None:
+        host = "bulk.allowed.test"
+        resolve = ["--resolve", f"{host}:443:{UPSTREAM}", "--resolve", f"{host}:80:{UPSTREAM}"]
+        cases = {
+            "CONNECT+TLS bulk": (
+                (DIRECT, [*resolve, f"https://{host}/bulk"]),
+                {"corral": (CLIENT, ["-x", f"http://{GATEWAY}:3128", f"https://{host}/bulk"]),
+                 "squid": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:3138",
+                                    f"https://{host}/bulk"])}),
+            "CONNECT plain bulk": (
+                (DIRECT, [*resolve, f"http://{host}/bulk"]),
+                {"corral": (CLIENT, ["-p", "-x", f"http://{GATEWAY}:3128",
+                                     f"http://{host}/bulk"]),
+                 "squid": (DIRECT, ["-p", "-x", f"http://{PEER_GATEWAY}:3138",
+                                    f"http://{host}/bulk"])}),
+            "transparent 443 bulk": (
+                (DIRECT, [*resolve, f"https://{host}/bulk"]),
+                {"corral": (CLIENT, [*resolve, f"https://{host}/bulk"])}),
+        }
+        for metric, (direct, tools) in cases.items():
+            runs: dict[str, list[float]] = {"direct": []}
+            ratios: dict[str, list[float]] = {}
+            for _ in range(self.args.reps):
+                base = self.curl(direct[0], *direct[1])
+                runs["direct"].append(base)
+                for tool, (ns, args) in tools.items():
+                    value = self.curl(ns, *args)
+                    runs.setdefault(tool, []).append(value)
+                    ratios.setdefault(tool, []).append(value / base)
+            self.report(metric, "MiB/s", runs, ratios, higher_is_better=True)
+
+    def dnsperf(self, server: str, ns: str, names: list[str]) -> tuple[float, float, float]:
+        """(qps with 100 outstanding, p50 µs, p99 µs with 1 outstanding)."""
+        queries = self.dir / "queries.txt"
+        queries.write_text("".join(f"{n} A\n" for n in names))
+        out = sh("dnsperf", "-s", server, "-d", str(queries), "-l",
+                 str(self.args.dns_seconds), "-q", "100", "-c", "4", ns=ns).stdout
+        qps = float(re.search(r"Queries per second:\s+([\d.]+)", out).group(1))
+        latencies = self.latency(server, ns, names[:self.args.latency_queries])
+        return qps, latencies[0], latencies[1]
+
+    def latency(self, server: str, ns: str, names: list[str]) -> tuple[float, float]:
+        out = sh(sys.executable, "-m", "bench.dns_latency", server, *names, ns=ns).stdout
+        return tuple(json.loads(out))
+
+    def dns(self) -> None:
+        cached = [f"n{i % 10}.allowed.test" for i in range(1000)]
+        unique = [f"u{random.getrandbits(48):x}.allowed.test" for _ in range(300_000)]
+        denied = [f"d{i % 10}.denied.test" for i in range(1000)]
+        for metric, names, tools in (
+                ("DNS allowed-cached", cached, {"corral": (GATEWAY, CLIENT),
+                                                "dnsmasq": (PEER_GATEWAY, DIRECT)}),
+                ("DNS allowed-uncached", unique, {"corral": (GATEWAY, CLIENT),
+                                                  "dnsmasq": (PEER_GATEWAY, DIRECT)}),
+                ("DNS denied", denied, {"corral": (GATEWAY, CLIENT)})):
+            runs: dict[str, list] = {}
+            ratios: dict[str, list[float]] = {}
+            for _ in range(self.args.reps):
+                base = self.dnsperf(UPSTREAM, DIRECT, cached)  # the authoritative server
+                runs.setdefault("direct", []).append(base)
+                for tool, (server, ns) in tools.items():
+                    result = self.dnsperf(server, ns, names)
+                    runs.setdefault(tool, []).append(result)
+                    ratios.setdefault(tool, []).append(result[0] / base[0])
+            qps = {t: [r[0] for r in v] for t, v in runs.items()}
+            self.report(metric, "qps", qps, ratios, higher_is_better=True, extra={
+                t: {"p50_us": statistics.median(r[1] for r in v),
+                    "p99_us": statistics.median(r[2] for r in v)} for t, v in runs.items()})
+
+    def policy(self) -> None:
+        from appliance.policy import Policy, Rule, parse_host
+
+        for count in (10, 10_000, 100_000):
+            rules = [Rule.parse("http", f"{'*.' if i % 3 == 0 else ''}h{i}.example{i % 97}.com")
+                     for i in range(count)]
+            started = time.perf_counter()
+            policy = Policy(rules)
+            compile_s = time.perf_counter() - started
+            hosts = [parse_host(f"h{i}.example{i % 97}.com") for i in range(1, min(count, 500))]
+            deny = parse_host("not-there.example.org")
+            loops = 20_000 // len(hosts) + 1
+
+            def allow_all(policy=policy, hosts=hosts):
+                for host in hosts:
+                    policy.decide_http(host, 443)
+
+            allow_us = min(timeit.repeat(allow_all, number=loops, repeat=3)) / (
+                loops * len(hosts)) * 1e6
+            def deny_one(policy=policy, deny=deny):
+                policy.decide_http(deny, 443)
+
+            deny_us = min(timeit.repeat(deny_one, number=20_000, repeat=3)) / 20_000 * 1e6
+            self.rows.append({"metric": f"policy decision, {count} rules", "tool": "corral",
+                              "unit": "µs", "value": round(allow_us, 2),
+                              "deny_us": round(deny_us, 2), "compile_s": round(compile_s, 3)})
+
+    def report(self, metric, unit, runs, ratios, higher_is_better, extra=None) -> None:
+        peers = {t: statistics.median(r) for t, r in ratios.items() if t != "corral"}
+        best = max(peers.values(), default=None) if higher_is_better else min(
+            peers.values(), default=None)
+        for tool, values in runs.items():
+            row = {"metric": metric, "tool": tool, "unit": unit,
+                   "value": round(statistics.median(values), 1), "n": len(values),
+                   "min": round(min(values), 1), "max": round(max(values), 1),
+                   "ratio_direct": round(statistics.median(ratios[tool]), 3) if tool in ratios
+                   else 1.0}
+            if tool == "corral" and best:
+                row["ratio_best_peer"] = round(row["ratio_direct"] / best, 3)
+            row.update((extra or {}).get(tool, {}))
+            self.rows.append(row)
+            print(f"  {metric:<24} {tool:<8} {row['value']:>10} {unit} "
+                  f"({row['ratio_direct']:.2f} of direct)", flush=True)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# corral bench, {meta['started']}", "",
+             f"{meta['reps']} reps, {meta['bulk_mib']} MiB bulk, {meta['dns_seconds']} s DNS "
+             f"runs; {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.", "",
+             "| metric | tool | value | ratio to direct | ratio to best peer | p50 / p99 µs |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        latency = f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if "p50_us" in r else ""
+        if "compile_s" in r:
+            latency = f"deny {r['deny_us']} µs; compile {r['compile_s']} s"
+        lines.append(f"| {r['metric']} | {r['tool']} | {r['value']} {r['unit']} | "
+                     f"{r.get('ratio_direct', '')} | {r.get('ratio_best_peer', '')} | {latency} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bulk-mib", type=int, default=100)
+    parser.add_argument("--dns-seconds", type=int, default=4)
+    parser.add_argument("--latency-queries", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--only", choices=["bulk", "dns", "policy"], action="append")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench: needs root (network namespaces, nftables)", file=sys.stderr)
+        return 2
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        print(f"bench: missing {', '.join(missing)}: scripts/bench installs them",
+              file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with tempfile.TemporaryDirectory(prefix="corral-bench-") as tmp:
+        bench = Bench(Path(tmp), args)
+        try:
+            topology()
+            bench.start()
+            for part in args.only or ["bulk", "dns", "policy"]:
+                print(f"bench: {part}", flush=True)
+                getattr(bench, part)()
+        except Exception:
+            for log in sorted(Path(tmp).glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text()[-2000:]}", file=sys.stderr)
+            raise
+        finally:
+            bench.stop()
+    meta = {"started": stamp, "reps": args.reps, "bulk_mib": args.bulk_mib,
+            "dns_seconds": args.dns_seconds, "cpus": os.cpu_count(),
+            "wall_s": time.monotonic() - started}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": bench.rows},
+                                                       indent=1))
+    (args.out / f"{stamp}.md").write_text(markdown(bench.rows, meta))
+    print(markdown(bench.rows, meta))
+    return 0
+
+
+POLICY = """
+[dns]
+allow = ["*.allowed.test"]
+[http]
+allow = ["*.allowed.test"]
+[cidr]
+allow = ["10.232.1.0/24"]   # the bench's upstream lives in a private range
+"""
+
+FILTER = """
+[dns]
+listen = ["{gateway}:53"]
+upstream = ["{up}:53"]
+[proxy]
+listen = ["{gateway}:3128"]
+transparent_http = ["0.0.0.0:3129"]
+transparent_tls = ["0.0.0.0:3130"]
+[state]
+dir = "{dir}/state"
+[control]
+socket = "{dir}/filter.sock"
+[firewall]
+manage = true
+interfaces = ["cb-sbx*"]
+[[session]]
+name = "bench"
+subnet = "10.232.0.0/24"
+files = ["{dir}/policy.toml"]
+"""
+
+NGINX = """
+daemon off;
+master_process on;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 10000000;
+    default_type application/octet-stream;
+    server {{
+        listen {up}:80 backlog=4096;
+        listen {up}:443 ssl backlog=4096;
+        ssl_certificate {dir}/cert.pem;
+        ssl_certificate_key {dir}/key.pem;
+        root {dir}/www;
+    }}
+}}
+"""
+
+SQUID = """
+http_port {gateway}:3138
+acl localnet src 10.232.2.0/24
+acl tunnel_ports port 443 80
+acl CONNECT method CONNECT
+http_access deny CONNECT !tunnel_ports
+http_access allow localnet
+http_access deny all
+cache deny all
+cache_mem 8 MB
+access_log none
+cache_store_log none
+cache_log {dir}/squid-cache.log
+pid_filename {dir}/squid.pid
+coredump_dir {dir}/squid
+visible_hostname corral-bench
+dns_nameservers {up}
+icp_port 0
+htcp_port 0
+pinger_enable off
+shutdown_lifetime 0 seconds
+via off
+forwarded_for delete
+"""
+
+if __name__ == "__main__":
+    sys.exit(main())

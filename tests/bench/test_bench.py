@@ -1,0 +1,47 @@
+"""The benchmark runs and reports every row (on a tiny setting). Never a timed assertion:
+the numbers are the benchmark's business, recorded under bench/results/."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.run import TOOLS
+
+ROWS = {("CONNECT+TLS bulk", t) for t in ("direct", "corral", "squid")} | {
+    ("CONNECT plain bulk", t) for t in ("direct", "corral", "squid")} | {
+    ("transparent 443 bulk", t) for t in ("direct", "corral")} | {
+    ("DNS allowed-cached", t) for t in ("direct", "corral", "dnsmasq")} | {
+    ("DNS allowed-uncached", t) for t in ("direct", "corral", "dnsmasq")} | {
+    ("DNS denied", t) for t in ("direct", "corral")} | {
+    (f"policy decision, {n} rules", "corral") for n in (10, 10000, 100000)}
+
+
+def test_a_tiny_run_reports_every_row(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("the benchmark needs root (network namespaces): run scripts/test as root")
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"missing {', '.join(missing)}: scripts/setup installs them")
+    result = subprocess.run([sys.executable, "-m", "bench.run", "--reps", "1", "--bulk-mib",
+                             "2", "--dns-seconds", "1", "--latency-queries", "50", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (report,) = tmp_path.glob("*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert {(r["metric"], r["tool"]) for r in rows} == ROWS
+    assert all(r["value"] > 0 for r in rows)
+    assert all("ratio_best_peer" in r for r in rows if r["tool"] == "corral"
+               and r["metric"] in ("CONNECT+TLS bulk", "DNS allowed-cached"))
+    (table,) = tmp_path.glob("*.md")
+    assert "| CONNECT+TLS bulk | corral |" in table.read_text()
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout.split() if
+                ns.startswith("corral-bench-")]  # cleaned up
