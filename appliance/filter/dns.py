@@ -52,6 +52,75 @@ def _qname(request: DNSRecord) -> str | None:
     return ".".join(texts)
 
 
+POLICY_ONLY_SECONDS = 30.0
+"""How long an answer decided by policy alone (a denial) is served from the wire cache; a
+policy change makes a new Policy object, which is part of the key, so it never goes stale."""
+WIRE_CACHE_MAX = 20_000
+
+
+def _skip_name(wire: bytes, pos: int) -> int:
+    while True:
+        length = wire[pos]
+        if length >= 0xC0:  # a compression pointer ends the name
+            return pos + 2
+        if length == 0:
+            return pos + 1
+        pos += 1 + length
+
+
+def ttl_offsets(wire: bytes) -> list[int]:
+    """Where the TTL fields are in a reply we packed (OPT's TTL slot is flags: not a TTL)."""
+    counts = struct.unpack_from("!4H", wire, 4)
+    pos = 12
+    for _ in range(counts[0]):
+        pos = _skip_name(wire, pos) + 4
+    out = []
+    for _ in range(sum(counts[1:])):
+        pos = _skip_name(wire, pos)
+        rtype, _, _, length = struct.unpack_from("!HHIH", wire, pos)
+        if rtype != QTYPE.OPT:
+            out.append(pos + 4)
+        pos += 10 + length
+    return out
+
+
+class WireCache:
+    """Hot answers kept as the bytes that went out, keyed by (policy, transport, the query
+    after its ID): a hit patches the ID and the TTLs and emits the same decision event —
+    no parsing, no deciding, no encoding. Only answers that need nothing per client are
+    kept (never one that taught the firewall, never SERVFAIL)."""
+
+    def __init__(self, limit: int = WIRE_CACHE_MAX):
+        self.limit = limit
+        self.entries: dict[tuple, tuple[bytes, list[int], float, dict]] = {}
+        self.hits = 0
+
+    def get(self, key: tuple, query_id: bytes, client: str, now: float
+            ) -> tuple[bytes, dict] | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        wire, offsets, expires, event = entry
+        if expires <= now:
+            del self.entries[key]
+            return None
+        self.hits += 1
+        reply = bytearray(wire)
+        reply[:2] = query_id
+        ttl = max(1, int(expires - now))
+        for offset in offsets:
+            struct.pack_into("!I", reply, offset, ttl)
+        return bytes(reply), {**event, "client": client}
+
+    def put(self, key: tuple, wire: bytes, expires: float, event: dict, now: float) -> None:
+        if len(self.entries) >= self.limit:
+            self.entries = {k: v for k, v in self.entries.items() if v[2] > now}
+            while len(self.entries) >= self.limit:
+                del self.entries[next(iter(self.entries))]
+        template = {k: v for k, v in event.items() if k not in ("id", "ts", "client")}
+        self.entries[key] = (wire, ttl_offsets(wire), expires, template)
+
+
 class DnsFilter:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
                  learner=None, learn_ttl_min: int = 60):
@@ -59,10 +128,29 @@ class DnsFilter:
         self.learner = learner
         """Something with learn([(sandbox, destination, port, ttl)]): the firewall's set."""
         self.learn_ttl_min = learn_ttl_min
+        self.wire = WireCache()
+
+    def cached(self, data: bytes, client: str, udp: bool) -> bytes | None:
+        """The answer from the wire cache (its event emitted), or None: call answer()."""
+        if len(data) < 12:
+            return None
+        session, policy = self.store.lookup(client)
+        hit = self.wire.get((policy, session, udp, data[2:]), data[:2], client,
+                            time.monotonic())
+        if hit is None:
+            return None
+        self.bus.emit(hit[1])
+        return hit[0]
 
     async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
         if len(data) < 12:
             return None
+        hit = self.cached(data, client, udp)
+        if hit is not None:
+            return hit
+        now = time.monotonic()
+        session, policy = self.store.lookup(client)
+        key = (policy, session, udp, data[2:])
         try:
             request = DNSRecord.parse(data)
         except Exception as exc:  # dnslib raises more than DNSError on hostile bytes
@@ -72,18 +160,25 @@ class DnsFilter:
             return _error_reply(data, RCODE.FORMERR)
         if request.header.qr:
             return None  # a response sent to us: never answer (no reflection loops)
+        note: dict = {}
         try:
-            reply = await self._answer(request, client)
+            reply = await self._answer(request, client, note)
         except Exception:  # a bug must not cost the client its answer
             log.exception("dns: failed answering %s", client)
             reply = request.reply()
             reply.header.rcode = RCODE.SERVFAIL
+            note.clear()
         try:
-            return self._pack(request, reply, udp)
+            wire = self._pack(request, reply, udp)
         except Exception:  # dnslib parses some questions it then refuses to pack (label > 63)
             return _error_reply(data, RCODE.FORMERR)
+        if "expires" in note and "event" in note:
+            self.wire.put(key, wire, note["expires"], note["event"], now)
+        return wire
 
-    async def _answer(self, request: DNSRecord, client: str) -> DNSRecord:
+    async def _answer(self, request: DNSRecord, client: str, note: dict) -> DNSRecord:
+        """The reply. `note` gets "event" (the decision) and, when the reply may be served
+        from the wire cache, "expires" (monotonic)."""
         reply = request.reply()  # copies ID, RD and the question; sets QR, RA
         reply.header.aa = 0
         if request.header.opcode != 0:
@@ -114,12 +209,11 @@ class DnsFilter:
         if name == HOST_NAME:
             return self._host_corral(reply, policy, session, client, qtype)
         decision = policy.decide_dns(host)
-        if not decision.allowed:
-            self._event(decision, session, client, name, qtype_name)
-            reply.header.rcode = RCODE.NXDOMAIN
-            return reply
-        if qtype in EMPTY_TYPES:
-            self._event(decision, session, client, name, qtype_name)
+        if not decision.allowed or qtype in EMPTY_TYPES:  # decided by the policy alone
+            note["event"] = self._event(decision, session, client, name, qtype_name)
+            note["expires"] = time.monotonic() + POLICY_ONLY_SECONDS
+            if not decision.allowed:
+                reply.header.rcode = RCODE.NXDOMAIN
             return reply
         try:
             answer = await self.resolver.query(name, qtype)
@@ -148,7 +242,9 @@ class DnsFilter:
         if tcp_rules and qtype == QTYPE.A and kept:
             learned = await self._learn(client, kept, tcp_rules, answer.ttl(now))
             extra["learned"] = learned
-        self._event(decision, session, client, name, qtype_name, **extra)
+        else:  # nothing taught to the firewall for this client: the bytes can be reused
+            note["expires"] = answer.expires
+        note["event"] = self._event(decision, session, client, name, qtype_name, **extra)
         return reply
 
     async def _learn(self, client: str, records, rules, ttl: int) -> list[str] | str:
@@ -183,9 +279,9 @@ class DnsFilter:
                     client, HOST_NAME, QTYPE.get(qtype), answers=[str(self.gateway)])
         return reply
 
-    def _event(self, decision: Decision, session, client, name, qtype, **extra):
-        self.bus.decision(decision, session=session, client=client, kind="dns", name=name,
-                          qtype=qtype, **extra)
+    def _event(self, decision: Decision, session, client, name, qtype, **extra) -> dict:
+        return self.bus.decision(decision, session=session, client=client, kind="dns",
+                                 name=name, qtype=qtype, **extra)
 
     @staticmethod
     def _pack(request: DNSRecord, reply: DNSRecord, udp: bool) -> bytes:
@@ -213,6 +309,15 @@ class UdpServer(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
+        try:
+            hit = self.dns.cached(data, addr[0], udp=True)  # hot names: no task at all
+        except Exception:
+            log.exception("dns: wire cache failed; answering the slow way")
+            hit = None
+        if hit is not None:
+            if self.transport is not None:
+                self.transport.sendto(hit, addr)
+            return
         if len(self.tasks) >= self.MAX_PENDING:
             if len(data) >= 12 and self.transport is not None:
                 self.transport.sendto(_error_reply(data, RCODE.REFUSED), addr)

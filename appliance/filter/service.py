@@ -107,6 +107,8 @@ class Service:
             "active_connections": self.proxy.active,
             "proxy": self.proxy.stats,
             "resolver": self.resolver.stats,
+            "dns": {"wire_cache_hits": self.dns.wire.hits,
+                    "wire_cache_entries": len(self.dns.wire.entries)},
             "audit": {"path": str(self.config.audit_path), "head": self.audit_head(),
                       "error": self.audit.failed if self.audit else None},
             "firewall": self._firewall_status(),

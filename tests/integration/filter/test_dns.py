@@ -120,6 +120,42 @@ def test_answers_are_cached(corral_filter, internet):
     assert len(asked) == 1
 
 
+def test_hot_answers_are_reused_as_bytes_with_their_own_id_ttl_and_event(corral_filter,
+                                                                         internet):
+    import time
+
+    internet.dns.zone["hot.wild.test"] = [("A", ORIGIN, 300)]
+    query = DNSRecord.question("hot.wild.test")
+    query.header.id = 1111
+    first = ask(corral_filter.dns_port, "", raw=query.pack())
+    hits = corral_filter.control({"op": "status"})["dns"]["wire_cache_hits"]
+    query.header.id = 2222
+    time.sleep(1.1)  # the second answer's TTL must have gone down
+    second = ask(corral_filter.dns_port, "", raw=query.pack(), source=S1_CLIENT)
+    a, b = DNSRecord.parse(first), DNSRecord.parse(second)
+    assert (a.header.id, b.header.id) == (1111, 2222)
+    assert addresses(a) == addresses(b) == [ORIGIN]
+    assert b.rr[0].ttl < a.rr[0].ttl
+    assert corral_filter.control({"op": "status"})["dns"]["wire_cache_hits"] == hits + 1
+    assert a.questions == b.questions and a.header.rcode == b.header.rcode
+    events = [e for e in corral_filter.events() if e["name"] == "hot.wild.test"]
+    assert len(events) == 2 and len({e["id"] for e in events}) == 2  # every answer recorded
+    assert events[0]["verdict"] == events[1]["verdict"] == "allow"
+
+
+def test_a_policy_change_is_never_hidden_by_a_cached_answer(corral_filter, internet):
+    name = "later-allowed.test"
+    internet.dns.zone[name] = [("A", ORIGIN, 300)]
+    assert ask(corral_filter.dns_port, name).header.rcode == RCODE.NXDOMAIN  # cached denial
+    corral_filter.control({"op": "add", "session": "s1", "kind": "dns", "rule": name})
+    try:
+        assert addresses(ask(corral_filter.dns_port, name)) == [ORIGIN]
+    finally:
+        corral_filter.control({"op": "remove", "session": "s1", "kind": "dns", "rule": name})
+    assert ask(corral_filter.dns_port, name).header.rcode == RCODE.NXDOMAIN  # and back
+    assert ask(corral_filter.dns_port, name, source=S2_CLIENT).header.rcode == RCODE.NXDOMAIN
+
+
 def test_host_corral_resolves_to_the_gateway_only_with_host_ports(corral_filter):
     assert addresses(ask(corral_filter.dns_port, "host.corral")) == [ORIGIN]
     assert ask(corral_filter.dns_port, "host.corral", source=S2_CLIENT).header.rcode == (
