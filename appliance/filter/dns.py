@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 import time
 
@@ -297,16 +298,52 @@ class DnsFilter:
         return wire
 
 
-class UdpServer(asyncio.DatagramProtocol):
+class UdpServer:
+    """DNS over UDP on a bound socket. Reads up to BATCH datagrams per wake-up (asyncio's
+    datagram transport reads one per event-loop turn); hot names are answered right here,
+    the rest in a task each."""
+
     MAX_PENDING = 10_000
+    BATCH = 64
 
     def __init__(self, dns: DnsFilter):
         self.dns = dns
-        self.transport: asyncio.DatagramTransport | None = None
+        self.sock: socket.socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: set[asyncio.Task] = set()
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def attach(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> UdpServer:
+        self.loop, self.sock = loop, sock
+        sock.setblocking(False)
+        loop.add_reader(sock.fileno(), self._readable)
+        return self
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+
+    def _readable(self) -> None:
+        for _ in range(self.BATCH):
+            try:
+                data, addr = self.sock.recvfrom(65535)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # an ICMP error for an earlier reply surfaces here
+                log.debug("dns: udp error %s", exc)
+                continue
+            self.datagram_received(data, addr)
+
+    def sendto(self, wire: bytes, addr) -> None:
+        if self.sock is None:
+            return
+        try:
+            self.sock.sendto(wire, addr)
+        except (BlockingIOError, InterruptedError):
+            pass  # a full send buffer drops the answer, as UDP may; the client retries
+        except OSError as exc:
+            log.debug("dns: cannot answer %s: %s", addr, exc)
 
     def datagram_received(self, data: bytes, addr) -> None:
         try:
@@ -315,24 +352,20 @@ class UdpServer(asyncio.DatagramProtocol):
             log.exception("dns: wire cache failed; answering the slow way")
             hit = None
         if hit is not None:
-            if self.transport is not None:
-                self.transport.sendto(hit, addr)
+            self.sendto(hit, addr)
             return
         if len(self.tasks) >= self.MAX_PENDING:
-            if len(data) >= 12 and self.transport is not None:
-                self.transport.sendto(_error_reply(data, RCODE.REFUSED), addr)
+            if len(data) >= 12:
+                self.sendto(_error_reply(data, RCODE.REFUSED), addr)
             return
-        task = asyncio.get_running_loop().create_task(self._reply(data, addr), name="dns-udp")
+        task = self.loop.create_task(self._reply(data, addr), name="dns-udp")
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _reply(self, data: bytes, addr) -> None:
         wire = await self.dns.answer(data, addr[0], udp=True)
-        if wire is not None and self.transport is not None:
-            self.transport.sendto(wire, addr)
-
-    def error_received(self, exc) -> None:
-        log.debug("dns: udp error %s", exc)
+        if wire is not None:
+            self.sendto(wire, addr)
 
 
 async def serve_tcp(dns: DnsFilter, reader: asyncio.StreamReader,

@@ -131,9 +131,7 @@ class Service:
         try:
             for host, port in self.config.dns.listen:
                 udp, tcp = _dns_sockets(host, port)
-                transport, _ = await loop.create_datagram_endpoint(
-                    lambda: UdpServer(self.dns), sock=udp)
-                self._transports.append(transport)
+                self._transports.append(UdpServer(self.dns).attach(loop, udp))
                 self._record("dns_udp", udp)
                 server = await asyncio.start_server(
                     lambda r, w: serve_tcp(self.dns, r, w), sock=tcp, backlog=1024)
