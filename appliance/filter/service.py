@@ -20,6 +20,7 @@ from appliance.firewall import nflog, ruleset
 from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError
 
+from . import relay
 from .audit import AuditLog
 from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
@@ -106,6 +107,7 @@ class Service:
             "sessions": len(self.store.sessions),
             "active_connections": self.proxy.active,
             "proxy": self.proxy.stats,
+            "tunnels": dict(relay.STATS),
             "resolver": self.resolver.stats,
             "dns": {"wire_cache_hits": self.dns.wire.hits,
                     "wire_cache_entries": len(self.dns.wire.entries)},

@@ -6,6 +6,7 @@ import http.client
 import json
 import socket
 import ssl
+import time
 
 import pytest
 
@@ -67,6 +68,21 @@ def test_connect_to_allowed_host_carries_real_tls(corral_filter, internet):
         lambda e: e.get("closed") and e["kind"] == "connect" and e["name"] == "allowed.test")
     assert closed["up"] > 200 and closed["down"] > 200 and closed["address"] == ORIGIN
     assert closed["rule"] == "allowed.test" and closed["layer"] == "project"
+
+
+def test_tunnels_are_spliced_and_pass_a_half_close_on(corral_filter):
+    before = corral_filter.control({"op": "status"})["tunnels"]
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:80")
+    assert head.startswith(b"HTTP/1.1 200")
+    with sock:
+        sock.sendall(b"GET /half HTTP/1.0\r\nHost: allowed.test\r\n\r\n")
+        time.sleep(0.3)  # the tunnel is spliced by now
+        sock.shutdown(socket.SHUT_WR)  # the client is done sending; the answer must come
+        reply = recv_all(sock)
+    assert reply.startswith(b"HTTP/1.") and b" 200 " in reply.split(b"\r\n")[0]
+    assert b"/half" in reply
+    after = corral_filter.control({"op": "status"})["tunnels"]
+    assert after["spliced"] == before["spliced"] + 1 and after["streamed"] == before["streamed"]
 
 
 def test_http_client_library_through_the_proxy(corral_filter, internet):
