@@ -38,7 +38,9 @@ CLIENT, DIRECT, APP, UP = (PREFIX + n for n in ("client", "direct", "app", "up")
 GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
 BIN = Path(sys.executable).parent
 RESULTS = Path(__file__).resolve().parent / "results"
-TOOLS = ("nginx", "squid", "dnsmasq", "dnsperf", "curl", "openssl", "nft")
+TOOLS = ("nginx", "squid", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
+WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
+PARTS = ["bulk", "http", "setup", "memory", "dns", "policy"]
 
 
 def sh(*args: str, ns: str | None = None, check: bool = True, timeout: float = 600):
@@ -135,8 +137,9 @@ class Bench:
         (d / "policy.toml").write_text(POLICY)
         (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM))
         sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
-        self.processes.append(spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                          str(d / "filter.toml")], d / "filter.log"))
+        self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                  str(d / "filter.toml")], d / "filter.log")
+        self.processes.append(self.filter)
         wait_port(DIRECT, UPSTREAM, 443, "nginx")
         wait_port(DIRECT, PEER_GATEWAY, 3138, "squid", timeout=60)
         wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
@@ -233,6 +236,124 @@ class Bench:
                 t: {"p50_us": statistics.median(r[1] for r in v),
                     "p99_us": statistics.median(r[2] for r in v)} for t, v in runs.items()})
 
+    def _cpu(self) -> float:
+        """Seconds of CPU the filter has used (`ip netns exec` execs it: same pid)."""
+        fields = Path(f"/proc/{self.filter.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.filter.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS for the filter")
+
+    def http(self) -> None:
+        """Keep-alive req/s with p50/p99 (wrk), new connections per second (ab), and the
+        filter's CPU per request, for small responses through each proxy."""
+        seconds = str(self.args.http_seconds)
+        target = "http://small.allowed.test/1k"
+        proxies = {"corral": (CLIENT, f"http://{GATEWAY}:3128"),
+                   "squid": (DIRECT, f"http://{PEER_GATEWAY}:3138")}
+        keep: dict[str, list] = {}
+        ratios: dict[str, list[float]] = {}
+        fresh: dict[str, list] = {}
+        fresh_ratios: dict[str, list[float]] = {}
+        cpu: list[float] = []
+        for _ in range(self.args.reps):
+            base = self._wrk(DIRECT, f"http://{UPSTREAM}/1k", None, seconds)
+            keep.setdefault("direct", []).append(base)
+            base_new = self._ab(DIRECT, f"http://{UPSTREAM}/1k", None)
+            fresh.setdefault("direct", []).append(base_new)
+            for tool, (ns, proxy) in proxies.items():
+                before = self._cpu() if tool == "corral" else 0
+                result = self._wrk(ns, proxy, target, seconds)
+                if tool == "corral":
+                    cpu.append((self._cpu() - before) / result[3] * 1e6)
+                keep.setdefault(tool, []).append(result)
+                ratios.setdefault(tool, []).append(result[0] / base[0])
+                rate = self._ab(ns, target, proxy)
+                fresh.setdefault(tool, []).append(rate)
+                fresh_ratios.setdefault(tool, []).append(rate / base_new)
+        self.report("HTTP keep-alive", "req/s", {t: [r[0] for r in v] for t, v in keep.items()},
+                    ratios, higher_is_better=True, extra={
+                        t: {"p50_us": statistics.median(r[1] for r in v),
+                            "p99_us": statistics.median(r[2] for r in v)}
+                        for t, v in keep.items()})
+        self.report("HTTP new connections", "req/s", fresh, fresh_ratios, higher_is_better=True)
+        self.rows.append({"metric": "CPU per keep-alive request", "tool": "corral",
+                          "unit": "µs", "value": round(statistics.median(cpu), 1)})
+
+    def _wrk(self, ns: str, url: str, target: str | None, seconds: str):
+        """(req/s, p50 µs, p99 µs, requests) from wrk with 16 connections."""
+        command = ["wrk", "-t", "2", "-c", "16", "-d", seconds, "--latency", url]
+        if target is not None:
+            command[1:1] = ["-s", str(WRK_SCRIPT)]
+        env = f"CORRAL_BENCH_TARGET={target}" if target else "CORRAL_BENCH_TARGET="
+        out = sh("env", env, *command, ns=ns).stdout
+        rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+        total = int(re.search(r"(\d+) requests in", out).group(1))
+
+        def percentile(p):
+            value, unit = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)", out).groups()
+            return float(value) * {"us": 1, "ms": 1e3, "s": 1e6}[unit]
+
+        return rate, percentile(50), percentile(99), total
+
+    def _ab(self, ns: str, url: str, proxy: str | None) -> float:
+        """New-connection requests per second (ab: one connection per request)."""
+        command = ["ab", "-q", "-n", str(self.args.new_connections), "-c", "16"]
+        if proxy is not None:
+            command += ["-X", proxy.removeprefix("http://")]
+        out = sh(*command, url, ns=ns).stdout
+        failed = int(re.search(r"Failed requests:\s+(\d+)", out).group(1))
+        if failed:
+            raise RuntimeError(f"ab {url} via {proxy}: {failed} failed requests")
+        return float(re.search(r"Requests per second:\s+([\d.]+)", out).group(1))
+
+    def setup(self) -> None:
+        """CONNECT setup latency (CONNECT sent -> 200 read), p50/p99 over sequential
+        tunnels; direct is the TCP connect alone."""
+        n = str(self.args.connects)
+        runs = {"direct": [], "corral": [], "squid": []}
+        for _ in range(self.args.reps):
+            for tool, ns, address in (("direct", DIRECT, f"{UPSTREAM}:443"),
+                                      ("corral", CLIENT, f"{GATEWAY}:3128"),
+                                      ("squid", DIRECT, f"{PEER_GATEWAY}:3138")):
+                mode = "tcp" if tool == "direct" else "connect"
+                out = sh(sys.executable, "-m", "bench.connect_latency", mode, address,
+                         "small.allowed.test:443", n, ns=ns).stdout
+                runs[tool].append(json.loads(out))
+        for tool, values in runs.items():
+            self.rows.append({"metric": "CONNECT setup", "tool": tool, "unit": "µs p50",
+                              "value": round(statistics.median(v[0] for v in values), 1),
+                              "p50_us": statistics.median(v[0] for v in values),
+                              "p99_us": statistics.median(v[1] for v in values)})
+            print(f"  CONNECT setup            {tool:<8} p50 {self.rows[-1]['p50_us']:.0f} "
+                  f"p99 {self.rows[-1]['p99_us']:.0f} µs", flush=True)
+
+    def memory(self) -> None:
+        """The filter's RSS while N CONNECT tunnels are open at once (idle, after the 200)."""
+        before = self._rss_mib()
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", CLIENT, sys.executable, "-m", "bench.connect_latency",
+             "hold", f"{GATEWAY}:3128", "small.allowed.test:443", str(self.args.tunnels)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = holder.stdout.readline()
+            if line.strip() != f"held {self.args.tunnels}":
+                raise RuntimeError(f"could not hold {self.args.tunnels} tunnels: {line!r} "
+                                   f"{holder.stderr.read()[-500:]}")
+            time.sleep(0.5)
+            during = self._rss_mib()
+        finally:
+            holder.stdin.close()  # the holder closes its tunnels and exits
+            holder.wait(60)
+        self.rows.append({"metric": f"RSS with {self.args.tunnels} open tunnels",
+                          "tool": "corral", "unit": "MiB", "value": round(during, 1),
+                          "idle_rss_mib": round(before, 1)})
+        print(f"  RSS, {self.args.tunnels} tunnels     corral   {during:.1f} MiB "
+              f"(idle {before:.1f})", flush=True)
+
     def policy(self) -> None:
         from appliance.policy import Policy, Rule, parse_host
 
@@ -300,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dns-seconds", type=int, default=4)
     parser.add_argument("--latency-queries", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--only", choices=["bulk", "dns", "policy"], action="append")
+    parser.add_argument("--http-seconds", type=int, default=4)
+    parser.add_argument("--new-connections", type=int, default=5000)
+    parser.add_argument("--connects", type=int, default=1000)
+    parser.add_argument("--tunnels", type=int, default=1000)
+    parser.add_argument("--only", choices=PARTS, action="append")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench: needs root (network namespaces, nftables)", file=sys.stderr)
@@ -317,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             topology()
             bench.start()
-            for part in args.only or ["bulk", "dns", "policy"]:
+            for part in args.only or PARTS:
                 print(f"bench: {part}", flush=True)
                 getattr(bench, part)()
         except Exception:

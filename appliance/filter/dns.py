@@ -20,6 +20,7 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
 from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
 
 from .events import EventBus
+from .relay import within
 from .resolver import Resolver, UpstreamError
 from .store import PolicyStore
 
@@ -375,9 +376,9 @@ async def serve_tcp(dns: DnsFilter, reader: asyncio.StreamReader,
     try:
         while True:
             try:
-                head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE)
+                head = await within(reader.readexactly(2), TCP_IDLE)
                 (length,) = struct.unpack("!H", head)
-                data = await asyncio.wait_for(reader.readexactly(length), TCP_IDLE)
+                data = await within(reader.readexactly(length), TCP_IDLE)
             except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
                 return
             wire = await dns.answer(data, client, udp=False)

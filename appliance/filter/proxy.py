@@ -37,6 +37,7 @@ from .relay import (
     original_port,
     set_nodelay,
     tunnel,
+    within,
 )
 from .resolver import Resolver, UpstreamError
 from .sni import TlsError, looks_like_tls, parse_client_hello
@@ -153,7 +154,7 @@ class Proxy:
         """A request head, None on a clean close before one started. Raises HttpError."""
         timeout = self.config.header_timeout if first else self.config.idle_timeout
         try:
-            return await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), timeout)
+            return await within(client.reader.readuntil(b"\r\n\r\n"), timeout)
         except asyncio.IncompleteReadError:
             return None  # the client hung up, mid-head or between requests: nobody to answer
         except asyncio.LimitOverrunError:
@@ -195,7 +196,7 @@ class Proxy:
                     refusal = refusal or check
                     continue
             try:
-                up_r, up_w = await asyncio.wait_for(
+                up_r, up_w = await within(
                     asyncio.open_connection(str(address), port, limit=self.config.max_header_bytes),
                     self.config.connect_timeout)
             except (OSError, TimeoutError) as exc:
@@ -342,7 +343,7 @@ class Proxy:
             await copy_body(head, client.reader, up_w, counters, True, idle)
             while True:
                 try:
-                    data = await asyncio.wait_for(up_r.readuntil(b"\r\n\r\n"), idle)
+                    data = await within(up_r.readuntil(b"\r\n\r\n"), idle)
                 except asyncio.LimitOverrunError:
                     raise HttpError(502, "upstream response head too large") from None
                 except asyncio.IncompleteReadError:
@@ -412,7 +413,7 @@ class Proxy:
         deadline = time.monotonic() + self.config.header_timeout
         while len(buf) < 5:
             try:
-                more = await asyncio.wait_for(client.reader.read(5 - len(buf)),
+                more = await within(client.reader.read(5 - len(buf)),
                                               deadline - time.monotonic())
             except TimeoutError:
                 more = b""
@@ -428,7 +429,7 @@ class Proxy:
                                       f"{host} (domain fronting)"), "tls")
         elif _METHOD_START.match(bytes(buf)):
             try:
-                rest = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"),
+                rest = await within(client.reader.readuntil(b"\r\n\r\n"),
                                               self.config.header_timeout)
                 inner = parse_request(bytes(buf) + rest)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
@@ -468,7 +469,7 @@ class Proxy:
             if hello is not None:
                 return hello
             try:
-                more = await asyncio.wait_for(client.reader.read(16384),
+                more = await within(client.reader.read(16384),
                                               max(deadline - time.monotonic(), 0.001))
             except TimeoutError:
                 raise Denied(Decision(False, "TLS ClientHello not received in time"),

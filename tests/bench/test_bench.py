@@ -20,7 +20,11 @@ ROWS = {("CONNECT+TLS bulk", t) for t in ("direct", "corral", "squid")} | {
     ("DNS allowed-cached", t) for t in ("direct", "corral", "dnsmasq")} | {
     ("DNS allowed-uncached", t) for t in ("direct", "corral", "dnsmasq")} | {
     ("DNS denied", t) for t in ("direct", "corral")} | {
-    (f"policy decision, {n} rules", "corral") for n in (10, 10000, 100000)}
+    (f"policy decision, {n} rules", "corral") for n in (10, 10000, 100000)} | {
+    ("HTTP keep-alive", t) for t in ("direct", "corral", "squid")} | {
+    ("HTTP new connections", t) for t in ("direct", "corral", "squid")} | {
+    ("CONNECT setup", t) for t in ("direct", "corral", "squid")} | {
+    ("CPU per keep-alive request", "corral"), ("RSS with 50 open tunnels", "corral")}
 
 
 def test_a_tiny_run_reports_every_row(tmp_path):
@@ -30,8 +34,10 @@ def test_a_tiny_run_reports_every_row(tmp_path):
     if missing:
         pytest.skip(f"missing {', '.join(missing)}: scripts/setup installs them")
     result = subprocess.run([sys.executable, "-m", "bench.run", "--reps", "1", "--bulk-mib",
-                             "2", "--dns-seconds", "1", "--latency-queries", "50", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=600,
+                             "2", "--dns-seconds", "1", "--latency-queries", "50",
+                             "--http-seconds", "1", "--new-connections", "200", "--connects",
+                             "50", "--tunnels", "50", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (report,) = tmp_path.glob("*.json")
