@@ -205,7 +205,8 @@ class Bench:
         out = sh("dnsperf", "-s", server, "-d", str(queries), "-l",
                  str(self.args.dns_seconds), "-q", "100", "-c", "4", ns=ns).stdout
         qps = float(re.search(r"Queries per second:\s+([\d.]+)", out).group(1))
-        latencies = self.latency(server, ns, names[:self.args.latency_queries])
+        # from the end: names the qps run did not reach, so "uncached" stays uncached
+        latencies = self.latency(server, ns, names[-self.args.latency_queries:])
         return qps, latencies[0], latencies[1]
 
     def latency(self, server: str, ns: str, names: list[str]) -> tuple[float, float]:
