@@ -178,6 +178,10 @@ def up(args) -> int:
             raise CliError("the sandbox image build failed", "see its output above")
     if _supervisor_pid(state):
         phase("the services are already running (`corral down` first to restart them)")
+        if bundle is not None:  # new certificates under a running API: it must load them
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int((state / "run" / "api.pid").read_text().split()[0]),
+                        signal.SIGHUP)
     else:
         phase("starting firewall, filter, sandbox service and API")
         with open(state / "logs" / "supervisor.log", "ab") as log:
