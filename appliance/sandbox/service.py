@@ -226,8 +226,8 @@ class Handler(socketserver.StreamRequestHandler):
                 request = json.loads(line)
                 if not isinstance(request, dict):
                     raise RequestError("a request is a JSON object")
-                with self._payload(request) as payload:
-                    close = payload is not None  # the stream is spent or out of step
+                close = "payload" in request  # after a payload the stream is spent or out of step
+                with self._payload(request, sessions.config.max_project) as payload:
                     answer = {"ok": True, **sessions.answer(request, payload)}
             except json.JSONDecodeError as exc:
                 answer = {"ok": False, "error": f"not JSON: {exc}"}
@@ -245,13 +245,16 @@ class Handler(socketserver.StreamRequestHandler):
             if close:
                 return
 
-    def _payload(self, request: dict):
+    def _payload(self, request: dict, limit: int):
         """The request's payload as a temporary file (never whole in memory), or None."""
         size = request.pop("payload", None)
         if size is None:
             return _Nothing()
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise RequestError("'payload' must be a size in bytes")
+        if size > limit:
+            raise RequestError(f"the payload is {size} bytes; the limit is {limit} "
+                               "([sandbox] max_project)")
         spool = tempfile.SpooledTemporaryFile(max_size=8 << 20)  # noqa: SIM115 - returned
         remaining = size
         while remaining:

@@ -93,7 +93,8 @@ def test_project_uploads_are_checked_before_anything_is_made(api):
 def test_the_sandbox_service_answers_garbage_and_lives(api):
     path = str(api.sandbox.socket)
     for garbage in (b"not json\n", b"[1, 2]\n", b'{"op": "explode"}\n',
-                    b'{"op": "create", "name": "g", "payload": -4}\n'):
+                    b'{"op": "create", "name": "g", "payload": -4}\n',
+                    b'{"op": "create", "name": "g", "payload": 99999999999999}\n'):
         with socket.socket(socket.AF_UNIX) as sock:
             sock.settimeout(10)
             sock.connect(path)
