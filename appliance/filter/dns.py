@@ -114,6 +114,11 @@ class WireCache:
             struct.pack_into("!I", reply, offset, ttl)
         return bytes(reply), {**event, "client": client}
 
+    def drop_session(self, session: str | None) -> None:
+        """Forget a session's answers (its policy changed): old Policy objects, which the
+        keys hold, must not stay alive for the length of a TTL."""
+        self.entries = {k: v for k, v in self.entries.items() if k[1] != session}
+
     def put(self, key: tuple, wire: bytes, expires: float, event: dict, now: float) -> None:
         if len(self.entries) >= self.limit:
             self.entries = {k: v for k, v in self.entries.items() if v[2] > now}
@@ -131,12 +136,17 @@ class DnsFilter:
         """Something with learn([(sandbox, destination, port, ttl)]): the firewall's set."""
         self.learn_ttl_min = learn_ttl_min
         self.wire = WireCache()
+        self.policies: dict[str | None, Policy] = {}
+        """The policy each session had when last seen here: a new one empties its cache."""
 
     def cached(self, data: bytes, client: str, udp: bool) -> bytes | None:
         """The answer from the wire cache (its event emitted), or None: call answer()."""
         if len(data) < 12:
             return None
         session, policy = self.store.lookup(client)
+        if self.policies.get(session) is not policy:
+            self.wire.drop_session(session)
+            self.policies[session] = policy
         hit = self.wire.get((policy, session, udp, data[2:]), data[:2], client,
                             time.monotonic())
         if hit is None:
@@ -174,8 +184,8 @@ class DnsFilter:
             wire = self._pack(request, reply, udp)
         except Exception:  # dnslib parses some questions it then refuses to pack (label > 63)
             return _error_reply(data, RCODE.FORMERR)
-        if "expires" in note and "event" in note:
-            self.wire.put(key, wire, note["expires"], note["event"], now)
+        if "expires" in note and "event" in note and self.policies.get(session) is policy:
+            self.wire.put(key, wire, note["expires"], note["event"], now)  # policy unchanged
         return wire
 
     async def _answer(self, request: DNSRecord, client: str, note: dict) -> DNSRecord:

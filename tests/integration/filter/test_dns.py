@@ -147,9 +147,12 @@ def test_a_policy_change_is_never_hidden_by_a_cached_answer(corral_filter, inter
     name = "later-allowed.test"
     internet.dns.zone[name] = [("A", ORIGIN, 300)]
     assert ask(corral_filter.dns_port, name).header.rcode == RCODE.NXDOMAIN  # cached denial
+    cached = corral_filter.control({"op": "status"})["dns"]["wire_cache_entries"]
     corral_filter.control({"op": "add", "session": "s1", "kind": "dns", "rule": name})
     try:
         assert addresses(ask(corral_filter.dns_port, name)) == [ORIGIN]
+        # s1's answers under its old policy are gone (they would pin the old Policy)
+        assert corral_filter.control({"op": "status"})["dns"]["wire_cache_entries"] <= cached
     finally:
         corral_filter.control({"op": "remove", "session": "s1", "kind": "dns", "rule": name})
     assert ask(corral_filter.dns_port, name).header.rcode == RCODE.NXDOMAIN  # and back
