@@ -232,12 +232,13 @@ def test_run_with_a_command_attaches_runs_it_and_keeps_the_session(world, projec
 
 
 def test_stop_then_rm_leave_nothing_behind(world, c1):
+    corral(world, "shell", "c1", "--", "sh", "-c", "echo kept > left-before-stop.txt")
     corral(world, "stop", "c1")
     listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
     assert listed["c1"]["state"] == "stopped" and listed["c1"]["container_state"] == "absent"
     assert "c1" not in {s["name"] for s in world.control({"op": "sessions"})["sessions"]}
     kept = corral(world, "diff", "c1").stdout  # the workspace stays until rm
-    assert kept.rstrip().endswith(" binary")
+    assert "+++ b/left-before-stop.txt" in kept and "+kept" in kept
     ruleset = netns.sh("nft", "list", "table", "inet", "corral", ns=netns.APPLIANCE).stdout
     assert c1["subnet"] not in ruleset
     corral(world, "rm", "c1")
