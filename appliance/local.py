@@ -13,7 +13,8 @@ must never outlive the ruleset that confines it), then the API, the sandbox serv
 filter, and last the ruleset is removed. When the sessions cannot be stopped, the ruleset
 stays: closed, not open.
 
-Standard library only; the services are run by their console scripts, next to this Python.
+Standard library only (and appliance.control_client, which is too); the services are run by
+their console scripts, next to this Python.
 """
 
 from __future__ import annotations
@@ -24,28 +25,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import tomllib
 from pathlib import Path
 
+from appliance.control_client import ControlClient, ServiceUnavailable
+
 log = logging.getLogger("corral.local")
 BIN = Path(sys.executable).parent
-
-
-def ask(path: str, message: dict, timeout: float = 600) -> dict:
-    """One JSON-lines request on a control socket (raises OSError when nobody answers)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        with sock.makefile("rb") as stream:
-            line = stream.readline()
-    if not line:
-        raise OSError(f"{path} closed without answering")
-    return json.loads(line)
 
 
 class Child:
@@ -67,8 +56,9 @@ class Child:
         if self.socket is None:
             return True
         try:
-            return bool(ask(self.socket, {"op": "status"}, timeout=5).get("ok"))
-        except (OSError, ValueError):
+            return bool(ControlClient(self.socket, self.name, timeout=5).request(
+                {"op": "status"}).get("ok"))
+        except (ServiceUnavailable, ValueError):
             return False
 
     def wait_ready(self, timeout: float = 60) -> None:
@@ -117,12 +107,14 @@ class Supervisor:
         filter_config = tomllib.loads((state_dir / "filter.toml").read_text())
         sandbox_config = tomllib.loads((state_dir / "sandbox.toml").read_text())
         self.filter_socket = filter_config["control"]["socket"]
-        self.sandbox_socket = sandbox_config["sandbox"]["socket"]
+        self.sandbox = ControlClient(sandbox_config["sandbox"]["socket"], "the sandbox service",
+                                     timeout=600)
+        self.sandbox_records = Path(sandbox_config["sandbox"]["state_dir"]) / "sessions"
         self.children = [
             Child("filter", [str(BIN / "corral-filter"), "--config",
                              str(state_dir / "filter.toml")], self.logs, self.filter_socket),
             Child("sandbox", [str(BIN / "corral-sandbox"), "serve", "--config",
-                              str(state_dir / "sandbox.toml")], self.logs, self.sandbox_socket),
+                              str(state_dir / "sandbox.toml")], self.logs, self.sandbox.path),
             Child("api", [str(BIN / "corral-api"), "--config", str(state_dir / "api.toml")],
                   self.logs, None),
         ]
@@ -163,13 +155,12 @@ class Supervisor:
         (self.dir / "ready").unlink(missing_ok=True)
         sessions_stopped = True
         try:
-            answer = ask(self.sandbox_socket, {"op": "stop-all"})
+            answer = self.sandbox.request({"op": "stop-all"})
             sessions_stopped = answer.get("ok", False)
             log.info("sessions: %s", answer)
-        except OSError as exc:
+        except ServiceUnavailable as exc:
             # no sandbox service: were there sessions? then their containers may still run
-            records = [json.loads(p.read_text()) for p in
-                       (self.dir / "sandbox" / "sessions").glob("*.json")]
+            records = [json.loads(p.read_text()) for p in self.sandbox_records.glob("*.json")]
             sessions_stopped = not any(r.get("state") == "running" for r in records)
             log.error("cannot stop sessions (%s)", exc)
         for child in reversed(self.children):

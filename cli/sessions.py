@@ -23,7 +23,7 @@ from appliance import workspace
 
 from . import exitcodes, output
 from .client import Client, CliError, load_appliance
-from .control import client_for
+from .control import client_for, pick_session
 
 SLOW = 600.0  # seconds for creating a session or running the battery
 
@@ -103,18 +103,12 @@ def cmd_run(args) -> int:
 
 def cmd_shell(args) -> int:
     client = client_for(args)
-    name = _pick(client, args.session)
+    name = pick_session(client, args.session)
     session = client.request("GET", f"/sessions/{name}")
     if session.get("container_state") != "running":
         raise CliError(f"session {name} is not running ({session.get('container_state')})",
                        f"start a new one with `corral run`; `corral diff {name}` still works")
     return _terminal(client, session["container"], args.cmd)
-
-
-def _pick(client: Client, given: str | None) -> str:
-    from .control import pick_session
-
-    return pick_session(client, given)
 
 
 def _age(created: float | None) -> str:

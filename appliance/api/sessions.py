@@ -38,8 +38,7 @@ def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:
         return {}, str(exc)
 
 
-@blueprint.get("/sessions")
-def listing():
+def _sessions() -> dict:
     """The filter's sessions (every one has a policy) joined with the sandbox's records
     (a stopped session is only there)."""
     filtered = {s["name"]: s for s in call({"op": "sessions"})["sessions"]}
@@ -55,12 +54,17 @@ def listing():
     answer = {"sessions": merged}
     if problem:
         answer["sandbox_error"] = problem
-    return jsonify(answer)
+    return answer
+
+
+@blueprint.get("/sessions")
+def listing():
+    return jsonify(_sessions())
 
 
 @blueprint.get("/sessions/<name>")
 def one(name: str):
-    for session in listing().get_json()["sessions"]:
+    for session in _sessions()["sessions"]:
         if session["name"] == name:
             return jsonify(session)
     raise ApiError(404, f"no session {name!r}")

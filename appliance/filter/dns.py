@@ -139,42 +139,47 @@ class DnsFilter:
         self.policies: dict[str | None, Policy] = {}
         """The policy each session had when last seen here: a new one empties its cache."""
 
-    def cached(self, data: bytes, client: str, udp: bool) -> bytes | None:
-        """The answer from the wire cache (its event emitted), or None: call answer()."""
-        if len(data) < 12:
-            return None
+    def _key(self, data: bytes, client: str, udp: bool) -> tuple:
+        """The wire cache's key: (policy, session, transport, the query after its ID). A
+        session whose policy changed since it was last seen loses its cached answers."""
         session, policy = self.store.lookup(client)
         if self.policies.get(session) is not policy:
             self.wire.drop_session(session)
             self.policies[session] = policy
-        hit = self.wire.get((policy, session, udp, data[2:]), data[:2], client,
-                            time.monotonic())
+        return (policy, session, udp, data[2:])
+
+    def _hit(self, key: tuple, data: bytes, client: str) -> bytes | None:
+        hit = self.wire.get(key, data[:2], client, time.monotonic())
         if hit is None:
             return None
         self.bus.emit(hit[1])
         return hit[0]
 
+    def cached(self, data: bytes, client: str, udp: bool) -> bytes | None:
+        """The answer from the wire cache (its event emitted), or None: call answer()."""
+        if len(data) < 12:
+            return None
+        return self._hit(self._key(data, client, udp), data, client)
+
     async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
         if len(data) < 12:
             return None
-        hit = self.cached(data, client, udp)
+        key = self._key(data, client, udp)
+        hit = self._hit(key, data, client)
         if hit is not None:
             return hit
         now = time.monotonic()
-        session, policy = self.store.lookup(client)
-        key = (policy, session, udp, data[2:])
         try:
             request = DNSRecord.parse(data)
         except Exception as exc:  # dnslib raises more than DNSError on hostile bytes
-            session, _ = self.store.lookup(client)
-            self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
+            self.bus.emit({"session": key[1], "client": client, "kind": "dns", "name": None,
                            "verdict": "error", "reason": f"malformed query: {exc}"[:200]})
             return _error_reply(data, RCODE.FORMERR)
         if request.header.qr:
             return None  # a response sent to us: never answer (no reflection loops)
         note: dict = {}
         try:
-            reply = await self._answer(request, client, note)
+            reply = await self._answer(request, client, key[1], key[0], note)
         except Exception:  # a bug must not cost the client its answer
             log.exception("dns: failed answering %s", client)
             reply = request.reply()
@@ -184,11 +189,13 @@ class DnsFilter:
             wire = self._pack(request, reply, udp)
         except Exception:  # dnslib parses some questions it then refuses to pack (label > 63)
             return _error_reply(data, RCODE.FORMERR)
+        policy, session = key[0], key[1]
         if "expires" in note and "event" in note and self.policies.get(session) is policy:
             self.wire.put(key, wire, note["expires"], note["event"], now)  # policy unchanged
         return wire
 
-    async def _answer(self, request: DNSRecord, client: str, note: dict) -> DNSRecord:
+    async def _answer(self, request: DNSRecord, client: str, session: str | None,
+                      policy: Policy, note: dict) -> DNSRecord:
         """The reply. `note` gets "event" (the decision) and, when the reply may be served
         from the wire cache, "expires" (monotonic)."""
         reply = request.reply()  # copies ID, RD and the question; sets QR, RA
@@ -203,7 +210,6 @@ class DnsFilter:
         if question.qclass != 1 or question.qtype in REFUSED_TYPES:
             reply.header.rcode = RCODE.REFUSED
             return reply
-        session, policy = self.store.lookup(client)
         text = _qname(request)
         try:
             host = parse_host(text) if text is not None else None

@@ -125,8 +125,9 @@ async def _hand_over(client_r, client_w, up_r, up_w, counters: Counters) -> bool
     readers = ((client_r, client_w, up_w, True), (up_r, up_w, client_w, False))
     for reader, writer, _, _ in readers:
         sock = writer.get_extra_info("socket")
+        # StreamReader's _eof: the end has arrived, even with bytes still buffered
         if sock is None or sock.type != socket.SOCK_STREAM or writer.is_closing() or \
-                reader.at_eof() or getattr(reader, "_eof", True):
+                getattr(reader, "_eof", True):
             return False
     for _, writer, _, _ in readers:
         writer.transport.pause_reading()

@@ -22,6 +22,7 @@ filter's control socket. A request may carry a payload (a project archive): its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import grp
 import json
 import logging
@@ -249,7 +250,7 @@ class Handler(socketserver.StreamRequestHandler):
         """The request's payload as a temporary file (never whole in memory), or None."""
         size = request.pop("payload", None)
         if size is None:
-            return _Nothing()
+            return contextlib.nullcontext()
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise RequestError("'payload' must be a size in bytes")
         if size > limit:
@@ -267,14 +268,6 @@ class Handler(socketserver.StreamRequestHandler):
             remaining -= len(chunk)
         spool.seek(0)
         return spool
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class Server(socketserver.ThreadingUnixStreamServer):
