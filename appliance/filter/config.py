@@ -6,6 +6,7 @@ file, key and reason, and `corral-filter` exits 2 without starting half-configur
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import ipaddress
 import re
@@ -102,7 +103,7 @@ class FilterConfig:
 
 
 _SCHEMA = {
-    "dns": {"listen", "upstream", "timeout", "ttl_min", "ttl_max"},
+    "dns": {"listen", "upstream", "upstream_from", "timeout", "ttl_min", "ttl_max"},
     "proxy": {"listen", "transparent_http", "transparent_tls", "header_timeout",
               "idle_timeout", "connect_timeout", "max_header_bytes", "max_connections"},
     "policy": {"files"},
@@ -182,9 +183,15 @@ def parse_config(text: str, path: str) -> FilterConfig:
             fail(table, key, "must be a list of file paths")
         return tuple(value)
 
+    upstream = addresses("dns", "upstream")
+    if "upstream_from" in section("dns"):
+        if upstream:
+            fail("dns", "upstream_from", "give upstream or upstream_from, not both")
+        upstream = _resolv_conf(string("dns", "upstream_from", ""),
+                                lambda m: fail("dns", "upstream_from", m))
     dns = DnsConfig(
         listen=addresses("dns", "listen"),
-        upstream=addresses("dns", "upstream"),
+        upstream=upstream,
         timeout=number("dns", "timeout", 2.0),
         ttl_min=number("dns", "ttl_min", 5, int),
         ttl_max=number("dns", "ttl_max", 3600, int),
@@ -303,6 +310,27 @@ def _group(name, fail) -> str | None:
     except KeyError:
         fail(f"no group {name!r} on this host")
     return name
+
+
+def _resolv_conf(path: str, fail) -> tuple[Address, ...]:
+    """The nameservers of a resolv.conf, read when the filter starts: a DHCP-configured
+    appliance forwards to what its network gives it. Loopback stubs are skipped (the
+    filter holds port 53 itself), and link-local ones (they need an interface scope)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}")
+    found = []
+    for line in lines:
+        words = line.split()
+        if len(words) >= 2 and words[0] == "nameserver":
+            with contextlib.suppress(ValueError):
+                address = ipaddress.ip_address(words[1].partition("%")[0])
+                if not (address.is_loopback or address.is_link_local):
+                    found.append((str(address), 53))
+    if not found:
+        fail(f"{path} names no nameserver other than loopback stubs")
+    return tuple(found)
 
 
 def _address(item, fail) -> Address:
