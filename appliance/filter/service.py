@@ -130,6 +130,14 @@ class Service:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         limit = self.config.proxy.max_header_bytes
+        if self.config.firewall.manage:
+            # the full ruleset for the sessions registered before a restart (or none),
+            # replacing the boot one; if nftables refuses, the filter does not start and
+            # what is loaded stays (closed)
+            try:
+                self.apply_firewall()
+            except (NftError, ControlError) as exc:
+                raise SystemExit(f"corral-filter: cannot load the ruleset: {exc}") from None
         try:
             for host, port in self.config.dns.listen:
                 udp, tcp = _dns_sockets(host, port)
@@ -163,7 +171,7 @@ class Service:
 
     def _start_drop_reader(self) -> None:
         """Firewall rejects, reported over NFLOG, become events (when the firewall is here)."""
-        if not self.config.sessions:
+        if not self.config.sessions and not self.config.firewall.manage:
             return
         try:
             sock = nflog.open_group(self.config.firewall.log_group)
