@@ -94,6 +94,24 @@ def _name(request: dict) -> str:
     return name
 
 
+def _plain_members(members: list[tarfile.TarInfo]) -> list[tarfile.TarInfo]:
+    """Where Python predates tarfile's data filter (Debian 12's 3.11.2): regular files and
+    directories only, under relative names without `..`, with plain permissions. Links are
+    refused rather than judged: resolving them safely is what that filter exists for."""
+    for member in members:
+        if member.name.startswith("/") or ".." in Path(member.name).parts:
+            raise RequestError(f"the project archive names {member.name!r}: absolute paths "
+                               "and '..' are refused")
+        if not (member.isreg() or member.isdir()):
+            raise RequestError(f"the project archive holds {member.name!r}, which is not a "
+                               "regular file or directory (links are refused on this "
+                               "appliance's Python, which lacks tarfile's data filter)")
+        member.mode = 0o755 if member.isdir() or member.mode & 0o100 else 0o644
+        member.uid = member.gid = 0
+        member.uname = member.gname = ""
+    return members
+
+
 class Sessions:
     """The requests, answered with a SessionManager; one mutation at a time."""
 
@@ -178,7 +196,10 @@ class Sessions:
                     raise RequestError(f"the project unpacks to {size} bytes; the limit is "
                                        f"{self.config.max_project} ([sandbox] max_project)")
                 target.mkdir()
-                archive.extractall(target, filter="data")
+                if hasattr(tarfile, "data_filter"):
+                    archive.extractall(target, filter="data")
+                else:
+                    archive.extractall(target, members=_plain_members(members))  # noqa: S202 - checked above
         except tarfile.TarError as exc:
             raise RequestError(f"the project archive is unusable: {exc}") from None
 
