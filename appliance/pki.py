@@ -116,3 +116,34 @@ def missing(directory: Path, files: tuple[str, ...]) -> list[str]:
     """Which of `files` are absent or empty in `directory`."""
     return [f for f in files if not (Path(directory) / f).is_file()
             or (Path(directory) / f).stat().st_size == 0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m appliance.pki issue`: what the corral_pki role runs on the control machine.
+    The client side goes where the CLI reads it; the server side to a directory the role
+    copies into the appliance and then deletes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m appliance.pki",
+                                     description="Issue a new certificate set (the CA key "
+                                     "is discarded right after signing).")
+    parser.add_argument("command", choices=["issue"])
+    parser.add_argument("--server-dir", required=True, type=Path)
+    parser.add_argument("--client-dir", required=True, type=Path)
+    parser.add_argument("--address", action="append", default=[], metavar="IP",
+                        help="an address the API is reached at (repeatable)")
+    parser.add_argument("--name", action="append", default=[], metavar="DNS",
+                        help="a DNS name the API is reached at (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        bundle = issue(args.address or ["127.0.0.1"], args.name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    write_server(bundle, args.server_dir)
+    write_client(bundle, args.client_dir)
+    print(f"issued: server side in {args.server_dir}, client side in {args.client_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
