@@ -48,7 +48,8 @@ class Appliance:
     server_dir: Path | None = None
     """The API's TLS directory, when the appliance runs on this host (local backend)."""
     api_pidfile: Path | None = None
-    backend: str = "vm"
+    backend: str = "remote"
+    """vm (`corral up`), local (`--backend local`), or remote (an inventory host: API only)."""
     state_dir: Path | None = None
     podman: tuple[str, ...] = ("podman",)
     sandbox: tuple[str, ...] = ("corral-sandbox",)
@@ -88,7 +89,7 @@ def load_appliance(name: str) -> Appliance:
 
     words = {k: tuple(data[k]) for k in ("podman", "sandbox") if isinstance(data.get(k), list)}
     return Appliance(name, directory, endpoint, path("server_dir"), path("api_pidfile"),
-                     data.get("backend", "vm"), path("state_dir"), **words)
+                     data.get("backend", "remote"), path("state_dir"), **words)
 
 
 def write_appliance(name: str, endpoint: str, bundle: pki.Bundle | None = None,

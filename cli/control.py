@@ -163,11 +163,28 @@ def cmd_audit(args) -> int:
 
 
 def cmd_status(args) -> int:
-    client = client_for(args)
-    status = client.request("GET", "/status")
+    appliance = load_appliance(args.appliance)
+    machine = None
+    if appliance.backend == "vm":
+        from .vm import vm_state
+
+        machine = vm_state(appliance)
+        if machine["state"] != "running":
+            if args.json:
+                output.data({"vm": machine})
+            else:
+                output.line(f"appliance {args.appliance}: VM {machine['state']}"
+                            + (f" ({machine['error']})" if "error" in machine else ""))
+            return exitcodes.FAILURE
+    status = Client(appliance).request("GET", "/status")
+    if machine is not None:
+        status["vm"] = machine
     if args.json:
         output.data(status)
         return exitcodes.OK
+    if machine is not None:
+        output.line(f"vm: {machine['state']}, domain {machine['domain']}, {machine['cpus']} "
+                    f"CPUs, {machine['memory_mib']} MiB")
     health = status["filter"]
     firewall = status.get("firewall") or {}
     output.line(f"appliance {args.appliance}: api {status['version']}, up {status['uptime']:.0f}s")

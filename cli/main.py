@@ -21,8 +21,8 @@ from appliance.policy import (
     preset_names,
 )
 
-from . import control, exitcodes, local, output, sessions
-from .client import CliError
+from . import box, control, exitcodes, local, output, sessions, vm
+from .client import CliError, load_appliance
 
 
 def cmd_check(args) -> int:
@@ -54,9 +54,13 @@ def cmd_presets(args) -> int:
 def cmd_up(args) -> int:
     if args.backend == "local":
         return local.up(args)
-    raise CliError("the VM backend is not available in this version",
-                   "on Linux, run the appliance on this host: `sudo corral up --backend local`",
-                   exitcodes.USAGE)
+    return vm.up(args)
+
+
+def cmd_down(args) -> int:
+    if load_appliance(args.appliance).backend == "local":
+        return local.down(args)
+    return vm.halt(args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -183,22 +187,55 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--rebuild", action="store_true", help="rebuild the Debian base too")
     build.set_defaults(run=sessions.cmd_image_build)
 
-    up = sub.add_parser("up", help="bring an appliance up",
-                        description="Bring the appliance up. --backend local runs the "
-                        "services on this Linux host (root): firewall, filter, sandbox "
-                        "service and API, supervised; state and logs in --state-dir.")
+    up = sub.add_parser("up", help="bring an appliance up (a VM by default)",
+                        description="Bring an appliance up. The VM backend (default): check "
+                        "prerequisites, build the box if missing (`corral box build`), "
+                        "`vagrant up` with libvirt, provision it with playbooks/site.yml and "
+                        "wait for the API. --backend local runs the services on this Linux "
+                        "host (root) instead, supervised, with state and logs in --state-dir.")
     up.add_argument("--backend", choices=["vm", "local"], default="vm")
     up.add_argument("--name", default="default", help="the appliance's name for --appliance")
-    up.add_argument("--state-dir", default=str(local.DEFAULT_STATE), metavar="DIR")
+    up.add_argument("--api-port", type=int, default=8443, metavar="PORT",
+                    help="vm: the host's 127.0.0.1 port the API is forwarded to")
+    up.add_argument("--state-dir", default=str(local.DEFAULT_STATE), metavar="DIR",
+                    help="local: where config, state and logs live")
     up.add_argument("--upstream", action="append", metavar="IP:PORT",
-                    help="the filter's upstream resolvers (default: the host's)")
-    up.add_argument("--dns-listen", default="0.0.0.0:53", metavar="IP:PORT")
-    up.add_argument("--api-listen", default="127.0.0.1:7443", metavar="IP:PORT")
-    up.add_argument("--no-image", action="store_true", help="do not build the sandbox image")
+                    help="local: the filter's upstream resolvers (default: the host's)")
+    up.add_argument("--dns-listen", default="0.0.0.0:53", metavar="IP:PORT", help="local")
+    up.add_argument("--api-listen", default="127.0.0.1:7443", metavar="IP:PORT", help="local")
+    up.add_argument("--no-image", action="store_true",
+                    help="local: do not build the sandbox image")
     up.set_defaults(run=cmd_up)
-    down = sub.add_parser("down", help="stop sessions, services and ruleset (local backend)")
-    down.add_argument("--appliance", default="default", metavar="NAME")
-    down.set_defaults(run=local.down)
+
+    def vm_command(name, help, run):
+        command = sub.add_parser(name, help=help, description=help)
+        command.add_argument("--appliance", default="default", metavar="NAME")
+        command.set_defaults(run=run)
+        return command
+
+    vm_command("down", "stop an appliance: the VM halts (local backend: sessions, services, "
+               "then the ruleset stop)", cmd_down)
+    vm_command("provision", "re-run playbooks/site.yml on the VM (safe: idempotent)",
+               vm.provision)
+    vm_command("destroy", "delete the appliance's VM (its credentials stay)", vm.destroy)
+    vm_command("verify", "run playbooks/verify.yml: services, ruleset, API and the bypass "
+               "battery in a throwaway session", vm.verify)
+    ssh = vm_command("ssh", "a shell on the appliance's VM", vm.ssh)
+    ssh.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of a shell")
+
+    box_parser = sub.add_parser("box", help="the Debian 12 box the VM is made from")
+    box_sub = box_parser.add_subparsers(dest="box_command", required=True, metavar="COMMAND")
+    box_build = box_sub.add_parser(
+        "build", help="build the box from Debian packages (mmdebstrap; root) and add it to "
+        "vagrant", description="Build a Debian 12 libvirt box from Debian packages alone, "
+        "with the appliance's packages baked in, and add it to vagrant as corral/debian12.")
+    box_build.add_argument("--output", metavar="DIR", help="default: ~/.cache/corral/box")
+    box_build.add_argument("--rebuild", action="store_true", help="even when an image is there")
+    box_build.add_argument("--key", action="append", metavar="FILE.pub",
+                           help="another SSH public key for the vagrant user (repeatable)")
+    box_build.add_argument("--no-add", action="store_true",
+                           help="only build the image, do not add the box to vagrant")
+    box_build.set_defaults(run=box.cmd_build)
 
     certs = sub.add_parser("certs", help="the control plane's certificates")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")

@@ -245,6 +245,8 @@ def cmd_image_build(args) -> int:
     argv = [*appliance.sandbox, "image", "build", *(["--rebuild"] if args.rebuild else [])]
     if appliance.state_dir:
         argv += ["--config", str(appliance.state_dir / "sandbox.toml")]
+    elif appliance.backend == "vm":  # where corral_sandbox writes it
+        argv += ["--config", "/etc/corral/sandbox.toml"]
     code = subprocess.call(argv)
     if code != 0:
         raise CliError(f"the image build failed (exit {code})", "see its output above")

@@ -1,0 +1,254 @@
+"""`corral box build`: a Debian 12 libvirt box from Debian packages alone (mmdebstrap), so
+there is no third-party image to trust.
+
+  mmdebstrap bookworm -> ext4 on a loop device at the partition's offset -> extlinux ->
+  qcow2 -> a vagrant-libvirt box (metadata.json, Vagrantfile, box.img) -> `vagrant box add`
+
+The appliance's Debian packages are baked in (read from the roles' defaults), so the
+playbooks' apt tasks find them installed: under TCG an install costs minutes. The image
+also serves the VM tests, which boot the qcow2 directly. Needs root (loop devices, mount).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import exitcodes, output
+from .client import CliError
+
+ROOT = Path(__file__).resolve().parents[1]
+BOX_NAME = "corral/debian12"
+SUITE = "bookworm"
+BOOT_PACKAGES = ("linux-image-cloud-amd64", "systemd-sysv", "systemd-resolved", "udev", "dbus",
+                 "openssh-server", "python3", "python3-apt", "sudo", "iproute2", "netbase",
+                 "ca-certificates", "less", "iputils-ping")
+TOOLS = {"mmdebstrap": "mmdebstrap", "extlinux": "extlinux", "sfdisk": "fdisk",
+         "qemu-img": "qemu-utils", "mkfs.ext4": "e2fsprogs", "losetup": "mount"}
+MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
+# appliance.sandbox.image's BASE and IMAGE (the CLI does not import it; a test keeps them equal)
+SANDBOX_IMAGES = ("localhost/corral-base:1", "localhost/corral-sandbox:1")
+INSECURE_KEYS = "/usr/share/rubygems-integration/all/gems/vagrant-*/keys/vagrant.pub"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "corral" / "box"
+
+
+def appliance_packages() -> list[str]:
+    """Every Debian package the roles install: their defaults are the one list."""
+    import yaml  # from ansible-core; only this command needs it
+
+    found: list[str] = []
+    for role, key in (("corral_base", "corral_base_packages"),
+                      ("corral_sandbox", "corral_sandbox_packages")):
+        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text())
+        found += defaults[key]
+    return [*found, "nftables"]
+
+
+def missing_tools() -> list[str]:
+    problems = [f"{tool} is missing: apt-get install {package}"
+                for tool, package in TOOLS.items() if shutil.which(tool) is None]
+    if not MBR.exists():
+        problems.append("syslinux's MBR code is missing: apt-get install syslinux-common")
+    if os.geteuid() != 0:
+        problems.append("building a disk image needs root (loop devices, mount): "
+                        "`sudo corral box build`")
+    return problems
+
+
+def _run(*argv: str, timeout: float = 600, **kwargs) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if result.returncode != 0:
+        raise CliError(f"{argv[0]} failed (exit {result.returncode}): "
+                       f"{(result.stderr or result.stdout).strip()[-1500:]}",
+                       "see the message above; the partial image was removed")
+    return result.stdout
+
+
+def build_image(out: Path, keys: list[Path], size: str = "12G",
+                mirror: str = "http://deb.debian.org/debian", progress=output.notice,
+                sandbox_images: Path | None = None) -> Path:
+    """A bootable qcow2 at out/debian12.qcow2, user `vagrant` (NOPASSWD sudo) with `keys`;
+    with `sandbox_images` (a `podman save -m` archive) loaded into its podman storage."""
+    problems = missing_tools()
+    if problems:
+        raise CliError("cannot build the box:\n  " + "\n  ".join(problems),
+                       "fix the above and run `corral box build` again", exitcodes.NOT_CONFIGURED)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    def phase(text):
+        progress(f"[{time.monotonic() - started:5.1f}s] {text}")
+
+    with tempfile.TemporaryDirectory(dir=out, prefix="build-") as tmp:
+        work = Path(tmp)
+        raw, mnt = work / "disk.raw", work / "mnt"
+        mnt.mkdir()
+        (work / "authorized_keys").write_text("".join(k.read_text() for k in keys))
+        _run("truncate", "-s", size, str(raw))
+        _run("sfdisk", "-q", str(raw), input="start=2048, type=83, bootable\n")
+        # no udev here: attach the loop device at the partition's offset, not with -P
+        loop = _run("losetup", "--show", "-f", "-o", str(2048 * 512), str(raw)).strip()
+        try:
+            _run("mkfs.ext4", "-q", "-L", "root", "-O", "^64bit", loop)
+            uuid = _run("blkid", "-s", "UUID", "-o", "value", loop).strip()
+            _run("mount", loop, str(mnt))
+            try:
+                phase(f"mmdebstrap {SUITE} with the appliance's packages (about a minute)")
+                _mmdebstrap(mnt, work / "authorized_keys", uuid, mirror)
+                _bootloader(mnt, uuid)
+                if sandbox_images is not None:
+                    phase("loading the sandbox image into the box's podman storage")
+                    _preload(mnt, sandbox_images, work)
+            finally:
+                _run("umount", "-R", str(mnt))
+        finally:
+            subprocess.run(["losetup", "-d", loop], check=False)
+        with open(raw, "r+b") as disk:  # MBR boot code: the first 440 bytes, table kept
+            disk.write(MBR.read_bytes()[:440])
+        phase("converting to qcow2")
+        image = out / "debian12.qcow2"
+        _run("qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(image) + ".new")
+        os.replace(str(image) + ".new", image)
+    phase(f"image ready: {image}")
+    return image
+
+
+def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str) -> None:
+    packages = sorted({*BOOT_PACKAGES, *appliance_packages()})
+    hooks = [
+        # initramfs regeneration costs minutes under TCG; the image's own was made here
+        'mkdir -p "$1/etc/initramfs-tools/conf.d"; '
+        'echo COMPRESS=gzip > "$1/etc/initramfs-tools/conf.d/compress"',
+    ]
+    customize = [
+        f'cp {keys} "$1/tmp/authorized_keys"',
+        'chroot "$1" useradd -m -s /bin/bash -G sudo vagrant',
+        'echo "vagrant ALL=(ALL) NOPASSWD:ALL" > "$1/etc/sudoers.d/vagrant"; '
+        'chmod 0440 "$1/etc/sudoers.d/vagrant"',
+        'install -d -m 700 -o 1000 -g 1000 "$1/home/vagrant/.ssh"; install -m 600 -o 1000 '
+        '-g 1000 "$1/tmp/authorized_keys" "$1/home/vagrant/.ssh/authorized_keys"; '
+        'rm "$1/tmp/authorized_keys"',
+        'echo corral > "$1/etc/hostname"; '
+        'printf "127.0.0.1 localhost\\n127.0.1.1 corral\\n" > "$1/etc/hosts"',
+        f'echo "UUID={uuid} / ext4 errors=remount-ro 0 1" > "$1/etc/fstab"',
+        'printf "[Match]\\nName=en* eth*\\n\\n[Network]\\nDHCP=yes\\n" > '
+        '"$1/etc/systemd/network/80-dhcp.network"',
+        'chroot "$1" systemctl enable systemd-networkd systemd-resolved ssh',
+        'ln -sf ../run/systemd/resolve/stub-resolv.conf "$1/etc/resolv.conf"',
+        'printf "deb http://deb.debian.org/debian bookworm main\\n'
+        'deb http://deb.debian.org/debian bookworm-updates main\\n'
+        'deb http://deb.debian.org/debian-security bookworm-security main\\n" > '
+        '"$1/etc/apt/sources.list"',
+        'printf "UseDNS no\\n" > "$1/etc/ssh/sshd_config.d/10-corral.conf"',
+        'sed -i "s/^update_initramfs=.*/update_initramfs=no/" '
+        '"$1/etc/initramfs-tools/update-initramfs.conf"',
+    ]
+    _run("mmdebstrap", "--variant=minbase", f"--include={','.join(packages)}",
+         '--aptopt=Acquire::Retries "3"',
+         *[f"--setup-hook={h}" for h in hooks], *[f"--customize-hook={h}" for h in customize],
+         SUITE, str(root), mirror, timeout=1800)
+    # mmdebstrap leaves the package lists empty but "fresh", so apt's cache_valid_time skips
+    # the update. Kept so on purpose: every package the roles install is baked in (a unit
+    # test keeps it so), and an update costs minutes under emulation.
+
+
+def _preload(root: Path, archive: Path, work: Path) -> None:
+    """The sandbox image, put into the image's own podman storage by this host's podman (the
+    same overlay driver the appliance's podman uses): under emulation, copying and loading
+    it into a running VM takes minutes; here, seconds. corral_sandbox then finds it current."""
+    storage = root / "var/lib/containers/storage"
+    _run("podman", "--root", str(storage), "--runroot", str(work / "runroot"),
+         "--storage-driver", "overlay", "load", "--input", str(archive), timeout=900)
+    # libpod's database remembers the paths it was made with (this host's mount point) and
+    # would override the appliance's own; it holds no images, so the appliance starts anew.
+    shutil.rmtree(storage / "libpod")
+
+
+def _bootloader(root: Path, uuid: str) -> None:
+    kernel = sorted(p.name.removeprefix("vmlinuz-") for p in (root / "boot").glob("vmlinuz-*"))[-1]
+    (root / "boot/extlinux").mkdir(exist_ok=True)
+    (root / "boot/extlinux/extlinux.conf").write_text(
+        "DEFAULT debian\nTIMEOUT 0\nPROMPT 0\nSERIAL 0 115200\nLABEL debian\n"
+        f"  LINUX /boot/vmlinuz-{kernel}\n  INITRD /boot/initrd.img-{kernel}\n"
+        f"  APPEND root=UUID={uuid} ro console=ttyS0,115200n8 net.ifnames=0 quiet\n")
+    _run("extlinux", "--install", str(root / "boot/extlinux"))
+
+
+def package_box(image: Path, out: Path) -> Path:
+    """The qcow2 as a vagrant-libvirt box (uncompressed: gzip costs more than it saves)."""
+    info = json.loads(_run("qemu-img", "info", "--output=json", str(image)))
+    staging = out / "box"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _run("cp", "--sparse=always", str(image), str(staging / "box.img"))
+    (staging / "metadata.json").write_text(json.dumps(
+        {"provider": "libvirt", "format": "qcow2",
+         "virtual_size": -(-info["virtual-size"] // 2**30)}))
+    (staging / "Vagrantfile").write_text(
+        'Vagrant.configure("2") do |config|\n  config.vm.provider :libvirt do |lv|\n'
+        '    lv.driver = "kvm"\n  end\nend\n')
+    box = out / "debian12-libvirt.box"
+    _run("tar", "-C", str(staging), "-cf", str(box), "metadata.json", "Vagrantfile", "box.img")
+    shutil.rmtree(staging)
+    return box
+
+
+def sandbox_archive(out: Path, progress=output.notice) -> Path | None:
+    """The sandbox images (base and layer) built on this host and saved for the box, where
+    root, podman and mmdebstrap allow it; None where they do not (the VM builds its own)."""
+    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("mmdebstrap") is None:
+        progress("the sandbox image will be built inside the VM (slow under emulation)")
+        return None
+    bin_dir = Path(sys.executable).parent
+    conf = out / "containers.conf"
+    manager = "systemd" if Path("/proc/1/comm").read_text().strip() == "systemd" else "cgroupfs"
+    conf.write_text('[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]\n'
+                    f'[engine]\nruntime = "runc"\ncgroup_manager = "{manager}"\n'
+                    'events_logger = "file"\n')
+    env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+    progress("sandbox image (built from Debian packages on this host the first time)")
+    if subprocess.call([str(bin_dir / "corral-sandbox"), "image", "build"], env=env) != 0:
+        raise CliError("the sandbox image build failed", "see its output above")
+    archive = out / "sandbox-images.tar"
+    archive.unlink(missing_ok=True)
+    _run("podman", "save", "--multi-image-archive", "--output", str(archive), *SANDBOX_IMAGES,
+         env=env, timeout=900)
+    return archive
+
+
+def cmd_build(args) -> int:
+    out = Path(args.output) if args.output else cache_dir()
+    image = out / "debian12.qcow2"
+    if image.exists() and not args.rebuild:
+        output.notice(f"image {image} is there (--rebuild makes a new one)")
+    else:
+        keys = [Path(p) for p in sorted(glob.glob(INSECURE_KEYS))[-1:]]  # swapped at first up
+        keys += [Path(k) for k in args.key or []]
+        if not keys:
+            raise CliError("no SSH key to put in the box", "install vagrant (its insecure key "
+                           "is swapped on first boot) or pass --key FILE.pub", exitcodes.USAGE)
+        out.mkdir(parents=True, exist_ok=True)
+        archive = sandbox_archive(out)
+        build_image(out, keys, sandbox_images=archive)
+        if archive is not None:
+            archive.unlink()
+    if args.no_add:
+        return exitcodes.OK
+    box = package_box(image, out)
+    output.notice(f"adding {box} to vagrant as {BOX_NAME}")
+    code = subprocess.call(["vagrant", "box", "add", "--force", "--name", BOX_NAME, str(box)])
+    box.unlink()
+    if code != 0:
+        raise CliError(f"`vagrant box add` failed (exit {code})", "see its output above")
+    output.line(f"box {BOX_NAME} is ready: `corral up` uses it")
+    return exitcodes.OK

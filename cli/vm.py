@@ -1,0 +1,270 @@
+"""The VM backend: `corral up` (default), `provision`, `down`, `destroy`, `ssh`, `verify`,
+and the VM half of `status`. Vagrant (vagrant-libvirt) runs the repository's Vagrantfile;
+each appliance keeps its Vagrant state in its own config directory, so several can coexist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import box, exitcodes, output
+from .client import Client, CliError, config_home, load_appliance, write_appliance
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PHASES = [  # what vagrant prints -> what the user is told
+    (re.compile(r"Creating image \(snapshot of base box volume\)|Uploading base box image"),
+     "copying the box into libvirt's pool"),
+    (re.compile(r"Starting domain"), "booting the VM"),
+    (re.compile(r"Waiting for domain to get an IP address"), "waiting for the VM's network"),
+    (re.compile(r"Waiting for machine to boot"), "waiting for SSH"),
+    (re.compile(r"Running provisioner: ansible"), "provisioning with playbooks/site.yml"),
+    (re.compile(r"TASK \[(corral_\w+) : "), "role {0}"),
+    (re.compile(r"PLAY RECAP"), "provisioned"),
+]
+
+
+def driver() -> tuple[str, str]:
+    """The libvirt driver and why: the environment's choice, else kvm where it works."""
+    chosen = os.environ.get("CORRAL_LIBVIRT_DRIVER")
+    if chosen:
+        return chosen, "CORRAL_LIBVIRT_DRIVER"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "qemu", "no usable /dev/kvm: plain emulation (slow, but it works)"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if re.search(r"^flags\s*:.*\bhypervisor\b", flags, re.MULTILINE):
+        return "qemu", ("this machine is itself a VM, where nested KVM is unreliable (it hangs "
+                        "after the bootloader on some hosts): plain emulation; set "
+                        "CORRAL_LIBVIRT_DRIVER=kvm to try KVM")
+    return "kvm", "KVM"
+
+
+def prerequisites() -> list[str]:
+    missing = []
+    if shutil.which("vagrant") is None:
+        missing.append("vagrant is missing: sudo apt-get install vagrant vagrant-libvirt")
+    elif not list(Path("/usr/share/vagrant-plugins/plugins.d").glob("*libvirt*")) and (
+            "vagrant-libvirt" not in _quiet(["vagrant", "plugin", "list"])):
+        missing.append("the vagrant-libvirt plugin is missing: sudo apt-get install "
+                       "vagrant-libvirt")
+    if not (BIN / "ansible-playbook").exists():
+        missing.append("ansible-playbook is missing from corral's environment: run "
+                       "scripts/setup")
+    try:
+        import libvirt
+
+        libvirt.open("qemu:///system").close()
+    except ImportError:
+        missing.append("the libvirt Python bindings are missing: sudo apt-get install "
+                       "python3-libvirt, then scripts/setup links them")
+    except Exception as exc:  # libvirt.libvirtError: the daemon does not answer
+        missing.append(f"libvirtd does not answer ({str(exc).strip()}): sudo systemctl start "
+                       "libvirtd (where PID 1 is not systemd: sudo libvirtd -d; sudo virtlogd -d)")
+    return missing
+
+
+def _quiet(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
+    directory = config_home() / "appliances" / name
+    env = {**os.environ,
+           "VAGRANT_CWD": str(ROOT),
+           "VAGRANT_DOTFILE_PATH": str(directory / "vagrant"),
+           "VAGRANT_DEFAULT_PROVIDER": "libvirt",
+           "VAGRANT_CHECKPOINT_DISABLE": "1",
+           "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg"),
+           "ANSIBLE_FORCE_COLOR": "0",
+           "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+           "CORRAL_NAME": name,
+           "CORRAL_LIBVIRT_DRIVER": driver()[0]}
+    if api_port is not None:
+        env["CORRAL_API_PORT"] = str(api_port)
+    return env
+
+
+def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
+             timeout: float = 3600) -> None:
+    """Run vagrant, showing phases with elapsed time; its whole output goes to a log."""
+    log_path = config_home() / "appliances" / name / "vagrant.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    shown = set()
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(["vagrant", *args], env=vagrant_env(name, api_port),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   stdin=subprocess.DEVNULL)
+        tail: list[str] = []
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            tail = [*tail[-30:], line.rstrip()]
+            for pattern, text in PHASES:
+                found = pattern.search(line)
+                if found:
+                    message = text.format(*found.groups())
+                    if message not in shown:
+                        shown.add(message)
+                        output.notice(f"[{time.monotonic() - started:6.1f}s] {message}")
+            if time.monotonic() - started > timeout:
+                process.kill()
+        code = process.wait()
+    if code != 0:
+        raise CliError(f"`vagrant {' '.join(args)}` failed (exit {code}):\n  "
+                       + "\n  ".join(tail[-15:]), f"the whole output is in {log_path}")
+
+
+def up(args) -> int:
+    started = time.monotonic()
+    missing = prerequisites()
+    if missing:
+        raise CliError("cannot bring up the VM:\n  " + "\n  ".join(missing),
+                       "fix the above and run `corral up` again", exitcodes.NOT_CONFIGURED)
+    chosen, why = driver()
+    output.notice(f"[{time.monotonic() - started:6.1f}s] libvirt driver {chosen}: {why}")
+    if box.BOX_NAME not in _quiet(["vagrant", "box", "list"]) and not os.environ.get(
+            "CORRAL_BOX"):
+        output.notice(f"[{time.monotonic() - started:6.1f}s] no box {box.BOX_NAME}: building "
+                      "it from Debian packages (`corral box build`)")
+        box.cmd_build(_Args(output=None, rebuild=False, key=None, no_add=False))
+    directory = config_home() / "appliances" / args.name
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # sessions' terminals and the image build run in the VM, through `corral ssh`
+    through = [str(BIN / "corral"), "ssh", "--appliance", args.name, "--", "-q", "-t", "sudo"]
+    write_appliance(args.name, f"127.0.0.1:{args.api_port}", backend="vm",
+                    podman=[*through, "env", "CONTAINERS_CONF=/etc/corral/containers.conf",
+                            "podman"],
+                    sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"])
+    _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started)
+    _wait_for_api(args.name, started)
+    output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
+                  f"127.0.0.1:{args.api_port}")
+    flag = "" if args.name == "default" else f" --appliance {args.name}"
+    output.line(f"""
+next:
+  corral run{flag} --preset pypi                   a session for this directory
+  corral selftest{flag} --preset debian --allowed deb.debian.org   the bypass battery
+  corral status{flag}                              VM and services
+  corral down{flag} / corral destroy{flag}         stop the VM / delete it""")
+    return exitcodes.OK
+
+
+class _Args:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+def _wait_for_api(name: str, started: float, timeout: float = 300) -> None:
+    client = Client(load_appliance(name), timeout=10)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.request("GET", "/status")
+            return
+        except CliError as exc:
+            if time.monotonic() > deadline:
+                raise CliError(f"the API did not answer within {timeout:.0f}s: {exc}",
+                               "`corral ssh`, then `journalctl -u corral-api`") from None
+        time.sleep(2)
+
+
+def _vm_appliance(name: str):
+    appliance = load_appliance(name)
+    if appliance.backend != "vm":
+        raise CliError(f"appliance {name} is not a VM (backend {appliance.backend})",
+                       "`corral down` stops a local one; a remote one is yours to manage",
+                       exitcodes.USAGE)
+    return appliance
+
+
+def provision(args) -> int:
+    appliance = _vm_appliance(args.appliance)
+    port = appliance.host_port[1]
+    _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic())
+    output.line(f"appliance {args.appliance} provisioned")
+    return exitcodes.OK
+
+
+def halt(args) -> int:
+    appliance = _vm_appliance(args.appliance)
+    _vagrant(args.appliance, "halt", api_port=appliance.host_port[1], started=time.monotonic())
+    output.line(f"appliance {args.appliance} is down (`corral up` starts it again)")
+    return exitcodes.OK
+
+
+def destroy(args) -> int:
+    appliance = _vm_appliance(args.appliance)
+    _vagrant(args.appliance, "destroy", "-f", api_port=appliance.host_port[1],
+             started=time.monotonic())
+    output.line(f"appliance {args.appliance}'s VM is deleted (its credentials stay in "
+                f"{appliance.directory}; `corral up --name {args.appliance}` makes a new one)")
+    return exitcodes.OK
+
+
+def ssh(args) -> int:
+    """`corral ssh [-- [SSH OPTION]... COMMAND...]`: leading words that start with '-' go
+    to ssh, the rest is the remote command, each word quoted as given (so `corral shell`
+    reaches a VM's sessions with `podman = [corral, ssh, ..., podman]`)."""
+    appliance = _vm_appliance(args.appliance)
+    env = vagrant_env(args.appliance, appliance.host_port[1])
+    words = args.command[1:] if args.command[:1] == ["--"] else args.command
+    options = []
+    while words and words[0].startswith("-"):
+        options.append(words.pop(0))
+    remote = [shlex.join(words)] if words else []
+    return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
+                                                if options or remote else [])], env=env)
+
+
+def verify(args) -> int:
+    """verify.yml against the VM, through the inventory Vagrant generated for it."""
+    appliance = _vm_appliance(args.appliance)
+    inventory = (appliance.directory / "vagrant" / "provisioners" / "ansible" / "inventory" /
+                 "vagrant_ansible_inventory")
+    if not inventory.exists():
+        raise CliError(f"no Vagrant inventory at {inventory}", "`corral up` first",
+                       exitcodes.NOT_CONFIGURED)
+    env = vagrant_env(args.appliance, appliance.host_port[1])
+    return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(inventory),
+                            str(ROOT / "playbooks" / "verify.yml"),
+                            "-e", f"corral_pki_appliance={args.appliance}",
+                            "-e", f"corral_pki_endpoint={appliance.endpoint}"], env=env)
+
+
+def vm_state(appliance) -> dict:
+    """The VM as libvirt sees it: the domain Vagrant recorded for this appliance."""
+    id_file = appliance.directory / "vagrant" / "machines" / "default" / "libvirt" / "id"
+    if not id_file.exists():
+        return {"state": "not created"}
+    import libvirt
+
+    states = {libvirt.VIR_DOMAIN_RUNNING: "running", libvirt.VIR_DOMAIN_SHUTOFF: "shut off",
+              libvirt.VIR_DOMAIN_PAUSED: "paused", libvirt.VIR_DOMAIN_CRASHED: "crashed",
+              libvirt.VIR_DOMAIN_SHUTDOWN: "shutting down"}
+    try:
+        connection = libvirt.open("qemu:///system")
+    except libvirt.libvirtError as exc:
+        return {"state": "unknown", "error": f"libvirt: {exc}"}
+    try:
+        domain = connection.lookupByUUIDString(id_file.read_text().strip())
+        state, _ = domain.state()
+        _, memory, _, cpus, _ = domain.info()
+        return {"state": states.get(state, str(state)), "domain": domain.name(),
+                "cpus": cpus, "memory_mib": memory // 1024}
+    except libvirt.libvirtError:
+        return {"state": "not created", "error": "the domain Vagrant recorded is gone"}
+    finally:
+        connection.close()
