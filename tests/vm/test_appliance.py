@@ -1,0 +1,85 @@
+"""Tier (a): the real playbooks build the appliance in a real VM, twice (the second run
+changes nothing), then verify.yml proves it: services active, the full ruleset loaded, the
+API answering only with the client certificate, and the bypass battery passing in a real
+session inside the VM (real systemd, podman and nftables)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from .conftest import BIN, playbook, recap, timed
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def provisioned(vm, tmp_path_factory):
+    config_home = tmp_path_factory.mktemp("config")
+    extra = {"corral_pki_appliance": "vmtest", "corral_pki_endpoint": f"127.0.0.1:{vm.api_port}"}
+    first = playbook("site.yml", vm, config_home, timeout=1800, **extra)
+    assert first.returncode == 0, first.stdout[-6000:] + first.stderr[-2000:]
+    counts = recap(first.stdout)
+    assert counts["failed"] == 0 and counts["changed"] > 0, counts
+    return vm, config_home, extra
+
+
+def test_a_second_site_run_changes_nothing(provisioned):
+    vm, config_home, extra = provisioned
+    second = playbook("site.yml", vm, config_home, timeout=1200, **extra)
+    assert second.returncode == 0, second.stdout[-6000:]
+    changed = [line for line in second.stdout.splitlines() if line.startswith("changed:")]
+    assert recap(second.stdout)["changed"] == 0, changed
+
+
+def test_verify_passes_with_the_battery_in_a_real_session(provisioned):
+    vm, config_home, extra = provisioned
+    result = playbook("verify.yml", vm, config_home, timeout=900, **extra)
+    assert result.returncode == 0, result.stdout[-8000:]
+    assert recap(result.stdout)["failed"] == 0
+    passed = [line for line in result.stdout.splitlines() if "probes passed in" in line]
+    assert passed, result.stdout[-4000:]
+    done, total = passed[-1].split('"')[1].split()[0].split("/")
+    assert done == total and int(total) > 20, passed
+
+
+def test_the_units_are_hardened_as_designed(provisioned):
+    vm, _, _ = provisioned
+    result = vm.ssh("systemctl show -p User -p CapabilityBoundingSet -p ProtectSystem "
+                    "-p NoNewPrivileges corral-filter corral-api; "
+                    "ps -o user= -C corral-filter; stat -c '%a %U %G' "
+                    "/run/corral-filter/control.sock /etc/corral/api/server.key")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "User=corral-filter" in out and "User=corral-api" in out
+    assert "CapabilityBoundingSet=cap_net_bind_service cap_net_admin" in out
+    assert out.count("ProtectSystem=strict") == 2 and out.count("NoNewPrivileges=yes") == 2
+    assert "660 corral-filter corral" in out and "640 root corral-api" in out
+
+
+def test_the_cli_reaches_the_forwarded_api(provisioned):
+    _, config_home, _ = provisioned
+    result = timed("corral status", [str(BIN / "corral"), "--appliance", "vmtest", "status",
+                                     "--json"], 60,
+                   env={"XDG_CONFIG_HOME": str(config_home), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["filter"]["healthy"] and status["firewall"]["loaded"], status
+    assert status["sandbox"]["healthy"] and status["sandbox"]["image_present"], status
+
+
+def test_the_boot_ruleset_is_loaded_before_networking(provisioned):
+    vm, _, _ = provisioned
+    result = vm.ssh("systemctl show -p Before -p WantedBy corral-firewall; "
+                    "sudo nft -c -f /etc/corral/base.nft && echo base-valid")
+    assert "network-pre.target" in result.stdout and "base-valid" in result.stdout, (
+        result.stdout + result.stderr)
+
+
+def test_no_corral_process_is_left_on_the_host(provisioned):
+    """The VM is the appliance: nothing of it runs here (the CLI only talks to its API)."""
+    out = subprocess.run(["pgrep", "-af", "corral-(filter|api|sandbox)"], capture_output=True,
+                         text=True).stdout
+    assert "/opt/corral" not in out, out
