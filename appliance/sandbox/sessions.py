@@ -142,6 +142,10 @@ class SessionManager:
         of the agent's reach first: /work is the agent's, its policy is not), presets."""
         directory = self.workspaces / name / "policy"
         directory.mkdir(parents=True, exist_ok=True)
+        # the filter runs as its own user and opens these by path: it may pass through every
+        # directory on the way, not list them (the service's umask makes them 0700)
+        for step in (self.workspaces.parent, self.workspaces, directory.parent, directory):
+            step.chmod(0o711)
         files = list(project_files)
         if project is not None and (project / "corral.toml").is_file():
             shutil.copyfile(project / "corral.toml", directory / "corral.toml")
@@ -150,7 +154,7 @@ class SessionManager:
             (directory / "presets.toml").write_text(f"presets = {json.dumps(list(presets))}\n")
             files.append(str(directory / "presets.toml"))
         for path in directory.iterdir():
-            path.chmod(0o644)  # the filter runs as its own user
+            path.chmod(0o644)
         return files
 
     def create(self, name: str, project_files: list[str] = (), project: Path | None = None,
