@@ -5,6 +5,7 @@ each appliance keeps its Vagrant state in its own config directory, so several c
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -139,7 +140,7 @@ def up(args) -> int:
             "CORRAL_BOX"):
         output.notice(f"[{time.monotonic() - started:6.1f}s] no box {box.BOX_NAME}: building "
                       "it from Debian packages (`corral box build`)")
-        box.cmd_build(_Args(output=None, rebuild=False, key=None, no_add=False))
+        box.cmd_build(argparse.Namespace(output=None, rebuild=False, key=None, no_add=False))
     directory = config_home() / "appliances" / args.name
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     # sessions' terminals and the image build run in the VM, through `corral ssh`
@@ -160,11 +161,6 @@ next:
   corral status{flag}                              VM and services
   corral down{flag} / corral destroy{flag}         stop the VM / delete it""")
     return exitcodes.OK
-
-
-class _Args:
-    def __init__(self, **values):
-        self.__dict__.update(values)
 
 
 def _wait_for_api(name: str, started: float, timeout: float = 300) -> None:
