@@ -49,7 +49,7 @@ def test_the_units_are_hardened_as_designed(provisioned):
     vm, _, _ = provisioned
     result = vm.ssh("systemctl show -p User -p CapabilityBoundingSet -p ProtectSystem "
                     "-p NoNewPrivileges corral-filter corral-api; "
-                    "ps -o user= -C corral-filter; stat -c '%a %U %G' "
+                    "ps -o user= -C corral-filter; sudo stat -c '%a %U %G' "
                     "/run/corral-filter/control.sock /etc/corral/api/server.key")
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -61,7 +61,7 @@ def test_the_units_are_hardened_as_designed(provisioned):
 
 def test_the_cli_reaches_the_forwarded_api(provisioned):
     _, config_home, _ = provisioned
-    result = timed("corral status", [str(BIN / "corral"), "--appliance", "vmtest", "status",
+    result = timed("corral status", [str(BIN / "corral"), "status", "--appliance", "vmtest",
                                      "--json"], 60,
                    env={"XDG_CONFIG_HOME": str(config_home), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr

@@ -72,7 +72,7 @@ def appliance(env):
     try:
         up = corral(env, "up", "--name", NAME, "--api-port", str(port), timeout=2700)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-5000:]
-        phases = [line for line in up.stderr.splitlines() if line.lstrip().startswith("[")]
+        phases = [line for line in up.stderr.splitlines() if line.startswith("corral: [")]
         print("\n".join(phases))
         assert any("provisioning with playbooks/site.yml" in p for p in phases), phases
         assert "next:" in up.stdout
@@ -102,18 +102,19 @@ def test_cli_against_the_forwarded_api(appliance, tmp_path):
         rules.stdout)
 
     monitor = subprocess.Popen([str(BIN / "corral"), "monitor", "--appliance", NAME, "--json"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                text=True)
+    # a thread reads, so the wait ends at its deadline even when monitor prints nothing
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in monitor.stdout],
+                              daemon=True)
+    reader.start()
     try:
         time.sleep(3)
         # a denied name looked up inside the session, through `corral shell` (ssh to the VM)
         lookup = corral(env, "shell", "--appliance", NAME, "smoke", "--", "getent", "hosts",
                         "denied.example.net", timeout=300)
         assert lookup.returncode != 0  # refused: no address
-        # a thread reads, so the wait ends at its deadline even when monitor prints nothing
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in monitor.stdout],
-                         daemon=True).start()
         seen = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any("denied.example.net" in s for s in seen):
@@ -123,6 +124,8 @@ def test_cli_against_the_forwarded_api(appliance, tmp_path):
     finally:
         monitor.terminate()
         monitor.wait(10)
+        reader.join(10)  # it ends at EOF; then the pipe can be closed
+        monitor.stdout.close()
     assert corral(env, "rm", "--appliance", NAME, "smoke", timeout=300).returncode == 0
 
 
