@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import exitcodes, output
 from .client import CliError
+from .local import CONTAINERS_CONF
 
 ROOT = Path(__file__).resolve().parents[1]
 BOX_NAME = "corral/debian12"
@@ -212,9 +213,7 @@ def sandbox_archive(out: Path, progress=output.notice) -> Path | None:
     bin_dir = Path(sys.executable).parent
     conf = out / "containers.conf"
     manager = "systemd" if Path("/proc/1/comm").read_text().strip() == "systemd" else "cgroupfs"
-    conf.write_text('[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]\n'
-                    f'[engine]\nruntime = "runc"\ncgroup_manager = "{manager}"\n'
-                    'events_logger = "file"\n')
+    conf.write_text(CONTAINERS_CONF.format(cgroup_manager=manager))  # the local backend's podman
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
     progress("sandbox image (built from Debian packages on this host the first time)")
     if subprocess.call([str(bin_dir / "corral-sandbox"), "image", "build"], env=env) != 0:

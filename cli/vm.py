@@ -6,6 +6,7 @@ each appliance keeps its Vagrant state in its own config directory, so several c
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shlex
@@ -108,11 +109,11 @@ def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
         process = subprocess.Popen(["vagrant", *args], env=vagrant_env(name, api_port),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    stdin=subprocess.DEVNULL)
-        tail: list[str] = []
+        tail: collections.deque[str] = collections.deque(maxlen=15)
         assert process.stdout is not None
         for line in process.stdout:
             log.write(line)
-            tail = [*tail[-30:], line.rstrip()]
+            tail.append(line.rstrip())
             for pattern, text in PHASES:
                 found = pattern.search(line)
                 if found:
@@ -125,7 +126,7 @@ def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
         code = process.wait()
     if code != 0:
         raise CliError(f"`vagrant {' '.join(args)}` failed (exit {code}):\n  "
-                       + "\n  ".join(tail[-15:]), f"the whole output is in {log_path}")
+                       + "\n  ".join(tail), f"the whole output is in {log_path}")
 
 
 def up(args) -> int:
@@ -150,7 +151,7 @@ def up(args) -> int:
                             "podman"],
                     sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"])
     _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started)
-    _wait_for_api(args.name, started)
+    _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
     flag = "" if args.name == "default" else f" --appliance {args.name}"
@@ -163,7 +164,7 @@ next:
     return exitcodes.OK
 
 
-def _wait_for_api(name: str, started: float, timeout: float = 300) -> None:
+def _wait_for_api(name: str, timeout: float = 300) -> None:
     client = Client(load_appliance(name), timeout=10)
     deadline = time.monotonic() + timeout
     while True:
