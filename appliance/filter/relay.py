@@ -148,9 +148,13 @@ class _Splice:
     """One direction of a spliced tunnel: socket -> pipe -> socket, driven by readiness."""
 
     def __init__(self, loop, src, dst, counters: Counters, upward: bool):
-        # asyncio refuses readers on a transport's descriptor: watch duplicates of them
-        self.loop, self.dst = loop, dst
-        self.src, self.dst_fd = os.dup(src.fileno()), os.dup(dst.fileno())
+        # asyncio refuses readers on a transport's descriptor: watch duplicates of them.
+        # The writing side is a socket object of our own, for shutdown(): uvloop's
+        # transports hand out sockets that refuse it.
+        self.loop = loop
+        self.src = os.dup(src.fileno())
+        self.dst = socket.socket(fileno=os.dup(dst.fileno()))
+        self.dst_fd = self.dst.fileno()
         self.counters, self.upward = counters, upward
         self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         with contextlib.suppress(OSError):
@@ -158,7 +162,15 @@ class _Splice:
         self.pending = 0  # bytes in the pipe
         self.eof = False
         self.done = loop.create_future()
-        loop.add_reader(self.src, self._readable)
+        loop.add_reader(self.src, self._guard, self._readable)
+
+    def _guard(self, step) -> None:
+        """Run a readiness callback; anything it raises ends this direction (the tunnel
+        closes) rather than leaving it waiting for an idle timeout."""
+        try:
+            step()
+        except Exception as exc:
+            self._finish(exc)
 
     def _finish(self, error: BaseException | None) -> None:
         self.loop.remove_reader(self.src)
@@ -191,7 +203,7 @@ class _Splice:
                 n = SPLICE(self.pipe_r, self.dst_fd, self.pending, flags=SPLICE_FLAGS)
             except (BlockingIOError, InterruptedError):
                 self.loop.remove_reader(self.src)  # back-pressure: read no more for now
-                self.loop.add_writer(self.dst_fd, self._writable)
+                self.loop.add_writer(self.dst_fd, self._guard, self._writable)
                 return
             except OSError as exc:
                 self._finish(exc)
@@ -206,12 +218,13 @@ class _Splice:
         self.loop.remove_writer(self.dst_fd)
         self._write()
         if not self.pending and not self.eof and not self.done.done():
-            self.loop.add_reader(self.src, self._readable)
+            self.loop.add_reader(self.src, self._guard, self._readable)
 
     def close(self) -> None:
         self._finish(None)  # unregisters before the duplicates close
-        for fd in (self.pipe_r, self.pipe_w, self.src, self.dst_fd):
+        for fd in (self.pipe_r, self.pipe_w, self.src):
             os.close(fd)
+        self.dst.close()
 
 
 async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> None:

@@ -60,8 +60,9 @@ class FilterProcess:
     """corral-filter started from its console script with a generated config."""
 
     def __init__(self, directory: Path, dns_upstream, extra_config: str = "",
-                 control_extra: str = ""):
+                 control_extra: str = "", event_loop: str = "auto"):
         self.dir = directory
+        self.event_loop = event_loop
         self.socket = directory / "filter.sock"
         self.log = directory / "filter.log"
         (directory / "appliance.toml").write_text(APPLIANCE_POLICY)
@@ -103,7 +104,8 @@ files = ["{directory}/s2.toml"]
     def start(self):
         exe = Path(sys.executable).parent / "corral-filter"
         with open(self.log, "ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen([str(exe), "--config", str(self.config)],
+            self.proc = subprocess.Popen([str(exe), "--config", str(self.config),
+                                          "--event-loop", self.event_loop],
                                          stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

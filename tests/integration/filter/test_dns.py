@@ -114,9 +114,10 @@ def test_truncated_upstream_answer_is_retried_over_tcp(corral_filter, internet):
 
 def test_answers_are_cached(corral_filter, internet):
     internet.dns.zone["cached.wild.test"] = [("A", ORIGIN, 300)]
+    seen = len(internet.dns.queries)  # the fake server is shared with the other loop's run
     for _ in range(3):
         assert addresses(ask(corral_filter.dns_port, "cached.wild.test")) == [ORIGIN]
-    asked = [q for q in internet.dns.queries if q[1] == "cached.wild.test"]
+    asked = [q for q in internet.dns.queries[seen:] if q[1] == "cached.wild.test"]
     assert len(asked) == 1
 
 

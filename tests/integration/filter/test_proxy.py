@@ -56,6 +56,10 @@ def https_get(sock: socket.socket, internet, server_name: str, path: str = "/") 
         return body_json(recv_all(tls))
 
 
+def test_the_filter_says_which_event_loop_runs_it(corral_filter):
+    assert corral_filter.status["event_loop"] == corral_filter.event_loop
+
+
 # -- CONNECT ---------------------------------------------------------------------------
 
 
