@@ -29,6 +29,9 @@ from appliance.policy import (
 from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
+CLIENTS_MAX = 65536
+"""Client addresses remembered by `lookup` (parsing one is a third of a cached DNS answer)."""
+_UNKNOWN = object()
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
 opening blocked ranges or host services is a change to a file a person reviews."""
 
@@ -77,6 +80,9 @@ class PolicyStore:
         self.base: tuple[Rule, ...] = ()
         self.outside = Policy()
         self.sessions: dict[str, Session] = {}
+        self._clients: dict[str, str | None] = {}
+        """Client address -> the session whose subnet holds it (None: no session). Emptied
+        whenever a session comes or goes; a session's policy is always read fresh."""
         self.reload()
 
     def session_configs(self) -> tuple[SessionConfig, ...]:
@@ -92,6 +98,7 @@ class PolicyStore:
         sessions = {s.name: self._build(s) for s in self.session_configs()}
         self.outside = Policy(self.base)
         self.sessions = sessions
+        self._clients.clear()
 
     def _build(self, s: SessionConfig) -> Session:
         project = tuple(rule for path in s.files for rule in read_policy_file(path, "project"))
@@ -113,6 +120,7 @@ class PolicyStore:
         session = self._build(config)  # may raise: before anything is written
         self._save_registered((*self.registered, config))
         self.sessions[name] = session
+        self._clients.clear()
         return config, True
 
     def unregister(self, name: str, forget_rules: bool = False) -> None:
@@ -124,6 +132,7 @@ class PolicyStore:
             raise KeyError(f"no session {name!r} registered at run time")
         self._save_registered(tuple(s for s in self.registered if s.name != name))
         self.sessions.pop(name, None)
+        self._clients.clear()
         if forget_rules:
             self._runtime_path(name).unlink(missing_ok=True)
 
@@ -158,16 +167,26 @@ class PolicyStore:
 
     def lookup(self, client: str) -> tuple[str | None, Policy]:
         """The session a client address belongs to and the policy that judges it."""
+        name = self._clients.get(client, _UNKNOWN)
+        if name is _UNKNOWN:
+            name = self._session_of(client)
+            if len(self._clients) >= CLIENTS_MAX:
+                self._clients.clear()
+            self._clients[client] = name
+        session = self.sessions.get(name) if name is not None else None
+        return (name, session.policy) if session is not None else (None, self.outside)
+
+    def _session_of(self, client: str) -> str | None:
         try:
             address = ipaddress.ip_address(client)
         except ValueError:
-            return None, self.outside
+            return None
         if address.version == 6 and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
         for session in self.sessions.values():
             if address.version == session.subnet.version and address in session.subnet:
-                return session.name, session.policy
-        return None, self.outside
+                return session.name
+        return None
 
     def session(self, name: str) -> Session:
         try:
