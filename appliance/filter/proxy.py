@@ -363,12 +363,14 @@ class Proxy:
                 await tunnel(client.reader, client.writer, up_r, up_w, counters, idle)
                 return False, upstream
             close = client_close or not framed
-            client.writer.write(serialise_response(reply, close=close))
-            if not no_body:
-                if framed:
-                    await copy_body(reply, up_r, client.writer, counters, False, idle)
-                else:
-                    await copy_until_eof(up_r, client.writer, counters, idle)
+            reply_head = serialise_response(reply, close=close)
+            if no_body:
+                client.writer.write(reply_head)
+            elif framed:
+                await copy_body(reply, up_r, client.writer, counters, False, idle, reply_head)
+            else:
+                client.writer.write(reply_head)
+                await copy_until_eof(up_r, client.writer, counters, idle)
             await client.writer.drain()
             if _wants_close(reply, reply.start[0]) or not framed:
                 upstream[2].close()

@@ -246,15 +246,21 @@ async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> Non
             direction.close()
 
 
-async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, idle: float):
+async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, idle: float,
+                     prefix: bytes = b""):
+    """Copy `n` bytes; `prefix` (a message head) goes out with the first of them: one send
+    for a small response rather than two."""
     while n > 0:
         data = await within(reader.read(min(n, CHUNK)), idle)
         if not data:
             raise ConnectionError("peer closed in the middle of a message body")
         n -= len(data)
         counters.add(len(data), upward)
-        writer.write(data)
+        writer.write(prefix + data if prefix else data)
+        prefix = b""
         await writer.drain()
+    if prefix:
+        writer.write(prefix)
 
 
 async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: float):
@@ -282,12 +288,18 @@ async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: f
             raise HttpError(400, "chunk data not followed by CRLF")
 
 
-async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: float) -> None:
-    """Copy a request body, or a response body that is framed by length or chunks."""
+async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: float,
+                    prefix: bytes = b"") -> None:
+    """Copy a request body, or a response body that is framed by length or chunks, after
+    `prefix` (the message's head, when the caller has not sent it yet)."""
     if head.chunked:
+        if prefix:
+            writer.write(prefix)
         await copy_chunked(reader, writer, counters, upward, idle)
     elif head.content_length:
-        await copy_exact(reader, writer, head.content_length, counters, upward, idle)
+        await copy_exact(reader, writer, head.content_length, counters, upward, idle, prefix)
+    elif prefix:
+        writer.write(prefix)
 
 
 async def copy_until_eof(reader, writer, counters: Counters, idle: float) -> None:
