@@ -1,5 +1,5 @@
-"""corral's benchmark: corral-filter behind its real nftables ruleset, next to squid and
-dnsmasq and a direct baseline, in one run, on one topology of network namespaces.
+"""corral's benchmark: corral-filter behind its real nftables ruleset, next to squid,
+tinyproxy and dnsmasq and a direct baseline, in one run, on one topology of network namespaces.
 
   corral-bench-client 10.232.0.2 ─cb-sbx0─ 10.232.0.1  corral-bench-app  10.232.1.1 ─ 10.232.1.2
    (a corral sandbox: its traffic      (corral-filter + ruleset;              corral-bench-up
@@ -37,8 +37,9 @@ PREFIX = "corral-bench-"
 CLIENT, DIRECT, APP, UP = (PREFIX + n for n in ("client", "direct", "app", "up"))
 GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
 BIN = Path(sys.executable).parent
+NETNS_ETC = Path("/etc/netns") / APP
 RESULTS = Path(__file__).resolve().parent / "results"
-TOOLS = ("nginx", "squid", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
+TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
 PARTS = ["bulk", "http", "setup", "memory", "dns", "policy"]
 
@@ -61,6 +62,7 @@ def cleanup() -> None:
                 os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.2)
         sh("ip", "netns", "del", name, check=False)
+    shutil.rmtree(NETNS_ETC, ignore_errors=True)
 
 
 def topology() -> None:
@@ -70,6 +72,10 @@ def topology() -> None:
         sh("ip", "link", "set", "lo", "up", ns=ns)
         sh("sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000", ns=ns)
     sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=APP)
+    # tinyproxy resolves with the C library: `ip netns exec` gives processes in APP this
+    # resolv.conf in place of the host's (squid and corral are told the resolver instead)
+    NETNS_ETC.mkdir(parents=True)
+    (NETNS_ETC / "resolv.conf").write_text(f"nameserver {UPSTREAM}\n")
     for client, app_if, client_ip, app_ip in ((CLIENT, "cb-sbx0", "10.232.0.2", GATEWAY),
                                               (DIRECT, "cbd0", "10.232.2.2", PEER_GATEWAY),
                                               (UP, "cb-up0", UPSTREAM, "10.232.1.1")):
@@ -133,6 +139,9 @@ class Bench:
         (d / "squid.conf").write_text(SQUID.format(dir=d, gateway=PEER_GATEWAY, up=UPSTREAM))
         self.processes.append(spawn(APP, ["squid", "-N", "-f", str(d / "squid.conf")],
                                     d / "squid.log"))
+        (d / "tinyproxy.conf").write_text(TINYPROXY.format(gateway=PEER_GATEWAY))
+        self.processes.append(spawn(APP, ["tinyproxy", "-d", "-c", str(d / "tinyproxy.conf")],
+                                    d / "tinyproxy.log"))
         # corral: the filter behind its real ruleset
         (d / "policy.toml").write_text(POLICY)
         (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM))
@@ -142,6 +151,7 @@ class Bench:
         self.processes.append(self.filter)
         wait_port(DIRECT, UPSTREAM, 443, "nginx")
         wait_port(DIRECT, PEER_GATEWAY, 3138, "squid", timeout=60)
+        wait_port(DIRECT, PEER_GATEWAY, 3148, "tinyproxy")
         wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
 
     def stop(self) -> None:
@@ -175,13 +185,17 @@ class Bench:
                 (DIRECT, [*resolve, f"https://{host}/bulk"]),
                 {"corral": (CLIENT, ["-x", f"http://{GATEWAY}:3128", f"https://{host}/bulk"]),
                  "squid": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:3138",
-                                    f"https://{host}/bulk"])}),
+                                    f"https://{host}/bulk"]),
+                 "tinyproxy": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:3148",
+                                        f"https://{host}/bulk"])}),
             "CONNECT plain bulk": (
                 (DIRECT, [*resolve, f"http://{host}/bulk"]),
                 {"corral": (CLIENT, ["-p", "-x", f"http://{GATEWAY}:3128",
                                      f"http://{host}/bulk"]),
                  "squid": (DIRECT, ["-p", "-x", f"http://{PEER_GATEWAY}:3138",
-                                    f"http://{host}/bulk"])}),
+                                    f"http://{host}/bulk"]),
+                 "tinyproxy": (DIRECT, ["-p", "-x", f"http://{PEER_GATEWAY}:3148",
+                                        f"http://{host}/bulk"])}),
             "transparent 443 bulk": (
                 (DIRECT, [*resolve, f"https://{host}/bulk"]),
                 {"corral": (CLIENT, [*resolve, f"https://{host}/bulk"])}),
@@ -254,7 +268,8 @@ class Bench:
         seconds = str(self.args.http_seconds)
         target = "http://small.allowed.test/1k"
         proxies = {"corral": (CLIENT, f"http://{GATEWAY}:3128"),
-                   "squid": (DIRECT, f"http://{PEER_GATEWAY}:3138")}
+                   "squid": (DIRECT, f"http://{PEER_GATEWAY}:3138"),
+                   "tinyproxy": (DIRECT, f"http://{PEER_GATEWAY}:3148")}
         keep: dict[str, list] = {}
         ratios: dict[str, list[float]] = {}
         fresh: dict[str, list] = {}
@@ -315,11 +330,12 @@ class Bench:
         """CONNECT setup latency (CONNECT sent -> 200 read), p50/p99 over sequential
         tunnels; direct is the TCP connect alone."""
         n = str(self.args.connects)
-        runs = {"direct": [], "corral": [], "squid": []}
+        runs = {"direct": [], "corral": [], "squid": [], "tinyproxy": []}
         for _ in range(self.args.reps):
             for tool, ns, address in (("direct", DIRECT, f"{UPSTREAM}:443"),
                                       ("corral", CLIENT, f"{GATEWAY}:3128"),
-                                      ("squid", DIRECT, f"{PEER_GATEWAY}:3138")):
+                                      ("squid", DIRECT, f"{PEER_GATEWAY}:3138"),
+                                      ("tinyproxy", DIRECT, f"{PEER_GATEWAY}:3148")):
                 mode = "tcp" if tool == "direct" else "connect"
                 out = sh(sys.executable, "-m", "bench.connect_latency", mode, address,
                          "small.allowed.test:443", n, ns=ns).stdout
@@ -539,6 +555,18 @@ pinger_enable off
 shutdown_lifetime 0 seconds
 via off
 forwarded_for delete
+"""
+
+TINYPROXY = """
+Port 3148
+Listen {gateway}
+Timeout 600
+MaxClients 1024
+Allow 10.232.2.0/24
+ConnectPort 443
+ConnectPort 80
+DisableViaHeader Yes
+LogLevel Critical
 """
 
 if __name__ == "__main__":

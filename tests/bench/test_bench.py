@@ -14,16 +14,14 @@ import pytest
 
 from bench.run import TOOLS
 
-ROWS = {("CONNECT+TLS bulk", t) for t in ("direct", "corral", "squid")} | {
-    ("CONNECT plain bulk", t) for t in ("direct", "corral", "squid")} | {
+PROXIES = ("direct", "corral", "squid", "tinyproxy")
+ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-alive",
+                         "HTTP new connections", "CONNECT setup") for t in PROXIES} | {
     ("transparent 443 bulk", t) for t in ("direct", "corral")} | {
     ("DNS allowed-cached", t) for t in ("direct", "corral", "dnsmasq")} | {
     ("DNS allowed-uncached", t) for t in ("direct", "corral", "dnsmasq")} | {
     ("DNS denied", t) for t in ("direct", "corral")} | {
     (f"policy decision, {n} rules", "corral") for n in (10, 10000, 100000)} | {
-    ("HTTP keep-alive", t) for t in ("direct", "corral", "squid")} | {
-    ("HTTP new connections", t) for t in ("direct", "corral", "squid")} | {
-    ("CONNECT setup", t) for t in ("direct", "corral", "squid")} | {
     ("CPU per keep-alive request", "corral"), ("RSS with 50 open tunnels", "corral")}
 
 
@@ -51,3 +49,4 @@ def test_a_tiny_run_reports_every_row(tmp_path):
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout.split() if
                 ns.startswith("corral-bench-")]  # cleaned up
+    assert not Path("/etc/netns/corral-bench-app").exists()
