@@ -21,6 +21,10 @@ from .rules import LAYERS, Rule
 
 HOST_NAME = "host.corral"
 """The name under which a session reaches the VM host's allowed ports."""
+MEMO_MAX = 4096
+"""Decisions a Policy remembers (then it starts again): an agent asks for the same few
+hosts over and over, and a remembered answer costs a dict lookup, not a walk and a
+formatted reason."""
 
 
 class Decision(NamedTuple):
@@ -92,10 +96,12 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_http", "_tcp", "cidrs", "host_ports", "rules")
+    __slots__ = ("_deny", "_dns", "_http", "_memo", "_tcp", "cidrs", "host_ports", "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
+        self._memo: dict[tuple, Decision] = {}
+        """Decisions already made: a Policy never changes, so neither do they."""
         by_kind: dict[str, list[Rule]] = defaultdict(list)
         for rule in self.rules:
             by_kind[rule.kind].append(rule)
@@ -122,8 +128,21 @@ class Policy:
         """The deny rule covering `host`, if any."""
         return _first(*self._deny, host)
 
+    def _remember(self, key: tuple, decision: Decision) -> Decision:
+        if len(self._memo) >= MEMO_MAX:
+            self._memo.clear()
+        self._memo[key] = decision
+        return decision
+
     def decide_dns(self, host: Host) -> Decision:
         """May a client learn this name's addresses? Denied names are never sent upstream."""
+        key = ("dns", host.name, host.key)
+        decision = self._memo.get(key)
+        if decision is None:
+            decision = self._remember(key, self._decide_dns(host))
+        return decision
+
+    def _decide_dns(self, host: Host) -> Decision:
         deny = self.denied_by(host)
         if deny is not None:
             return _denied_by_rule(host, deny)
@@ -174,6 +193,13 @@ class Policy:
                         f"add {port} to [host] ports in corral.toml")
 
     def _decide_port(self, index, host: Host, port: int, kind: str) -> Decision:
+        key = (kind, host.name, host.key, port)
+        decision = self._memo.get(key)
+        if decision is None:
+            decision = self._remember(key, self._judge_port(index, host, port, kind))
+        return decision
+
+    def _judge_port(self, index, host: Host, port: int, kind: str) -> Decision:
         deny = self.denied_by(host)
         if deny is not None:
             return _denied_by_rule(host, deny)
