@@ -35,7 +35,6 @@ from .relay import (
     copy_body,
     copy_until_eof,
     original_port,
-    set_nodelay,
     tunnel,
     within,
 )
@@ -134,7 +133,6 @@ class Proxy:
             return
         self.active += 1
         self.stats["connections"] += 1
-        set_nodelay(writer)
         try:
             port = original_port(writer, transparent_port) if transparent_port else None
             await handler(client, port)
@@ -202,7 +200,6 @@ class Proxy:
             except (OSError, TimeoutError) as exc:
                 failure = f"connect to {address}:{port} failed: {exc or 'timed out'}"
                 continue
-            set_nodelay(up_w)
             return up_r, up_w, str(address)
         if failure is not None:
             raise Denied(Decision(False, failure), target, 502)

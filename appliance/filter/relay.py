@@ -73,13 +73,6 @@ def original_port(writer: asyncio.StreamWriter, default: int) -> int:
     return port
 
 
-def set_nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 async def _pump(reader, writer, counters: Counters, upward: bool, idle: float) -> None:
     while True:
         try:
