@@ -19,7 +19,7 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dnslib import EDNS0, QTYPE, RCODE, RR, DNSError, DNSRecord
 
@@ -40,12 +40,20 @@ class Answer:
     """The answer section as received (CNAMEs and addresses)."""
     expires: float
     """Monotonic time after which the answer must be asked again."""
+    followed: dict = field(default_factory=dict, compare=False, repr=False)
+    """addresses() by name, worked out once per answer: the proxy asks on every dial."""
 
     def ttl(self, now: float) -> int:
         return max(1, int(self.expires - now))
 
-    def addresses(self, name: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    def addresses(self, name: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
         """The A/AAAA data reached from `name` by following the CNAMEs in this answer."""
+        found = self.followed.get(name)
+        if found is None:
+            found = self.followed[name] = self._follow(name)
+        return found
+
+    def _follow(self, name: str) -> tuple:
         owners = {name.lower().rstrip(".")}
         changed = True
         while changed:  # CNAME chains are short; records may come in any order
@@ -57,11 +65,9 @@ class Answer:
                     if target not in owners:
                         owners.add(target)
                         changed = True
-        out = []
-        for rr in self.records:
-            if rr.rtype in (QTYPE.A, QTYPE.AAAA) and str(rr.rname).lower().rstrip(".") in owners:
-                out.append(ipaddress.ip_address(str(rr.rdata)))
-        return out
+        return tuple(ipaddress.ip_address(str(rr.rdata)) for rr in self.records
+                     if rr.rtype in (QTYPE.A, QTYPE.AAAA)
+                     and str(rr.rname).lower().rstrip(".") in owners)
 
 
 class Resolver:
@@ -99,13 +105,13 @@ class Resolver:
         finally:
             del self._inflight[key]
 
-    async def addresses(self, name: str) -> list:
+    async def addresses(self, name: str) -> tuple:
         """IPv4 addresses of `name`, else IPv6 ones. Raises UpstreamError."""
         for qtype in (QTYPE.A, QTYPE.AAAA):
             found = (await self.query(name, qtype)).addresses(name)
             if found:
                 return found
-        return []
+        return ()
 
     def _store(self, key, answer: Answer) -> None:
         if len(self.cache) >= CACHE_MAX:
