@@ -176,7 +176,7 @@ class _Splice:
 
     def _readable(self) -> None:
         try:
-            n = SPLICE(self.src, self.pipe_w, CHUNK, flags=SPLICE_FLAGS)
+            n = SPLICE(self.src, self.pipe_w, PIPE_SIZE, flags=SPLICE_FLAGS)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
