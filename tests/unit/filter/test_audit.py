@@ -126,3 +126,23 @@ def test_a_failed_write_is_cut_back_and_the_chain_goes_on(tmp_path):
     log.close()
     result = verify(path, log.head)
     assert result.ok and result.lines == 2
+
+
+def test_records_chained_onto_a_failed_write_are_lost_with_it_and_the_chain_stays_whole(
+        tmp_path):
+    import time
+
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, window=0.2)  # the three appends below land in one batch
+    log._file = _FillsUp(log._file)
+    for n in range(3):
+        log.append({"n": n})
+    deadline = time.monotonic() + 5
+    while log.failed is None:
+        assert time.monotonic() < deadline
+    assert "3 records lost" in log.failed and log.head == {"seq": 0, "hash": GENESIS}
+    log.append({"n": 3})
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["seq"], r["n"]) for r in records] == [(1, 3)]
+    assert verify(path, log.head).ok

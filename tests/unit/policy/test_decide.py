@@ -256,3 +256,20 @@ def test_parse_host_never_raises_anything_but_its_error(text):
     except HostNameError:
         return
     assert (host.name is None) != (host.address is None)
+
+
+def test_remembered_decisions_are_the_ones_first_made_and_stay_bounded():
+    from appliance.policy.decide import MEMO_MAX
+
+    policy = Policy(policy_file_rules(PROJECT, "corral.toml", "project"))
+    host = parse_host("api.example.net")
+    first = [policy.decide_http(host, 8443), policy.decide_http(host, 443),
+             policy.decide_tcp(host, 8443), policy.decide_dns(host)]
+    assert [d.allowed for d in first] == [True, False, False, True]  # no key collides
+    again = [policy.decide_http(host, 8443), policy.decide_http(host, 443),
+             policy.decide_tcp(host, 8443), policy.decide_dns(host)]
+    assert again == first
+    for i in range(MEMO_MAX + 10):
+        policy.decide_dns(parse_host(f"n{i}.example.org"))
+    assert len(policy._memo) <= MEMO_MAX
+    assert policy.decide_http(parse_host("upload.example.org"), 443).allowed is False
