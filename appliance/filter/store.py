@@ -29,11 +29,11 @@ from appliance.policy import (
 from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
+"""What the control socket may add to a session's runtime layer. Not cidr or host ports:
+opening blocked ranges or host services is a change to a file a person reviews."""
 CLIENTS_MAX = 65536
 """Client addresses remembered by `lookup` (parsing one is a third of a cached DNS answer)."""
 _UNKNOWN = object()
-"""What the control socket may add to a session's runtime layer. Not cidr or host ports:
-opening blocked ranges or host services is a change to a file a person reviews."""
 
 
 def read_policy_file(path: str, layer: str) -> list[Rule]:
