@@ -173,7 +173,7 @@ class PolicyStore:
             if len(self._clients) >= CLIENTS_MAX:
                 self._clients.clear()
             self._clients[client] = name
-        session = self.sessions.get(name) if name is not None else None
+        session = self.sessions.get(name)  # None: no session, or it has gone since
         return (name, session.policy) if session is not None else (None, self.outside)
 
     def _session_of(self, client: str) -> str | None:
