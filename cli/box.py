@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import exitcodes, output
 from .client import CliError
-from .local import CONTAINERS_CONF
+from .local import containers_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 BOX_NAME = "corral/debian12"
@@ -212,8 +212,7 @@ def sandbox_archive(out: Path, progress=output.notice) -> Path | None:
         return None
     bin_dir = Path(sys.executable).parent
     conf = out / "containers.conf"
-    manager = "systemd" if Path("/proc/1/comm").read_text().strip() == "systemd" else "cgroupfs"
-    conf.write_text(CONTAINERS_CONF.format(cgroup_manager=manager))  # the local backend's podman
+    conf.write_text(containers_conf(out))  # the local backend's podman
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
     progress("sandbox image (built from Debian packages on this host the first time)")
     if subprocess.call([str(bin_dir / "corral-sandbox"), "image", "build"], env=env) != 0:

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import box, exitcodes, output
@@ -33,22 +37,45 @@ PHASES = [  # what vagrant prints -> what the user is told
 ]
 
 
-def driver() -> tuple[str, str]:
-    """The libvirt driver and why: the environment's choice, else kvm where it works."""
-    chosen = os.environ.get("CORRAL_LIBVIRT_DRIVER")
+DRIVERS = ("kvm", "qemu")
+"""The libvirt drivers vagrant-libvirt knows: hardware virtualisation, or plain emulation."""
+
+
+def driver(environ: Mapping[str, str] | None = None, kvm_opens: bool | None = None,
+           cpuinfo: str | None = None) -> tuple[str, str]:
+    """The libvirt driver and why: the environment's choice, else kvm where it works.
+
+    Decided from three inputs, each read from this machine unless given: the environment
+    (CORRAL_LIBVIRT_DRIVER), whether /dev/kvm opens for reading and writing, and
+    /proc/cpuinfo (a `hypervisor` flag: this machine is itself a VM)."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("CORRAL_LIBVIRT_DRIVER")
     if chosen:
+        if chosen not in DRIVERS:
+            raise CliError(f"CORRAL_LIBVIRT_DRIVER={chosen!r} is not a libvirt driver",
+                           "set it to kvm or qemu, or unset it to let corral choose",
+                           exitcodes.USAGE)
         return chosen, "CORRAL_LIBVIRT_DRIVER"
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+    if not (_kvm_opens() if kvm_opens is None else kvm_opens):
         return "qemu", "no usable /dev/kvm: plain emulation (slow, but it works)"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    if re.search(r"^flags\s*:.*\bhypervisor\b", flags, re.MULTILINE):
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    if re.search(r"^flags\s*:.*\bhypervisor\b", cpuinfo, re.MULTILINE):
         return "qemu", ("this machine is itself a VM, where nested KVM is unreliable (it hangs "
                         "after the bootloader on some hosts): plain emulation; set "
                         "CORRAL_LIBVIRT_DRIVER=kvm to try KVM")
     return "kvm", "KVM"
+
+
+def _kvm_opens() -> bool:
+    try:
+        os.close(os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC))
+    except OSError:
+        return False
+    return True
 
 
 def prerequisites() -> list[str]:
@@ -101,32 +128,63 @@ def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
 
 def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
              timeout: float = 3600) -> None:
-    """Run vagrant, showing phases with elapsed time; its whole output goes to a log."""
+    """Run vagrant, showing phases with elapsed time; its whole output goes to a log.
+
+    The timeout counts from `started` and holds whether or not vagrant prints anything: a
+    reader thread takes the output while this one waits for the exit, and at the deadline
+    vagrant's whole process group (ssh, ansible-playbook, qemu-img, ...) is stopped."""
     log_path = config_home() / "appliances" / name / "vagrant.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     shown = set()
-    with open(log_path, "a") as log:
-        process = subprocess.Popen(["vagrant", *args], env=vagrant_env(name, api_port),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   stdin=subprocess.DEVNULL)
-        tail: collections.deque[str] = collections.deque(maxlen=15)
-        assert process.stdout is not None
-        for line in process.stdout:
-            log.write(line)
-            tail.append(line.rstrip())
-            for pattern, text in PHASES:
-                found = pattern.search(line)
-                if found:
-                    message = text.format(*found.groups())
-                    if message not in shown:
-                        shown.add(message)
-                        output.notice(f"[{time.monotonic() - started:6.1f}s] {message}")
-            if time.monotonic() - started > timeout:
-                process.kill()
-        code = process.wait()
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    with open(log_path, "a") as log, subprocess.Popen(
+            ["vagrant", *args], env=vagrant_env(name, api_port), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+            process_group=0) as process:
+
+        def read() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log.write(line)
+                tail.append(line.rstrip())
+                for pattern, text in PHASES:
+                    found = pattern.search(line)
+                    if found:
+                        message = text.format(*found.groups())
+                        if message not in shown:
+                            shown.add(message)
+                            output.notice(f"[{time.monotonic() - started:6.1f}s] {message}")
+
+        reader = threading.Thread(target=read, name="vagrant-output", daemon=True)
+        reader.start()
+        try:
+            code = process.wait(max(0.0, started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop_group(process)
+            reader.join(5)
+            raise CliError(f"`vagrant {' '.join(args)}` did not finish within {timeout:.0f}s: "
+                           "stopped it and every process it started (its process group):\n  "
+                           + "\n  ".join(tail), f"the whole output is in {log_path}") from None
+        except BaseException:  # Ctrl-C: vagrant is in its own group, so it must be told
+            _stop_group(process, first=signal.SIGINT)
+            raise
+        reader.join(5)
     if code != 0:
         raise CliError(f"`vagrant {' '.join(args)}` failed (exit {code}):\n  "
                        + "\n  ".join(tail), f"the whole output is in {log_path}")
+
+
+def _stop_group(process: subprocess.Popen, first: int = signal.SIGTERM,
+                grace: float = 10) -> None:
+    """Signal the child's process group, then kill what is left of it after `grace`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, first)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace)
+    # the group outlives its leader; its id cannot be reused while a member is alive
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def up(args) -> int:

@@ -3,29 +3,52 @@ what `corral up` refuses before it starts anything."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from cli import vm
+from cli.client import CliError
 from cli.main import main
 
+VM_CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse2 vmx hypervisor lahf_lm\n"
+METAL_CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse2 vmx lahf_lm\n"
+"""A CPU whose model name says 'hypervisor' is not a VM: only the flags line counts."""
+METAL_NAMED = "model name\t: hypervisor-ready CPU\n" + METAL_CPUINFO
 
-def test_the_environment_chooses_the_driver(monkeypatch):
-    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
-    assert vm.driver() == ("qemu", "CORRAL_LIBVIRT_DRIVER")
+
+@pytest.mark.parametrize(("environ", "kvm_opens", "cpuinfo", "chosen", "why"), [
+    ({"CORRAL_LIBVIRT_DRIVER": "qemu"}, True, METAL_CPUINFO, "qemu", "CORRAL_LIBVIRT_DRIVER"),
+    ({"CORRAL_LIBVIRT_DRIVER": "kvm"}, False, VM_CPUINFO, "kvm", "CORRAL_LIBVIRT_DRIVER"),
+    ({}, False, METAL_CPUINFO, "qemu", "no usable /dev/kvm"),
+    ({"CORRAL_LIBVIRT_DRIVER": ""}, False, METAL_CPUINFO, "qemu", "no usable /dev/kvm"),
+    ({}, True, VM_CPUINFO, "qemu", "this machine is itself a VM"),
+    ({}, True, METAL_CPUINFO, "kvm", "KVM"),
+    ({}, True, METAL_NAMED, "kvm", "KVM"),
+    ({}, True, "", "kvm", "KVM"),
+], ids=["env-qemu", "env-kvm-wins", "no-kvm", "empty-env", "inside-a-vm", "metal",
+        "metal-named-hypervisor", "no-cpuinfo"])
+def test_the_driver_is_decided_from_environment_kvm_and_cpu_flags(environ, kvm_opens, cpuinfo,
+                                                                   chosen, why):
+    got, reason = vm.driver(environ, kvm_opens=kvm_opens, cpuinfo=cpuinfo)
+    assert got == chosen and reason.startswith(why), reason
 
 
-def test_without_a_choice_a_machine_that_is_a_vm_gets_emulation(monkeypatch):
-    """These machines are VMs whose nested KVM hangs: the default must not be kvm here."""
+def test_an_unknown_driver_in_the_environment_is_refused():
+    with pytest.raises(CliError, match="'xen' is not a libvirt driver") as raised:
+        vm.driver({"CORRAL_LIBVIRT_DRIVER": "xen"}, kvm_opens=True, cpuinfo="")
+    assert "kvm or qemu" in raised.value.hint
+
+
+def test_this_machines_inputs_are_read_when_none_are_given(monkeypatch):
+    """Without arguments, driver() reads /dev/kvm and /proc/cpuinfo: the same answer as
+    when it is handed what they hold."""
     monkeypatch.delenv("CORRAL_LIBVIRT_DRIVER", raising=False)
-    with open("/proc/cpuinfo") as cpuinfo:
-        inside_a_vm = " hypervisor" in cpuinfo.read()
-    chosen, why = vm.driver()
-    if inside_a_vm:
-        assert chosen == "qemu" and ("itself a VM" in why or "/dev/kvm" in why)
-    else:
-        assert chosen in ("kvm", "qemu")
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    assert vm.driver() == vm.driver({}, kvm_opens=vm._kvm_opens(), cpuinfo=cpuinfo)
 
 
 def test_ssh_passes_options_to_ssh_and_quotes_the_remote_command(monkeypatch, tmp_path):
@@ -61,3 +84,52 @@ def test_vm_commands_name_a_missing_appliance(monkeypatch, tmp_path, capsys, com
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     assert main([command, "--appliance", "nope"]) == 4
     assert "no appliance 'nope'" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent, or no process at all, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_vagrant_that_goes_silent_is_stopped_at_the_deadline_with_its_process_group(
+        monkeypatch, tmp_path):
+    """The timeout fires although vagrant prints nothing more: a real process stands in for
+    vagrant, prints one line, starts a child (as vagrant starts ssh) and sleeps."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pids = tmp_path / "pids"
+    (bin_dir / "vagrant").write_text(f"""#!/bin/sh
+echo "==> default: Starting domain."
+sleep 600 &
+echo "$$ $!" > {pids}
+wait
+""")
+    (bin_dir / "vagrant").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    with pytest.raises(CliError) as raised:
+        vm._vagrant("x", "up", started=time.monotonic(), timeout=2)
+    message = str(raised.value)
+    assert "did not finish within 2s" in message and "process group" in message
+    assert "Starting domain" in message  # the tail of what it printed
+    vagrant_pid, child_pid = (int(p) for p in pids.read_text().split())
+    assert not _alive(vagrant_pid) and not _alive(child_pid)
+    log = tmp_path / "config" / "corral" / "appliances" / "x" / "vagrant.log"
+    assert "Starting domain" in log.read_text()
+
+
+def test_vagrant_that_fails_reports_its_exit_and_output(monkeypatch, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vagrant").write_text("#!/bin/sh\necho 'boom: no such box'\nexit 3\n")
+    (bin_dir / "vagrant").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    with pytest.raises(CliError, match=r"failed \(exit 3\):\n  boom: no such box"):
+        vm._vagrant("x", "up", started=time.monotonic())
