@@ -2,8 +2,11 @@
 
 `Policy(rules)` builds hash lookups once: exact names, and wildcard suffixes keyed by the
 suffix. Deciding walks the name's labels (O(labels)), never the rules. A deny anywhere, in
-any layer, wins over every allow (DESIGN: exceptions inside wildcards). When several allows
-match, the most specific one is reported — exact before wildcard, a narrower wildcard before
+any layer, wins over every allow (DESIGN: exceptions inside wildcards), and a denied name
+takes its subdomains with it: denying `s3.amazonaws.com` under a `*.amazonaws.com` allow
+also denies `bucket.s3.amazonaws.com` (a deny of `*.x` covers the subdomains only, a deny
+of an IP literal that address only). When several allows match, the most specific one is
+reported — exact before wildcard, a narrower wildcard before
 a broader one, an inner layer (session) before an outer one (default) — so that `monitor`
 names the rule a person would point at.
 """
@@ -15,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .names import Host, IPAddress, unmap
+from .names import Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
 from .rules import LAYERS, Rule
 
@@ -47,12 +50,17 @@ class Decision(NamedTuple):
 _Index = dict[str, tuple[Rule, ...]]
 
 
-def _index(rules: Iterable[Rule]) -> tuple[_Index, _Index]:
-    """Split rules into exact-name and wildcard-suffix lookups, inner layers first."""
+def _index(rules: Iterable[Rule], subtree: bool = False) -> tuple[_Index, _Index]:
+    """Split rules into exact-name and wildcard-suffix lookups, inner layers first.
+
+    With `subtree` (denies), a rule naming a host name covers its subdomains too: it is
+    also filed as a suffix, so the same label walk finds it, still O(labels)."""
     exact: dict[str, list[Rule]] = defaultdict(list)
     wild: dict[str, list[Rule]] = defaultdict(list)
     for rule in rules:
         (wild[rule.suffix] if rule.wildcard else exact[rule.host]).append(rule)
+        if subtree and not rule.wildcard and parse_address(rule.host) is None:
+            wild[rule.host].append(rule)
     order = {layer: -i for i, layer in enumerate(LAYERS)}
 
     def freeze(d):
@@ -105,7 +113,7 @@ class Policy:
         by_kind: dict[str, list[Rule]] = defaultdict(list)
         for rule in self.rules:
             by_kind[rule.kind].append(rule)
-        self._deny = _index(by_kind["deny"])
+        self._deny = _index(by_kind["deny"], subtree=True)
         self._http = _index(by_kind["http"])
         self._tcp = _index(by_kind["tcp"])
         # DNS answers every name some rule lets a client reach (issue: "a name allowed by
@@ -125,7 +133,7 @@ class Policy:
     # -- decisions ---------------------------------------------------------------------
 
     def denied_by(self, host: Host) -> Rule | None:
-        """The deny rule covering `host`, if any."""
+        """The deny rule covering `host` (the name itself or a parent it names), if any."""
         return _first(*self._deny, host)
 
     def _remember(self, key: tuple, decision: Decision) -> Decision:
@@ -166,8 +174,20 @@ class Policy:
             return []
         return _lookup(*self._tcp, host)
 
-    def decide_address(self, address: IPAddress, name: Host | None = None) -> Decision:
-        """May the proxy dial this resolved address? Blocked ranges need an explicit rule."""
+    def decide_address(self, address: IPAddress, host: Host | None = None,
+                       port: int | None = None, kind: str = "http") -> Decision:
+        """May the proxy dial this address, or DNS hand it out? Blocked ranges need a rule.
+
+        `host` is what the client asked for; `port` the port it asked for (None for a DNS
+        answer); `kind` which rules name ports ("http" for the proxy, "tcp" for direct).
+        A public address is allowed; a blocked one only by a cidr rule covering it, or by
+        an http/tcp rule naming that very literal when the client asked for the literal
+        itself, on a port that rule covers. A *name* that resolves into a blocked range is
+        never opened by a rule naming the address: that rule opens the address, for its
+        ports, and nothing that happens to point at it (a CDN's shared or a rebinding name).
+        """
+        if kind not in ("http", "tcp"):
+            raise ValueError(f"kind must be http or tcp, not {kind!r}")
         address = unmap(address)
         network = blocked_range(address)
         if network is None:
@@ -175,14 +195,24 @@ class Policy:
         for cidr, rule in self.cidrs:
             if address.version == cidr.version and address in cidr:
                 return Decision(True, f"{address} allowed by cidr rule {rule.text}", rule)
-        literal = Host(address=address)
-        rule = _first(*self._http, literal) or _first(*self._tcp, literal)
-        if rule is not None:
-            return Decision(True, f"{address} named by {rule.kind} rule {rule.text}", rule)
-        via = f" ({name} resolved to it)" if name is not None else ""
+        if port is not None and host is not None and host.address is not None and (
+                unmap(host.address) == address):
+            rule = self._literal_rule(address, port, kind)
+            if rule is not None:
+                target = f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+                return Decision(True, f"{target} named by {kind} rule {rule.text}", rule)
+        via = f" ({host} resolved to it)" if host is not None and host.name is not None else ""
         return Decision(False, f"{address} is in blocked range {network}{via}", None,
                         f"add \"{address}/{address.max_prefixlen}\" to [cidr] allow in corral.toml"
                         " if it is meant")
+
+    def _literal_rule(self, address: IPAddress, port: int, kind: str) -> Rule | None:
+        """The `kind` rule naming this IP literal on `port`, unless a deny names it."""
+        literal = Host(address=address)
+        if self.denied_by(literal) is not None:
+            return None
+        index = self._http if kind == "http" else self._tcp
+        return next((r for r in _lookup(*index, literal) if r.port.covers(port)), None)
 
     def decide_host_port(self, port: int) -> Decision:
         """May a client reach the VM host (host.corral) on this port?"""

@@ -17,7 +17,8 @@ from .names import Host, HostNameError, normalise_name, parse_address, parse_hos
 KINDS = ("dns", "http", "tcp", "cidr", "host", "deny")
 """dns: a name DNS answers. http: host[:port] the proxy reaches. tcp: host:port reached
 directly (nftables set filled from DNS answers). cidr: a blocked range made reachable.
-host: a port of the VM host reachable as host.corral. deny: a name that wins over allows."""
+host: a port of the VM host reachable as host.corral. deny: a name (and its subdomains),
+`*.suffix` (the subdomains) or an IP literal (that address) that wins over allows."""
 
 LAYERS = ("default", "appliance", "project", "session")
 """From the outside in: built-in defaults, appliance-wide (Ansible), project file
@@ -53,12 +54,12 @@ class PortSpec:
             return cls("", default)
         if text == "*":
             return cls("*", ALL_PORTS)
-        if text.isdigit():
+        if text.isascii() and text.isdigit():
             port = int(text)
             if not 1 <= port <= 65535:
                 raise RuleError(f"port {text} is outside 1-65535")
             return cls(str(port), frozenset({port}))
-        if all(c.isdigit() or c in "*?[]-" for c in text):
+        if text.isascii() and all(c.isdigit() or c in "*?[]-" for c in text):
             ports = _glob_ports(text)
             if not ports:
                 raise RuleError(f"port pattern {text!r} matches no port in 1-65535")
@@ -168,7 +169,7 @@ class Rule:
 
     @classmethod
     def _parse_host(cls, text: str, layer: str, source: str) -> Rule:
-        if not text.isdigit() or not 1 <= int(text) <= 65535:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
             raise RuleError(f"host port {text!r} must be a number in 1-65535")
         return cls("host", "", PortSpec.parse(text, None), layer, source)
 

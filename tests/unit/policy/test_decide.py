@@ -124,10 +124,77 @@ def test_addresses(policy, address, allowed):
     assert policy.decide_address(ipaddress.ip_address(address)).allowed is allowed
 
 
-def test_ip_rule_names_its_address_even_in_a_blocked_range():
-    policy = Policy([Rule.parse("http", "192.168.1.10:8080")])
-    assert policy.decide_address(ipaddress.ip_address("192.168.1.10")).allowed
-    assert not policy.decide_address(ipaddress.ip_address("192.168.1.11")).allowed
+LITERALS = Policy([Rule.parse("http", "192.168.1.10:8080"), Rule.parse("tcp", "10.0.0.5:5432"),
+                   Rule.parse("http", "[fd00::7]:443"), Rule.parse("cidr", "10.9.0.0/16"),
+                   Rule.parse("http", "10.0.0.6:443"), Rule.parse("deny", "10.0.0.6")])
+NAME = parse_host("intranet.example")
+
+
+@pytest.mark.parametrize(("address", "host", "port", "kind", "allowed", "reason"), [
+    # the client asked for the literal a rule names, on a port the rule covers
+    ("192.168.1.10", "192.168.1.10", 8080, "http", True,
+     "192.168.1.10:8080 named by http rule 192.168.1.10:8080"),
+    ("::ffff:192.168.1.10", "::ffff:192.168.1.10", 8080, "http", True,
+     "192.168.1.10:8080 named by http rule 192.168.1.10:8080"),
+    ("fd00::7", "fd00::7", 443, "http", True, "[fd00::7]:443 named by http rule [fd00::7]:443"),
+    ("10.0.0.5", "10.0.0.5", 5432, "tcp", True, "10.0.0.5:5432 named by tcp rule 10.0.0.5:5432"),
+    # ... on another port: not opened
+    ("192.168.1.10", "192.168.1.10", 22, "http", False, "192.168.1.10 is in blocked range "
+     "192.168.0.0/16"),
+    # ... by a rule of the other kind: not opened (a tcp rule is no http rule)
+    ("10.0.0.5", "10.0.0.5", 5432, "http", False, "10.0.0.5 is in blocked range 10.0.0.0/8"),
+    ("192.168.1.10", "192.168.1.10", 8080, "tcp", False, "192.168.1.10 is in blocked range "
+     "192.168.0.0/16"),
+    # a name that resolves to the literal: a rule naming the address does not open it
+    ("192.168.1.10", "intranet.example", 8080, "http", False,
+     "192.168.1.10 is in blocked range 192.168.0.0/16 (intranet.example resolved to it)"),
+    ("10.0.0.5", "intranet.example", 5432, "tcp", False,
+     "10.0.0.5 is in blocked range 10.0.0.0/8 (intranet.example resolved to it)"),
+    # a DNS answer (no port): only a cidr rule opens a blocked address
+    ("192.168.1.10", None, None, "http", False, "192.168.1.10 is in blocked range 192.168.0.0/16"),
+    ("192.168.1.10", "intranet.example", None, "http", False,
+     "192.168.1.10 is in blocked range 192.168.0.0/16 (intranet.example resolved to it)"),
+    ("192.168.1.10", "192.168.1.10", None, "http", False,
+     "192.168.1.10 is in blocked range 192.168.0.0/16"),
+    # a literal that is not the address being dialled opens nothing
+    ("192.168.1.11", "192.168.1.10", 8080, "http", False,
+     "192.168.1.11 is in blocked range 192.168.0.0/16"),
+    # a deny naming the literal wins over the rule naming it
+    ("10.0.0.6", "10.0.0.6", 443, "http", False, "10.0.0.6 is in blocked range 10.0.0.0/8"),
+    # a cidr rule opens its range for names, literals and DNS answers alike
+    ("10.9.3.4", "intranet.example", 22, "http", True, "10.9.3.4 allowed by cidr rule 10.9.0.0/16"),
+    ("10.9.3.4", None, None, "http", True, "10.9.3.4 allowed by cidr rule 10.9.0.0/16"),
+    # a public address needs no rule here (the name or literal was judged before)
+    ("93.184.216.34", "intranet.example", 443, "http", True, "93.184.216.34 is a public address"),
+])
+def test_a_rule_naming_an_ip_opens_that_literal_on_its_ports_only(address, host, port, kind,
+                                                                 allowed, reason):
+    asked = parse_host(host) if host is not None else None
+    decision = LITERALS.decide_address(ipaddress.ip_address(address), asked, port, kind)
+    assert (decision.allowed, decision.reason) == (allowed, reason)
+
+
+def test_a_blocked_address_denied_names_the_cidr_rule_that_would_open_it():
+    decision = LITERALS.decide_address(ipaddress.ip_address("192.168.1.10"), NAME, 8080)
+    assert decision.hint.startswith('add "192.168.1.10/32" to [cidr] allow')
+
+
+def test_decide_address_knows_only_http_and_tcp():
+    with pytest.raises(ValueError, match="http or tcp"):
+        LITERALS.decide_address(ipaddress.ip_address("10.0.0.5"), parse_host("10.0.0.5"), 5432,
+                                "dns")
+    with pytest.raises(ValueError, match="http or tcp"):
+        LITERALS.decide_address(ipaddress.ip_address("8.8.8.8"), None, None, "https")
+
+
+@settings(max_examples=300)
+@given(address=st.ip_addresses(v=4), port=st.integers(1, 65535), name=st.booleans())
+def test_a_literal_rule_never_opens_an_address_for_a_name_or_a_dns_answer(address, port, name):
+    policy = Policy([Rule.parse("http", f"{address}:*"), Rule.parse("tcp", f"{address}:{port}")])
+    asked = parse_host("some.example") if name else None
+    for kind in ("http", "tcp"):
+        decision = policy.decide_address(address, asked, None if not name else port, kind)
+        assert decision.allowed == (blocked_range(address) is None)
 
 
 def test_host_ports(policy):
@@ -203,16 +270,55 @@ def test_wildcard_covers_every_subdomain_but_not_apex(name, extra):
 
 @settings(max_examples=300)
 @given(name=names, allow_layers=st.lists(layers, min_size=1, max_size=4), deny_layer=layers,
-       wildcard_deny=st.booleans(), extra=label)
+       wildcard_deny=st.booleans(), extra=label, deeper=st.lists(label, max_size=3))
 def test_deny_in_any_layer_wins_over_allows_in_every_layer(
-        name, allow_layers, deny_layer, wildcard_deny, extra):
+        name, allow_layers, deny_layer, wildcard_deny, extra, deeper):
     host = f"{extra}.{name}"
-    rules = [Rule.parse("http", host, layer) for layer in allow_layers]
+    below = ".".join([*deeper, host])  # the denied name itself, or a name under it
+    rules = [Rule.parse("http", below, layer) for layer in allow_layers]
+    rules += [Rule.parse("http", f"*.{name}", layer) for layer in allow_layers]
+    rules += [Rule.parse("tcp", f"*.{name}:22", layer) for layer in allow_layers]
     rules += [Rule.parse("dns", f"*.{name}", layer) for layer in allow_layers]
     rules.append(Rule.parse("deny", f"*.{name}" if wildcard_deny else host, deny_layer))
     policy = Policy(rules)
-    assert not policy.decide_http(parse_host(host), 443).allowed
-    assert not policy.decide_dns(parse_host(host)).allowed
+    assert not policy.decide_http(parse_host(below), 443).allowed
+    assert not policy.decide_tcp(parse_host(below), 22).allowed
+    assert not policy.decide_dns(parse_host(below)).allowed
+    assert policy.tcp_rules(parse_host(below)) == []
+
+
+@pytest.mark.parametrize(("name", "allowed", "rule"), [
+    ("s3.amazonaws.com", False, "s3.amazonaws.com"),
+    ("bucket.s3.amazonaws.com", False, "s3.amazonaws.com"),  # a deny covers its subdomains
+    ("a.b.c.s3.amazonaws.com", False, "s3.amazonaws.com"),
+    ("xs3.amazonaws.com", True, "*.amazonaws.com"),  # label boundaries, not string suffixes
+    ("s3.amazonaws.com.evil.example", False, None),
+    ("ec2.amazonaws.com", True, "*.amazonaws.com"),
+    ("cdn.example", True, "cdn.example"),
+    ("x.cdn.example", True, "*.cdn.example"),  # a wildcard deny: subdomains only
+    ("x.x.cdn.example", False, "*.x.cdn.example"),
+    ("w.cdn.example", True, "*.cdn.example"),
+])
+def test_a_deny_covers_the_name_and_its_subdomains(name, allowed, rule):
+    policy = Policy([Rule.parse("http", "*.amazonaws.com"), Rule.parse("tcp", "*.amazonaws.com:22"),
+                     Rule.parse("http", "cdn.example"), Rule.parse("http", "*.cdn.example"),
+                     Rule.parse("deny", "s3.amazonaws.com", "appliance"),
+                     Rule.parse("deny", "*.x.cdn.example")])
+    host = parse_host(name)
+    for decision in (policy.decide_dns(host), policy.decide_http(host, 443)):
+        assert decision.allowed is allowed
+        assert (decision.rule.text if decision.rule else None) == rule
+    if name.endswith("amazonaws.com"):
+        assert policy.decide_tcp(host, 22).allowed is allowed
+        assert bool(policy.tcp_rules(host)) is allowed
+
+
+def test_a_deny_of_an_ip_literal_covers_that_address_only():
+    policy = Policy([Rule.parse("http", "10.0.0.5:443"), Rule.parse("http", "10.0.0.50:443"),
+                     Rule.parse("http", "5.0.0.10:443"), Rule.parse("deny", "10.0.0.5")])
+    assert not policy.decide_http(parse_host("10.0.0.5"), 443).allowed
+    assert policy.decide_http(parse_host("10.0.0.50"), 443).allowed
+    assert policy.decide_http(parse_host("5.0.0.10"), 443).allowed
 
 
 @settings(max_examples=200)
