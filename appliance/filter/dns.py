@@ -2,9 +2,15 @@
 
 Denied -> NXDOMAIN, and the name never leaves the appliance (no exfiltration through
 queries). Upstream broken -> SERVFAIL (never NXDOMAIN: that would be cached as "does not
-exist"). Addresses in blocked ranges are removed from answers (rebinding). Malformed ->
-FORMERR, unsupported -> NOTIMP/REFUSED; a packet too short to carry an ID, or one that is
-itself a response, is dropped. `answer()` never raises: every failure becomes an rcode.
+exist"). Addresses in blocked ranges are removed from answers (rebinding) unless a cidr
+rule covers them. Malformed -> FORMERR, unsupported -> NOTIMP/REFUSED; a packet too short to
+carry an ID, or one that is itself a response, is dropped. `answer()` never raises: every
+failure becomes an rcode.
+
+Client bytes are read only by `dnswire.parse_query` (bounded: no packet can hold the loop);
+dnslib only builds replies. Each session is held to its share (`dnsguard`): a query rate
+(over it: REFUSED at once), queries waiting for an upstream, DNS-over-TCP connections, its
+share of the caches, and for names a wildcard allows, the exfiltration limits (NXDOMAIN).
 """
 
 from __future__ import annotations
@@ -14,11 +20,17 @@ import logging
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
-from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
+from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
 
+from appliance.firewall.learned import Teaching
 from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
 
+from .config import DnsConfig
+from .dnscache import WIRE_CACHE_MAX, WireCache
+from .dnsguard import ExfilGuard, Report, SessionLimits
+from .dnswire import Query, WireError, error_reply, parse_query, refusal
 from .events import EventBus
 from .relay import within
 from .resolver import Resolver, UpstreamError
@@ -33,192 +45,193 @@ EMPTY_TYPES = {64, 65}
 UDP_PLAIN_LIMIT = 512
 UDP_EDNS_LIMIT = 1232
 TCP_IDLE = 10.0
-
-
-def _error_reply(data: bytes, rcode: int) -> bytes:
-    """A header-only reply for a query we could not parse: same ID, QR set, the rcode."""
-    (qid, flags) = struct.unpack("!HH", data[:4])
-    opcode_rd = flags & 0x7900  # opcode and RD echo back
-    return struct.pack("!HHHHHH", qid, 0x8000 | opcode_rd | 0x0080 | rcode, 0, 0, 0, 0)
-
-
-def _qname(request: DNSRecord) -> str | None:
-    """The question name as text, or None when a label holds a dot or non-ASCII bytes."""
-    labels = request.q.qname.label
-    try:
-        texts = [label.decode("ascii") for label in labels]
-    except UnicodeDecodeError:
-        return None
-    if any("." in t or not t for t in texts):
-        return None
-    return ".".join(texts)
-
-
 POLICY_ONLY_SECONDS = 30.0
 """How long an answer decided by policy alone (a denial) is served from the wire cache; a
 policy change makes a new Policy object, which is part of the key, so it never goes stale."""
-WIRE_CACHE_MAX = 20_000
 
 
-def _skip_name(wire: bytes, pos: int) -> int:
-    while True:
-        length = wire[pos]
-        if length >= 0xC0:  # a compression pointer ends the name
-            return pos + 2
-        if length == 0:
-            return pos + 1
-        pos += 1 + length
+@dataclass(slots=True)
+class Pending:
+    """A query that passed the quick checks and goes the slow way (decide, maybe ask an
+    upstream); it holds one of its session's `max_pending` places until answered."""
 
-
-def ttl_offsets(wire: bytes) -> list[int]:
-    """Where the TTL fields are in a reply we packed (OPT's TTL slot is flags: not a TTL)."""
-    counts = struct.unpack_from("!4H", wire, 4)
-    pos = 12
-    for _ in range(counts[0]):
-        pos = _skip_name(wire, pos) + 4
-    out = []
-    for _ in range(sum(counts[1:])):
-        pos = _skip_name(wire, pos)
-        rtype, _, _, length = struct.unpack_from("!HHIH", wire, pos)
-        if rtype != QTYPE.OPT:
-            out.append(pos + 4)
-        pos += 10 + length
-    return out
-
-
-class WireCache:
-    """Hot answers kept as the bytes that went out, keyed by (policy, transport, the query
-    after its ID): a hit patches the ID and the TTLs and emits the same decision event —
-    no parsing, no deciding, no encoding. Only answers that need nothing per client are
-    kept (never one that taught the firewall, never SERVFAIL)."""
-
-    def __init__(self, limit: int = WIRE_CACHE_MAX):
-        self.limit = limit
-        self.entries: dict[tuple, tuple[bytes, list[int], float, dict]] = {}
-        self.hits = 0
-
-    def get(self, key: tuple, query_id: bytes, client: str, now: float
-            ) -> tuple[bytes, dict] | None:
-        entry = self.entries.get(key)
-        if entry is None:
-            return None
-        wire, offsets, expires, event = entry
-        if expires <= now:
-            del self.entries[key]
-            return None
-        self.hits += 1
-        reply = bytearray(wire)
-        reply[:2] = query_id
-        ttl = max(1, int(expires - now))
-        for offset in offsets:
-            struct.pack_into("!I", reply, offset, ttl)
-        return bytes(reply), {**event, "client": client}
-
-    def drop_session(self, session: str | None) -> None:
-        """Forget a session's answers (its policy changed): old Policy objects, which the
-        keys hold, must not stay alive for the length of a TTL."""
-        self.entries = {k: v for k, v in self.entries.items() if k[1] != session}
-
-    def put(self, key: tuple, wire: bytes, expires: float, event: dict, now: float) -> None:
-        if len(self.entries) >= self.limit:
-            self.entries = {k: v for k, v in self.entries.items() if v[2] > now}
-            while len(self.entries) >= self.limit:
-                del self.entries[next(iter(self.entries))]
-        template = {k: v for k, v in event.items() if k not in ("id", "ts", "client")}
-        self.entries[key] = (wire, ttl_offsets(wire), expires, template)
+    key: tuple
+    session: str | None
+    policy: Policy
+    query: Query
 
 
 class DnsFilter:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
-                 learner=None, learn_ttl_min: int = 60):
+                 learner=None, learn_ttl_min: int = 60, config: DnsConfig | None = None):
         self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
         self.learner = learner
-        """Something with learn([(sandbox, destination, port, ttl)]): the firewall's set."""
+        """The firewall's learned set (firewall.learned.LearnedSet): learn([Teaching])."""
         self.learn_ttl_min = learn_ttl_min
-        self.wire = WireCache()
+        config = config if config is not None else DnsConfig()
+        self.wire = WireCache(WIRE_CACHE_MAX, config.cache_share)
+        self.limits = SessionLimits(config.rate, config.burst, config.max_pending,
+                                    config.max_tcp)
+        self.exfil = ExfilGuard(config.exfil_length, config.exfil_entropy,
+                                config.exfil_entropy_length, config.exfil_names)
         self.policies: dict[str | None, Policy] = {}
         """The policy each session had when last seen here: a new one empties its cache."""
+        store.on_change(self._sessions_changed)
 
-    def _key(self, data: bytes, client: str, udp: bool) -> tuple:
+    def _sessions_changed(self) -> None:
+        """A session that has gone leaves nothing behind: cached answers, buckets, windows."""
+        alive = {None, *self.store.sessions}
+        for session in [s for s in self.policies if s not in alive]:
+            del self.policies[session]
+            self.wire.drop_session(session)
+            self.resolver.cache.drop_owner(session)
+        self.limits.forget(alive)
+        self.exfil.forget(alive)
+
+    def _key(self, session: str | None, policy: Policy, data: bytes, udp: bool) -> tuple:
         """The wire cache's key: (policy, session, transport, the query after its ID). A
         session whose policy changed since it was last seen loses its cached answers."""
-        session, policy = self.store.lookup(client)
         if self.policies.get(session) is not policy:
             self.wire.drop_session(session)
             self.policies[session] = policy
-        return (policy, session, udp, data[2:])
+        return (policy, session, udp, bytes(data[2:]))
 
-    def _hit(self, key: tuple, data: bytes, client: str) -> bytes | None:
-        hit = self.wire.get(key, data[:2], client, time.monotonic())
-        if hit is None:
+    def first(self, data: bytes, client: str, udp: bool) -> bytes | Pending | None:
+        """What can be known at once, without awaiting: the reply (over the rate limit, a
+        cached answer, a malformed query, too many waiting), None (nothing to answer: too
+        short, or a response), or a Pending query for `finish()`."""
+        if len(data) < 12 or data[2] & 0x80:
             return None
-        self.bus.emit(hit[1])
-        return hit[0]
-
-    def cached(self, data: bytes, client: str, udp: bool) -> bytes | None:
-        """The answer from the wire cache (its event emitted), or None: call answer()."""
-        if len(data) < 12:
-            return None
-        return self._hit(self._key(data, client, udp), data, client)
-
-    async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
-        if len(data) < 12:
-            return None
-        key = self._key(data, client, udp)
-        hit = self._hit(key, data, client)
-        if hit is not None:
-            return hit
+        session, policy = self.store.lookup(client)
         now = time.monotonic()
+        if not self.limits.admit(session, now):
+            self._refused(session, client, "rate", now)
+            return self._refusal(data)
+        key = self._key(session, policy, data, udp)
+        hit = self.wire.get(key, data[:2], client, now)
+        if hit is not None:
+            self.bus.emit(hit[1])
+            return hit[0]
         try:
-            request = DNSRecord.parse(data)
-        except Exception as exc:  # dnslib raises more than DNSError on hostile bytes
-            self.bus.emit({"session": key[1], "client": client, "kind": "dns", "name": None,
+            query = parse_query(data)
+        except WireError as exc:
+            self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
                            "verdict": "error", "reason": f"malformed query: {exc}"[:200]})
-            return _error_reply(data, RCODE.FORMERR)
-        if request.header.qr:
-            return None  # a response sent to us: never answer (no reflection loops)
+            return error_reply(data, exc.rcode)
+        if query is None:
+            return None
+        if not self.limits.begin(session):
+            self._refused(session, client, "pending", now)
+            return refusal(query, RCODE.REFUSED)
+        return Pending(key, session, policy, query)
+
+    @staticmethod
+    def _refusal(data: bytes) -> bytes:
+        """REFUSED with the question when there is one (a stub resolver ignores a reply
+        without it and waits for its timeout); no event for what does not parse: the
+        limit's report speaks for the whole flood."""
+        try:
+            query = parse_query(data)
+        except WireError:
+            query = None
+        return refusal(query, RCODE.REFUSED) if query is not None else error_reply(
+            data, RCODE.REFUSED)
+
+    def _refused(self, session: str | None, client: str, limit: str, now: float) -> None:
+        report = self.limits.refuse(session, limit, now)
+        if report is not None:
+            self._report(session, client, report)
+
+    def _report(self, session: str | None, client: str, report: Report) -> None:
+        what = "connections" if report.limit == "tcp" else "queries"
+        self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
+                       "verdict": "deny", "limit": report.limit, "refused": report.count,
+                       "reason": f"{self.limits.describe(report.limit)}: {report.count} "
+                                 f"{what} refused since the last report"})
+
+    async def finish(self, data: bytes, client: str, udp: bool, pending: Pending) -> bytes:
+        """The reply to a Pending query; frees its place."""
+        query, session, policy = pending.query, pending.session, pending.policy
         note: dict = {}
         try:
-            reply = await self._answer(request, client, key[1], key[0], note)
+            reply = await self._answer(query, client, session, policy, note)
         except Exception:  # a bug must not cost the client its answer
             log.exception("dns: failed answering %s", client)
-            reply = request.reply()
+            reply = _reply(query)
             reply.header.rcode = RCODE.SERVFAIL
             note.clear()
+        finally:
+            self.limits.end(session)
         try:
-            wire = self._pack(request, reply, udp)
-        except Exception:  # dnslib parses some questions it then refuses to pack (label > 63)
-            return _error_reply(data, RCODE.FORMERR)
-        policy, session = key[0], key[1]
+            wire = self._pack(query, reply, udp)
+        except Exception:  # a name dnslib will not pack: a reply without the question
+            log.exception("dns: cannot pack the reply to %s", client)
+            return error_reply(data, RCODE.SERVFAIL)
         if "expires" in note and "event" in note and self.policies.get(session) is policy:
-            self.wire.put(key, wire, note["expires"], note["event"], now)  # policy unchanged
+            self.wire.put(pending.key, session, wire, note["expires"], note["event"])
         return wire
 
-    async def _answer(self, request: DNSRecord, client: str, session: str | None,
+    async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
+        """The reply to one query (None: nothing to answer)."""
+        first = self.first(data, client, udp)
+        if not isinstance(first, Pending):
+            return first
+        return await self.finish(data, client, udp, first)
+
+    def tcp_opened(self, client: str) -> tuple[bool, str | None]:
+        """A DNS-over-TCP connection from `client` opens: (admitted, its session). Not
+        admitted when the session holds `max_tcp` already: close it. An admitted one is
+        paired with tcp_closed(session)."""
+        session, _ = self.store.lookup(client)
+        if self.limits.open_tcp(session):
+            return True, session
+        self._refused(session, client, "tcp", time.monotonic())
+        return False, session
+
+    def tcp_closed(self, session: str | None) -> None:
+        self.limits.close_tcp(session)
+
+    def stats(self) -> dict:
+        """Counters for `status`: totals, and per session what it holds and was refused."""
+        refused = self.limits.refused
+        sessions: dict = {}
+        for session in sorted({None, *self.store.sessions}, key=lambda s: s or ""):
+            sessions[session or "-"] = {
+                "wire_cache_entries": self.wire.entries.owned(session),
+                "resolver_cache_entries": self.resolver.cache.owned(session),
+                "pending": self.limits.pending[session], "tcp": self.limits.tcp[session],
+                "rate_limited": refused[(session, "rate")],
+                "pending_refused": refused[(session, "pending")],
+                "tcp_refused": refused[(session, "tcp")],
+                "exfil_denied": self.exfil.denied[session],
+            }
+        return {
+            "wire_cache_hits": self.wire.hits, "wire_cache_entries": len(self.wire.entries),
+            "wire_cache_evicted": self.wire.entries.evicted,
+            "rate_limited": sum(n for (_, limit), n in refused.items() if limit == "rate"),
+            "pending_refused": sum(n for (_, lim), n in refused.items() if lim == "pending"),
+            "tcp_refused": sum(n for (_, limit), n in refused.items() if limit == "tcp"),
+            "exfil_denied": sum(self.exfil.denied.values()),
+            "sessions": sessions,
+        }
+
+    async def _answer(self, query: Query, client: str, session: str | None,
                       policy: Policy, note: dict) -> DNSRecord:
         """The reply. `note` gets "event" (the decision) and, when the reply may be served
         from the wire cache, "expires" (monotonic)."""
-        reply = request.reply()  # copies ID, RD and the question; sets QR, RA
-        reply.header.aa = 0
-        if request.header.opcode != 0:
-            reply.header.rcode = RCODE.NOTIMP
-            return reply
-        if len(request.questions) != 1:
-            reply.header.rcode = RCODE.FORMERR
-            return reply
-        question = request.q
-        if question.qclass != 1 or question.qtype in REFUSED_TYPES:
+        reply = _reply(query)
+        if query.qclass != 1 or query.qtype in REFUSED_TYPES:
             reply.header.rcode = RCODE.REFUSED
             return reply
-        text = _qname(request)
+        text = query.name
         try:
             host = parse_host(text) if text is not None else None
         except HostNameError:
             host = None
-        qtype = question.qtype
+        qtype = query.qtype
         qtype_name = QTYPE.get(qtype)
         if host is None or host.name is None:
-            shown = text if text is not None else repr(str(question.qname))
+            shown = text if text is not None else repr(b".".join(query.labels))[2:-1]
             self._event(Decision(False, f"{shown!r} is not a valid host name"),
                         session, client, shown[:255], qtype_name)
             reply.header.rcode = RCODE.NXDOMAIN
@@ -233,8 +246,18 @@ class DnsFilter:
             if not decision.allowed:
                 reply.header.rcode = RCODE.NXDOMAIN
             return reply
+        rule = decision.rule
+        if rule is not None and rule.wildcard:  # a name the client chose: a channel out?
+            breach = self.exfil.check(session, name, rule.suffix, time.monotonic(), qtype)
+            if breach is not None:
+                self._event(Decision(False, f"looks like DNS exfiltration: {breach}", rule,
+                                     f"allow the exact name (corral allow-dns {name}) or "
+                                     "raise the filter's [dns] exfil_* limits"),
+                            session, client, name, qtype_name)
+                reply.header.rcode = RCODE.NXDOMAIN
+                return reply
         try:
-            answer = await self.resolver.query(name, qtype)
+            answer = await self.resolver.query(name, qtype, session)
         except UpstreamError as exc:
             self._event(Decision(False, f"upstream failed: {exc}", decision.rule), session,
                         client, name, qtype_name, verdict="error")
@@ -245,7 +268,8 @@ class DnsFilter:
         kept, removed = [], []
         for rr in answer.records:
             if rr.rtype in (QTYPE.A, QTYPE.AAAA):
-                check = policy.decide_address(parse_host(str(rr.rdata)).address)
+                # an answer opens no literal: only a cidr rule admits a blocked address
+                check = policy.decide_address(parse_host(str(rr.rdata)).address, host)
                 if not check.allowed:
                     removed.append(f"{rr.rdata} ({check.reason})")
                     continue
@@ -258,28 +282,36 @@ class DnsFilter:
             extra["removed"] = removed
         tcp_rules = policy.tcp_rules(host) if session is not None else []
         if tcp_rules and qtype == QTYPE.A and kept:
-            learned = await self._learn(client, kept, tcp_rules, answer.ttl(now))
-            extra["learned"] = learned
+            extra.update(await self._learn(session, client, name, kept, tcp_rules,
+                                           answer.ttl(now)))
         else:  # nothing taught to the firewall for this client: the bytes can be reused
             note["expires"] = answer.expires
         note["event"] = self._event(decision, session, client, name, qtype_name, **extra)
         return reply
 
-    async def _learn(self, client: str, records, rules, ttl: int) -> list[str] | str:
+    async def _learn(self, session: str, client: str, name: str, records, rules,
+                     ttl: int) -> dict:
         """Open the firewall for this client to these addresses on the tcp rules' ports,
-        before the answer leaves: the client must never race its own connect."""
+        before the answer leaves: the client must never race its own connect. The firewall
+        remembers that `name` taught them, so that a policy change that denies it takes
+        them back. What the event says: "learned" (and "not_learned", why not, when the
+        firewall refused some)."""
         ports = sorted({p for rule in rules for p in rule.port.ports or ()})
         timeout = max(ttl, self.learn_ttl_min)
-        entries = [(client, str(rr.rdata), port, timeout)
-                   for rr in records if rr.rtype == QTYPE.A for port in ports]
+        teachings = [Teaching(session, name, client, str(rr.rdata), port, timeout)
+                     for rr in records if rr.rtype == QTYPE.A for port in ports]
         if self.learner is None:
-            return "not learned: the filter has no firewall to teach"
+            return {"learned": "not learned: the filter has no firewall to teach"}
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.learner.learn, entries)
+            learned = await asyncio.get_running_loop().run_in_executor(
+                None, self.learner.learn, teachings)
         except Exception as exc:  # fail closed: no element, no connection; say why
             log.error("dns: could not add tcp allowances: %s", exc)
-            return f"not learned: {exc}"
-        return [f"{dst}:{port}" for _, dst, port, _ in entries]
+            return {"learned": f"not learned: {exc}"}
+        out: dict = {"learned": [f"{t.destination}:{t.port}" for t in learned.taught]}
+        if learned.refused:
+            out["not_learned"] = learned.refused
+        return out
 
     def _host_corral(self, reply, policy: Policy, session, client, qtype) -> DNSRecord:
         if self.gateway is None or not policy.host_ports:
@@ -302,25 +334,34 @@ class DnsFilter:
                                  name=name, qtype=qtype, **extra)
 
     @staticmethod
-    def _pack(request: DNSRecord, reply: DNSRecord, udp: bool) -> bytes:
-        edns = next((ar for ar in request.ar if ar.rtype == QTYPE.OPT), None)
-        if edns is not None:
+    def _pack(query: Query, reply: DNSRecord, udp: bool) -> bytes:
+        if query.edns is not None:
             reply.add_ar(EDNS0(udp_len=UDP_EDNS_LIMIT))
         wire = reply.pack()
-        limit = UDP_EDNS_LIMIT if edns is not None else UDP_PLAIN_LIMIT
+        limit = UDP_EDNS_LIMIT if query.edns is not None else UDP_PLAIN_LIMIT
         if udp and len(wire) > limit:
-            header = DNSHeader(id=reply.header.id, qr=1, ra=1, rd=request.header.rd, tc=1,
+            header = DNSHeader(id=query.id, qr=1, ra=1, rd=int(query.rd), tc=1,
                                rcode=reply.header.rcode)
-            wire = DNSRecord(header, q=request.q).pack()
+            wire = DNSRecord(header, q=reply.q).pack()
         return wire
+
+
+def _reply(query: Query) -> DNSRecord:
+    """An empty reply to `query`: its ID, RD and question (as sent), QR and RA set."""
+    header = DNSHeader(id=query.id, qr=1, ra=1, rd=int(query.rd))
+    return DNSRecord(header, q=DNSQuestion(DNSLabel(query.labels), query.qtype, query.qclass))
+
+
+MAX_PENDING = 10_000
+"""Queries waiting for an upstream at once, all sessions together (each has [dns]
+max_pending of them: the budget takes only as many sessions as this holds)."""
 
 
 class UdpServer:
     """DNS over UDP on a bound socket. Reads up to BATCH datagrams per wake-up (asyncio's
-    datagram transport reads one per event-loop turn); hot names are answered right here,
-    the rest in a task each."""
+    datagram transport reads one per event-loop turn); what can be answered at once is
+    answered right here, the rest in a task each (at most MAX_PENDING of them)."""
 
-    MAX_PENDING = 10_000
     BATCH = 64
 
     def __init__(self, dns: DnsFilter):
@@ -364,31 +405,36 @@ class UdpServer:
 
     def datagram_received(self, data: bytes, addr) -> None:
         try:
-            hit = self.dns.cached(data, addr[0], udp=True)  # hot names: no task at all
-        except Exception:
-            log.exception("dns: wire cache failed; answering the slow way")
-            hit = None
-        if hit is not None:
-            self.sendto(hit, addr)
+            first = self.dns.first(data, addr[0], udp=True)
+        except Exception:  # a bug must not cost the client its answer
+            log.exception("dns: failed answering %s", addr[0])
+            first = error_reply(data, RCODE.SERVFAIL) if len(data) >= 12 else None
+        if first is None:
             return
-        if len(self.tasks) >= self.MAX_PENDING:
-            if len(data) >= 12:
-                self.sendto(_error_reply(data, RCODE.REFUSED), addr)
+        if not isinstance(first, Pending):
+            self.sendto(first, addr)
             return
-        task = self.loop.create_task(self._reply(data, addr), name="dns-udp")
+        if len(self.tasks) >= MAX_PENDING:
+            self.dns.limits.end(first.session)
+            self.sendto(refusal(first.query, RCODE.REFUSED), addr)
+            return
+        task = self.loop.create_task(self._reply(data, addr, first), name="dns-udp")
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _reply(self, data: bytes, addr) -> None:
-        wire = await self.dns.answer(data, addr[0], udp=True)
-        if wire is not None:
-            self.sendto(wire, addr)
+    async def _reply(self, data: bytes, addr, pending: Pending) -> None:
+        self.sendto(await self.dns.finish(data, addr[0], True, pending), addr)
 
 
 async def serve_tcp(dns: DnsFilter, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> None:
-    """RFC 7766 framing: 2-byte length, any number of queries, idle timeout."""
+    """RFC 7766 framing: 2-byte length, any number of queries, idle timeout. A session
+    holding `max_tcp` connections already gets this one closed at once."""
     client = writer.get_extra_info("peername")[0]
+    admitted, session = dns.tcp_opened(client)
+    if not admitted:
+        writer.close()
+        return
     try:
         while True:
             try:
@@ -402,5 +448,7 @@ async def serve_tcp(dns: DnsFilter, reader: asyncio.StreamReader,
                 return
             writer.write(struct.pack("!H", len(wire)) + wire)
             await writer.drain()
+            await asyncio.sleep(0)  # queries already buffered never wait: others go first
     finally:
+        dns.tcp_closed(session)
         writer.close()

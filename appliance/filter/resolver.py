@@ -8,6 +8,15 @@ Each upstream query uses a fresh connected UDP socket (a new random source port)
 ID, and accepts only a reply with that ID and the same question; a truncated reply is asked
 again over TCP. A resolver that times out, fails or answers SERVFAIL/REFUSED is skipped
 for the next one; when all fail the caller gets UpstreamError (-> SERVFAIL, never NXDOMAIN).
+
+A reply is parsed by dnslib, but never unbounded: at most MAX_REPLY bytes and MAX_RECORDS
+records, and every name in it (owner names and the names inside CNAME, MX, SOA, SRV...
+data alike) is read by the bounded reader of `dnswire` instead of dnslib's recursive one:
+at most MAX_JUMPS compression pointers per name, each pointing back, and REPLY_STEPS_MAX
+steps for all the names of a reply. A hostile upstream cannot freeze the loop either.
+
+The cache gives each session (the `owner` of what it caused to be asked) a share: a session
+flooding random names evicts its own answers, never another's (`dnscache.SharedLru`).
 """
 
 from __future__ import annotations
@@ -21,12 +30,27 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from dnslib import EDNS0, QTYPE, RCODE, RR, DNSError, DNSRecord
+from dnslib import EDNS0, QTYPE, RCODE, RR, DNSError, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
+from dnslib.buffer import BufferError
+from dnslib.label import DNSBuffer
+
+from .dnscache import RESOLVER_CACHE_MAX, SharedLru
+from .dnswire import Budget, WireError, read_name
 
 log = logging.getLogger(__name__)
 
 NEGATIVE_TTL_MAX = 300
-CACHE_MAX = 100_000
+MAX_REPLY = 16384
+"""The largest upstream reply read (TCP may carry 65535): the filter asks with an EDNS size
+of 1232, and a reply that needs more than 16 KiB for one name is refused (SERVFAIL)."""
+MAX_RECORDS = 128
+"""Records an upstream reply may hold in all its sections (an address set is a few dozen;
+dnslib takes about 1 ms for 128)."""
+MAX_JUMPS = 16
+"""Compression pointers followed in one name of a reply (real names need one to three)."""
+REPLY_STEPS_MAX = 4096
+"""Steps (labels and pointers) the bounded reader may take over all the names of a reply:
+a 1232-byte reply of 64 records needs a few hundred."""
 
 
 class UpstreamError(Exception):
@@ -71,55 +95,50 @@ class Answer:
 
 
 class Resolver:
-    def __init__(self, upstreams, timeout: float = 2.0, ttl_min: int = 5, ttl_max: int = 3600):
+    def __init__(self, upstreams, timeout: float = 2.0, ttl_min: int = 5, ttl_max: int = 3600,
+                 share: int = RESOLVER_CACHE_MAX):
         self.upstreams = list(upstreams)
         self.timeout = timeout
         self.ttl_min, self.ttl_max = ttl_min, ttl_max
-        self.cache: dict[tuple[str, int], Answer] = {}
+        self.cache = SharedLru(RESOLVER_CACHE_MAX, share)
+        """(name, qtype) -> Answer, each owned by the session whose query fetched it."""
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
         self.stats = {"upstream_queries": 0, "upstream_failures": 0, "cache_hits": 0}
 
-    async def query(self, name: str, qtype: int) -> Answer:
-        """A cached or fresh answer for a normalised name. Raises UpstreamError."""
+    async def query(self, name: str, qtype: int, owner: str | None = None) -> Answer:
+        """A cached or fresh answer for a normalised name; a fresh one is cached in `owner`'s
+        share (the session that asked). Raises UpstreamError."""
         key = (name, qtype)
         now = time.monotonic()
         cached = self.cache.get(key)
-        if cached is not None and cached.expires > now:
-            self.stats["cache_hits"] += 1
-            return cached
-        pending = self._inflight.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+        if cached is not None:
+            if cached.expires > now:
+                self.stats["cache_hits"] += 1
+                return cached
+            self.cache.pop(key)
+        fetch = self._inflight.get(key)
+        if fetch is None:  # one upstream query for every asker; it outlives any of them
+            fetch = asyncio.get_running_loop().create_task(
+                self._fetch(key, name, qtype, owner), name="dns-upstream")
+            fetch.add_done_callback(_retrieved)
+            self._inflight[key] = fetch
+        return await asyncio.shield(fetch)
+
+    async def _fetch(self, key, name: str, qtype: int, owner: str | None) -> Answer:
         try:
             answer = await self._ask_all(name, qtype)
-        except UpstreamError as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters re-raise it, nobody leaks a warning
-            raise
-        else:
-            future.set_result(answer)
-            self._store(key, answer)
+            self.cache.put(key, answer, owner)
             return answer
         finally:
             del self._inflight[key]
 
-    async def addresses(self, name: str) -> tuple:
+    async def addresses(self, name: str, owner: str | None = None) -> tuple:
         """IPv4 addresses of `name`, else IPv6 ones. Raises UpstreamError."""
         for qtype in (QTYPE.A, QTYPE.AAAA):
-            found = (await self.query(name, qtype)).addresses(name)
+            found = (await self.query(name, qtype, owner)).addresses(name)
             if found:
                 return found
         return ()
-
-    def _store(self, key, answer: Answer) -> None:
-        if len(self.cache) >= CACHE_MAX:
-            now = time.monotonic()
-            self.cache = {k: v for k, v in self.cache.items() if v.expires > now}
-            while len(self.cache) >= CACHE_MAX:
-                del self.cache[next(iter(self.cache))]
-        self.cache[key] = answer
 
     async def _ask_all(self, name: str, qtype: int) -> Answer:
         errors = []
@@ -184,15 +203,63 @@ class Resolver:
             writer.close()
 
 
-def _matching(data: bytes, query: DNSRecord) -> DNSRecord | None:
+class _BoundedBuffer(DNSBuffer):
+    """dnslib's buffer, with names read by dnswire's bounded reader under one budget for
+    the whole message (dnslib's own reader recurses and copies: see dnswire)."""
+
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        self.budget = Budget(REPLY_STEPS_MAX)
+
+    def decode_name(self, last=-1) -> DNSLabel:
+        try:
+            labels, self.offset = read_name(self.data, self.offset, self.budget, MAX_JUMPS)
+            for label in labels:
+                label.decode()  # dnslib refuses labels that are not UTF-8: so do we
+        except (WireError, UnicodeDecodeError) as exc:
+            raise BufferError(f"name at offset {self.offset}: {exc}") from None
+        return DNSLabel(labels)
+
+
+def parse_reply(data: bytes) -> DNSRecord:
+    """An upstream reply, parsed by dnslib within bounds. Raises DNSError or WireError."""
+    if len(data) > MAX_REPLY:
+        raise WireError(f"reply of {len(data)} bytes; at most {MAX_REPLY} are read")
+    if len(data) < 12:
+        raise WireError("reply shorter than a header")
+    counts = struct.unpack_from("!4H", data, 4)
+    if counts[0] != 1 or sum(counts[1:]) > MAX_RECORDS:
+        raise WireError(f"reply with {counts[0]} questions and {sum(counts[1:])} records; "
+                        f"1 and at most {MAX_RECORDS} are read")
+    buffer = _BoundedBuffer(data)
     try:
-        reply = DNSRecord.parse(data)
+        header = DNSHeader.parse(buffer)
+        questions = [DNSQuestion.parse(buffer)]
+        sections = [[RR.parse(buffer) for _ in range(n)] for n in counts[1:]]
+    except BufferError as exc:
+        raise DNSError(f"malformed reply: {exc}") from None
+    return DNSRecord(header, questions, sections[0], auth=sections[1], ar=sections[2])
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Every asker may have gone (cancelled): the outcome is read here, so an upstream error
+    nobody waits for is not logged as an exception never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _matching(data: bytes, query: DNSRecord) -> DNSRecord | None:
+    """The reply to `query` in `data`, or None for anything else (a stray, a spoof, bytes
+    that are no reply or exceed the bounds). The ID is compared before anything is parsed."""
+    if len(data) < 12 or struct.unpack_from("!H", data)[0] != query.header.id or not (
+            data[2] & 0x80):
+        return None
+    try:
+        reply = parse_reply(data)
     except Exception:  # hostile bytes can raise more than DNSError inside dnslib
         return None
     if (
-        reply.header.id != query.header.id
-        or not reply.header.qr
-        or len(reply.questions) != 1
+        len(reply.questions) != 1
         or reply.q.qtype != query.q.qtype
         or str(reply.q.qname).lower() != str(query.q.qname).lower()
     ):

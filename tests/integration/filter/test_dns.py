@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import socket
 import struct
 
+import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from tests.integration.conftest import ORIGIN, OUTSIDE_CLIENT, S1_CLIENT, S2_CLIENT
+from appliance.filter.dnswire import pointer_bomb
+from tests.integration.conftest import (
+    ORIGIN,
+    OUTSIDE_CLIENT,
+    S1_CLIENT,
+    S2_CLIENT,
+    FilterProcess,
+)
 
 
 def ask(port, name, qtype="A", source=S1_CLIENT, tcp=False, raw: bytes | None = None):
@@ -90,6 +100,20 @@ def test_aaaa_is_handled_like_a_and_blocked_v6_is_removed(corral_filter):
 def test_private_addresses_are_removed_from_answers(corral_filter):
     assert addresses(ask(corral_filter.dns_port, "private.test")) == []
     assert addresses(ask(corral_filter.dns_port, "mixed.test")) == [ORIGIN]
+
+
+def test_a_rule_naming_a_private_address_does_not_put_it_in_answers(corral_filter):
+    # the rule opens the literal 10.0.0.1 on port 443; a name resolving to it stays closed
+    corral_filter.control({"op": "add", "session": "s1", "kind": "http", "rule": "10.0.0.1:443"})
+    try:
+        assert addresses(ask(corral_filter.dns_port, "private.test", tcp=True)) == []
+        event = corral_filter.wait_event(lambda e: e["name"] == "private.test" and any(
+            "10.0.0.1 is in blocked range 10.0.0.0/8 (private.test resolved to it)" in r
+            for r in e.get("removed", [])))
+        assert event["verdict"] == "allow" and event["answers"] == []
+    finally:
+        corral_filter.control({"op": "remove", "session": "s1", "kind": "http",
+                               "rule": "10.0.0.1:443"})
 
 
 def test_cname_chain_is_answered(corral_filter):
@@ -191,3 +215,193 @@ def test_tcp_garbage_and_idle_connections_do_not_block_others(corral_filter):
     idle.sendall(b"\x00")  # half a length prefix, then nothing
     assert addresses(ask(corral_filter.dns_port, "allowed.test", tcp=True)) == [ORIGIN]
     idle.close()
+
+
+# -- no packet freezes the loop (issue 14, B8) -------------------------------------------
+
+
+def framed(wire: bytes) -> bytes:
+    return struct.pack("!H", len(wire)) + wire
+
+
+def read_framed(sock: socket.socket) -> bytes:
+    head = b""
+    while len(head) < 2:
+        chunk = sock.recv(2 - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    (n,) = struct.unpack("!H", head)
+    data = b""
+    while len(data) < n:
+        data += sock.recv(n - len(data))
+    return data
+
+
+@pytest.mark.parametrize("layout", ["questions", "records"])
+def test_the_worst_packets_get_formerr_and_the_query_after_them_is_answered(corral_filter,
+                                                                              layout):
+    # 60 KB of pointer chains: dnslib spent over 30 s on one; the 5 s timeouts below would
+    # expire long before the answer to the ordinary query behind it came
+    bomb = pointer_bomb(size=60_000, layout=layout, qid=0x5151)
+    ordinary = DNSRecord.question("allowed.test")
+    ordinary.header.id = 0x5252
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.bind((S1_CLIENT, 0))
+        sock.sendto(bomb, ("127.0.0.1", corral_filter.dns_port))
+        sock.sendto(ordinary.pack(), ("127.0.0.1", corral_filter.dns_port))
+        first, second = sock.recvfrom(65535)[0], sock.recvfrom(65535)[0]
+    assert first[:2] == b"\x51\x51" and first[3] & 0x0F == RCODE.FORMERR
+    reply = DNSRecord.parse(second)
+    assert reply.header.id == 0x5252 and addresses(reply) == [ORIGIN]
+    with socket.create_connection(("127.0.0.1", corral_filter.dns_port), timeout=5,
+                                  source_address=(S1_CLIENT, 0)) as sock:
+        sock.sendall(framed(bomb) + framed(ordinary.pack()))
+        first, second = read_framed(sock), read_framed(sock)
+    assert first[:2] == b"\x51\x51" and first[3] & 0x0F == RCODE.FORMERR
+    assert addresses(DNSRecord.parse(second)) == [ORIGIN]
+    event = corral_filter.wait_event(
+        lambda e: e["reason"] == f"malformed query: query of {len(bomb)} bytes; a query fits "
+                                 "in 1232")
+    assert event["session"] == "s1" and event["verdict"] == "error"
+
+
+def test_a_wildcard_name_shaped_for_exfiltration_never_leaves(corral_filter, internet):
+    name = ".".join(["a" * 63, "b" * 63, "c"]) + ".wild.test"
+    assert ask(corral_filter.dns_port, name).header.rcode == RCODE.NXDOMAIN
+    assert name not in internet.dns.names_asked()
+    event = corral_filter.wait_event(lambda e: e["name"] == name)
+    assert event["reason"] == ("looks like DNS exfiltration: 129 characters chosen under "
+                               "*.wild.test (at most 128)")
+    assert event["verdict"] == "deny" and event["rule"] == "*.wild.test"
+    status = corral_filter.control({"op": "status"})["dns"]
+    assert status["sessions"]["s1"]["exfil_denied"] >= 1
+
+
+# -- one session cannot starve another (issue 14, B11) -----------------------------------
+
+LIMITS = """
+rate = 10
+burst = 100
+max_pending = 4
+max_tcp = 3
+cache_share = 50
+exfil_names = 5
+"""
+
+
+@pytest.fixture
+def limited(internet, tmp_path):
+    """A filter with small per-session limits, fresh for each test (its counters too)."""
+    process = FilterProcess(tmp_path, internet.dns.address, dns_extra=LIMITS)
+    yield process
+    process.stop()
+
+
+def flood(port: int, names: list[str], source: str) -> list[bytes]:
+    """Send every query at once from one socket, then read the replies that come."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.settimeout(2)
+        sock.bind((source, 0))
+        for i, name in enumerate(names):
+            query = DNSRecord.question(name)
+            query.header.id = i
+            sock.sendto(query.pack(), ("127.0.0.1", port))
+        replies = []
+        with contextlib.suppress(TimeoutError):
+            while len(replies) < len(names):
+                replies.append(sock.recvfrom(65535)[0])
+    return replies
+
+
+def s1_counts(process) -> dict:
+    return process.control({"op": "status"})["dns"]["sessions"]["s1"]
+
+
+def test_a_session_flooding_random_names_only_spends_its_own_share(limited, internet):
+    port = limited.dns_port
+    internet.dns.zone["kept.wild.test"] = [("A", ORIGIN, 300)]
+    assert addresses(ask(port, "kept.wild.test")) == [ORIGIN]  # s1: cached now
+    before = s1_counts(limited)
+    asked = [q for q in internet.dns.queries if q[1] == "kept.wild.test"]
+
+    replies = flood(port, [f"{i:x}-{secrets.token_hex(8)}.flood.test" for i in range(600)],
+                    S2_CLIENT)
+    codes = [reply[3] & 0x0F for reply in replies]
+    assert codes.count(RCODE.REFUSED) >= 1 and set(codes) <= {RCODE.REFUSED, RCODE.NXDOMAIN}
+    refused = [DNSRecord.parse(r) for r in replies if r[3] & 0x0F == RCODE.REFUSED]
+    assert all(str(r.q.qname).startswith(f"{r.header.id:x}-") for r in refused)  # echoed
+
+    status = limited.control({"op": "status"})["dns"]
+    s2 = status["sessions"]["s2"]
+    assert s2["rate_limited"] >= 1 and s2["wire_cache_entries"] <= 50
+    assert s1_counts(limited)["rate_limited"] == 0
+    assert s1_counts(limited)["wire_cache_entries"] == before["wire_cache_entries"]
+    report = limited.wait_event(lambda e: e.get("limit") == "rate")
+    assert report["session"] == "s2" and report["verdict"] == "deny" and report["refused"] >= 1
+    assert "DNS rate limit: more than 10 queries a second (burst 100)" in report["reason"]
+
+    # s1: its cached answer is still a hit (the upstream is not asked again) ...
+    hits = status["wire_cache_hits"]
+    assert addresses(ask(port, "kept.wild.test")) == [ORIGIN]
+    assert limited.control({"op": "status"})["dns"]["wire_cache_hits"] == hits + 1
+    assert [q for q in internet.dns.queries if q[1] == "kept.wild.test"] == asked
+    # ... and a name it never asked is answered from the upstream
+    assert addresses(ask(port, "dnsonly.test")) == [ORIGIN]
+    assert ask(port, "other.test").header.rcode == RCODE.NXDOMAIN  # and judged as ever
+
+
+def test_a_session_waiting_on_a_silent_upstream_holds_its_own_places_only(limited, internet):
+    limited.control({"op": "add", "session": "s2", "kind": "dns", "rule": "*.slow.test"})
+    names = [f"n{i}.slow.test" for i in range(8)]
+    internet.dns.silent.update(names)
+    replies = flood(limited.dns_port, names, S2_CLIENT)
+    codes = [reply[3] & 0x0F for reply in replies]
+    # four wait for the upstream (SERVFAIL when it times out); the rest are refused at once,
+    # so they come first
+    assert codes == [RCODE.REFUSED] * 4 + [RCODE.SERVFAIL] * 4
+    assert limited.control({"op": "status"})["dns"]["sessions"]["s2"]["pending_refused"] == 4
+    assert limited.wait_event(lambda e: e.get("limit") == "pending")["session"] == "s2"
+    assert addresses(ask(limited.dns_port, "allowed.test")) == [ORIGIN]  # s1 unaffected
+
+
+def test_a_session_at_its_dns_tcp_cap_gets_no_more_connections_and_others_do(limited):
+    port = limited.dns_port
+    held = []
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5,
+                                        source_address=(S2_CLIENT, 0))
+        sock.sendall(framed(DNSRecord.question("other.test").pack()))
+        assert addresses(DNSRecord.parse(read_framed(sock))) == [ORIGIN]  # admitted
+        held.append(sock)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5,
+                                      source_address=(S2_CLIENT, 0)) as extra:
+            extra.sendall(framed(DNSRecord.question("other.test").pack()))
+            with pytest.raises((ConnectionError, OSError)):
+                read_framed(extra)  # closed without an answer
+        assert addresses(ask(port, "allowed.test", tcp=True)) == [ORIGIN]  # s1 is served
+        held.pop().close()
+        assert addresses(ask(port, "other.test", tcp=True, source=S2_CLIENT)) == [ORIGIN]
+    finally:
+        for sock in held:
+            sock.close()
+    assert limited.control({"op": "status"})["dns"]["sessions"]["s2"]["tcp_refused"] == 1
+    event = limited.wait_event(lambda e: e.get("limit") == "tcp")
+    assert event["session"] == "s2" and "more than 3 DNS-over-TCP connections" in event["reason"]
+
+
+def test_distinct_names_under_a_wildcard_are_limited_per_minute(limited, internet):
+    names = [f"d{i}.wild.test" for i in range(6)]
+    for name in names:
+        internet.dns.zone[name] = [("A", ORIGIN, 300)]
+    answered = [ask(limited.dns_port, name) for name in names]
+    assert [addresses(r) for r in answered[:5]] == [[ORIGIN]] * 5
+    assert answered[5].header.rcode == RCODE.NXDOMAIN
+    assert "d5.wild.test" not in internet.dns.names_asked()
+    event = limited.wait_event(lambda e: e["name"] == "d5.wild.test")
+    assert event["reason"] == ("looks like DNS exfiltration: more than 5 distinct names "
+                               "under *.wild.test in a minute from this session")
+    assert addresses(ask(limited.dns_port, "d0.wild.test")) == [ORIGIN]  # asked before

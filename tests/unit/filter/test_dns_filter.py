@@ -1,0 +1,164 @@
+"""The DNS filter's decisions in process: the real store, bus and filter, no socket bound.
+
+What needs no upstream is checked here (refusals, limits, exfiltration, malformed input);
+answers from an upstream are in tests/integration/filter/test_dns.py."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+from dnslib import RCODE, DNSRecord
+
+from appliance.filter.config import parse_config
+from appliance.filter.dns import DnsFilter, Pending
+from appliance.filter.dnswire import pointer_bomb
+from appliance.filter.events import EventBus
+from appliance.filter.resolver import Resolver
+from appliance.filter.store import PolicyStore
+
+S1, S2 = "10.213.1.2", "10.213.2.2"
+
+
+@pytest.fixture
+def dns(tmp_path):
+    (tmp_path / "s1.toml").write_text('[dns]\nallow = ["*.wild.example", "exact.example"]\n')
+    (tmp_path / "s2.toml").write_text('[dns]\nallow = ["*.zone.example"]\n')
+    config = parse_config(f"""
+[dns]
+listen = ["127.0.0.1:0"]
+upstream = ["127.0.0.1:9"]
+rate = 0.01
+burst = 20
+max_pending = 3
+max_tcp = 2
+exfil_names = 4
+[state]
+dir = "{tmp_path}/state"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+files = ["{tmp_path}/s1.toml"]
+[[session]]
+name = "s2"
+subnet = "10.213.2.0/24"
+files = ["{tmp_path}/s2.toml"]
+""", "filter.toml")
+    store = PolicyStore(config)
+    resolver = Resolver(config.dns.upstream, 0.05, share=config.dns.cache_share)
+    return DnsFilter(store, resolver, EventBus(recent=1000), config=config.dns)
+
+
+def query(name: str, qid: int = 7, qtype: str = "A") -> bytes:
+    record = DNSRecord.question(name, qtype)
+    record.header.id = qid
+    return record.pack()
+
+
+def rcode(wire: bytes) -> int:
+    return wire[3] & 0x0F
+
+
+def answer(dns: DnsFilter, data: bytes, client: str = S1) -> bytes | None:
+    return asyncio.run(dns.answer(data, client, udp=True))
+
+
+@pytest.mark.parametrize("layout", ["questions", "records"])
+def test_the_pointer_bomb_is_answered_formerr_at_once_and_never_parsed_by_dnslib(
+        dns, layout, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("dnslib parsed a client's bytes")
+
+    monkeypatch.setattr(DNSRecord, "parse", refuse)
+    reply = dns.first(pointer_bomb(layout=layout, qid=0xABCD), S1, udp=True)
+    assert isinstance(reply, bytes)  # answered without awaiting anything
+    assert reply[:2] == b"\xab\xcd" and rcode(reply) == RCODE.FORMERR
+    assert "malformed query: query of" in dns.bus.recent[-1]["reason"]
+
+
+def test_a_denied_name_is_answered_from_the_policy_without_dnslib_parsing_it(dns, monkeypatch):
+    monkeypatch.setattr(DNSRecord, "parse", None)  # the filter must not need it
+    reply = answer(dns, query("Other.Example", 99))
+    assert reply[:2] == struct.pack("!H", 99) and rcode(reply) == RCODE.NXDOMAIN
+    assert b"\x05Other\x07Example\x00" in reply  # the question echoed as sent
+    monkeypatch.undo()
+    assert str(DNSRecord.parse(reply).q.qname) == "Other.Example."
+
+
+def test_over_the_rate_a_session_is_refused_at_once_and_told_once_a_report(dns):
+    replies = [answer(dns, query(f"n{i}.other.example", i), S2) for i in range(25)]
+    assert [rcode(r) for r in replies[:20]] == [RCODE.NXDOMAIN] * 20  # the burst
+    assert [rcode(r) for r in replies[20:]] == [RCODE.REFUSED] * 5
+    # each with its ID and question: a stub resolver ignores a reply without the question
+    assert [(r.header.id, str(r.q.qname), r.header.q) for r in map(DNSRecord.parse,
+            replies[20:])] == [(i, f"n{i}.other.example.", 1) for i in range(20, 25)]
+    reports = [e for e in dns.bus.recent if e.get("limit") == "rate"]
+    assert reports and sum(e["refused"] for e in reports) <= 5 and reports[0]["refused"] == 1
+    assert reports[0]["session"] == "s2" and reports[0]["verdict"] == "deny"
+    assert "DNS rate limit: more than 0.01 queries a second (burst 20)" in reports[0]["reason"]
+    # s1 has a bucket of its own
+    assert rcode(answer(dns, query("x.other.example"), S1)) == RCODE.NXDOMAIN
+    stats = dns.stats()
+    assert stats["rate_limited"] == 5 and stats["sessions"]["s2"]["rate_limited"] == 5
+    assert stats["sessions"]["s1"]["rate_limited"] == 0
+
+
+def test_a_session_has_a_bounded_number_of_queries_waiting_for_an_upstream(dns):
+    waiting = [dns.first(query(f"n{i}.zone.example", i), S2, udp=True) for i in range(3)]
+    assert all(isinstance(w, Pending) for w in waiting)
+    refused = DNSRecord.parse(dns.first(query("n9.zone.example", 9), S2, udp=True))
+    assert (refused.header.rcode, refused.header.id, str(refused.q.qname)) == (
+        RCODE.REFUSED, 9, "n9.zone.example.")
+    assert isinstance(dns.first(query("a.wild.example"), S1, udp=True), Pending)  # s1's own
+    assert dns.stats()["sessions"]["s2"]["pending"] == 3
+    assert dns.stats()["sessions"]["s2"]["pending_refused"] == 1
+    # one finishes (the upstream here refuses at once: SERVFAIL), and its place is free
+    assert rcode(asyncio.run(dns.finish(query("n0.zone.example", 0), S2, True, waiting[0]))
+                 ) == RCODE.SERVFAIL
+    assert isinstance(dns.first(query("n8.zone.example", 8), S2, udp=True), Pending)
+    event = next(e for e in dns.bus.recent if e.get("limit") == "pending")
+    assert "more than 3 queries of this session waiting" in event["reason"]
+
+
+def test_dns_over_tcp_connections_are_capped_per_session(dns):
+    assert [dns.tcp_opened(S2) for _ in range(3)] == [(True, "s2"), (True, "s2"),
+                                                      (False, "s2")]
+    assert dns.tcp_opened(S1) == (True, "s1")
+    dns.tcp_closed("s2")
+    assert dns.tcp_opened(S2) == (True, "s2")
+    assert dns.stats()["sessions"]["s2"]["tcp_refused"] == 1
+    assert next(e for e in dns.bus.recent if e.get("limit") == "tcp")["refused"] == 1
+
+
+def test_a_wildcard_name_shaped_for_exfiltration_never_goes_upstream(dns):
+    chosen = ".".join(["a" * 63, "b" * 63, "c"])
+    reply = answer(dns, query(f"{chosen}.wild.example"))
+    assert rcode(reply) == RCODE.NXDOMAIN
+    event = dns.bus.recent[-1]
+    assert event["verdict"] == "deny" and event["rule"] == "*.wild.example"
+    assert event["reason"].startswith("looks like DNS exfiltration: 129 characters chosen")
+    assert dns.resolver.stats["upstream_queries"] == 0
+    assert dns.stats()["sessions"]["s1"]["exfil_denied"] == 1
+
+
+def test_distinct_names_under_a_wildcard_are_limited_but_an_exact_name_is_no_channel(dns):
+    for i in range(4):  # under the limit: asked upstream (which fails here: SERVFAIL)
+        assert rcode(answer(dns, query(f"n{i}.wild.example"))) == RCODE.SERVFAIL
+    asked = dns.resolver.stats["upstream_queries"]
+    assert rcode(answer(dns, query("n4.wild.example"))) == RCODE.NXDOMAIN
+    assert "more than 4 distinct names under *.wild.example" in dns.bus.recent[-1]["reason"]
+    assert dns.resolver.stats["upstream_queries"] == asked  # not asked
+    assert rcode(answer(dns, query("exact.example"))) == RCODE.SERVFAIL  # asked: exact rule
+    assert rcode(answer(dns, query("n0.wild.example"))) == RCODE.SERVFAIL  # seen already
+
+
+def test_a_session_that_goes_leaves_no_state_behind(dns, tmp_path):
+    dns.store.register("s3", "10.213.3.0/24", files=[str(tmp_path / "s2.toml")])
+    client = "10.213.3.2"
+    answer(dns, query("x.other.example"), client)  # a cached denial
+    assert dns.stats()["sessions"]["s3"]["wire_cache_entries"] == 1
+    dns.tcp_opened(client)
+    dns.store.unregister("s3")
+    assert "s3" not in dns.stats()["sessions"] and "s3" not in dns.limits.buckets
+    assert dns.wire.entries.owned("s3") == 0
