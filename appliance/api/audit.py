@@ -23,4 +23,9 @@ def page():
 
 @blueprint.get("/audit/verify")
 def verify():
-    return jsonify(call({"op": "audit-verify"}))
+    # the filter reads every segment: hundreds of MB at the default retention
+    return jsonify(call({"op": "audit-verify"}, timeout=VERIFY_TIMEOUT))
+
+
+VERIFY_TIMEOUT = 600.0
+"""Seconds to wait for the filter's verify (the CLI waits as long)."""

@@ -15,8 +15,9 @@ class ApiConfig:
     """host:port (or fd://N, as gunicorn takes it)."""
     tls_dir: str = "/etc/corral/api"
     """Holds ca.crt, server.crt and server.key (see appliance.pki)."""
-    control_socket: str = "/run/corral/filter.sock"
-    sandbox_socket: str = "/run/corral/sandbox.sock"
+    control_socket: str = "/run/corral-filter/control.sock"
+    """The filter's control socket (corral_filter_control_socket, as the role sets it)."""
+    sandbox_socket: str = "/run/corral-sandbox/control.sock"
     """The sandbox service (sessions); empty: this appliance has none."""
     max_body: int = 16 * 1024
     """Largest JSON body accepted; larger gets 413."""

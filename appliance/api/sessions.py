@@ -17,6 +17,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request
 
 from appliance.control_client import ServiceUnavailable
+from appliance.sandbox.battery import OPTIONS as SELFTEST_OPTIONS
 
 from . import ApiError
 from .request import body, call
@@ -24,9 +25,6 @@ from .request import body, call
 blueprint = Blueprint("sessions", __name__)
 
 ARCHIVES = ("application/x-tar", "application/gzip")
-SELFTEST_OPTIONS = {"allowed": str, "denied": str, "foreign_resolver": str, "v6_target": str,
-                    "private_name": str, "tcp_name": str, "other_gateway": str,
-                    "slow_connections": int, "only": list}
 
 
 def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:

@@ -1,8 +1,10 @@
 """The control socket: JSON lines over a unix socket (0600), the filter's only admin door.
 
 Each request is one JSON object on one line; each answer is one line, `{"ok": true, ...}`
-or `{"ok": false, "error": "..."}`. `subscribe` answers once and then streams events, one
-per line, until the client hangs up. Requests:
+or `{"ok": false, "error": "..."}`, whatever goes wrong (an unexpected failure is answered
+"internal error: ..." and logged with its traceback), and the connection stays open for
+the next request. `subscribe` answers once and then streams events, one per line, until
+the client hangs up. Requests:
 
   {"op": "status"}
   {"op": "sessions"}
@@ -15,6 +17,11 @@ per line, until the client hangs up. Requests:
   {"op": "session-remove", "name": N, "forget_rules": BOOL?}
   {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
+
+The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
+waits on a disk or on nftables on it: audit pages and the firewall check run on the
+service's worker threads, an audit verify in a process of its own, and changes go through
+`Service.change` (worked out and written off the loop, one at a time, swapped in on it).
 """
 
 from __future__ import annotations
@@ -24,20 +31,31 @@ import grp
 import json
 import logging
 import os
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from appliance.policy import RuleError
+from appliance.firewall.nft import NftError
+from appliance.policy import ConfigError, RuleError
 
 from . import audit
+from .config import SessionError
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
+AUDIT_READERS = 2
+"""Audit pages and verifies running at once; the service's other workers stay free for
+changes and status."""
 
 
 class ControlError(Exception):
     pass
+
+
+class NotJson(ControlError):
+    """The request line does not parse (as opposed to JSON a handler met on its way)."""
 
 
 def _field(request: dict, name: str, kind=str, required=True):
@@ -50,15 +68,71 @@ def _field(request: dict, name: str, kind=str, required=True):
     return value
 
 
+def _count(request: dict, name: str, default: int, low: int, high: int) -> int:
+    """A whole-number field: `default` when absent, at least `low`, at most `high`."""
+    value = _field(request, name, int, required=False)
+    if value is None:
+        return default
+    if value < low:
+        raise ControlError(f"{name!r} must be at least {low}, got {value}")
+    return min(value, high)
+
+
+async def verify_apart(path: Path, head: dict | None) -> dict:
+    """`audit.verify` in a process of its own (`python -m appliance.filter.audit`): a
+    thread of this one would share the interpreter's lock with the event loop for as long as
+    it hashes, seconds for a full log."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-m", "appliance.filter.audit", "verify", str(path),
+        *([json.dumps(head)] if head is not None else []),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"the verifier exited {child.returncode}: "
+                           f"{err.decode(errors='replace').strip()[-500:]}")
+    return json.loads(out)
+
+
 def _prepare(socket_path: Path) -> None:
     """A private directory for the socket, and no stale socket from a previous run."""
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     socket_path.unlink(missing_ok=True)
 
 
+BAD_REQUEST = (ControlError, RuleError, ConfigError, SessionError, LookupError)
+"""What a request can be refused with: its message says what is wrong with it."""
+
+
+def answer_for(op: str, exc: Exception) -> dict:
+    """The answer to a request that failed with `exc`: a precise error for bad requests, the
+    cause for a disk or nftables failure, "internal error" (logged) for anything else."""
+    if isinstance(exc, BAD_REQUEST):
+        return {"ok": False, "error": exc.args[0] if exc.args else str(exc)}
+    if isinstance(exc, NftError):
+        return {"ok": False, "error": f"{op}: nftables refused: {exc}"}
+    if isinstance(exc, OSError):
+        return {"ok": False, "error": f"{op}: {exc}"}
+    log.error("control: %s failed", op, exc_info=exc)
+    return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+
+
+Handler = Callable[["ControlServer", dict], Awaitable[dict]]
+HANDLERS: dict[str, Handler] = {}
+"""op -> the coroutine that answers it."""
+
+
+def handles(op: str):
+    def register(handler: Handler) -> Handler:
+        HANDLERS[op] = handler
+        return handler
+    return register
+
+
 class ControlServer:
     def __init__(self, service):
-        self.service = service  # the running Service: store, bus, audit, listeners
+        self.service = service  # the running Service: store, bus, audit, listeners, workers
+        self._audit_readers = asyncio.Semaphore(AUDIT_READERS)
 
     async def start(self, path: str, group: str | None = None) -> asyncio.AbstractServer:
         """Listen on `path`: 0600, or 0660 owned by `group` (the admin API's user)."""
@@ -83,19 +157,26 @@ class ControlServer:
                     return
                 if not line:
                     return
+                op, subscription = "request", None
                 try:
-                    request = json.loads(line)
+                    try:
+                        request = json.loads(line)
+                    except ValueError as exc:  # not UTF-8, or not JSON
+                        raise NotJson(f"not JSON: {exc}") from None
                     if not isinstance(request, dict):
                         raise ControlError("a request is a JSON object")
                     op = _field(request, "op")
                     if op == "subscribe":
-                        await self._subscribe(request, writer)
-                        return
-                    answer = self.dispatch(op, request)
-                except json.JSONDecodeError as exc:
-                    answer = {"ok": False, "error": f"not JSON: {exc}"}
-                except (ControlError, RuleError, KeyError, LookupError, ValueError) as exc:
-                    answer = {"ok": False, "error": exc.args[0] if exc.args else str(exc)}
+                        subscription = self.service.bus.subscribe(
+                            _field(request, "session", required=False),
+                            _field(request, "verdict", required=False))
+                    else:
+                        answer = await self.dispatch(op, request)
+                except Exception as exc:  # every request is answered, whatever went wrong
+                    answer = answer_for(op, exc)
+                if subscription is not None:
+                    await self._stream(subscription, writer)
+                    return
                 await self._send(writer, answer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -107,71 +188,102 @@ class ControlServer:
         writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         await writer.drain()
 
-    def dispatch(self, op: str, request: dict) -> dict:
-        service = self.service
-        store = service.store
-        if op == "status":
-            return {"ok": True, **service.status()}
-        if op == "sessions":
-            counters = service.bus.counters
-            registered = {s.name for s in store.registered}
-            return {"ok": True, "sessions": [
-                {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
-                 "registered": s.name in registered,
-                 "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")]}
-                for s in store.sessions.values()]}
-        if op == "session-add":
-            files = _field(request, "files", list, required=False) or []
-            if not all(isinstance(f, str) and f for f in files):
-                raise ControlError("'files' must be a list of file paths")
-            session, added = service.register_session(
-                _field(request, "name"), _field(request, "subnet"),
-                _field(request, "gateway", required=False), files)
-            return {"ok": True, "added": added, "session": {
-                "name": session.name, "subnet": str(session.subnet),
-                "gateway": str(session.gateway), "files": list(session.files)}}
-        if op == "session-remove":
-            forget = request.get("forget_rules", False)
-            if not isinstance(forget, bool):
-                raise ControlError("'forget_rules' must be true or false")
-            service.unregister_session(_field(request, "name"), forget)
-            return {"ok": True}
-        if op == "policy":
-            session = _field(request, "session", required=False)
-            return {"ok": True, "session": session, "rules": store.effective(session)}
-        if op in ("add", "remove"):
-            session = _field(request, "session")
-            kind, text = _field(request, "kind"), _field(request, "rule")
-            if op == "add":
-                rule, added = store.add(session, kind, text)
-                log.info("control: %s %s rule %s in session %s", "added" if added else "kept",
-                         kind, rule.text, session)
-                return {"ok": True, "rule": rule.to_json(), "added": added}
-            rule = store.remove(session, kind, text)
-            log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
-            return {"ok": True, "rule": rule.to_json()}
-        if op == "events":
-            last = _field(request, "last", int, required=False) or 100
-            return {"ok": True, "events": service.bus.last(
-                min(last, 10000), _field(request, "session", required=False),
-                _field(request, "verdict", required=False))}
-        if op == "audit":
-            after = _field(request, "after", int, required=False) or 0
-            since = _field(request, "since", (int, float), required=False)
-            limit = min(_field(request, "limit", int, required=False) or 100, 1000)
-            records, more = audit.page(service.config.audit_path, after, since, limit)
-            return {"ok": True, "records": records, "more": more, "head": service.audit_head()}
-        if op == "audit-verify":
-            verdict = (service.audit.verify() if service.audit is not None
-                       else audit.verify(service.config.audit_path))
-            return {"ok": True, **verdict.to_json()}
-        raise ControlError(f"unknown op {op!r}; expected status, sessions, session-add, "
-                           "session-remove, policy, add, remove, events, subscribe, audit, "
-                           "audit-verify")
+    async def dispatch(self, op: str, request: dict) -> dict:
+        handler = HANDLERS.get(op)
+        if handler is None:
+            raise ControlError(f"unknown op {op!r}; expected "
+                               f"{', '.join([*HANDLERS, 'subscribe'])}")
+        return await handler(self, request)
 
-    async def _subscribe(self, request: dict, writer: asyncio.StreamWriter) -> None:
-        subscription = self.service.bus.subscribe(
-            _field(request, "session", required=False), _field(request, "verdict", required=False))
+    async def _read_audit(self, work: Callable, *args):
+        """An audit read (it may cover hundreds of MB) on a worker, a bounded number at once."""
+        async with self._audit_readers:
+            return await self.service.off_loop(work, *args)
+
+    @handles("status")
+    async def _status(self, request: dict) -> dict:
+        await self.service.off_loop(self.service.check_firewall)
+        return {"ok": True, **self.service.status()}
+
+    @handles("sessions")
+    async def _sessions(self, request: dict) -> dict:
+        store, counters = self.service.store, self.service.bus.counters
+        registered = {s.name for s in store.registered}
+        return {"ok": True, "sessions": [
+            {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
+             "registered": s.name in registered,
+             "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")]}
+            for s in store.sessions.values()]}
+
+    @handles("session-add")
+    async def _session_add(self, request: dict) -> dict:
+        files = _field(request, "files", list, required=False) or []
+        if not all(isinstance(f, str) and f for f in files):
+            raise ControlError("'files' must be a list of file paths")
+        session, added = await self.service.register_session(
+            _field(request, "name"), _field(request, "subnet"),
+            _field(request, "gateway", required=False), files)
+        return {"ok": True, "added": added, "session": {
+            "name": session.name, "subnet": str(session.subnet),
+            "gateway": str(session.gateway), "files": list(session.files)}}
+
+    @handles("session-remove")
+    async def _session_remove(self, request: dict) -> dict:
+        forget = request.get("forget_rules", False)
+        if not isinstance(forget, bool):
+            raise ControlError("'forget_rules' must be true or false")
+        await self.service.unregister_session(_field(request, "name"), forget)
+        return {"ok": True}
+
+    @handles("policy")
+    async def _policy(self, request: dict) -> dict:
+        session = _field(request, "session", required=False)
+        return {"ok": True, "session": session, "rules": self.service.store.effective(session)}
+
+    @handles("add")
+    async def _add(self, request: dict) -> dict:
+        session, kind, text = (_field(request, "session"), _field(request, "kind"),
+                               _field(request, "rule"))
+        store = self.service.store
+        change = await self.service.change(lambda: store.plan_add(session, kind, text))
+        rule, added = change.result
+        log.info("control: %s %s rule %s in session %s", "added" if added else "kept", kind,
+                 rule.text, session)
+        return {"ok": True, "rule": rule.to_json(), "added": added}
+
+    @handles("remove")
+    async def _remove(self, request: dict) -> dict:
+        session, kind, text = (_field(request, "session"), _field(request, "kind"),
+                               _field(request, "rule"))
+        store = self.service.store
+        rule = (await self.service.change(lambda: store.plan_remove(session, kind, text))).result
+        log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
+        return {"ok": True, "rule": rule.to_json()}
+
+    @handles("events")
+    async def _events(self, request: dict) -> dict:
+        return {"ok": True, "events": self.service.bus.last(
+            _count(request, "last", 100, 0, 10000), _field(request, "session", required=False),
+            _field(request, "verdict", required=False))}
+
+    @handles("audit")
+    async def _audit(self, request: dict) -> dict:
+        after = _count(request, "after", 0, 0, 2**63)
+        since = _field(request, "since", (int, float), required=False)
+        limit = _count(request, "limit", 100, 1, 1000)
+        head = self.service.audit_head()  # every record up to it is on disk
+        records, more = await self._read_audit(
+            audit.page, self.service.config.audit_path, after, since, limit)
+        return {"ok": True, "records": records, "more": more, "head": head}
+
+    @handles("audit-verify")
+    async def _audit_verify(self, request: dict) -> dict:
+        head = self.service.audit_head()  # every record up to it is on disk
+        async with self._audit_readers:
+            verdict = await verify_apart(self.service.config.audit_path, head)
+        return {"ok": True, **verdict}
+
+    async def _stream(self, subscription, writer: asyncio.StreamWriter) -> None:
         try:
             await self._send(writer, {"ok": True, "subscribed": True, "ts": time.time()})
             async for event in subscription:

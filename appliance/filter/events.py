@@ -13,12 +13,15 @@ Subscribers are bounded queues: a subscriber that cannot keep up loses its oldes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 
 from appliance.policy import Decision
+
+from .dnsguard import TokenBucket
 
 
 class Subscription:
@@ -51,13 +54,21 @@ class Subscription:
 
 
 class EventBus:
-    def __init__(self, audit=None, recent: int = 1000):
+    def __init__(self, audit=None, recent: int = 1000, audit_rate: float = 200,
+                 audit_burst: int = 2000):
         self.audit = audit
         self.recent: deque[dict] = deque(maxlen=recent)
         self.subscribers: set[Subscription] = set()
         self.counters: Counter = Counter()
         """(session, verdict) -> count, for `corral ls` and status."""
         self._ids = itertools.count(1)
+        self.audit_rate, self.audit_burst = audit_rate, audit_burst
+        self._buckets: dict[str | None, TokenBucket] = {}
+        self.held: Counter = Counter()
+        """session -> events kept out of the audit log since its last summary record."""
+        self.held_total: Counter = Counter()
+        """session -> events kept out of the audit log, ever (status)."""
+        self._summary_due = False
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -74,8 +85,48 @@ class EventBus:
             if subscription.wants(event):
                 subscription.push(event)
         if self.audit is not None:
-            self.audit.append(event)
+            self._record(event)
         return event
+
+    def _record(self, event: dict) -> None:
+        """Into the audit log, within the session's budget: past `audit_rate` records a
+        second (a burst of `audit_burst`), a session's events reach subscribers but the log
+        gets one summary record a second saying how many it did not get. A session that
+        floods denials cannot push every other session's history out of the log's
+        retention, nor its own earlier records."""
+        session = event.get("session")
+        now = time.monotonic()
+        bucket = self._buckets.get(session)
+        if bucket is None:
+            bucket = self._buckets[session] = TokenBucket(self.audit_rate, self.audit_burst,
+                                                          now)
+        if bucket.take(now):
+            if self.held.get(session):
+                self._summarise()  # the log says what it missed before what comes next
+            self.audit.append(event)
+            return
+        self.held[session] += 1
+        self.held_total[session] += 1
+        if not self._summary_due:
+            with contextlib.suppress(RuntimeError):  # no loop (tests): at the next record
+                asyncio.get_running_loop().call_later(1.0, self._summarise)
+                self._summary_due = True
+
+    def _summarise(self) -> None:
+        self._summary_due = False
+        for session, count in list(self.held.items()):
+            del self.held[session]
+            self.audit.append({
+                "ts": round(time.time(), 6), "id": self.next_id(), "session": session,
+                "kind": "audit", "name": None, "verdict": "error", "rule": None,
+                "layer": None, "reason": f"{count} events of this session not recorded "
+                f"one by one: more than {self.audit_rate:g} a second ([state] "
+                "audit_events_per_session)"})
+
+    def forget(self, alive: set) -> None:
+        """Drop the budgets of sessions that are gone."""
+        for session in [s for s in self._buckets if s is not None and s not in alive]:
+            del self._buckets[session]
 
     def decision(self, decision: Decision, *, session: str | None, client: str, kind: str,
                  name: str, port: int | None = None, address: str | None = None,

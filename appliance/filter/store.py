@@ -5,17 +5,23 @@ session runtime). A change compiles a new Policy off to the side and swaps one r
 so a request holding the old one finishes under it and no request ever sees half a policy.
 Runtime rules are persisted before the swap (temp file, fsync, rename, fsync directory):
 a rule the caller was told about survives a crash.
+
+Every change has two halves. `plan_*()` works it out (compiles, reads policy files, makes
+the bytes of each file it touches) and `Change.write()` puts it on disk: both block, and
+the running filter does them off the event loop. `commit()` then swaps the new state in:
+on the loop's thread, which reads the store without locks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
-import os
-import tempfile
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.atomic import fsync_dir, write_atomic
 from appliance.policy import (
     DEFAULT_RULES,
     ConfigError,
@@ -28,6 +34,7 @@ from appliance.policy import (
 
 from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
+log = logging.getLogger(__name__)
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
 opening blocked ranges or host services is a change to a file a person reviews."""
@@ -40,33 +47,75 @@ def read_policy_file(path: str, layer: str) -> list[Rule]:
     return policy_file_rules(read_text(path), path, layer)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old or the new file, whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def _read(path: Path) -> bytes | None:
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dirfd = os.open(path.parent, os.O_DIRECTORY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
-@dataclass
+def _put(path: Path, data: bytes | None) -> None:
+    """Write `data` to `path` atomically, or delete it (None)."""
+    if data is not None:
+        write_atomic(path, data)
+    elif path.exists():
+        path.unlink()
+        fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
 class Session:
     name: str
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
     project: tuple[Rule, ...]
     runtime: tuple[Rule, ...]
     policy: Policy
+
+
+@dataclass
+class Change:
+    """A change to the store, worked out off to the side: the whole state it leads to, and
+    the bytes of every file it touches. The state has the store's shape (`config`,
+    `sessions`, `session_configs()`), so the firewall's ruleset can be built from it before
+    it is committed."""
+
+    config: FilterConfig
+    registered: tuple[SessionConfig, ...]
+    sessions: dict[str, Session]
+    base: tuple[Rule, ...]
+    outside: Policy
+    files: tuple[tuple[Path, bytes | None], ...] = ()
+    """Each file's new bytes (None: delete it), written in this order."""
+    result: object = None
+    """What the caller is told: (rule, added), (session config, added), the removed rule."""
+    changed: bool = True
+    """False when there is nothing to do (the rule or the session is already there)."""
+    _written: list[tuple[Path, bytes | None]] = field(default_factory=list)
+    """What each file held before `write()` replaced it, for `undo()`."""
+
+    def session_configs(self) -> tuple[SessionConfig, ...]:
+        return (*self.config.sessions, *self.registered)
+
+    def write(self) -> None:
+        """Put the files on disk, each atomically; if one fails, put back those written
+        before it and raise: the disk is as it was. Blocks (fsync)."""
+        try:
+            for path, data in self.files:
+                before = _read(path)
+                _put(path, data)
+                self._written.append((path, before))
+        except BaseException:
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        """Put back what `write()` changed (when the firewall then refuses the change)."""
+        while self._written:
+            path, before = self._written.pop()
+            try:
+                _put(path, before)
+            except OSError as exc:
+                log.error("could not put %s back after a refused change: %s", path, exc)
 
 
 class PolicyStore:
@@ -83,7 +132,42 @@ class PolicyStore:
         self._clients: dict[str, str | None] = {}
         """Client address -> the session whose subnet holds it (None: no session). Emptied
         whenever a session comes or goes; a session's policy is always read fresh."""
+        self._listeners: list = []
         self.reload()
+
+    def on_change(self, callback) -> None:
+        """Call `callback()` after every change to a policy or to the set of sessions (the
+        proxy re-judges its open flows then). Changes, and so the calls, happen on the
+        event loop's thread: the loop reads this store without locks."""
+        self._listeners.append(callback)
+
+    def _changed(self) -> None:
+        self._clients.clear()
+        for callback in self._listeners:
+            try:
+                callback()
+            except Exception:  # the change is in force: one listener's bug must not hide it
+                log.exception("store: a listener failed after a change")
+
+    def commit(self, change: Change) -> None:
+        """Make a written change the store's state, in one step. On the loop's thread."""
+        if not change.changed:
+            return
+        self.registered, self.sessions = change.registered, change.sessions
+        self.base, self.outside = change.base, change.outside
+        self._changed()
+
+    def _now(self, change: Change) -> Change:
+        """Write and commit at once: for start-up and callers without an event loop."""
+        change.write()
+        self.commit(change)
+        return change
+
+    def _change(self, **state) -> Change:
+        """A change from the current state, with `state` replacing parts of it."""
+        current = {"config": self.config, "registered": self.registered,
+                   "sessions": self.sessions, "base": self.base, "outside": self.outside}
+        return Change(**{**current, **state})
 
     def session_configs(self) -> tuple[SessionConfig, ...]:
         """Every session: from the config file, then those registered at run time."""
@@ -91,57 +175,60 @@ class PolicyStore:
 
     def reload(self) -> None:
         """Re-read the appliance and project files; all or nothing."""
+        self._now(self.plan_reload())
+
+    def plan_reload(self) -> Change:
         base = [*DEFAULT_RULES]
         for path in self.config.policy_files:
             base.extend(read_policy_file(path, "appliance"))
-        self.base = tuple(dedupe(base))
-        sessions = {s.name: self._build(s) for s in self.session_configs()}
-        self.outside = Policy(self.base)
-        self.sessions = sessions
-        self._clients.clear()
+        base = tuple(dedupe(base))
+        sessions = {s.name: self._build(s, base) for s in self.session_configs()}
+        return self._change(base=base, outside=Policy(base), sessions=sessions)
 
-    def _build(self, s: SessionConfig) -> Session:
+    def _build(self, s: SessionConfig, base: tuple[Rule, ...]) -> Session:
         project = tuple(rule for path in s.files for rule in read_policy_file(path, "project"))
         runtime = tuple(self._load_runtime(s.name))
-        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime))
+        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime, base))
 
     def register(self, name: str, subnet: str, gateway: str | None = None,
                  files: list[str] | tuple[str, ...] = ()) -> tuple[SessionConfig, bool]:
         """Add a session at run time; (its config, whether it is new). Raises SessionError or
         ConfigError (a project file that does not parse): nothing changes then."""
+        return self._now(self.plan_register(name, subnet, gateway, files)).result
+
+    def plan_register(self, name: str, subnet: str, gateway: str | None = None,
+                      files: list[str] | tuple[str, ...] = ()) -> Change:
         for existing in self.registered:
             if existing.name == name:
                 again = make_session(name, subnet, gateway, files, [])
                 if again == existing:
-                    return existing, False
+                    return self._change(result=(existing, False), changed=False)
                 raise SessionError("name", f"session {name!r} exists with other settings: "
                                    f"{existing.subnet}, files {list(existing.files)}", name)
         config = make_session(name, subnet, gateway, files, self.session_configs())
-        session = self._build(config)  # may raise: before anything is written
-        self._save_registered((*self.registered, config))
-        self.sessions[name] = session
-        self._clients.clear()
-        return config, True
+        session = self._build(config, self.base)  # may raise: before anything is written
+        registered = (*self.registered, config)
+        return self._change(registered=registered, sessions={**self.sessions, name: session},
+                            files=((self.registered_path, _registered_bytes(registered)),),
+                            result=(config, True))
 
     def unregister(self, name: str, forget_rules: bool = False) -> None:
         """Remove a session registered at run time; `forget_rules` deletes its runtime layer."""
+        self._now(self.plan_unregister(name, forget_rules))
+
+    def plan_unregister(self, name: str, forget_rules: bool = False) -> Change:
         if any(s.name == name for s in self.config.sessions):
             raise SessionError("name", f"session {name!r} is in {self.config.path}; "
                                "remove it there", name)
         if not any(s.name == name for s in self.registered):
             raise KeyError(f"no session {name!r} registered at run time")
-        self._save_registered(tuple(s for s in self.registered if s.name != name))
-        self.sessions.pop(name, None)
-        self._clients.clear()
+        registered = tuple(s for s in self.registered if s.name != name)
+        files: tuple[tuple[Path, bytes | None], ...] = (
+            (self.registered_path, _registered_bytes(registered)),)
         if forget_rules:
-            self._runtime_path(name).unlink(missing_ok=True)
-
-    def _save_registered(self, registered: tuple[SessionConfig, ...]) -> None:
-        document = {"version": 1, "sessions": [
-            {"name": s.name, "subnet": str(s.subnet), "gateway": str(s.gateway),
-             "files": list(s.files)} for s in registered]}
-        write_atomic(self.registered_path, json.dumps(document, indent=1).encode() + b"\n")
-        self.registered = registered
+            files += ((self._runtime_path(name), None),)
+        return self._change(registered=registered, files=files, sessions={
+            k: v for k, v in self.sessions.items() if k != name})
 
     def _load_registered(self) -> tuple[SessionConfig, ...]:
         try:
@@ -162,8 +249,8 @@ class PolicyStore:
                                   ) from None
         return tuple(out)
 
-    def _compile(self, project, runtime) -> Policy:
-        return Policy(dedupe([*self.base, *project, *runtime]))
+    def _compile(self, project, runtime, base=None) -> Policy:
+        return Policy(dedupe([*(self.base if base is None else base), *project, *runtime]))
 
     def lookup(self, client: str) -> tuple[str | None, Policy]:
         """The session a client address belongs to and the policy that judges it."""
@@ -197,24 +284,29 @@ class PolicyStore:
 
     def add(self, name: str, kind: str, text: str) -> tuple[Rule, bool]:
         """Add a rule to a session's runtime layer. Returns the rule and whether it is new."""
+        return self._now(self.plan_add(name, kind, text)).result
+
+    def plan_add(self, name: str, kind: str, text: str) -> Change:
         session = self.session(name)
         if kind not in RUNTIME_KINDS:
             raise RuleError(f"kind {kind!r} cannot be added at run time; expected one of "
                             f"{', '.join(RUNTIME_KINDS)} (cidr and host ports go in corral.toml)")
         rule = Rule.parse(kind, text, "session", "api")
         if any(r.key() == rule.key() for r in session.runtime):
-            return rule, False
-        self._replace(session, (*session.runtime, rule))
-        return rule, True
+            return self._change(result=(rule, False), changed=False)
+        return self._replace(session, (*session.runtime, rule), (rule, True))
 
     def remove(self, name: str, kind: str, text: str) -> Rule:
         """Remove a runtime rule, named by kind and text as `rules` shows it."""
+        return self._now(self.plan_remove(name, kind, text)).result
+
+    def plan_remove(self, name: str, kind: str, text: str) -> Change:
         session = self.session(name)
         wanted = Rule.parse(kind, text, "session").key()
         for rule in session.runtime:
             if rule.key() == wanted:
-                self._replace(session, tuple(r for r in session.runtime if r is not rule))
-                return rule
+                return self._replace(
+                    session, tuple(r for r in session.runtime if r is not rule), rule)
         others = [r for r in session.policy.rules if r.key() == wanted]
         if others:
             r = others[0]
@@ -222,18 +314,15 @@ class PolicyStore:
                               "only session rules can be revoked at run time")
         raise LookupError(f"session {name} has no runtime {kind} rule {text}")
 
-    def _replace(self, session: Session, runtime: tuple[Rule, ...]) -> None:
-        policy = self._compile(session.project, runtime)  # compile first: may not fail after
-        self._save_runtime(session.name, runtime)
-        session.runtime, session.policy = runtime, policy
+    def _replace(self, session: Session, runtime: tuple[Rule, ...], result) -> Change:
+        replaced = dataclasses.replace(session, runtime=runtime,
+                                       policy=self._compile(session.project, runtime))
+        return self._change(sessions={**self.sessions, session.name: replaced}, result=result,
+                            files=((self._runtime_path(session.name),
+                                    _runtime_bytes(session.name, runtime)),))
 
     def _runtime_path(self, name: str) -> Path:
         return self.runtime_dir / f"{name}.json"
-
-    def _save_runtime(self, name: str, runtime) -> None:
-        document = {"version": 1, "session": name,
-                    "rules": [{"kind": r.kind, "rule": r.text} for r in runtime]}
-        write_atomic(self._runtime_path(name), json.dumps(document, indent=1).encode() + b"\n")
 
     def _load_runtime(self, name: str) -> list[Rule]:
         path = self._runtime_path(name)
@@ -259,3 +348,16 @@ class PolicyStore:
     def effective(self, name: str | None) -> list[dict]:
         policy = self.outside if name is None else self.session(name).policy
         return policy.to_json()
+
+
+def _registered_bytes(registered: tuple[SessionConfig, ...]) -> bytes:
+    document = {"version": 1, "sessions": [
+        {"name": s.name, "subnet": str(s.subnet), "gateway": str(s.gateway),
+         "files": list(s.files)} for s in registered]}
+    return json.dumps(document, indent=1).encode() + b"\n"
+
+
+def _runtime_bytes(name: str, runtime: tuple[Rule, ...]) -> bytes:
+    document = {"version": 1, "session": name,
+                "rules": [{"kind": r.kind, "rule": r.text} for r in runtime]}
+    return json.dumps(document, indent=1).encode() + b"\n"

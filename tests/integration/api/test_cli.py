@@ -140,6 +140,7 @@ def test_monitor_survives_an_api_restart(home, api, corral_filter):
 def test_audit_verify_and_listing(home):
     verified = corral(home, "audit", "--verify")
     assert verified.returncode == 0 and "audit log intact" in verified.stdout
+    assert "records in 1 segment(s), chain verified from seq 1 to seq" in verified.stdout
     listing = corral(home, "audit", "--since", "1h", "--json", "--limit", "3")
     records = [json.loads(line) for line in listing.stdout.splitlines()]
     assert len(records) == 3 and records[0]["seq"] < records[1]["seq"]
@@ -154,6 +155,8 @@ def test_status(home):
     assert status["sandbox"]["healthy"] is True and status["sandbox"]["sessions"] == 0
     human = corral(home, "status")
     assert "filter: healthy" in human.stdout and "firewall:" in human.stdout
+    assert "audit: up to seq" in human.stdout and "1 segment(s)" in human.stdout
+    assert status["filter"]["audit"]["segments"] == 1
     assert "sandbox: healthy, 0 sessions, image localhost/corral-sandbox:" in human.stdout
 
 
@@ -192,3 +195,16 @@ def test_certs_rotate_replaces_every_certificate(home, api):
         home / "corral/appliances/default/ca.crt", api.server_dir / "server.crt",
         api.server_dir / "server.key", home / "corral/appliances/default/client.crt",
         home / "corral/appliances/default/client.key")))
+
+
+def test_audit_verify_names_the_file_and_line_of_a_break(home, corral_filter):
+    """Last in this module: it breaks this filter's log for good."""
+    path = corral_filter.dir / "state" / "audit.jsonl"
+    with open(path, "r+b") as f:  # in place: the filter keeps appending to the same file
+        lines = f.read().splitlines(keepends=True)
+        assert len(lines) >= 3
+        f.seek(len(lines[0]) + lines[1].index(b'"seq":'))
+        f.write(b'"seq":0')  # the second record edited, its length kept
+    broken = corral(home, "audit", "--verify")
+    assert broken.returncode == 5, broken.stdout + broken.stderr
+    assert "audit log broken at audit.jsonl line 2: seq 0 follows 1" in broken.stderr

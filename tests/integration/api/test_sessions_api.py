@@ -65,6 +65,11 @@ def test_the_list_joins_the_filters_sessions(api):
      400, "not a relative path"),
     ("POST", "/v1/sessions/none/selftest", {}, 400, "missing field 'allowed'"),
     ("POST", "/v1/sessions/none/selftest", {"allowed": "a.test"}, 404, "no session 'none'"),
+    ("POST", "/v1/sessions/none/selftest", {"allowed": "a.test", "skip_group": ["kernel"],
+                                            "silence": 11, "connections": 600}, 404,
+     "no session 'none'"),
+    ("POST", "/v1/sessions/none/selftest", {"allowed": "a.test", "slow_connections": 9}, 400,
+     "unknown field(s): slow_connections"),
 ])
 def test_bad_session_requests_get_precise_errors(api, method, path, body, status, message):
     got, answer = send(api, method, path, json.dumps(body).encode() if body is not None else None)

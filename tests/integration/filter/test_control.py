@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from dnslib import RCODE
@@ -243,3 +245,228 @@ def test_bad_session_registrations_change_nothing(fresh_filter, request_, error)
     answer = fresh_filter.control(request_)
     assert answer["ok"] is False and error in answer["error"], answer
     assert fresh_filter.control({"op": "sessions"})["sessions"] == before
+
+
+# -- every request answered; nothing waits on the loop --------------------------------------
+
+
+class Connection:
+    """One control connection kept open across requests."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(30)
+        self.sock.connect(str(path))
+        self.stream = self.sock.makefile("rb")
+
+    def send(self, request: dict) -> None:
+        self.sock.sendall(json.dumps(request).encode() + b"\n")
+
+    def answer(self) -> dict:
+        line = self.stream.readline()
+        assert line, "the filter closed the connection without answering"
+        return json.loads(line)
+
+    def ask(self, request: dict) -> dict:
+        self.send(request)
+        return self.answer()
+
+    def close(self) -> None:
+        self.stream.close()
+        self.sock.close()
+
+
+def test_a_change_that_cannot_be_written_is_answered_and_the_connection_goes_on(fresh_filter):
+    f = fresh_filter
+    runtime = f.dir / "state" / "runtime"
+    if runtime.is_dir():
+        runtime.rmdir()
+    runtime.write_text("not a directory\n")  # every runtime rule write now fails (OSError)
+    connection = Connection(f.socket)
+    try:
+        refused = connection.ask({"op": "add", "session": "s1", "kind": "http",
+                                  "rule": "other.test"})
+        assert refused["ok"] is False and refused["error"].startswith("add: ")
+        assert str(runtime) in refused["error"], refused
+        # nothing changed: not in memory, not on disk
+        rules = connection.ask({"op": "policy", "session": "s1"})["rules"]
+        assert not any(r["rule"] == "other.test" for r in rules)
+        assert connect_status(f.proxy_port, "other.test:443") == 403
+        assert runtime.read_text() == "not a directory\n"
+        runtime.unlink()
+        added = connection.ask({"op": "add", "session": "s1", "kind": "http",
+                                "rule": "other.test"})
+        assert added["ok"] is True and added["added"] is True
+        assert connect_status(f.proxy_port, "other.test:443") == 200
+    finally:
+        connection.close()
+
+
+def _reading(parent: int, path) -> int | None:
+    """The offset at which a child of `parent` (the verifier) reads `path`, if one does."""
+    for pid in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            if f"\nPPid:\t{parent}\n" not in status:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") != str(path):
+                    continue
+                info = dict(line.split(":", 1) for line in Path(
+                    f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines() if ":" in line)
+                if int(info["flags"], 8) & os.O_ACCMODE == os.O_RDONLY:
+                    return int(info["pos"])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@pytest.fixture
+def filter_with_a_large_audit_log(internet, tmp_path):
+    """A filter whose audit log holds ~40 MB when it starts (its state from an earlier run)."""
+    log = audit.AuditLog(tmp_path / "state" / "audit.jsonl")
+    event = {"session": "s1", "client": "127.0.0.1", "kind": "dns", "verdict": "deny",
+             "reason": "no rule allows this name " + "x" * 200, "rule": None, "layer": None}
+    for n in range(130_000):
+        log.append({**event, "name": f"n{n}.flood.test", "ts": 1.0 + n})
+    log.close()
+    process = FilterProcess(tmp_path, internet.dns.address)
+    yield process
+    process.stop()
+
+
+def test_a_long_audit_verify_holds_up_neither_dns_nor_status(filter_with_a_large_audit_log):
+    f = filter_with_a_large_audit_log
+    path = f.dir / "state" / "audit.jsonl"
+    assert path.stat().st_size > 40 << 20
+    verifying = Connection(f.socket)
+    try:
+        verifying.send({"op": "audit-verify"})
+        deadline = time.monotonic() + 30
+        while not (_reading(f.proc.pid, path) or 0) > 0:  # the verifier is reading
+            assert time.monotonic() < deadline, "the verify never started reading"
+            time.sleep(0.001)
+        assert addresses(ask(f.dns_port, "allowed.test")) == ["127.31.0.2"]
+        status = f.control({"op": "status"})
+        assert status["ok"] and status["audit"]["head"]["seq"] >= 130_000
+        # both answered while the verify was still reading, and before its answer
+        position = _reading(f.proc.pid, path)
+        assert position is not None and position < path.stat().st_size
+        readable, _, _ = select.select([verifying.sock], [], [], 0)
+        assert not readable, "the verify answered before the DNS query and the status"
+        verdict = verifying.answer()
+        assert verdict["ok"] and verdict["intact"] and verdict["lines"] >= 130_000
+        assert verifying.ask({"op": "status"})["ok"]  # and the connection goes on
+    finally:
+        verifying.close()
+
+
+def test_concurrent_adds_all_land(fresh_filter):
+    f = fresh_filter
+    names = [f"c{n}.concurrent.test" for n in range(16)]
+    connections = [Connection(f.socket) for _ in names]
+    try:
+        for connection, name in zip(connections, names, strict=True):
+            connection.send({"op": "add", "session": "s1", "kind": "dns", "rule": name})
+        answers = [connection.answer() for connection in connections]
+    finally:
+        for connection in connections:
+            connection.close()
+    assert all(a["ok"] and a["added"] for a in answers), answers
+
+    def runtime_rules():
+        return {r["rule"] for r in f.control({"op": "policy", "session": "s1"})["rules"]
+                if r["layer"] == "session"}
+
+    assert runtime_rules() == set(names)
+    f.restart()
+    assert runtime_rules() == set(names)  # every one written, none overwritten by another
+
+
+# -- the audit log in segments, through the real filter --------------------------------------
+
+
+@pytest.fixture
+def rotating_filter(internet, tmp_path):
+    process = FilterProcess(tmp_path, internet.dns.address,
+                            state_extra="audit_segment_bytes = 8192\naudit_segments = 4")
+    yield process
+    process.stop()
+
+
+def test_a_flood_of_events_rotates_the_audit_log_keeps_four_segments_and_still_verifies(
+        rotating_filter):
+    f = rotating_filter
+    for n in range(300):
+        ask(f.dns_port, f"flood-{n}.test")
+    deadline = time.monotonic() + 10
+    while f.control({"op": "status"})["audit"]["head"]["seq"] < 300:  # group commit
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    state = f.dir / "state"
+    files = audit.segments(state / "audit.jsonl")
+    assert len(files) == 4 and files[-1].first is None  # three rotated, the active one
+    status = f.control({"op": "status"})["audit"]
+    assert status["segments"] == 4 and status["segments_kept"] == 4
+    assert status["bytes"] == sum(s.path.stat().st_size for s in files)
+
+    verdict = f.control({"op": "audit-verify"})
+    assert verdict["intact"] is True and verdict["segments"] == 4, verdict
+    assert verdict["first"] > 1 and f"from seq {verdict['first']}" in verdict["note"]
+
+    seen, reasons, after = [], [], 0
+    while True:
+        page = f.control({"op": "audit", "after": after, "limit": 17})
+        seen += [r["seq"] for r in page["records"]]
+        reasons += [r.get("reason") or "" for r in page["records"]]
+        if not page["more"]:
+            break
+        after = page["records"][-1]["seq"]
+    assert seen == list(range(verdict["first"], seen[-1] + 1)) and seen[-1] >= 300
+    last = f.control({"op": "audit", "after": seen[-1] - 5})
+    assert [r["seq"] for r in last["records"]] == seen[-5:] and not last["more"]
+    # retention never removes history silently: the log says what went, where it starts
+    assert any(r.startswith("retention removed audit-") and "the log now starts at seq"
+               in r for r in reasons), reasons[-20:]
+
+    f.stop()
+    rotated = audit.segments(state / "audit.jsonl")[1]
+    rotated.path.unlink()  # a segment missing in the middle
+    broken = audit.verify(state / "audit.jsonl")
+    assert not broken.ok and broken.line == 1 and "missing" in broken.error
+    assert broken.segment == audit.segments(state / "audit.jsonl")[1].path.name
+
+
+def test_a_session_flooding_denials_cannot_push_the_log_past_its_budget(internet,
+                                                                        tmp_path_factory):
+    """s1 sends 400 denied queries at once with a budget of 20 records a second (200 at
+    once): the log gets at most the budget and a summary of the rest, while every event
+    still reaches the event stream, and s2's record is there."""
+    f = FilterProcess(tmp_path_factory.mktemp("budget"), internet.dns.address,
+                      state_extra="audit_events_per_session = 20",
+                      dns_extra="rate = 100000\nburst = 100000")
+    try:
+        for n in range(400):
+            ask(f.dns_port, f"denied-{n}.test")
+        ask(f.dns_port, "s2-denied.test", source="127.0.1.1")
+        time.sleep(1.5)  # the summary record is written within a second
+        records, after = [], 0
+        while True:
+            page = f.control({"op": "audit", "after": after, "limit": 1000})
+            records += page["records"]
+            if not page["more"]:
+                break
+            after = page["records"][-1]["seq"]
+        s1 = [r for r in records if r.get("session") == "s1" and r["kind"] == "dns"]
+        summary = [r for r in records if r.get("session") == "s1" and r["kind"] == "audit"]
+        assert 200 <= len(s1) < 260, len(s1)  # the burst, and what the rate gave meanwhile
+        assert summary and "not recorded one by one" in summary[0]["reason"]
+        held = int(summary[0]["reason"].split()[0])
+        assert len(s1) + sum(int(r["reason"].split()[0]) for r in summary) == 400, held
+        assert any(r.get("name") == "s2-denied.test" for r in records)
+        assert len(f.events(session="s1", verdict="deny")) >= 400  # monitor saw them all
+        status = f.control({"op": "status"})["audit"]
+        assert status["not_recorded"]["s1"] == 400 - len(s1)
+    finally:
+        f.stop()

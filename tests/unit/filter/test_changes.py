@@ -1,0 +1,248 @@
+"""Changes to the policy store: worked out and written off the loop, swapped in on it, one at
+a time, all or nothing; and the control socket that asks for them always answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+
+import pytest
+
+from appliance.filter import control
+from appliance.filter.config import parse_config
+from appliance.filter.control import ControlError, ControlServer, answer_for
+from appliance.filter.service import Service
+from appliance.filter.store import PolicyStore
+from appliance.firewall.nft import NftError
+from appliance.policy import ConfigError, RuleError, parse_host
+
+
+@pytest.fixture
+def config(tmp_path):
+    (tmp_path / "appliance.toml").write_text('[http]\nallow = ["base.test"]\n')
+    (tmp_path / "s1.toml").write_text('[http]\nallow = ["project.test"]\n')
+    (tmp_path / "s3.toml").write_text('[http]\nallow = ["three.test"]\n')
+    text = f"""
+[policy]
+files = ["{tmp_path}/appliance.toml"]
+[state]
+dir = "{tmp_path}/state"
+[control]
+socket = "{tmp_path}/control.sock"
+[[session]]
+name = "s1"
+subnet = "10.1.0.0/24"
+files = ["{tmp_path}/s1.toml"]
+"""
+    return parse_config(text, str(tmp_path / "filter.toml"))
+
+
+def runtime_rules(store: PolicyStore, session: str = "s1") -> list[str]:
+    return [r.text for r in store.sessions[session].runtime]
+
+
+# -- the store: plan, write, commit ----------------------------------------------------------
+
+
+def test_a_planned_change_touches_neither_the_store_nor_the_disk(config):
+    store = PolicyStore(config)
+    calls = []
+    store.on_change(lambda: calls.append(1))
+    sessions = store.sessions
+    change = store.plan_add("s1", "http", "new.test")
+    assert store.sessions is sessions and runtime_rules(store) == []
+    assert not store.runtime_dir.exists() and calls == []
+    change.write()
+    assert json.loads((store.runtime_dir / "s1.json").read_text())["rules"] == [
+        {"kind": "http", "rule": "new.test"}]
+    assert runtime_rules(store) == [] and calls == []  # written, not yet in force
+    store.commit(change)
+    assert runtime_rules(store) == ["new.test"] and calls == [1]
+    assert store.sessions["s1"].policy.decide_http(parse_host("new.test"), 443).allowed
+
+
+def test_undo_puts_every_file_back_as_it_was(config):
+    store = PolicyStore(config)
+    store.add("s1", "dns", "kept.test")
+    store.register("s3", "10.3.0.0/24", None, [str(config.policy_files[0])])
+    store.add("s3", "dns", "three-runtime.test")
+    registered = store.registered_path.read_bytes()
+    runtime = (store.runtime_dir / "s3.json").read_bytes()
+    change = store.plan_unregister("s3", forget_rules=True)
+    change.write()
+    assert not (store.runtime_dir / "s3.json").exists()
+    change.undo()  # the firewall refused it, say
+    assert store.registered_path.read_bytes() == registered
+    assert (store.runtime_dir / "s3.json").read_bytes() == runtime
+    assert "s3" in store.sessions
+
+    fresh = store.plan_add("s1", "dns", "brand-new.test")
+    before = (store.runtime_dir / "s1.json").read_bytes()
+    fresh.write()
+    fresh.undo()
+    assert (store.runtime_dir / "s1.json").read_bytes() == before
+
+
+def test_a_write_that_fails_half_way_puts_back_what_it_wrote(config):
+    store = PolicyStore(config)
+    store.register("s3", "10.3.0.0/24")
+    registered = store.registered_path.read_bytes()
+    (store.runtime_dir / "s3.json").mkdir(parents=True)  # cannot be deleted as a file
+    change = store.plan_unregister("s3", forget_rules=True)
+    with pytest.raises(OSError):
+        change.write()
+    assert store.registered_path.read_bytes() == registered
+    assert "s3" in store.sessions and any(s.name == "s3" for s in store.registered)
+
+
+def test_a_reload_that_fails_changes_nothing_not_even_the_appliance_layer(config, tmp_path):
+    store = PolicyStore(config)
+    base = store.base
+    (tmp_path / "appliance.toml").write_text('[http]\nallow = ["other-base.test"]\n')
+    (tmp_path / "s1.toml").write_text('[http]\nallow = ["not valid"]\n')
+    with pytest.raises(ConfigError):
+        store.reload()
+    assert store.base is base
+    assert store.outside.decide_http(parse_host("base.test"), 443).allowed
+
+
+def test_an_existing_rule_or_session_is_no_change(config):
+    store = PolicyStore(config)
+    store.add("s1", "dns", "a.test")
+    change = store.plan_add("s1", "dns", "a.test")
+    assert not change.changed and change.files == () and change.result[1] is False
+    store.register("s3", "10.3.0.0/24")
+    again = store.plan_register("s3", "10.3.0.0/24")
+    assert not again.changed and again.result[1] is False
+
+
+# -- the service: one change at a time, the swap on the loop ---------------------------------
+
+
+def test_changes_run_one_at_a_time_off_the_loop_and_swap_in_on_it(config):
+    service = Service(config)
+    store = service.store
+    loop_thread, callback_threads, plan_threads = [], [], []
+    store.on_change(lambda: callback_threads.append(threading.get_ident()))
+    running, most = [0], [0]
+    second_started = threading.Event()
+
+    def plan(name, first):
+        def work():
+            plan_threads.append(threading.get_ident())
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            if first:
+                second_started.wait(0.5)  # would overlap with the second if nothing stopped it
+            else:
+                second_started.set()
+            try:
+                return store.plan_add("s1", "dns", name)
+            finally:
+                running[0] -= 1
+        return work
+
+    async def main():
+        loop_thread.append(threading.get_ident())
+        await asyncio.gather(service.change(plan("one.test", True)),
+                             service.change(plan("two.test", False)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.blocking.shutdown()
+    assert most[0] == 1, "two changes were worked out at once"
+    assert sorted(runtime_rules(store)) == ["one.test", "two.test"]
+    assert set(callback_threads) == set(loop_thread)
+    assert loop_thread[0] not in plan_threads
+
+
+def test_a_firewall_that_cannot_follow_leaves_the_session_unregistered(config):
+    import dataclasses
+
+    managed = dataclasses.replace(config, firewall=dataclasses.replace(config.firewall,
+                                                                        manage=True))
+    service = Service(managed)
+    service.learner = None  # what a filter without the nftables bindings has
+    store = service.store
+    sessions = store.sessions
+
+    async def main():
+        with pytest.raises(ControlError, match=r"s3 not registered: the firewall could not "
+                           r"follow: .*nftables is unavailable"):
+            await service.register_session("s3", "10.3.0.0/24", None, [])
+        # a rule needs no firewall: it goes through
+        return await service.change(lambda: store.plan_add("s1", "dns", "fine.test"))
+
+    try:
+        change = asyncio.run(main())
+    finally:
+        service.blocking.shutdown()
+    assert change.result[1] is True
+    assert "s3" not in store.sessions and store.registered == ()
+    assert not store.registered_path.exists()
+    assert set(store.sessions) == set(sessions)
+
+
+# -- the control socket ----------------------------------------------------------------------
+
+
+def test_the_handler_table_answers_every_documented_op():
+    documented = set(re.findall(r'"op": "([a-z-]+)"', control.__doc__))
+    assert documented == {*control.HANDLERS, "subscribe"}
+
+
+@pytest.mark.parametrize(("exc", "expected"), [
+    (json.JSONDecodeError("Expecting value", "x", 0),  # from a handler: not the request's
+     "internal error: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+    (ValueError("a bug"), "internal error: ValueError: a bug"),
+    (ConfigError("/p.toml", "", "cannot read: No such file"), "/p.toml: cannot read: No such file"),
+    (ControlError("'rule' must be a str"), "'rule' must be a str"),
+    (RuleError("bad rule"), "bad rule"),
+    (KeyError("no session 'x'; sessions: s1"), "no session 'x'; sessions: s1"),
+    (NftError("Could not process rule: Operation not permitted"),
+     "add: nftables refused: Could not process rule: Operation not permitted"),
+    (OSError(28, "No space left on device"), "add: [Errno 28] No space left on device"),
+    (RuntimeError("boom"), "internal error: RuntimeError: boom"),
+])
+def test_every_failure_has_an_answer(exc, expected):
+    assert answer_for("add", exc) == {"ok": False, "error": expected}
+
+
+def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
+        config, caplog, tmp_path):
+    service = Service(config)
+    path = str(tmp_path / "control.sock")
+
+    def broken(session):
+        raise RuntimeError("a bug")
+
+    service.store.effective = broken
+
+    async def main():
+        server = await ControlServer(service).start(path)
+        reader, writer = await asyncio.open_unix_connection(path)
+        answers = []
+        for request in ({"op": "policy", "session": "s1"}, {"op": "sessions"},
+                        {"op": "audit", "limit": 0}, {"op": "events", "last": 2}):
+            writer.write(json.dumps(request).encode() + b"\n")
+            answers.append(json.loads(await reader.readline()))
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return answers
+
+    try:
+        with caplog.at_level(logging.ERROR, "appliance.filter.control"):
+            failed, sessions, bad_limit, events = asyncio.run(main())
+    finally:
+        service.blocking.shutdown()
+    assert failed == {"ok": False, "error": "internal error: RuntimeError: a bug"}
+    assert sessions["ok"] and [s["name"] for s in sessions["sessions"]] == ["s1"]
+    assert bad_limit == {"ok": False, "error": "'limit' must be at least 1, got 0"}
+    assert events == {"ok": True, "events": []}
+    logged = [r for r in caplog.records if "policy failed" in r.getMessage()]
+    assert logged and logged[0].exc_info[0] is RuntimeError  # with its traceback
