@@ -45,7 +45,7 @@ class FakeDns:
     """Authoritative for whatever `zone` says: {name: [(qtype, rdata-text, ttl), ...]}.
 
     Special behaviours per name: `servfail` (answer SERVFAIL), `silent` (never answer),
-    `truncate` (set TC over UDP so the client must retry over TCP).
+    `truncate` (set TC over UDP so the client must retry over TCP), `slow` (answer late).
     """
 
     def __init__(self, loop: Loop, host: str = "127.0.0.1", port: int = 0, log=None):
@@ -54,6 +54,8 @@ class FakeDns:
         self.servfail: set[str] = set()
         self.silent: set[str] = set()
         self.truncate: set[str] = set()
+        self.slow: dict[str, float] = {}
+        """Names answered only after this many seconds (over UDP)."""
         self.queries: list[tuple[str, str, str]] = []  # (transport, name, qtype)
         self.loop = loop
         self.address = loop.run(self._start())
@@ -69,7 +71,9 @@ class FakeDns:
             def datagram_received(self, data, addr):
                 reply = fake.answer(data, "udp")
                 if reply is not None:
-                    self.transport.sendto(reply, addr)
+                    name = str(DNSRecord.parse(data).q.qname).rstrip(".").lower()
+                    asyncio.get_running_loop().call_later(
+                        fake.slow.get(name, 0), self.transport.sendto, reply, addr)
 
         self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(self.host, self.port))
         port = self.udp.get_extra_info("sockname")[1]

@@ -2,72 +2,219 @@
 
 Parsed completely before anything is bound: an invalid file is a ConfigError naming the
 file, key and reason, and `corral-filter` exits 2 without starting half-configured.
+
+Each setting is written once: a dataclass field with its default, its docstring, and (in
+its metadata) the TOML key it is read from and the function that checks and converts the
+value. The parser walks the fields; a key the file leaves out keeps the field's default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import grp
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.policy import ConfigError, parse_toml
+from appliance.policy import ConfigError, HostNameError, parse_toml, split_host_port
 from appliance.policy.config import Locator
+
+from . import audit
 
 Address = tuple[str, int]
 SESSION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+Fail = Callable[..., None]
+"""fail(message, value=None) raises a ConfigError for the key being read (on the line that
+holds `value`, when given)."""
+
+
+# -- value checkers: (value, fail) -> the converted value ------------------------------------
+
+
+def number(low: float = 0, kind: type = float):
+    """A number greater than `low` (a whole one with kind=int)."""
+    def check(value, fail: Fail):
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+                kind is int and not isinstance(value, int)):
+            fail(f"must be a {'whole ' if kind is int else ''}number, got {value!r}")
+        if value <= low:
+            fail(f"must be greater than {low}, got {value!r}")
+        return kind(value)
+    return check
+
+
+def whole(low: int = 0):
+    return number(low, int)
+
+
+def string(value, fail: Fail) -> str:
+    if not isinstance(value, str) or not value:
+        fail(f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def paths(value, fail: Fail) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        fail("must be a list of file paths")
+    return tuple(value)
+
+
+def boolean(value, fail: Fail) -> bool:
+    if not isinstance(value, bool):
+        fail(f"must be true or false, got {value!r}")
+    return value
+
+
+def addresses(value, fail: Fail) -> tuple[Address, ...]:
+    if not isinstance(value, list):
+        fail("must be a list of \"host:port\" strings")
+    return tuple(_address(item, lambda m, i=item: fail(m, i)) for item in value)
+
+
+def interfaces(value, fail: Fail) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,14}\*?", p) for p in value):
+        fail("must be a non-empty list of interface names, with an optional trailing '*' "
+             "(for example \"corral*\")")
+    return tuple(value)
+
+
+def ipv4(value, fail: Fail) -> ipaddress.IPv4Address | None:
+    with contextlib.suppress(ValueError):
+        return ipaddress.IPv4Address(string(value, fail))
+    fail(f"{value!r} is not an IPv4 address", value)
+    return None
+
+
+def group(value, fail: Fail) -> str:
+    """A group that exists on this host."""
+    if not isinstance(value, str) or not value:
+        fail(f"must be a group name, got {value!r}")
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        fail(f"no group {value!r} on this host")
+    return value
+
+
+def setting(default, check, key: str | None = None):
+    """A field read through `check` from the TOML key `key` ("table.key"); by default the
+    key is the field's own name in its dataclass's table."""
+    return field(default=default, metadata={"check": check, "key": key})
 
 
 @dataclass(frozen=True)
 class DnsConfig:
-    listen: tuple[Address, ...] = ()
+    listen: tuple[Address, ...] = setting((), addresses)
     """UDP and TCP listeners."""
-    upstream: tuple[Address, ...] = ()
-    """Resolvers that allowed names are forwarded to, tried in order."""
-    timeout: float = 2.0
+    upstream: tuple[Address, ...] = setting((), addresses)
+    """Resolvers that allowed names are forwarded to, tried in order (or `upstream_from`: the
+    nameservers of a resolv.conf, read when the filter starts)."""
+    timeout: float = setting(2.0, number())
     """Seconds to wait for one upstream before trying the next."""
-    ttl_min: int = 5
+    ttl_min: int = setting(5, whole())
     """Answers are cached and handed out for at least this long ..."""
-    ttl_max: int = 3600
+    ttl_max: int = setting(3600, whole())
     """... and at most this long, whatever the upstream says."""
+    rate: float = setting(200.0, number())
+    """Queries a second one session may send on average (a token bucket, cached answers
+    included). A sandbox that resolves for itself asks A and AAAA per connection; 200 a
+    second is far above what builds and package managers ask."""
+    burst: int = setting(1000, whole())
+    """Queries one session may send at once above `rate`. Beyond, a query is answered
+    REFUSED at once, and an event (deny) says so at most once a second per session, with
+    the count refused since the last one."""
+    max_pending: int = setting(256, whole())
+    """Queries of one session waiting for an upstream at once; more are answered REFUSED
+    (the upstream timeout bounds how long each one waits)."""
+    max_tcp: int = setting(32, whole())
+    """DNS-over-TCP connections one session may hold open; more are closed at once. A stub
+    resolver opens one per truncated answer and closes it."""
+    cache_share: int = setting(2000, whole())
+    """Entries one session may hold in the wire cache (20,000 answers in all) and in the
+    resolver's cache (100,000): a session at its share evicts its own oldest entry, never
+    another session's. 2,000 names is more than a build asks; ten sessions at their share
+    still fit in the wire cache."""
+    exfil_length: int = setting(128, whole())
+    """For a name a wildcard rule allows (`*.zone`): the most characters the client may
+    choose, i.e. the labels before the zone, dots included. Longer looks like DNS
+    exfiltration: NXDOMAIN, never sent upstream. Real names stay well under: the longest
+    S3 forms (a 63-character bucket or access point with `.s3-accesspoint.dualstack.REGION`)
+    choose about 105 under `amazonaws.com`; exfiltration tools fill names to 253."""
+    exfil_entropy: float = setting(4.8, number())
+    """For a name a wildcard rule allows: a label of `exfil_entropy_length` characters or
+    more whose characters carry more bits each than this (Shannon) looks like encoded data.
+    Names are judged in lower case, so the alphabet is 38 characters (5.25 bits at most).
+    Real long labels mix words and numbers and stay below 4.7 (S3 bucket names such as
+    `aws-sam-cli-managed-default-samclisourcebucket-2cjx583p9q74`: 4.55); random base36 or
+    base64 at 63 characters is around 4.7 to 5.0. Hex and base32 stay under it: the length
+    and `exfil_names` limits bound those."""
+    exfil_entropy_length: int = setting(48, whole())
+    """How long a label must be before its entropy is judged (short labels have too few
+    characters to tell randomness from words: CloudFront ids, hashes, Codespaces names)."""
+    exfil_names: int = setting(60, whole())
+    """Distinct names one session may ask under one wildcard zone in a minute. Package
+    and CDN traffic asks a handful (raw, objects, codeload under githubusercontent.com);
+    with `exfil_length` this bounds a channel to about 5 KB a minute per zone."""
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    listen: tuple[Address, ...] = ()
+    listen: tuple[Address, ...] = setting((), addresses)
     """Explicit proxy: CONNECT and absolute-form HTTP."""
-    transparent_http: tuple[Address, ...] = ()
+    transparent_http: tuple[Address, ...] = setting((), addresses)
     """Where nftables redirects TCP 80; decided by the Host header."""
-    transparent_tls: tuple[Address, ...] = ()
+    transparent_tls: tuple[Address, ...] = setting((), addresses)
     """Where nftables redirects TCP 443; decided by the TLS ClientHello SNI."""
-    header_timeout: float = 10.0
+    header_timeout: float = setting(10.0, number())
     """Seconds a client has to send a complete request head or ClientHello."""
-    idle_timeout: float = 300.0
+    idle_timeout: float = setting(300.0, number())
     """Seconds a tunnel or keep-alive connection may sit with no bytes either way."""
-    connect_timeout: float = 10.0
+    connect_timeout: float = setting(10.0, number())
     """Seconds to establish the upstream TCP connection."""
-    max_header_bytes: int = 65536
+    max_header_bytes: int = setting(65536, whole(1023))
     """Largest request head accepted; larger gets 431."""
-    max_connections: int = 10000
-    """Client connections served at once; more are closed on accept."""
+    max_connections: int = setting(10000, whole())
+    """Client connections served at once, all sessions together; more are reset on accept."""
+    max_connections_per_session: int = setting(256, whole())
+    """Client connections one session may hold at once (a sandbox outside every session
+    counts as one more); more are reset on accept, with an event once a second. With the
+    tunnels below, what makes one session's flood unable to starve another."""
+    max_tunnels_per_session: int = setting(128, whole())
+    """Of those, tunnels (CONNECT, transparent TLS): each costs six descriptors more than a
+    plain connection (a spliced tunnel's pipes and socket duplicates). More get 503."""
 
 
 @dataclass(frozen=True)
 class FirewallConfig:
-    manage: bool = False
+    manage: bool = setting(False, boolean)
     """Re-apply the ruleset whenever a session is registered or unregistered at run time.
     Off, a new session's traffic is dropped (not in any known subnet) until someone runs
     `corral-firewall apply`: closed either way."""
-    interfaces: tuple[str, ...] = ("corral*",)
-    """Name patterns of the sandbox-facing interfaces (bridges); `*` only at the end."""
-    log_group: int = 2713
+    interfaces: tuple[str, ...] = setting(("podman*",), interfaces)
+    """Name patterns of the sandbox-facing interfaces (bridges); `*` only at the end. The
+    role's default (corral_firewall_interfaces): podman 4.3 names session bridges podmanN."""
+    log_group: int = setting(2713, whole())
     """NFLOG group that rejected packets are reported on (the filter reads it)."""
-    log_rate: int = 20
+    log_rate: int = setting(20, whole())
     """Rejected packets reported per second and session (the counters count them all)."""
-    learn_ttl_min: int = 60
+    learn_ttl_min: int = setting(60, whole())
     """Floor for how long a DNS-learned tcp allowance lasts, in seconds."""
+    dns_packets: int = setting(2000, whole())
+    """DNS datagrams a second one session may send the filter (a burst of twice as many);
+    more are rejected by the kernel before they reach the filter's one DNS socket, which
+    every session shares: a flood would fill its receive queue and the kernel would drop
+    every session's queries alike. Far above `[dns] rate`, which the filter answers with
+    REFUSED first."""
+    new_connections: int = setting(500, whole())
+    """TCP connections a second one session may open to the filter's listeners (a burst of
+    twice as many); more are reset by the kernel, before they wait in the listening
+    queues every session shares. The kernel also resets one past the session's caps
+    (`[proxy] max_connections_per_session` and `[dns] max_tcp`, with room for those
+    closing)."""
 
 
 @dataclass(frozen=True)
@@ -83,18 +230,37 @@ class SessionConfig:
 @dataclass(frozen=True)
 class FilterConfig:
     path: str
-    dns: DnsConfig
-    proxy: ProxyConfig
-    policy_files: tuple[str, ...] = ()
+    dns: DnsConfig = field(default_factory=DnsConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    policy_files: tuple[str, ...] = setting((), paths, "policy.files")
     """The appliance layer: applies to every client."""
-    state_dir: str = "/var/lib/corral"
+    state_dir: str = setting("/var/lib/corral-filter", string, "state.dir")
     """Runtime rules and the audit log live here."""
-    control_socket: str = "/run/corral/filter.sock"
-    control_group: str | None = None
+    audit_segment_bytes: int = setting(audit.SEGMENT_BYTES, whole(4095),
+                                       "state.audit_segment_bytes")
+    """The audit log's active segment is rotated before it grows past this many bytes. 64 MiB
+    (about 170,000 DNS denials of ~380 bytes): large enough that rotations are rare, small
+    enough that retention drops an eighth of the log at a time and one segment verifies in
+    under a second (0.7 s on the CI machine). Paging costs the same whatever the size: it
+    bisects."""
+    audit_segments: int = setting(audit.SEGMENTS_KEPT, whole(1), "state.audit_segments")
+    audit_events_per_session: int = setting(200, whole(), "state.audit_events_per_session")
+    """Records a second one session may add to the audit log (ten seconds' worth at once);
+    past that its events still reach `monitor`, and the log gets one record a second saying
+    how many it did not get. An agent's busiest build stays well under it; a session
+    flooding denials cannot push the log's history out of retention (a few MB a second
+    otherwise: eight 64 MiB segments turned over in minutes)."""
+    """Segments kept, the active one included; older ones are deleted. The log then takes
+    at most segments times segment bytes: 8 x 64 MiB = 512 MiB, about 1.4 million records, or
+    half an hour of the heaviest flood measured (9.7 MB in 30 s, issue 14) and far longer
+    for ordinary work. `verify` reports a log whose oldest segments went this way as intact
+    from the first record kept."""
+    control_socket: str = setting("/run/corral-filter/control.sock", string, "control.socket")
+    control_group: str | None = setting(None, group, "control.group")
     """A group that may use the control socket too (mode 0660): the admin API's user."""
-    gateway: ipaddress.IPv4Address | None = None
+    gateway: ipaddress.IPv4Address | None = setting(None, ipv4, "host.gateway")
     """What host.corral resolves to."""
-    sessions: tuple[SessionConfig, ...] = field(default_factory=tuple)
+    sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
 
     @property
@@ -102,17 +268,23 @@ class FilterConfig:
         return Path(self.state_dir) / "audit.jsonl"
 
 
-_SCHEMA = {
-    "dns": {"listen", "upstream", "upstream_from", "timeout", "ttl_min", "ttl_max"},
-    "proxy": {"listen", "transparent_http", "transparent_tls", "header_timeout",
-              "idle_timeout", "connect_timeout", "max_header_bytes", "max_connections"},
-    "policy": {"files"},
-    "state": {"dir"},
-    "control": {"socket", "group"},
-    "host": {"gateway"},
-    "session": {"name", "subnet", "files", "gateway"},
-    "firewall": {"manage", "interfaces", "log_group", "log_rate", "learn_ttl_min"},
-}
+TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig}
+"""The tables that are a dataclass of their own; FilterConfig's fields name their keys."""
+EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "gateway"}}
+"""Keys that are not a field of their own."""
+
+
+def _schema() -> dict[str, set[str]]:
+    """Every table and its keys, from the fields."""
+    schema: dict[str, set[str]] = {t: {f.name for f in dataclasses.fields(c)}
+                                   for t, c in TABLES.items()}
+    for f in dataclasses.fields(FilterConfig):
+        if f.metadata.get("key"):
+            table, key = f.metadata["key"].split(".")
+            schema.setdefault(table, set()).add(key)
+    for table, keys in EXTRA_KEYS.items():
+        schema.setdefault(table, set()).update(keys)
+    return schema
 
 
 def read_text(path: str) -> str:
@@ -132,15 +304,18 @@ def load_config(path: str) -> FilterConfig:
 def parse_config(text: str, path: str) -> FilterConfig:
     data = parse_toml(text, path)
     where = Locator(text)
+    schema = _schema()
 
-    def fail(table: str, key: str, message: str, value=None):
-        line = where.value(table, value) if value is not None else None
-        raise ConfigError(path, f"[{table}] {key}" if key else f"[{table}]", message,
-                          line or where.key(table, key))
+    def failer(table: str, key: str) -> Fail:
+        def fail(message: str, value=None):
+            line = where.value(table, value) if value is not None else None
+            raise ConfigError(path, f"[{table}] {key}" if key else f"[{table}]", message,
+                              line or where.key(table, key))
+        return fail
 
     for table, value in data.items():
-        if table not in _SCHEMA:
-            raise ConfigError(path, table, f"unknown key; expected {', '.join(sorted(_SCHEMA))}",
+        if table not in schema:
+            raise ConfigError(path, table, f"unknown key; expected {', '.join(sorted(schema))}",
                               where.key("", table))
         tables = value if table == "session" else [value]
         if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
@@ -148,117 +323,49 @@ def parse_config(text: str, path: str) -> FilterConfig:
                               if table == "session" else ""), where.key("", table))
         for t in tables:
             for key in t:
-                if key not in _SCHEMA[table]:
-                    fail(table, key, f"unknown key; expected {', '.join(sorted(_SCHEMA[table]))}")
+                if key not in schema[table]:
+                    failer(table, key)(f"unknown key; expected {', '.join(sorted(schema[table]))}")
 
-    def section(name):
-        return data.get(name, {})
+    def read(cls, table: str | None, **given):
+        """`cls` with each field the file sets read through its checker; the rest default."""
+        values = dict(given)
+        for f in dataclasses.fields(cls):
+            if f.name in values or "check" not in f.metadata:
+                continue
+            section, key = (f.metadata["key"] or f"{table}.{f.name}").split(".")
+            if key in data.get(section, {}):
+                fail = failer(section, key)
+                values[f.name] = f.metadata["check"](data[section][key],
+                                                     lambda m, v=None, fail=fail: fail(m, v))
+        return cls(**values)
 
-    def addresses(table, key) -> tuple[Address, ...]:
-        items = section(table).get(key, [])
-        if not isinstance(items, list):
-            fail(table, key, "must be a list of \"host:port\" strings")
-        return tuple(_address(item, lambda m, i=item: fail(table, key, m, i)) for item in items)
-
-    def number(table, key, default, kind=float, low=0):
-        value = section(table).get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or (
-            kind is int and not isinstance(value, int)
-        ):
-            fail(table, key, f"must be a {'whole ' if kind is int else ''}number, got {value!r}")
-        if value <= low:
-            fail(table, key, f"must be greater than {low}, got {value!r}")
-        return kind(value)
-
-    def string(table, key, default):
-        value = section(table).get(key, default)
-        if not isinstance(value, str) or not value:
-            fail(table, key, f"must be a non-empty string, got {value!r}")
-        return value
-
-    def strings(table, key, container=None):
-        container = section(table) if container is None else container
-        value = container.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            fail(table, key, "must be a list of file paths")
-        return tuple(value)
-
-    upstream = addresses("dns", "upstream")
-    if "upstream_from" in section("dns"):
-        if upstream:
-            fail("dns", "upstream_from", "give upstream or upstream_from, not both")
-        upstream = _resolv_conf(string("dns", "upstream_from", ""),
-                                lambda m: fail("dns", "upstream_from", m))
-    dns = DnsConfig(
-        listen=addresses("dns", "listen"),
-        upstream=upstream,
-        timeout=number("dns", "timeout", 2.0),
-        ttl_min=number("dns", "ttl_min", 5, int),
-        ttl_max=number("dns", "ttl_max", 3600, int),
-    )
+    dns_table = data.get("dns", {})
+    upstream = None
+    if "upstream_from" in dns_table:
+        fail = failer("dns", "upstream_from")
+        if "upstream" in dns_table:
+            fail("give upstream or upstream_from, not both")
+        upstream = _resolv_conf(string(dns_table["upstream_from"], fail), fail)
+    dns = read(DnsConfig, "dns", **({"upstream": upstream} if upstream is not None else {}))
     if dns.ttl_min > dns.ttl_max:
-        fail("dns", "ttl_min", f"{dns.ttl_min} is larger than ttl_max {dns.ttl_max}")
+        failer("dns", "ttl_min")(f"{dns.ttl_min} is larger than ttl_max {dns.ttl_max}")
     if dns.listen and not dns.upstream:
-        fail("dns", "upstream", "DNS listens but has no upstream resolver to forward to")
-    proxy = ProxyConfig(
-        listen=addresses("proxy", "listen"),
-        transparent_http=addresses("proxy", "transparent_http"),
-        transparent_tls=addresses("proxy", "transparent_tls"),
-        header_timeout=number("proxy", "header_timeout", 10.0),
-        idle_timeout=number("proxy", "idle_timeout", 300.0),
-        connect_timeout=number("proxy", "connect_timeout", 10.0),
-        max_header_bytes=number("proxy", "max_header_bytes", 65536, int, 1023),
-        max_connections=number("proxy", "max_connections", 10000, int),
-    )
-    gateway = None
-    if "gateway" in section("host"):
-        text = string("host", "gateway", "")
-        try:
-            gateway = ipaddress.IPv4Address(text)
-        except ValueError:
-            fail("host", "gateway", f"{text!r} is not an IPv4 address", text)
+        failer("dns", "upstream")("DNS listens but has no upstream resolver to forward to")
+    firewall = read(FirewallConfig, "firewall")
+    if firewall.log_group > 65535:
+        failer("firewall", "log_group")("must be at most 65535")
 
     sessions: list[SessionConfig] = []
     for entry in data.get("session", []):
         try:
+            files = paths(entry.get("files", []), failer("session", "files"))
             sessions.append(make_session(entry.get("name"), entry.get("subnet"),
-                                         entry.get("gateway"), strings("session", "files", entry),
-                                         sessions))
+                                         entry.get("gateway"), files, sessions))
         except SessionError as exc:
-            fail("session", exc.key, str(exc), exc.value)
+            failer("session", exc.key)(str(exc), exc.value)
 
-    patterns = section("firewall").get("interfaces", ["corral*"])
-    if not isinstance(patterns, list) or not patterns or not all(
-        isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,14}\*?", p) for p in patterns
-    ):
-        fail("firewall", "interfaces", "must be a non-empty list of interface names, with an "
-             "optional trailing '*' (for example \"corral*\")")
-    manage = section("firewall").get("manage", False)
-    if not isinstance(manage, bool):
-        fail("firewall", "manage", f"must be true or false, got {manage!r}")
-    firewall = FirewallConfig(
-        manage=manage,
-        interfaces=tuple(patterns),
-        log_group=number("firewall", "log_group", 2713, int),
-        log_rate=number("firewall", "log_rate", 20, int),
-        learn_ttl_min=number("firewall", "learn_ttl_min", 60, int),
-    )
-    if firewall.log_group > 65535:
-        fail("firewall", "log_group", "must be at most 65535")
-
-    return FilterConfig(
-        path=path,
-        dns=dns,
-        proxy=proxy,
-        policy_files=strings("policy", "files"),
-        state_dir=string("state", "dir", "/var/lib/corral"),
-        control_socket=string("control", "socket", "/run/corral/filter.sock"),
-        control_group=_group(section("control").get("group"),
-                             lambda m: fail("control", "group", m)),
-        gateway=gateway,
-        sessions=tuple(sessions),
-        firewall=firewall,
-    )
+    return read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
+                sessions=tuple(sessions), firewall=firewall)
 
 
 class SessionError(ValueError):
@@ -299,19 +406,6 @@ def make_session(name, subnet_text, gateway_text, files, existing) -> SessionCon
     return SessionConfig(name, subnet, tuple(files), gateway)
 
 
-def _group(name, fail) -> str | None:
-    """A group that exists on this host, or None when the key is absent."""
-    if name is None:
-        return None
-    if not isinstance(name, str) or not name:
-        fail(f"must be a group name, got {name!r}")
-    try:
-        grp.getgrnam(name)
-    except KeyError:
-        fail(f"no group {name!r} on this host")
-    return name
-
-
 def _resolv_conf(path: str, fail) -> tuple[Address, ...]:
     """The nameservers of a resolv.conf, read when the filter starts: a DHCP-configured
     appliance forwards to what its network gives it. Loopback stubs are skipped (the
@@ -334,15 +428,13 @@ def _resolv_conf(path: str, fail) -> tuple[Address, ...]:
 
 
 def _address(item, fail) -> Address:
-    from appliance.policy import HostNameError, split_host_port
-
     if not isinstance(item, str):
         fail(f"{item!r} is not a \"host:port\" string")
     try:
         host, port = split_host_port(item)
     except HostNameError as exc:
         fail(str(exc))
-    if not port or not port.isdigit() or int(port) > 65535:
+    if not port or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         fail(f"{item!r} needs a port number, as in 127.0.0.1:53")
     try:
         ipaddress.ip_address(host)

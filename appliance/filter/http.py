@@ -20,8 +20,20 @@ _TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authorization",
-    "proxy-authenticate", "te", "trailer", "upgrade",
+    "proxy-authenticate", "te", "trailer", "upgrade", "http2-settings",
 })
+MAX_FIELDS = 200
+"""Header fields a message may carry (more gets 431): a head of 64 KiB of tiny fields would
+cost the one event loop tens of milliseconds to parse and search."""
+FRAMING = frozenset({"content-length", "transfer-encoding", "host"})
+"""Fields that say where a message ends or where it goes: a Connection header may not name
+them (a proxy that dropped them as hop-by-hop would leave the body to be read as a second
+request, to any host on that address)."""
+_DIGITS = re.compile(r"[0-9]+")
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ [^\x00-\x20\x7f]+ HTTP/1\.[01]")
+"""What a request line looks like, checked before the rest of the head is read (fullmatch)."""
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[\t\x20-\x7e]*)?")
+"""A chunk-size line (fullmatch: `$` would let a trailing LF through)."""
 
 
 class HttpError(ValueError):
@@ -77,6 +89,8 @@ def _lines(data: bytes) -> list[bytes]:
 
 
 def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
+    if len(lines) > MAX_FIELDS:
+        raise HttpError(431, f"{len(lines)} header fields; at most {MAX_FIELDS}")
     fields = []
     for line in lines:
         if line[:1] in (b" ", b"\t"):
@@ -92,13 +106,20 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
 
 
 def _check_framing(head: Head) -> None:
+    named = head.tokens("connection") & FRAMING
+    if named:
+        raise HttpError(400, f"Connection header names {', '.join(sorted(named))}: a framing "
+                        "field cannot be hop-by-hop (request smuggling)")
     lengths = head.get_all("content-length")
-    if lengths:
-        if len({v.strip() for v in lengths}) != 1 or not lengths[0].strip().isdigit():
+    if lengths:  # ASCII digits only: str.isdigit() takes "²", which int() then refuses
+        if len(set(lengths)) != 1 or not _DIGITS.fullmatch(lengths[0]):
             raise HttpError(400, f"invalid or conflicting Content-Length {lengths!r}")
-        if len(lengths[0].strip()) > 18:
+        if len(lengths[0]) > 18:
             raise HttpError(400, "Content-Length too large")
-    codings = [t.strip().lower() for v in head.get_all("transfer-encoding") for t in v.split(",")]
+    # tokens as written, but for the spaces and tabs around them: str.strip() would also
+    # take "\x85" and "\xa0" away, and another parser would not
+    codings = [t.strip(" \t").lower() for v in head.get_all("transfer-encoding")
+               for t in v.split(",")]
     if codings:
         if codings != ["chunked"]:
             raise HttpError(501, f"Transfer-Encoding {', '.join(codings)!r} is not supported;"
@@ -126,7 +147,17 @@ def parse_request(data: bytes) -> Head:
     if len(head.get_all("host")) > 1:
         raise HttpError(400, "more than one Host header")
     _check_framing(head)
+    if head.chunked and head.start[2] == "HTTP/1.0":  # RFC 9112 §6.1: the framing is faulty
+        raise HttpError(400, "Transfer-Encoding in an HTTP/1.0 request is refused (an "
+                        "HTTP/1.0 upstream would not read the chunks)")
     return head
+
+
+def check_request_line(line: bytes) -> None:
+    """A request line (without its CRLF) as HTTP/1.x writes it, or HttpError at once: what
+    is not HTTP need not wait for the end of a head it will never send."""
+    if not _REQUEST_LINE.fullmatch(line):
+        raise HttpError(400, f"not an HTTP/1.x request line: {line[:60]!r}")
 
 
 def parse_response(data: bytes) -> Head:
@@ -134,10 +165,11 @@ def parse_response(data: bytes) -> Head:
     lines = _lines(data)
     version, _, rest = lines[0].partition(b" ")
     status, _, reason = rest.partition(b" ")
-    if not _VERSION.match(version) or len(status) != 3 or not status.isdigit():
+    if not _VERSION.match(version) or not re.fullmatch(rb"[0-9]{3}", status):
         raise HttpError(502, f"upstream sent a malformed status line {lines[0][:80]!r}")
-    head = Head((version.decode(), status.decode(), reason.decode("latin-1")), _fields(lines[1:]))
     try:
+        head = Head((version.decode(), status.decode(), reason.decode("latin-1")),
+                    _fields(lines[1:]))
         _check_framing(head)
     except HttpError as exc:
         raise HttpError(502, f"upstream response: {exc}") from None
@@ -165,7 +197,7 @@ def parse_authority(text: str, default_port: int | None) -> tuple[str, int]:
         if default_port is None:
             raise HttpError(400, f"{text!r} needs a port, as in {text}:443")
         return host, default_port
-    if not port.isdigit() or not 0 < int(port) <= 65535:
+    if not _DIGITS.fullmatch(port) or len(port) > 5 or not 0 < int(port) <= 65535:
         raise HttpError(400, f"invalid port in {text!r}")
     if not host:
         raise HttpError(400, f"no host in {text!r}")
@@ -207,13 +239,6 @@ def _serialise(start: str, head: Head, drop: frozenset[str], keep: frozenset[str
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def serialise_request(head: Head, path: str, drop: frozenset[str] = HOP_BY_HOP,
-                      keep: frozenset[str] = frozenset()) -> bytes:
-    """Origin-form request line plus the fields a next hop may see."""
-    method, _, version = head.start
-    return _serialise(f"{method} {path} {version}", head, drop, keep)
-
-
 def serialise_response(reply: Head, close: bool = False,
                        keep: frozenset[str] = frozenset()) -> bytes:
     """The upstream's response for the client, as HTTP/1.1, with our own Connection header."""
@@ -222,8 +247,18 @@ def serialise_response(reply: Head, close: bool = False,
 
 
 def parse_chunk_size(line: bytes) -> int:
-    """The size in a chunk-size line (extensions ignored). Raises HttpError."""
-    size = line.split(b";", 1)[0].strip()
-    if not size or len(size) > 16 or not all(c in b"0123456789abcdefABCDEF" for c in size):
-        raise HttpError(400, f"malformed chunk size {line[:40]!r}")
-    return int(size, 16)
+    """The size in a chunk-size line without its CRLF: hex digits, then optional extensions
+    (which the proxy drops when it re-serialises the chunk). Raises HttpError: a bare CR or
+    LF, a sign, spaces or anything else a lenient parser might read differently."""
+    match = _CHUNK_LINE.fullmatch(line)
+    if match is None:
+        raise HttpError(400, f"malformed chunk size line {line[:40]!r}")
+    return int(match.group(1), 16)
+
+
+def check_trailer_line(line: bytes) -> None:
+    """A trailer field line without its CRLF (trailers are read to find the end of a chunked
+    body, then dropped). Raises HttpError."""
+    if b"\r" in line or b"\n" in line:
+        raise HttpError(400, "bare CR or LF in a chunked body's trailer")
+    _fields([line])

@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from .http import Head, HttpError, parse_chunk_size
+from .http import Head, HttpError, check_trailer_line, parse_chunk_size
 
 CHUNK = 256 * 1024
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -24,6 +24,11 @@ SPLICE = getattr(os, "splice", None)
 SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 F_SETPIPE_SZ = 1031  # linux/fcntl.h
 PIPE_SIZE = 1 << 20
+YIELD_EVERY = 64
+"""Chunks copied before the loop is given a turn: a body of many tiny chunks, all in the
+buffer already, would otherwise hold the one event loop for as long as it lasts."""
+TUNNEL_FDS = 6
+"""Descriptors a spliced tunnel adds to its two connections (see _SplicedTunnel)."""
 STATS = {"spliced": 0, "streamed": 0}
 """Tunnels by how their bytes moved (status reports it: a fallback should be visible)."""
 
@@ -53,6 +58,15 @@ async def within(awaitable, seconds: float | None):
     that wait_for creates on every call in Python 3.11: a proxied request awaits a dozen."""
     async with asyncio.timeout(seconds):
         return await awaitable
+
+
+async def drain(writer, idle: float) -> None:
+    """Wait for the peer to take what was written, at most `idle` seconds: a peer that
+    stops reading must not hold its connection (and its session's share) for ever."""
+    try:
+        await within(writer.drain(), idle)
+    except TimeoutError:
+        raise ConnectionError(f"the peer read nothing for {idle:g} s") from None
 
 
 def original_port(writer: asyncio.StreamWriter, default: int) -> int:
@@ -88,12 +102,15 @@ async def _pump(reader, writer, counters: Counters, upward: bool, idle: float) -
             return
         counters.add(len(data), upward)
         writer.write(data)
-        await writer.drain()
+        await drain(writer, idle)
 
 
-async def tunnel(client_r, client_w, up_r, up_w, counters: Counters, idle: float) -> None:
-    """Copy both ways until both sides have finished, one side fails, or both sit idle."""
-    if SPLICE is not None and await _hand_over(client_r, client_w, up_r, up_w, counters):
+async def tunnel(client_r, client_w, up_r, up_w, counters: Counters, idle: float,
+                 splice: bool = True) -> None:
+    """Copy both ways until both sides have finished, one side fails, or both sit idle;
+    spliced (TUNNEL_FDS more descriptors) unless `splice` is False."""
+    if splice and SPLICE is not None and await _hand_over(client_r, client_w, up_r, up_w,
+                                                          counters, idle):
         STATS["spliced"] += 1
         await _splice_tunnel(client_w, up_w, counters, idle)
         return
@@ -110,7 +127,7 @@ async def tunnel(client_r, client_w, up_r, up_w, counters: Counters, idle: float
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _hand_over(client_r, client_w, up_r, up_w, counters: Counters) -> bool:
+async def _hand_over(client_r, client_w, up_r, up_w, counters: Counters, idle: float) -> bool:
     """Take both sockets away from asyncio's streams, so splice can move the bytes: stop
     their reading, pass on what they had already read, and let their write buffers empty.
     False (the streams keep the tunnel) when either side is not a plain open socket or has
@@ -133,25 +150,20 @@ async def _hand_over(client_r, client_w, up_r, up_w, counters: Counters) -> bool
             other.write(data)
     for _, writer, _, _ in readers:
         writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for empty
-        await writer.drain()
+        await drain(writer, idle)
     return True
 
 
 class _Splice:
-    """One direction of a spliced tunnel: socket -> pipe -> socket, driven by readiness."""
+    """One direction of a spliced tunnel: socket -> pipe -> socket, driven by readiness.
+    It borrows its descriptors; `_SplicedTunnel` owns them."""
 
-    def __init__(self, loop, src, dst, counters: Counters, upward: bool):
-        # asyncio refuses readers on a transport's descriptor: watch duplicates of them.
-        # The writing side is a socket object of our own, for shutdown(): uvloop's
-        # transports hand out sockets that refuse it.
+    def __init__(self, loop, src: int, dst: socket.socket, pipe: tuple[int, int],
+                 counters: Counters, upward: bool):
         self.loop = loop
-        self.src = os.dup(src.fileno())
-        self.dst = socket.socket(fileno=os.dup(dst.fileno()))
-        self.dst_fd = self.dst.fileno()
+        self.src, self.dst, self.dst_fd = src, dst, dst.fileno()
+        self.pipe_r, self.pipe_w = pipe
         self.counters, self.upward = counters, upward
-        self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(self.pipe_w, F_SETPIPE_SZ, PIPE_SIZE)
         self.pending = 0  # bytes in the pipe
         self.eof = False
         self.done = loop.create_future()
@@ -213,19 +225,62 @@ class _Splice:
         if not self.pending and not self.eof and not self.done.done():
             self.loop.add_reader(self.src, self._guard, self._readable)
 
-    def close(self) -> None:
-        self._finish(None)  # unregisters before the duplicates close
-        for fd in (self.pipe_r, self.pipe_w, self.src):
+
+class _SplicedTunnel:
+    """Every descriptor a spliced tunnel adds, owned in one place and released together,
+    whatever step fails: one duplicate of each socket (asyncio refuses readers on a
+    transport's own descriptor; the duplicate is also a socket object of our own, for
+    shutdown(): uvloop's transports hand out sockets that refuse it) and a pipe per direction:
+    TUNNEL_FDS on top of the two connections."""
+
+    def __init__(self, loop, client: socket.socket, upstream: socket.socket,
+                 counters: Counters):
+        self.fds: list[int] = []
+        self.sockets: list[socket.socket] = []
+        self.directions: list[_Splice] = []
+        try:
+            ends = [self._dup(client), self._dup(upstream)]
+            pipes = [self._pipe(), self._pipe()]
+            for (src, dst), pipe, upward in (((ends[0], ends[1]), pipes[0], True),
+                                             ((ends[1], ends[0]), pipes[1], False)):
+                self.directions.append(_Splice(loop, src.fileno(), dst, pipe, counters,
+                                               upward))
+        except BaseException:
+            self.close()
+            raise
+
+    def _dup(self, sock: socket.socket) -> socket.socket:
+        fd = os.dup(sock.fileno())
+        try:
+            dup = socket.socket(fileno=fd)
+        except BaseException:
             os.close(fd)
-        self.dst.close()
+            raise
+        self.sockets.append(dup)
+        return dup
+
+    def _pipe(self) -> tuple[int, int]:
+        pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fds.extend(pipe)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(pipe[1], F_SETPIPE_SZ, PIPE_SIZE)
+        return pipe
+
+    def close(self) -> None:
+        for direction in self.directions:
+            direction._finish(None)  # unregisters before the descriptors close
+        for fd in self.fds:
+            os.close(fd)
+        for sock in self.sockets:
+            sock.close()
+        self.fds, self.sockets, self.directions = [], [], []
 
 
 async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> None:
     loop = asyncio.get_running_loop()
     client, upstream = client_w.get_extra_info("socket"), up_w.get_extra_info("socket")
-    directions = [_Splice(loop, client, upstream, counters, True),
-                  _Splice(loop, upstream, client, counters, False)]
-    futures = [d.done for d in directions]
+    spliced = _SplicedTunnel(loop, client, upstream, counters)
+    futures = [d.done for d in spliced.directions]
     try:
         while True:
             done, pending = await asyncio.wait(futures, timeout=idle,
@@ -235,8 +290,7 @@ async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> Non
             if time.monotonic() - counters.last >= idle:
                 return  # both sat idle
     finally:
-        for direction in directions:
-            direction.close()
+        spliced.close()
 
 
 async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, idle: float,
@@ -251,13 +305,17 @@ async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, i
         counters.add(len(data), upward)
         writer.write(prefix + data if prefix else data)
         prefix = b""
-        await writer.drain()
+        await drain(writer, idle)
     if prefix:
         writer.write(prefix)
 
 
-async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: float):
-    """Copy a chunked body verbatim, parsing its framing to know where it ends."""
+async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: float,
+                       max_trailer: int = 65536):
+    """Copy a chunked body re-serialised: each chunk as `{size:x}` CRLF, data, CRLF, whatever
+    spelling the sender used (extensions dropped), the last chunk as `0` CRLF CRLF (trailer
+    fields read, checked and dropped). A line the parser refuses ends the body with an
+    HttpError before anything of it is passed on."""
 
     async def line() -> bytes:
         try:
@@ -266,19 +324,28 @@ async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: f
             raise HttpError(400, "chunk line too long") from None
         except asyncio.IncompleteReadError:
             raise ConnectionError("peer closed in the middle of a chunked body") from None
-        writer.write(data)
-        return data
+        return data[:-2]
 
+    chunks = 0
     while True:
-        size = parse_chunk_size((await line())[:-2])
+        size = parse_chunk_size(await line())
+        chunks += 1
+        if chunks % YIELD_EVERY == 0:  # buffered chunks never wait: let the loop run
+            await asyncio.sleep(0)
         if size == 0:
-            while (await line()) != b"\r\n":  # trailer fields, then the empty line
-                pass
-            await writer.drain()
+            trailer = 0
+            while (field := await line()) != b"":
+                check_trailer_line(field)
+                trailer += len(field)
+                if trailer > max_trailer:
+                    raise HttpError(400, f"chunked trailer larger than {max_trailer} bytes")
+            writer.write(b"0\r\n\r\n")
+            await drain(writer, idle)
             return
-        await copy_exact(reader, writer, size, counters, upward, idle)
-        if (await line()) != b"\r\n":
+        await copy_exact(reader, writer, size, counters, upward, idle, b"%x\r\n" % size)
+        if await line() != b"":
             raise HttpError(400, "chunk data not followed by CRLF")
+        writer.write(b"\r\n")
 
 
 async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: float,
@@ -299,4 +366,4 @@ async def copy_until_eof(reader, writer, counters: Counters, idle: float) -> Non
     while data := await within(reader.read(CHUNK), idle):
         counters.add(len(data), upward=False)
         writer.write(data)
-        await writer.drain()
+        await drain(writer, idle)

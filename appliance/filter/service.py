@@ -4,21 +4,31 @@ Start-up is all or nothing: the config and every policy file are parsed first (e
 file, key and reason on any error), then every listener is bound (exit 1 naming the address
 that failed). Only then does it serve. SIGHUP re-reads the policy files; a bad file keeps
 the policy in force. SIGTERM/SIGINT stop it after flushing the audit log.
+
+The event loop never waits on a disk or on nftables: a change to the policy store (a rule,
+a session, a reload) is worked out, written and followed by the firewall on a worker
+thread, one change at a time, and swapped in on the loop (`Service.change`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from appliance.firewall import nflog, ruleset
+from appliance.firewall.learned import Cut, LearnedSet
+from appliance.firewall.ledger import Key
 from appliance.firewall.nft import Nft, NftError
-from appliance.policy import ConfigError
+from appliance.policy import ConfigError, Decision, Host
 
 from . import relay
 from .audit import AuditLog
@@ -26,13 +36,16 @@ from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
 from .dns import DnsFilter, UdpServer, serve_tcp
 from .events import EventBus
+from .limits import Budget, raise_limit
 from .proxy import Proxy
 from .resolver import Resolver
-from .store import PolicyStore
+from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
 VERSION = "0.1.0"
+REVOKE_RETRY = 2.0
+"""Seconds between attempts to take back learned tcp allowances while nftables refuses."""
 
 
 def _socket(host: str, port: int, kind: int) -> socket.socket:
@@ -78,25 +91,52 @@ def _learner():
         return None
 
 
+class Unaffordable(ControlError):
+    """A session the descriptor budget cannot hold at its caps."""
+
+
 class Service:
     def __init__(self, config: FilterConfig):
         self.config = config
         self.store = PolicyStore(config)  # raises ConfigError before anything is bound
+        self.budget = Budget(config, raise_limit())
+        try:
+            self.budget.check(len(self.store.session_configs()))
+        except ValueError as exc:
+            raise ConfigError(config.path, "[proxy]", str(exc)) from None
         self.started = time.time()
         self.audit: AuditLog | None = None
-        self.bus = EventBus()
+        self.bus = EventBus(audit_rate=config.audit_events_per_session,
+                            audit_burst=10 * config.audit_events_per_session)
+        self.store.on_change(lambda: self.bus.forget(set(self.store.sessions)))
         self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
-                                 config.dns.ttl_max)
+                                 config.dns.ttl_max, config.dns.cache_share)
         self.learner = _learner()
-        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learner,
-                             config.firewall.learn_ttl_min)
-        self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway)
+        self.learned = LearnedSet(self.learner, self._may_reach) if self.learner else None
+        """The learned set, with who taught each element: a policy change takes back what
+        it no longer allows (`_revoke`)."""
+        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
+                             config.firewall.learn_ttl_min, config.dns)
+        self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
+                           self.dns.exfil)
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
         self._nflog: socket.socket | None = None
         self.event_loop = ""
         """Which loop runs the filter: "uvloop" or "asyncio"."""
+        self.blocking = ThreadPoolExecutor(4, thread_name_prefix="corral-blocking")
+        """Where disk and nftables work runs, off the loop: changes (one at a time, under
+        `_changing`), audit pages, firewall checks. Not the loop's default executor, which
+        the DNS filter's firewall learning uses: neither waits for the other."""
+        self._changing: asyncio.Lock | None = None
+        self._firewall_seen: dict = {"loaded": False, "error": "not checked yet"}
+        self._fds_seen: int | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._revoking: asyncio.Task | None = None
+        self._revoke_again = False
+        self._start_cuts: list[Cut] = []
+        self.store.on_change(self._policy_changed)
 
     def audit_head(self) -> dict | None:
         return self.audit.head if self.audit else None
@@ -109,17 +149,37 @@ class Service:
             "listeners": self.listeners,
             "sessions": len(self.store.sessions),
             "active_connections": self.proxy.active,
-            "proxy": self.proxy.stats,
+            "proxy": {**self.proxy.stats, "open_flows": len(self.proxy.flows.open),
+                      "per_session": {
+                          str(name): {"connections": count,
+                                      "tunnels": self.proxy.flows.tunnels.held.get(name, 0)}
+                          for name, count in self.proxy.flows.connections.held.items()}},
+            "descriptors": self.budget.to_json(self._fds_seen),
             "tunnels": dict(relay.STATS),
-            "resolver": self.resolver.stats,
-            "dns": {"wire_cache_hits": self.dns.wire.hits,
-                    "wire_cache_entries": len(self.dns.wire.entries)},
-            "audit": {"path": str(self.config.audit_path), "head": self.audit_head(),
-                      "error": self.audit.failed if self.audit else None},
+            "resolver": {**self.resolver.stats, "cache_entries": len(self.resolver.cache),
+                         "cache_evicted": self.resolver.cache.evicted},
+            "dns": self.dns.stats(),
+            "audit": self._audit_status(),
             "firewall": self._firewall_status(),
         }
 
+    def _audit_status(self) -> dict:
+        if self.audit is None:
+            return {"path": str(self.config.audit_path), "head": None, "error": None}
+        return {**self.audit.describe(), "not_recorded": {
+            str(session): count for session, count in self.bus.held_total.items()}}
+
     def _firewall_status(self) -> dict:
+        return self._firewall_seen  # as `check_firewall` last saw it
+
+    def check_firewall(self) -> None:
+        """Look at the loaded ruleset and the open descriptors for `status`. Blocks
+        (libnftables; its lock, which a change applying the ruleset holds; a directory of up
+        to a million entries): run it off the loop."""
+        self._firewall_seen = self._look_at_firewall()
+        self._fds_seen = len(os.listdir("/proc/self/fd"))
+
+    def _look_at_firewall(self) -> dict:
         if self.learner is None:
             return {"loaded": False, "error": "nftables is not available to the filter"}
         try:
@@ -128,7 +188,13 @@ class Service:
             return {"loaded": False, "error": str(exc)}
         if items is None:
             return {"loaded": False, "error": "table inet corral is not loaded"}
-        return {"loaded": True, "rules": sum(1 for i in items if "rule" in i)}
+        return {"loaded": True, "rules": sum(1 for i in items if "rule" in i),
+                "counters": {i["counter"]["name"]: i["counter"]["packets"]  # battery.confirm
+                             for i in items if "counter" in i}}
+
+    async def off_loop(self, work: Callable, *args):
+        """`work(*args)` on a worker thread; the loop goes on serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.blocking, work, *args)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,7 +205,7 @@ class Service:
             # replacing the boot one; if nftables refuses, the filter does not start and
             # what is loaded stays (closed)
             try:
-                self.apply_firewall()
+                self._start_cuts = self.apply_firewall(end_strangers=True)
             except (NftError, ControlError) as exc:
                 raise SystemExit(f"corral-filter: cannot load the ruleset: {exc}") from None
         try:
@@ -164,14 +230,30 @@ class Service:
                     self._servers.append(server)
                     self._record(key, sock)
             self._start_drop_reader()
-            self.audit = AuditLog(self.config.audit_path)
+            self.audit = AuditLog(self.config.audit_path,
+                                  segment_bytes=self.config.audit_segment_bytes,
+                                  keep=self.config.audit_segments)
             self.bus.audit = self.audit
+            loop = asyncio.get_running_loop()
+            self.audit.on_retire = lambda names, kept: loop.call_soon_threadsafe(
+                self._retired, names, kept)
+            for cut in self._start_cuts:
+                self._cut_event(cut)
+            self._start_cuts = []
             control = await ControlServer(self).start(self.config.control_socket,
                                                       self.config.control_group)
             self._servers.append(control)
         except BaseException:
             await self.stop()
             raise
+
+    def _retired(self, names: list[str], kept: int | None) -> None:
+        """Retention removed segments: a record says which, and where the log now starts
+        (so a verifier can tell retention from a cut)."""
+        self.bus.emit({"session": None, "client": None, "kind": "audit", "name": None,
+                       "port": None, "address": None, "verdict": "error", "rule": None,
+                       "layer": None, "reason": f"retention removed {', '.join(names)}; the "
+                       f"log now starts at seq {kept}"})
 
     def _start_drop_reader(self) -> None:
         """Firewall rejects, reported over NFLOG, become events (when the firewall is here)."""
@@ -215,39 +297,188 @@ class Service:
         self.listeners.setdefault(key, []).append(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
-    def register_session(self, name, subnet, gateway, files):
+    async def change(self, plan: Callable[[], Change]) -> Change:
+        """One change to the policy store: `plan()` works it out, it is written and (with
+        `[firewall] manage`, when the ruleset depends on it) the firewall follows, all on a
+        worker thread; then it is swapped in on the loop. One change at a time, so that two
+        never start from the same state (the second would lose the first's rule). All or
+        nothing: a file that cannot be written or a ruleset nftables refuses leaves the
+        disk and the store as they were, and raises."""
+        if self._changing is None:
+            self._changing = asyncio.Lock()
+        async with self._changing:
+            change = await self.off_loop(self._prepare, plan)
+            self.store.commit(change)
+            return change
+
+    def _prepare(self, plan: Callable[[], Change]) -> Change:
+        change = plan()
+        if change.changed:
+            change.write()
+            if self.config.firewall.manage and self._ruleset_changes(change):
+                try:
+                    self.apply_firewall(change)
+                except BaseException:
+                    change.undo()
+                    raise
+        return change
+
+    def _ruleset_changes(self, change: Change) -> bool:
+        """The ruleset holds the sessions and the tcp rules that name an address."""
+        return (change.session_configs() != self.store.session_configs()
+                or ruleset.static_tcp_rules(change) != ruleset.static_tcp_rules(self.store))
+
+    async def register_session(self, name, subnet, gateway, files):
         """A session registered at run time; with `[firewall] manage`, the ruleset follows,
-        and if nftables refuses it the session is taken back out (fail closed)."""
-        session, added = self.store.register(name, subnet, gateway, files)
-        if added and self.config.firewall.manage:
-            try:
-                self.apply_firewall()
-            except (NftError, ControlError) as exc:
-                self.store.unregister(name)
-                raise ControlError(f"session {name} not registered: the firewall could not "
-                                   f"follow: {exc}") from None
+        and if nftables refuses it the session is not registered (fail closed). A session
+        the descriptor budget cannot hold at its caps is refused (limits.Budget)."""
+
+        def plan() -> Change:
+            change = self.store.plan_register(name, subnet, gateway, files)
+            if change.changed:
+                try:
+                    self.budget.check(len(change.session_configs()))
+                except ValueError as exc:
+                    raise Unaffordable(f"session {name} not registered: {exc}") from None
+            return change
+
+        try:
+            change = await self.change(plan)
+        except Unaffordable:
+            raise
+        except (NftError, ControlError) as exc:
+            raise ControlError(f"session {name} not registered: the firewall could not "
+                               f"follow: {exc}") from None
+        session, added = change.result
         log.info("session %s %s: %s", name, "registered" if added else "unchanged",
                  session.subnet)
         return session, added
 
-    def unregister_session(self, name: str, forget_rules: bool) -> None:
-        self.store.unregister(name, forget_rules)
-        if self.config.firewall.manage:
-            self.apply_firewall()
+    async def unregister_session(self, name: str, forget_rules: bool) -> None:
+        try:
+            await self.change(lambda: self.store.plan_unregister(name, forget_rules))
+        except (NftError, ControlError) as exc:
+            raise ControlError(f"session {name} not unregistered: the firewall could not "
+                               f"follow: {exc}") from None
         log.info("session %s unregistered%s", name, " (rules forgotten)" if forget_rules else "")
 
-    def apply_firewall(self) -> None:
-        """Load the ruleset for every session now known (one transaction). Raises on refusal."""
-        if self.learner is None:
+    def apply_firewall(self, state=None, end_strangers: bool = False) -> list[Cut]:
+        """Load the ruleset for every session of `state` (the store, or a change about to be
+        committed) in one transaction, with the learned elements of those sessions: read
+        from the learned set's ledger and loaded under its lock, so that nothing learned
+        meanwhile is lost. Raises on refusal. Blocks: off the loop once serving. With
+        `end_strangers` (start-up): what a previous filter left in the learned set is not
+        carried over, and the cuts of their connections are returned."""
+        if self.learner is None or self.learned is None:
             raise ControlError("the filter manages the firewall but nftables is unavailable")
-        self.learner.apply(ruleset.for_store(self.store, self.learner.learned_elements(),
-                                             self.learner.counters()))
+        state = state or self.store
+        sessions = {s.name for s in state.session_configs()}
+        counts = self.learner.counters()
+        return self.learned.apply(lambda learned: ruleset.for_store(state, learned, counts),
+                                  sessions, end_strangers)
+
+    # -- learned tcp allowances that a policy change takes back ------------------------------
+
+    def _may_reach(self, session: str, key: Key, name: str) -> Decision:
+        """The learned set's judge: may `session`'s sandbox reach the element's destination
+        and port as an address of `name`, under the policy in force now? Runs on worker
+        threads, and reads the store as `_ruleset_changes` does: a commit swaps whole
+        references, so a reader sees one state or the next, never half of one."""
+        current = self.store.sessions.get(session)
+        if current is None:
+            return Decision(False, f"session {session} is gone")
+        sandbox, destination, port = key
+        if ipaddress.ip_address(sandbox) not in current.subnet:
+            return Decision(False, f"{sandbox} is no longer in session {session}'s subnet")
+        host = Host(name=name)
+        decision = current.policy.decide_tcp(host, port)
+        if decision.allowed:  # a cidr rule that let a blocked address through may be gone
+            check = current.policy.decide_address(ipaddress.ip_address(destination), host)
+            if not check.allowed:
+                return check
+        return decision
+
+    def _policy_changed(self) -> None:
+        """After every change (on the loop): take back, off the loop, the learned elements
+        the policy in force no longer allows. One pass at a time; changes that come while
+        one runs ask for one more pass, not one each."""
+        if self.learned is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a change made with no loop running: nothing has learned yet
+            if len(self.learned.ledger):
+                raise RuntimeError("learned tcp allowances are taken back on the filter's "
+                                   "event loop, and none is running") from None
+            return
+        self._revoke_again = True
+        if self._revoking is None:
+            self._revoking = loop.create_task(self._revoke(), name="corral-revoke")
+
+    async def _revoke(self) -> None:
+        """Passes until one finds the policy unchanged since it began. A pass nftables
+        refuses leaves the elements in the ledger and is tried again every REVOKE_RETRY
+        seconds until one goes through (one event and one log line per such streak)."""
+        failing = False
+        try:
+            while self._revoke_again:
+                self._revoke_again = False
+                try:
+                    cuts = await self.off_loop(self.learned.revoke)
+                except Exception as exc:
+                    if not failing:
+                        log.error("learned tcp allowances not taken back: %s", exc)
+                        self.bus.emit({
+                            "session": None, "client": None, "kind": "firewall", "name": None,
+                            "verdict": "error", "rule": None, "layer": None,
+                            "reason": "learned tcp allowances the policy no longer gives "
+                                      f"could not be taken back (trying again): {exc}"})
+                    failing = self._revoke_again = True
+                    await asyncio.sleep(REVOKE_RETRY)
+                    continue
+                if failing:
+                    log.info("learned tcp allowances taken back after all")
+                    failing = False
+                for cut in cuts:
+                    self._cut_event(cut)
+        finally:
+            self._revoking = None
+
+    def _cut_event(self, cut: Cut) -> None:
+        revoked = cut.revoked
+        sandbox, destination, port = revoked.key
+        session = revoked.session or self.store.lookup(sandbox)[0]
+        names = list(revoked.names)
+        through = f" ({', '.join(names)})" if names else ""
+        ended = cut.error or (f"{cut.connections} connection"
+                              f"{'' if cut.connections == 1 else 's'} ended")
+        rule = revoked.decision.rule
+        event = {"session": session, "client": sandbox, "kind": "firewall",
+                 "name": names[0] if names else None, "port": port, "address": destination,
+                 "verdict": "deny", "rule": rule.text if rule else None,
+                 "layer": rule.layer if rule else None, "protocol": "tcp",
+                 "reason": f"cut: {session or sandbox} -> {destination}:{port}{through}: "
+                           f"{revoked.decision.reason}; {ended}",
+                 "names": names, "connections": cut.connections}
+        if cut.error:
+            event["error"] = cut.error
+        self.bus.emit(event)
 
     def reload(self) -> None:
+        """SIGHUP: re-read the policy files, as a change like any other (off the loop, after
+        the changes before it)."""
+        task = asyncio.get_running_loop().create_task(self._reload(), name="corral-reload")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reload(self) -> None:
         try:
-            self.store.reload()
-        except ConfigError as exc:
+            await self.change(self.store.plan_reload)
+        except (ConfigError, NftError, ControlError, OSError) as exc:
             log.error("reload refused, policy unchanged: %s", exc)
+            return
+        except Exception:
+            log.exception("reload refused, policy unchanged: internal error")
             return
         log.info("policy reloaded: %d sessions", len(self.store.sessions))
 
@@ -263,6 +494,7 @@ class Service:
         if self.audit is not None:
             self.audit.close()
             self.audit = None
+        self.blocking.shutdown(wait=False, cancel_futures=True)
 
 
 async def run(config: FilterConfig) -> int:

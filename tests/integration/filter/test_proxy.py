@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import ssl
 import time
@@ -74,17 +75,22 @@ def test_connect_to_allowed_host_carries_real_tls(corral_filter, internet):
     assert closed["rule"] == "allowed.test" and closed["layer"] == "project"
 
 
-def test_tunnels_are_spliced_and_pass_a_half_close_on(corral_filter):
+def test_tunnels_are_spliced_and_pass_a_half_close_on(corral_filter, internet):
     before = corral_filter.control({"op": "status"})["tunnels"]
-    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:80")
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:443")
     assert head.startswith(b"HTTP/1.1 200")
-    with sock:
-        sock.sendall(b"GET /half HTTP/1.0\r\nHost: allowed.test\r\n\r\n")
+    with internet.ca.client_context().wrap_socket(sock, server_hostname="allowed.test") as tls:
+        tls.sendall(b"GET /half HTTP/1.1\r\nHost: allowed.test\r\n\r\n")  # keep-alive
         time.sleep(0.3)  # the tunnel is spliced by now
-        sock.shutdown(socket.SHUT_WR)  # the client is done sending; the answer must come
-        reply = recv_all(sock)
-    assert reply.startswith(b"HTTP/1.") and b" 200 " in reply.split(b"\r\n")[0]
-    assert b"/half" in reply
+        # the client is done sending (TCP half-close, under TLS): the origin must hear it
+        # and end the connection once it has answered
+        with socket.socket(fileno=os.dup(tls.fileno())) as raw:
+            raw.shutdown(socket.SHUT_WR)
+        reply, ended = b"", False
+        while not ended:
+            chunk = tls.recv(65536)  # a TimeoutError here: the half-close was lost
+            reply, ended = reply + chunk, not chunk
+    assert reply.startswith(b"HTTP/1.1 200") and b"/half" in reply
     after = corral_filter.control({"op": "status"})["tunnels"]
     assert after["spliced"] == before["spliced"] + 1 and after["streamed"] == before["streamed"]
 
@@ -166,12 +172,14 @@ def test_proxy_skips_blocked_addresses_and_dials_the_checked_one(corral_filter, 
     sock.close()
 
 
-def test_second_connect_inside_a_tunnel_is_judged_on_its_target(corral_filter, internet):
+@pytest.mark.parametrize("inner", ["other.test:443", "allowed.test:443"])
+def test_a_second_connect_inside_a_tunnel_is_refused(corral_filter, internet, inner):
+    """Even to an allowed target: what followed its 200 would reach the upstream unseen."""
     sock, head = tunnel(corral_filter.proxy_port, "allowed.test:80")
     assert status_of(head) == 200
-    sock.sendall(b"CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n")
+    sock.sendall(f"CONNECT {inner} HTTP/1.1\r\nHost: {inner}\r\n\r\n".encode())
     reply = recv_all(sock)  # answered by the proxy, nothing relayed
-    assert status_of(reply) == 403 and b"corral allow-http other.test:443" in reply
+    assert status_of(reply) == 403 and b"CONNECT inside a tunnel" in reply
     sock.close()
     event = corral_filter.wait_event(lambda e: "CONNECT inside a tunnel" in (e["reason"] or ""))
     assert event["verdict"] == "deny"
@@ -260,10 +268,11 @@ def test_userinfo_in_uri_is_refused(corral_filter):
     assert status_of(raw) == 400
 
 
-def test_upgrade_switches_to_a_tunnel(corral_filter):
+def test_a_websocket_upgrade_switches_to_a_tunnel(corral_filter):
     with connect(corral_filter.proxy_port) as sock:
         sock.sendall(b"GET http://allowed.test/upgrade HTTP/1.1\r\nHost: allowed.test\r\n"
-                     b"Connection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+                     b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
         data = b""
         while b"\r\n\r\n" not in data:
             data += sock.recv(4096)
@@ -338,3 +347,222 @@ def test_transparent_tls_without_sni_is_denied(corral_filter, internet):
 def test_garbage_on_transparent_tls_gets_an_alert(corral_filter):
     raw = exchange(corral_filter.tls_port, b"\x16\x03\x01\x00\x05\x02\x00\x00\x01\x00")
     assert raw.startswith(b"\x15\x03\x03")
+
+
+# -- no path skips a check (issue 14, A) -------------------------------------------------
+
+
+def test_a_client_hello_after_a_silence_is_still_checked(corral_filter, internet):
+    """Waiting past header_timeout (2 s here) must not open the tunnel uninspected."""
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:443")
+    assert status_of(head) == 200
+    time.sleep(2.5)
+    with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
+        https_get(sock, internet, "other.test")
+    corral_filter.wait_event(lambda e: "SNI other.test differs" in (e["reason"] or ""))
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:443")
+    time.sleep(2.5)  # and a late hello that names the CONNECT host goes through
+    assert https_get(sock, internet, "allowed.test", "/late")["path"] == "/late"
+
+
+def test_what_the_server_says_first_reaches_the_client_but_not_the_other_way(
+        corral_filter, internet):
+    """A server-speaks-first upstream is heard at once; the client's reply is still inspected:
+    inside a tunnel only TLS and HTTP/1.x are relayed."""
+    import asyncio
+
+    async def banner(reader, writer):
+        writer.write(b"SSH-2.0-origin\r\n")
+        await writer.drain()
+        internet.banner_heard.append(await reader.read(100))
+        writer.close()
+
+    async def start():
+        return await asyncio.start_server(banner, ORIGIN, 0)
+
+    internet.banner_heard = []
+    server = internet.loop.run(start())
+    port = server.sockets[0].getsockname()[1]
+    corral_filter.control({"op": "add", "session": "s1", "kind": "http",
+                           "rule": f"allowed.test:{port}"})
+    try:
+        sock, head = tunnel(corral_filter.proxy_port, f"allowed.test:{port}")
+        assert status_of(head) == 200
+        heard = head.split(b"\r\n\r\n", 1)[1]  # it may come in one read with the 200
+        while len(heard) < 16:
+            heard += sock.recv(100)
+        assert heard == b"SSH-2.0-origin\r\n"
+        sock.sendall(b"SSH-2.0-client\r\n")
+        reply = recv_all(sock)
+        sock.close()
+        assert status_of(reply) == 400 and b"neither TLS nor HTTP/1.x inside a tunnel" in reply
+        assert internet.banner_heard in ([], [b""])  # the upstream heard nothing of it
+        event = corral_filter.wait_event(
+            lambda e: e["kind"] == "connect" and "neither TLS nor HTTP" in (e["reason"] or ""))
+        assert event["verdict"] == "deny" and event["name"] == "allowed.test"
+    finally:
+        corral_filter.control({"op": "remove", "session": "s1", "kind": "http",
+                               "rule": f"allowed.test:{port}"})
+        server.close()
+
+
+@pytest.mark.parametrize("connection", ["keep-alive, Content-Length", "Transfer-Encoding",
+                                        "Host"])
+def test_connection_naming_a_framing_field_is_refused_on_every_path(corral_filter, internet,
+                                                                   connection):
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: other.test\r\n\r\n"
+    request = (f"POST {{target}} HTTP/1.1\r\nHost: allowed.test\r\nConnection: {connection}\r\n"
+               f"Content-Length: {len(smuggled)}\r\n\r\n").encode() + smuggled
+    explicit = exchange(corral_filter.proxy_port,
+                        request.replace(b"{target}", b"http://allowed.test/framing"))
+    transparent = exchange(corral_filter.http_port, request.replace(b"{target}", b"/framing"))
+    sock, _ = tunnel(corral_filter.proxy_port, "allowed.test:80")
+    sock.sendall(request.replace(b"{target}", b"/framing"))
+    inside = recv_all(sock)
+    sock.close()
+    for raw in (explicit, transparent, inside):
+        assert status_of(raw) == 400 and b"framing field" in raw
+        assert header(raw, "X-Corral-Error") is not None
+    assert not any(r["path"] in ("/framing", "/smuggled") for r in internet.http80.requests)
+
+
+def test_chunked_bodies_are_re_framed_and_bad_chunk_lines_refused(corral_filter, internet):
+    body = b"5;ext=1\r\nhello\r\nB ; x=\"y\"\r\n 0123456789\r\n0\r\nX-Trailer: t\r\n\r\n"
+    raw = exchange(corral_filter.proxy_port,
+                   b"POST http://allowed.test/rechunk HTTP/1.1\r\nHost: allowed.test\r\n"
+                   b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + body)
+    assert status_of(raw) == 200 and body_json(raw)["body"] == "hello 0123456789"
+    for bad in (b"3\nabc\r\n0\r\n\r\n", b"3\r\nabc\r\n0\r\nX: a\nb\r\n\r\n",
+                b"+3\r\nabc\r\n0\r\n\r\n", b"3\r\nabcX\r\n0\r\n\r\n"):
+        raw = exchange(corral_filter.proxy_port,
+                       b"POST http://allowed.test/badchunk HTTP/1.1\r\nHost: allowed.test\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n" + bad)
+        assert status_of(raw) == 400 and b"chunk" in raw, raw
+    assert not any(r["path"] == "/badchunk" for r in internet.http80.requests)
+
+
+def test_transparent_absolute_form_is_judged_by_its_authority_in_any_case(corral_filter,
+                                                                            internet):
+    for scheme in (b"HTTP", b"Http", b"http"):
+        raw = exchange(corral_filter.http_port, b"GET " + scheme + b"://other.test/abs "
+                       b"HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n")
+        assert status_of(raw) == 403 and header(raw, "X-Corral-Deny") == (
+            "other.test is not in the http policy")
+    raw = exchange(corral_filter.http_port, b"GET HTTP://allowed.test/abs?x=1 HTTP/1.1\r\n"
+                   b"Host: allowed.test\r\nConnection: close\r\n\r\n")
+    seen = body_json(raw)
+    assert seen["path"] == "/abs?x=1" and seen["headers"]["host"] == "allowed.test"
+    assert not any(r["path"].startswith("http") or r["path"].startswith("HTTP")
+                   for r in internet.http80.requests)
+
+
+def test_every_request_inside_a_tunnel_is_judged(corral_filter, internet):
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:80")
+    assert status_of(head) == 200
+    sock.sendall(b"GET /in1 HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+                 b"\r\nGET /in2 HTTP/1.1\r\nHost: other.test\r\n\r\n")
+    reply = recv_all(sock)
+    sock.close()
+    first, _, second = reply.partition(b"HTTP/1.1 403")
+    assert b"/in1" in first and b"inside the tunnel differs from CONNECT host" in second
+    for inner in (b"GET http://other.test/in3 HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+                  b"GET http://other.test/in3 HTTP/1.1\r\n\r\n"):
+        sock, _ = tunnel(corral_filter.proxy_port, "allowed.test:80")
+        sock.sendall(inner)
+        assert status_of(recv_all(sock)) == 403
+        sock.close()
+    assert not any(r["path"] in ("/in2", "/in3") for r in internet.http80.requests)
+    sock, _ = tunnel(corral_filter.proxy_port, "allowed.test:80")
+    sock.sendall(b"GET /ten HTTP/1.0\r\n\r\n")  # no Host: it goes where the tunnel goes
+    seen = body_json(recv_all(sock))
+    sock.close()
+    assert seen["path"] == "/ten" and seen["headers"]["host"] == "allowed.test"
+    corral_filter.wait_event(lambda e: e["kind"] == "http" and e["name"] == "allowed.test"
+                             and e["verdict"] == "deny" and "inside the tunnel" in e["reason"])
+
+
+def test_absolute_form_replaces_a_host_header_that_differs_only_in_port_notation(
+        corral_filter):
+    raw = exchange(corral_filter.proxy_port,
+                   b"GET http://allowed.test:8080/p8080 HTTP/1.1\r\nHost: allowed.test\r\n"
+                   b"Connection: close\r\n\r\n")
+    seen = body_json(raw)
+    assert seen["path"] == "/p8080" and seen["headers"]["host"] == "allowed.test:8080"
+
+
+def test_the_proxy_names_its_own_timeouts_properly(corral_filter):
+    slow = connect(corral_filter.proxy_port)
+    slow.sendall(b"GET http://allowed.test/ HTTP/1.1\r\n")
+    assert recv_all(slow).startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    slow.close()
+
+
+def test_a_name_shaped_for_exfiltration_is_not_resolved_by_the_proxy_either(corral_filter,
+                                                                             internet):
+    """*.wild.test is allowed; a CONNECT to a name chosen to carry data under it is held to
+    the same limits as a DNS query for it, and the name never reaches the upstream."""
+    name = f"{'a' * 63}.{'b' * 63}.c.wild.test"
+    sock, head = tunnel(corral_filter.proxy_port, f"{name}:443")
+    sock.close()
+    assert status_of(head) == 403
+    assert header(head, "X-Corral-Deny").startswith("looks like DNS exfiltration")
+    assert name not in internet.dns.names_asked()
+    corral_filter.wait_event(lambda e: e["kind"] == "connect" and e["name"] == name
+                             and e["verdict"] == "deny")
+
+
+@pytest.mark.parametrize("port", ["proxy_port", "http_port"])
+def test_an_h2c_upgrade_is_never_relayed(corral_filter, internet, port):
+    """HTTP/2 after an upgrade would carry requests for any :authority past the proxy: the
+    Upgrade is not forwarded, and an upstream that switches anyway is not listened to."""
+    target = b"http://allowed.test/upgrade" if port == "proxy_port" else b"/upgrade"
+    raw = exchange(getattr(corral_filter, port),
+                   b"GET " + target + b" HTTP/1.1\r\nHost: allowed.test\r\n"
+                   b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                   b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+                   b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    assert status_of(raw) == 502 and b"switched protocols unasked" in raw
+    seen = [r for r in internet.http80.requests if r["path"] == "/upgrade"][-1]
+    assert "upgrade" not in seen["headers"] and "http2-settings" not in seen["headers"]
+
+
+def test_a_hello_after_the_upstream_gave_up_on_a_silent_tunnel_is_still_judged(
+        corral_filter, internet):
+    """A CDN closes a connection that says nothing for some seconds: the client's late
+    ClientHello is inspected all the same, and the fronting recorded."""
+    import asyncio
+
+    async def impatient(reader, writer):
+        await asyncio.sleep(0.5)
+        writer.transport.abort()  # a reset, as a CDN may end a silent connection
+
+    async def start():
+        return await asyncio.start_server(impatient, ORIGIN, 0)
+
+    server = internet.loop.run(start())
+    port = server.sockets[0].getsockname()[1]
+    corral_filter.control({"op": "add", "session": "s1", "kind": "http",
+                           "rule": f"allowed.test:{port}"})
+    try:
+        sock, head = tunnel(corral_filter.proxy_port, f"allowed.test:{port}")
+        assert status_of(head) == 200
+        time.sleep(3.0)  # the upstream has gone, and longer ago than header_timeout (2 s)
+        with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
+            https_get(sock, internet, "other.test")
+        corral_filter.wait_event(lambda e: e["name"] == "allowed.test" and e["port"] == port
+                                 and "SNI other.test differs" in (e["reason"] or ""))
+    finally:
+        corral_filter.control({"op": "remove", "session": "s1", "kind": "http",
+                               "rule": f"allowed.test:{port}"})
+        server.close()
+
+
+def test_a_tunnel_to_a_name_must_say_the_name_in_its_hello(corral_filter, internet):
+    """Without an SNI the server picks whichever vhost it likes: refused, not spliced."""
+    sock, head = tunnel(corral_filter.proxy_port, "allowed.test:443")
+    assert status_of(head) == 200
+    context = internet.ca.client_context()
+    context.check_hostname = False
+    with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
+        context.wrap_socket(sock, server_hostname=None)
+    corral_filter.wait_event(lambda e: "TLS without SNI inside a tunnel" in (e["reason"] or ""))

@@ -1,0 +1,279 @@
+"""The HTTP proxy: explicit (CONNECT, absolute-form HTTP) and transparent (Host, SNI).
+
+Every connection is decided by name — CONNECT target, absolute URI, Host header or TLS SNI,
+never the IP a client aimed at — then resolved by the appliance's own resolver, each
+address checked against the blocked ranges, and exactly that checked address dialled.
+Denials are answered (403 + X-Corral-Deny, or a TLS access_denied alert), never left to hang.
+
+The rooms: `pipeline` routes and re-serialises HTTP requests (no I/O), `flows` keeps the
+per-session caps and the open flows (no I/O), `forward` relays plain HTTP (explicit,
+transparent, inside tunnels), `tunnel` handles CONNECT and transparent TLS. This module is
+the edge they share: listeners, deciding, dialling, events, and cutting flows that a new
+policy denies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import time
+from dataclasses import dataclass, field
+
+from appliance.policy import HOST_NAME, Decision, Host, Policy
+
+from ..config import ProxyConfig
+from ..dnsguard import ExfilGuard
+from ..events import EventBus
+from ..http import HttpError
+from ..relay import Counters, original_port, within
+from ..resolver import Resolver, UpstreamError
+from ..store import PolicyStore
+from .flows import Cap, Flow, Flows
+from .forward import Forward
+from .pipeline import Denied, Explicit, Transparent
+from .tunnel import TLS_ACCESS_DENIED, Tunnels
+
+__all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]
+log = logging.getLogger(__name__)
+
+_EVENT_KEYS = ("id", "session", "client", "kind", "name", "port", "address", "verdict",
+               "reason", "rule", "layer")
+
+
+@dataclass(eq=False)
+class Client:
+    """One client connection and who it belongs to."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    address: str
+    port: int
+    session: str | None = None
+    """The session it was counted against when it was accepted."""
+    task: asyncio.Task | None = field(default=None, repr=False)
+    cut: bool = False
+    """Set when a policy change ended it (its task is cancelled: not an error)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    def end(self) -> None:
+        """Close this connection at once, whatever it is doing (its finally blocks release
+        everything it holds)."""
+        if not self.cut and self.task is not None:
+            self.cut = True
+            self.task.cancel()
+
+
+class Proxy:
+    def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
+                 config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None):
+        self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
+        self.gateway = gateway
+        self.exfil = exfil
+        """The DNS filter's exfiltration limits: a name under a wildcard that the proxy
+        resolves leaves the appliance too (shared, so DNS and proxy count one window)."""
+        self.active = 0
+        self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
+                      "refused_tunnels": 0, "cut": 0}
+        self.flows = Flows(config.max_connections_per_session, config.max_tunnels_per_session)
+        self.forward = Forward(self)
+        self.tunnels = Tunnels(self)
+        store.on_change(self.rejudge)
+
+    # -- listeners -----------------------------------------------------------------------
+
+    async def serve_explicit(self, reader, writer) -> None:
+        await self._serve(reader, writer, lambda c: self.forward.serve(c, Explicit()))
+
+    async def serve_transparent_http(self, reader, writer) -> None:
+        port = original_port(writer, 80)
+        await self._serve(reader, writer, lambda c: self.forward.serve(c, Transparent(port)))
+
+    async def serve_transparent_tls(self, reader, writer) -> None:
+        port = original_port(writer, 443)
+        await self._serve(reader, writer, lambda c: self.tunnels.transparent(c, port))
+
+    async def _serve(self, reader, writer, handler) -> None:
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        client = Client(reader, writer, peer[0], peer[1])
+        session, _ = self.store.lookup(client.address)
+        if self.active >= self.config.max_connections:
+            self.stats["rejected_over_limit"] += 1
+            writer.transport.abort()
+            return
+        if not self.flows.connections.admit(session):
+            self.stats["refused_connections"] += 1
+            self.refused(client, session, self.flows.connections)
+            writer.transport.abort()  # a reset, at once: the client knows
+            return
+        client.session, client.task = session, asyncio.current_task()
+        self.active += 1
+        self.stats["connections"] += 1
+        try:
+            await handler(client)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            if not client.cut:
+                raise  # the filter is stopping
+            client.task.uncancel()
+        except Exception:  # one broken connection must never take the listener down
+            log.exception("proxy: connection from %s failed", client.label)
+        finally:
+            self.active -= 1
+            self.flows.connections.release(session)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def refused(self, client: Client, session: str | None, cap: Cap) -> None:
+        """A connection or tunnel over its session's cap: an event, once a second."""
+        count = cap.report(session, time.monotonic())
+        if count:
+            self.bus.emit({
+                "session": session, "client": client.label, "kind": "http", "name": None,
+                "port": None, "address": None, "verdict": "deny", "rule": None, "layer": None,
+                "reason": f"session {session or '(outside every session)'} has {cap.limit} "
+                          f"{cap.what} open: the limit ([proxy] max_{cap.what}_per_session); "
+                          f"{count} refused"})
+
+    # -- deciding, dialling, events ---------------------------------------------------------
+
+    def decide(self, address: str, host: Host, port: int) -> tuple[str | None, Policy, Decision]:
+        """(session, policy, decision) under the policy in force right now."""
+        session, policy = self.store.lookup(address)
+        if host.name == HOST_NAME:
+            return session, policy, policy.decide_host_port(port)
+        return session, policy, policy.decide_http(host, port)
+
+    async def dial(self, policy: Policy, host: Host, port: int, target: str,
+                   session: str | None = None):
+        """Resolve (the lookup counted against `session`'s cache share), check each address,
+        connect to the first that is allowed and answers. Returns (reader, writer, address).
+        Raises Denied (403: refused; 502: unreachable)."""
+        if host.name == HOST_NAME:
+            if self.gateway is None:
+                raise Denied(Decision(False, "no [host] gateway configured"), target)
+            candidates = [self.gateway]
+        elif host.address is not None:
+            candidates = [host.address]
+        else:
+            try:
+                candidates = await self.resolver.addresses(host.name, session)
+            except UpstreamError as exc:
+                raise Denied(Decision(False, f"cannot resolve {host}: {exc}"), target,
+                             502) from None
+            if not candidates:
+                raise Denied(Decision(False, f"{host} has no address"), target, 502)
+        refusal, failure = None, None
+        for address in candidates:
+            if host.name != HOST_NAME:
+                check = policy.decide_address(address, host, port)
+                if not check.allowed:
+                    refusal = refusal or check
+                    continue
+            try:
+                up_r, up_w = await within(
+                    asyncio.open_connection(str(address), port, limit=self.config.max_header_bytes),
+                    self.config.connect_timeout)
+            except (OSError, TimeoutError) as exc:
+                failure = f"connect to {address}:{port} failed: {exc or 'timed out'}"
+                continue
+            return up_r, up_w, str(address)
+        if failure is not None:
+            raise Denied(Decision(False, failure), target, 502)
+        raise Denied(refusal, target)
+
+    async def open(self, client: Client, host: Host, port: int, kind: str, target: str):
+        """Decide, register the flow (a policy change cuts it even while it dials), dial,
+        emit the decision event. Returns (up_r, up_w, event, flow): the caller untracks the
+        flow when it ends. Raises Denied, recorded, with nothing left registered."""
+        session, policy, decision = self.decide(client.address, host, port)
+        rule = decision.rule
+        if decision.allowed and self.exfil is not None and rule is not None and rule.wildcard:
+            breach = self.exfil.check(session, host.name, rule.suffix, time.monotonic())
+            if breach is not None:  # the name is chosen by the client: resolving it sends it
+                decision = Decision(False, f"looks like DNS exfiltration: {breach}", rule,
+                                    f"allow the exact name (corral allow-http {target}) or "
+                                    "raise the filter's [dns] exfil_* limits")
+        if not decision.allowed:
+            self.event(decision, client, session, kind, host, port)
+            raise Denied(decision, target, recorded=True)
+        flow = self.track(client, session, kind, host, port)
+        try:
+            up_r, up_w, address = await self.dial(policy, host, port, target, session)
+        except Denied as denied:
+            self.untrack(flow)
+            verdict = "deny" if denied.status == 403 else "error"
+            self.event(denied.decision, client, session, kind, host, port, verdict=verdict,
+                       event_id=flow.id)
+            denied.recorded = True
+            raise
+        except BaseException:
+            self.untrack(flow)
+            raise
+        flow.address = address
+        return up_r, up_w, self.event(decision, client, session, kind, host, port, address,
+                                      event_id=flow.id), flow
+
+    def event(self, decision, client: Client, session, kind, host, port, address=None,
+              **extra) -> dict:
+        return self.bus.decision(decision, session=session, client=client.label, kind=kind,
+                                 name=str(host), port=port, address=address, **extra)
+
+    def error_event(self, client: Client, exc: HttpError, kind: str = "http") -> None:
+        """Requests refused as malformed are visible too (verdict "error")."""
+        session, _ = self.store.lookup(client.address)
+        self.bus.emit({"session": session, "client": client.label, "kind": kind, "name": None,
+                       "verdict": "error", "reason": f"{exc.status}: {exc}"[:200]})
+
+    def closed(self, opened: dict, counters: Counters) -> None:
+        """The second event of an allowed flow: same id, with bytes and duration."""
+        self.bus.emit({**{k: opened[k] for k in _EVENT_KEYS}, "ts": round(time.time(), 6),
+                       "closed": True, "up": counters.up, "down": counters.down,
+                       "duration": counters.duration()})
+
+    # -- flows that a policy change may cut -------------------------------------------------
+
+    def track(self, client: Client, session: str | None, kind: str, host: Host, port: int,
+              address: str | None = None) -> Flow:
+        """Register an allowed flow (until `untrack`): a policy that stops allowing it, its
+        name or the address it reached, cuts it. Its id is its decision event's."""
+        flow = Flow(self.bus.next_id(), session, client.address, client.label, kind, host,
+                    port, client.end, address)
+        self.flows.add(flow)
+        return flow
+
+    def untrack(self, flow: Flow) -> None:
+        self.flows.remove(flow.id)
+
+    def rejudge(self) -> None:
+        """The policy changed (the store calls this on the loop's thread): every open flow
+        is judged again, and those now denied are cut at once, each with an event."""
+        for flow, decision in self.flows.judge(self._judge):
+            self.flows.remove(flow.id)
+            self.stats["cut"] += 1
+            rule = decision.rule
+            self.bus.emit({
+                "id": flow.id, "session": flow.session, "client": flow.label,
+                "kind": flow.kind, "name": str(flow.host), "port": flow.port,
+                "address": flow.address,
+                "verdict": "deny", "rule": rule.text if rule else None,
+                "layer": rule.layer if rule else None,
+                "reason": f"cut: {decision.reason} (the policy changed while it was open)"})
+            flow.cut()
+
+    def _judge(self, flow: Flow) -> Decision:
+        """The flow under the policy in force now: its name and port, then the address it
+        reached (a cidr rule that let a blocked address through may be gone)."""
+        _, policy, decision = self.decide(flow.client, flow.host, flow.port)
+        if decision.allowed and flow.address is not None and flow.host.name != HOST_NAME:
+            check = policy.decide_address(ipaddress.ip_address(flow.address), flow.host,
+                                          flow.port)
+            if not check.allowed:
+                return check
+        return decision

@@ -1,0 +1,273 @@
+"""Plain HTTP: the explicit proxy's absolute-form requests, the transparent port-80
+listener, and HTTP inside CONNECT tunnels — one loop for all three, each request routed and
+judged by the pipeline, re-serialised, and its body re-framed on the way (relay.copy_body),
+for as long as the connection lives. Keep-alive to the same origin reuses the upstream
+connection; every request on it is judged again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from appliance.policy import Decision
+
+from ..http import (
+    HttpError,
+    check_request_line,
+    parse_request,
+    parse_response,
+    serialise_response,
+)
+from ..relay import Counters, copy_body, copy_until_eof, drain, tunnel, within
+from .pipeline import (
+    MAX_EMPTY_LINES,
+    Denied,
+    Explicit,
+    InTunnel,
+    Mode,
+    deny_response,
+    error_response,
+    outgoing,
+    route,
+    strip_empty_lines,
+    wants_close,
+    websocket,
+)
+
+if TYPE_CHECKING:
+    from . import Client, Proxy
+
+
+@dataclass
+class Upstream:
+    """An open connection to an origin, kept for the next request to the same place."""
+
+    key: tuple[str, int]
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    address: str
+
+
+class Forward:
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+        self.config = proxy.config
+
+    async def serve(self, client: Client, mode: Mode, upstream: Upstream | None = None,
+                    first: bytes = b"", tunnel_event: dict | None = None) -> None:
+        """Every request on the connection, until it closes or one ends it. In a tunnel,
+        `upstream` is the tunnel's own connection (its owner closes it), `first` the byte the
+        tunnel read to tell HTTP from TLS, and `tunnel_event` the CONNECT's decision."""
+        in_tunnel = isinstance(mode, InTunnel)
+        kept = upstream
+        opening = True
+        try:
+            while True:
+                try:
+                    data = await (self._read_lines(client, first) if in_tunnel and opening
+                                  else self._read_head(client, opening, first))
+                    if data is None:
+                        return
+                    head = parse_request(data)
+                except HttpError as exc:
+                    if in_tunnel and opening:  # the tunnel's first bytes: not HTTP at all
+                        exc = HttpError(400, f"neither TLS nor HTTP/1.x inside a tunnel to "
+                                        f"{mode.target} ({exc}); other protocols need a tcp "
+                                        "rule")
+                        self._tunnel_refused(client, mode, tunnel_event, str(exc))
+                    else:
+                        self.proxy.error_event(client, exc)
+                    client.writer.write(error_response(exc.status, str(exc)))
+                    return
+                opening, first = False, b""
+                try:
+                    if head.start[0] == "CONNECT" and isinstance(mode, Explicit):
+                        if kept is not None:  # the tunnel needs no other upstream
+                            kept.writer.close()
+                            kept = None
+                        await self.proxy.tunnels.connect(client, head)
+                        return
+                    keep, kept = await self._request(client, head, mode, kept)
+                except Denied as denied:
+                    if not denied.recorded:
+                        session, _ = self.proxy.store.lookup(client.address)
+                        kind = "connect" if head.start[0] == "CONNECT" else "http"
+                        self.proxy.bus.decision(denied.decision, session=session,
+                                                client=client.label, kind=kind,
+                                                name=denied.target, port=None)
+                    client.writer.write(deny_response(denied))
+                    return
+                except HttpError as exc:
+                    self.proxy.error_event(client, exc)
+                    client.writer.write(error_response(exc.status, str(exc)))
+                    return
+                if not keep:
+                    return
+        finally:
+            if kept is not None and not in_tunnel:
+                kept.writer.close()
+
+    def _tunnel_refused(self, client: Client, mode: InTunnel, tunnel_event, reason: str):
+        session, _ = self.proxy.store.lookup(client.address)
+        self.proxy.event(Decision(False, reason), client, session, "connect", mode.host,
+                         mode.port, event_id=tunnel_event["id"] if tunnel_event else None)
+
+    async def _read_lines(self, client: Client, first: bytes) -> bytes:
+        """A tunnel's opening request head: its request line first, so that bytes that are
+        not HTTP (an SSH banner, say) are refused at that line, not after `header_timeout`;
+        then the rest in one read, as any head. Raises HttpError."""
+        deadline = time.monotonic() + self.config.header_timeout
+        reader = client.reader
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.001)
+
+        try:
+            line, empty = first + await within(reader.readuntil(b"\r\n"), left()), 0
+            while line == b"\r\n":  # empty lines before the request line
+                empty += 1
+                if empty > MAX_EMPTY_LINES:
+                    raise HttpError(400, f"more than {MAX_EMPTY_LINES} empty lines before "
+                                    "the request line")
+                line = await within(reader.readuntil(b"\r\n"), left())
+            check_request_line(line[:-2])
+            rest = await within(reader.readexactly(2), left())
+            if rest != b"\r\n":  # fields follow: up to the empty line that ends them
+                rest += await within(reader.readuntil(b"\r\n\r\n"), left())
+            return line + rest
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("the client closed inside the tunnel") from None
+        except asyncio.LimitOverrunError:
+            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
+                            "bytes") from None
+        except TimeoutError:
+            raise HttpError(408, "request head not received in time") from None
+
+    async def _read_head(self, client: Client, opening: bool, first: bytes) -> bytes | None:
+        """A request head (leading empty lines dropped), None when the client hung up or sat
+        idle between requests. Once a request has begun, its head must be complete within
+        `header_timeout`. Raises HttpError."""
+        reader = client.reader
+        try:
+            if not opening and not first:  # between requests: wait for the next one to begin
+                try:
+                    first = await within(reader.read(1), self.config.idle_timeout)
+                except TimeoutError:
+                    return None
+                if not first:
+                    return None
+            data = first + await within(reader.readuntil(b"\r\n\r\n"),
+                                        self.config.header_timeout)
+            empty = 0
+            while True:
+                data, count = strip_empty_lines(data)
+                empty += count
+                if empty > MAX_EMPTY_LINES:
+                    raise HttpError(400, f"more than {MAX_EMPTY_LINES} empty lines before "
+                                    "the request line")
+                if data:
+                    return data
+                data = await within(reader.readuntil(b"\r\n\r\n"), self.config.header_timeout)
+        except asyncio.IncompleteReadError:
+            return None  # the client hung up, mid-head or between requests: nobody to answer
+        except asyncio.LimitOverrunError:
+            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
+                            "bytes") from None
+        except TimeoutError:
+            raise HttpError(408, "request head not received in time") from None
+
+    async def _request(self, client: Client, head, mode: Mode, kept: Upstream | None):
+        """Route, judge, forward one request and its response. Returns (keep the client
+        connection, the upstream connection to keep). Raises Denied or HttpError."""
+        proxy = self.proxy
+        where = route(head, mode)
+        session, _, decision = proxy.decide(client.address, where.host, where.port)
+        if decision.allowed and where.conflict is not None:
+            decision = Decision(False, where.conflict)
+        if not decision.allowed:
+            proxy.event(decision, client, session, "http", where.host, where.port)
+            raise Denied(decision, where.target, recorded=True)
+        key = (str(where.host), where.port)
+        if isinstance(mode, InTunnel) or (
+                kept is not None and kept.key == key and not kept.reader.at_eof()):
+            flow = proxy.track(client, session, "http", where.host, where.port, kept.address)
+            event = proxy.event(decision, client, session, "http", where.host, where.port,
+                                kept.address, event_id=flow.id)
+        else:
+            if kept is not None:
+                kept.writer.close()
+                kept = None
+            up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
+                                                       where.target)
+            kept = Upstream(key, up_r, up_w, event["address"])
+        counters = Counters()
+        try:
+            keep = await self._exchange(client, head, where, kept, counters)
+        except BaseException:
+            if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
+                kept.writer.close()
+            raise
+        finally:
+            proxy.untrack(flow)
+            proxy.closed(event, counters)
+        keep_client, keep_upstream = keep
+        if isinstance(mode, InTunnel):  # the tunnel has one upstream: it ends with it
+            return keep_client and keep_upstream, kept
+        if not keep_upstream:
+            kept.writer.close()
+            kept = None
+        return keep_client, kept
+
+    async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters
+                        ) -> tuple[bool, bool]:
+        """Send the request, relay the response. Returns (keep the client connection, keep
+        the upstream connection)."""
+        idle = self.config.idle_timeout
+        upgrade = websocket(head)
+        # Expect: 100-continue is answered here, now that the request is allowed and the
+        # upstream connected: the client sends its body, and the upstream never waits for it.
+        expects = (head.get("expect") or "").lower() == "100-continue"
+        if expects:
+            client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        up.writer.write(outgoing(head, where, drop_expect=expects, upgrade=upgrade))
+        await copy_body(head, client.reader, up.writer, counters, True, idle)
+        while True:
+            try:
+                data = await within(up.reader.readuntil(b"\r\n\r\n"), idle)
+            except asyncio.LimitOverrunError:
+                raise HttpError(502, "upstream response head too large") from None
+            except asyncio.IncompleteReadError:
+                raise HttpError(502, "upstream closed without a response") from None
+            reply = parse_response(data)
+            status = int(reply.start[1])
+            if 100 <= status < 200 and status != 101:
+                client.writer.write(data)  # 100 Continue and friends pass through
+                continue
+            break
+        client_close = wants_close(head, head.start[2])
+        no_body = head.start[0] == "HEAD" or status in (204, 304)
+        framed = no_body or reply.chunked or reply.content_length is not None
+        if status == 101:
+            if not upgrade:
+                raise HttpError(502, "the upstream switched protocols unasked")
+            # the frames are not inspected (the WebSocket's own protocol); relayed by the
+            # streams, not spliced: a splice would take descriptors no cap counts
+            client.writer.write(serialise_response(reply, keep=frozenset({"upgrade"})))
+            await drain(client.writer, idle)
+            await tunnel(client.reader, client.writer, up.reader, up.writer, counters, idle,
+                         splice=False)
+            return False, False
+        close = client_close or not framed
+        reply_head = serialise_response(reply, close=close)
+        if no_body:
+            client.writer.write(reply_head)
+        elif framed:
+            await copy_body(reply, up.reader, client.writer, counters, False, idle, reply_head)
+        else:
+            client.writer.write(reply_head)
+            await copy_until_eof(up.reader, client.writer, counters, idle)
+        await drain(client.writer, idle)
+        return not close, framed and not wants_close(reply, reply.start[0])

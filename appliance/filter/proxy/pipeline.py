@@ -1,0 +1,240 @@
+"""Where an HTTP request goes and what the upstream is sent: decisions without I/O.
+
+Every path that carries HTTP — the explicit proxy, the transparent port-80 listener, and
+plain HTTP inside a CONNECT tunnel — routes each request through `route()`, then sends the
+upstream `outgoing()`: a head re-serialised from what was parsed and judged. Nothing the
+client wrote reaches the upstream verbatim, so two parsers can never disagree about where a
+request goes: the upstream sees the target this module judged, in origin-form, with a Host
+header built from it.
+
+Routing rules:
+- explicit: absolute-form only (`http://host[:port]/path`, scheme in any case). The target
+  decides; a Host header that names another host is refused (403), a port-notation
+  difference is not (RFC 9112 §3.2.2: the absolute-form target replaces the Host header).
+- transparent: origin-form with a Host header, or absolute-form; the port must be the
+  one the client dialled (nftables redirected it, the upstream is dialled on it).
+- in a tunnel: the request must name the CONNECT host and port (or nothing: HTTP/1.0
+  without Host goes to the CONNECT host); CONNECT itself is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from appliance.policy import Decision, Host, HostNameError, parse_host
+
+from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
+
+OWN = frozenset({"host", "content-length", "transfer-encoding"})
+"""Fields the upstream gets as the proxy writes them (from what it judged and how it reads
+the body), never as the client spelt them."""
+MAX_EMPTY_LINES = 8
+"""Empty lines (CRLF) ignored before a request line (RFC 9112 §2.2 asks servers to ignore at
+least one; more than a few is not a client being robust)."""
+
+
+class Denied(Exception):
+    """A request the proxy refuses by decision (403); carries what to tell the client."""
+
+    def __init__(self, decision: Decision, target: str, status: int = 403,
+                 recorded: bool = False):
+        super().__init__(decision.reason)
+        self.decision, self.target, self.status = decision, target, status
+        self.recorded = recorded
+        """Whether an event already says so; the edge records the ones that are not."""
+
+
+@dataclass(frozen=True, slots=True)
+class Explicit:
+    """The proxy port: absolute-form requests (CONNECT is handled before routing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transparent:
+    """A transparent listener: the client dialled `port` on some address."""
+
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class InTunnel:
+    """Plain HTTP inside a CONNECT tunnel to host:port."""
+
+    host: Host
+    port: int
+
+    @property
+    def target(self) -> str:
+        return _authority(self.host, self.port, None)
+
+
+Mode = Explicit | Transparent | InTunnel
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes, as judged."""
+
+    host: Host
+    port: int
+    path: str
+    """Origin-form path and query (or `*`) for the upstream's request line."""
+    conflict: str | None = None
+    """Why the request may not go even where its host is allowed: it also names another host
+    or port (a Host header against the target, a target against the tunnel). The caller
+    judges the route first, so a denied host is reported as such, then refuses this."""
+
+    @property
+    def target(self) -> str:
+        """host:port, as events and messages name it."""
+        return _authority(self.host, self.port, None)
+
+    @property
+    def authority(self) -> str:
+        """The Host header the upstream is sent: the port only when it is not 80."""
+        return _authority(self.host, self.port, 80)
+
+
+def _authority(host: Host, port: int, default: int | None) -> str:
+    text = f"[{host}]" if host.address is not None and host.address.version == 6 else str(host)
+    return text if port == default else f"{text}:{port}"
+
+
+def host_of(text: str) -> Host:
+    try:
+        return parse_host(text)
+    except HostNameError as exc:
+        raise HttpError(400, str(exc)) from None
+
+
+def route(head: Head, mode: Mode) -> Route:
+    """The request's route under `mode`. Raises HttpError (malformed) or Denied (CONNECT
+    inside a tunnel)."""
+    method, target, _ = head.start
+    if method == "CONNECT":
+        if isinstance(mode, InTunnel):
+            raise Denied(Decision(False, f"CONNECT inside a tunnel (to {mode.target}) is "
+                                  "refused: one tunnel per connection"), mode.target)
+        raise HttpError(405, "CONNECT on a transparent listener")
+    host_header = head.get("host")
+    if target.startswith("/") or (target == "*" and method == "OPTIONS"):
+        if isinstance(mode, Explicit):
+            raise HttpError(400, "origin-form request sent to the proxy port; set http_proxy "
+                            "or use an absolute URI")
+        if host_header is None:
+            if isinstance(mode, InTunnel):  # HTTP/1.0 may leave it out: it goes where the
+                return Route(mode.host, mode.port, target)  # tunnel goes
+            raise HttpError(400, "no Host header: cannot tell where the request goes")
+        name, port = parse_authority(host_header, _default_port(mode))
+        return _judged_against(mode, host_of(name), port, target, f"Host header {host_header!r}")
+    parsed = parse_absolute(target)  # any other form must be absolute: http:// in any case
+    host, port = host_of(parsed.host), parsed.port
+    found = _judged_against(mode, host, port, parsed.path, f"request target {target[:80]!r}")
+    if found.conflict is None and host_header is not None:
+        name, _ = parse_authority(host_header, port)
+        if host_of(name) != host:  # a port notation difference is no conflict: Host is rebuilt
+            return Route(found.host, found.port, found.path, f"Host header {host_header!r} "
+                         f"differs from the request target {found.target}")
+    return found
+
+
+def _default_port(mode: Mode) -> int:
+    return mode.port if isinstance(mode, Transparent | InTunnel) else 80
+
+
+def _judged_against(mode: Mode, host: Host, port: int, path: str, what: str) -> Route:
+    """The route for host:port on this connection: a tunnel only ever goes to its CONNECT
+    target, a transparent connection only to the port the client dialled."""
+    if isinstance(mode, InTunnel):
+        conflict = None if (host, port) == (mode.host, mode.port) else (
+            f"{what} inside the tunnel differs from CONNECT host {mode.target}")
+        return Route(mode.host, mode.port, path, conflict)
+    if isinstance(mode, Transparent) and port != mode.port:
+        return Route(host, mode.port, path, f"{what}: port {port} differs from the "
+                     f"connection's port {mode.port}")
+    return Route(host, port, path)
+
+
+def outgoing(head: Head, route: Route, drop_expect: bool = False, upgrade: bool = False
+             ) -> bytes:
+    """The head the upstream is sent: the request line in origin-form, Host from the route,
+    then the client's end-to-end fields in their order. Hop-by-hop fields and those the
+    Connection header names are not forwarded; with `upgrade`, Upgrade is, and Connection
+    says so. Framing fields can never be named in Connection: the parser refuses that."""
+    method, _, version = head.start
+    named = head.tokens("connection")
+    keep = {"upgrade"} if upgrade else set()
+    lines = [f"{method} {route.path} {version}", f"Host: {route.authority}"]
+    for name, value in head.headers:
+        low = name.lower()
+        if low in OWN or (low == "expect" and drop_expect) or (
+                (low in HOP_BY_HOP or low in named) and low not in keep):
+            continue
+        lines.append(f"{name}: {value}")
+    if head.chunked:  # the framing as the proxy reads it, spelt as it writes it
+        lines.append("Transfer-Encoding: chunked")
+    elif head.content_length is not None:
+        lines.append(f"Content-Length: {head.content_length}")
+    if upgrade:
+        lines.append("Connection: upgrade")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def websocket(head: Head) -> bool:
+    """Does the request ask to switch to a WebSocket (the one upgrade the proxy relays)? Any
+    other (h2c above all: HTTP/2 would carry requests to any :authority past the proxy) goes
+    on as a plain request without its Upgrade, and the upstream cannot switch."""
+    return ("upgrade" in head.tokens("connection") and head.tokens("upgrade") == {"websocket"}
+            and head.get("sec-websocket-key") is not None)
+
+
+def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
+    """`data` without the empty lines (CRLF) that lead it, and how many there were."""
+    count = 0
+    while data.startswith(b"\r\n"):
+        data, count = data[2:], count + 1
+    return data, count
+
+
+def wants_close(head: Head, version: str) -> bool:
+    """Does this message end its connection (Connection: close, or HTTP/1.0 by default)?"""
+    tokens = head.tokens("connection")
+    return "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
+
+
+# -- the proxy's own answers ------------------------------------------------------------------
+
+
+def response(status: int, body: str, extra: dict[str, str] | None = None) -> bytes:
+    """A complete response of the proxy's own, which always closes the connection."""
+    payload = body.encode()
+    lines = [f"HTTP/1.1 {status} {_phrase(status)}", "Content-Type: text/plain; charset=utf-8",
+             f"Content-Length: {len(payload)}", "Connection: close"]
+    lines += [f"{k}: {printable(v)}" for k, v in (extra or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+
+
+def deny_response(denied: Denied) -> bytes:
+    d = denied.decision
+    body = f"corral: {printable(denied.target)} denied: {printable(d.reason)}."
+    if d.hint:
+        body += f" To allow it: {d.hint}"
+    header = "X-Corral-Deny" if denied.status == 403 else "X-Corral-Error"
+    return response(denied.status, body + "\n", {header: d.reason})
+
+
+def error_response(status: int, message: str) -> bytes:
+    return response(status, f"corral: {printable(message)}\n", {"X-Corral-Error": message})
+
+
+def printable(text: str) -> str:
+    """Text a client sent, made safe to echo in a header or a terminal (printable ASCII)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"

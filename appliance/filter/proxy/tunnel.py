@@ -1,0 +1,197 @@
+"""Tunnels: CONNECT on the explicit proxy, and TLS redirected to the transparent listener.
+
+A CONNECT tunnel is inspected before any client byte reaches the upstream, however late
+that byte comes: what the upstream says first is passed to the client at once (protocols
+where the server speaks first), but the client's bytes wait. A TLS ClientHello must be
+complete within `header_timeout` of its first byte and name the CONNECT host (no domain
+fronting); anything else must be HTTP/1.x and goes through the same per-request pipeline as
+plain HTTP, for the life of the tunnel. No timeout and no error opens a tunnel uninspected.
+Once inspected, a TLS tunnel's bytes are spliced (relay.tunnel): they never enter Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+from appliance.policy import Decision, Host
+
+from ..http import Head, parse_authority
+from ..relay import CHUNK, Counters, drain, tunnel, within
+from ..sni import TlsError, parse_client_hello
+from .forward import Upstream
+from .pipeline import Denied, InTunnel, deny_response, error_response, host_of
+
+if TYPE_CHECKING:
+    from . import Client, Proxy
+
+# TLS alert record: fatal (2), access_denied (49). curl prints "tlsv1 alert access denied".
+TLS_ACCESS_DENIED = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49])
+TLS_HANDSHAKE = 0x16
+
+
+class Tunnels:
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+        self.config = proxy.config
+
+    async def connect(self, client: Client, head: Head) -> None:
+        proxy = self.proxy
+        name, port = parse_authority(head.start[1], None)
+        host = host_of(name)
+        target = f"{host}:{port}"
+        if not proxy.flows.tunnels.admit(client.session):
+            proxy.stats["refused_tunnels"] += 1
+            proxy.refused(client, client.session, proxy.flows.tunnels)
+            message = (f"too many tunnels open for this session ([proxy] "
+                       f"max_tunnels_per_session = {proxy.flows.tunnels.limit})")
+            client.writer.write(error_response(503, message))
+            return
+        try:
+            up_r, up_w, event, flow = await proxy.open(client, host, port, "connect", target)
+            counters = Counters()
+            try:
+                client.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                await drain(client.writer, self.config.idle_timeout)
+                first = await self._first_byte(client, up_r, counters)
+                if not first:
+                    return  # either side left, or both sat idle, before the client spoke
+                if first[0] != TLS_HANDSHAKE:
+                    upstream = Upstream((str(host), port), up_r, up_w, event["address"])
+                    await proxy.forward.serve(client, InTunnel(host, port), upstream, first,
+                                              event)
+                    return
+                buf = bytearray(first)
+                try:
+                    await self._check_hello(client, buf, host, port)
+                except Denied as denied:
+                    proxy.event(denied.decision, client, event["session"], "connect", host,
+                                port, event["address"], event_id=event["id"])
+                    client.writer.write(TLS_ACCESS_DENIED)
+                    return
+                up_w.write(bytes(buf))
+                counters.add(len(buf), upward=True)
+                await tunnel(client.reader, client.writer, up_r, up_w, counters,
+                             self.config.idle_timeout)
+            finally:
+                up_w.close()
+                proxy.untrack(flow)
+                proxy.closed(event, counters)
+        except Denied as denied:  # refused before the tunnel opened: answered in HTTP
+            if not denied.recorded:
+                proxy.event(denied.decision, client, client.session, "connect", host, port)
+            client.writer.write(deny_response(denied))
+        finally:
+            proxy.flows.tunnels.release(client.session)
+
+    async def _first_byte(self, client: Client, up_r, counters: Counters) -> bytes:
+        """The client's first byte inside the tunnel, however late it comes; b"" when the
+        tunnel ends first (the client closed, or nothing moved for `idle_timeout`).
+        Meanwhile whatever the upstream says is passed to the client. An upstream that
+        closes or resets first (a CDN ends a connection that says nothing for a few
+        seconds) does not end the tunnel: what the client sends, whenever it comes, is still
+        inspected and a denial answered and recorded, whatever became of the upstream. (A
+        server that speaks first and then closes leaves its client without EOF until then;
+        inside a CONNECT only TLS and HTTP are carried, whose servers never speak first.)"""
+        first = asyncio.get_running_loop().create_task(client.reader.read(1),
+                                                       name="tunnel-first-byte")
+        early = asyncio.get_running_loop().create_task(
+            self._upstream_first(up_r, client.writer, counters), name="tunnel-server-first")
+        idle = self.config.idle_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({first, early}, timeout=idle,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if first in done:
+                    return first.result()
+                if early in done:  # closed or reset: the client is heard all the same
+                    done, _ = await asyncio.wait({first}, timeout=idle)
+                    return first.result() if done else b""
+                if time.monotonic() - counters.last >= idle:
+                    return b""
+        finally:
+            for task in (first, early):
+                task.cancel()
+            await asyncio.gather(first, early, return_exceptions=True)
+
+    async def _upstream_first(self, up_r, client_w, counters: Counters) -> None:
+        with contextlib.suppress(ConnectionError):  # a reset ends it as a close does
+            await self._relay_first(up_r, client_w, counters)
+
+    async def _relay_first(self, up_r, client_w, counters: Counters) -> None:
+        while data := await up_r.read(CHUNK):
+            counters.add(len(data), upward=False)
+            client_w.write(data)
+            await drain(client_w, self.config.idle_timeout)
+
+    async def _check_hello(self, client: Client, buf: bytearray, host: Host, port: int):
+        hello = await self.read_hello(client, buf)
+        if hello.sni is None and host.name is not None:  # the server would pick any vhost
+            raise Denied(Decision(False, f"TLS without SNI inside a tunnel to {host}: the "
+                                  "name it reaches cannot be checked"), "tls")
+        if hello.sni is not None and (host.name is None or hello.sni != host.name):
+            raise Denied(Decision(False, f"TLS SNI {hello.sni} differs from CONNECT host "
+                                  f"{host} (domain fronting)"), "tls")
+
+    async def read_hello(self, client: Client, buf: bytearray):
+        """Read until `buf` holds a whole ClientHello, within `header_timeout`. Raises Denied
+        (target "tls"): a hello that is late or malformed is never passed on."""
+        deadline = time.monotonic() + self.config.header_timeout
+        while True:
+            try:
+                hello = parse_client_hello(bytes(buf))
+            except TlsError as exc:
+                raise Denied(Decision(False, f"bad TLS ClientHello: {exc}"), "tls") from None
+            if hello is not None:
+                return hello
+            try:
+                more = await within(client.reader.read(16384),
+                                    max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise Denied(Decision(False, "TLS ClientHello not received in time"),
+                             "tls") from None
+            if not more:
+                raise ConnectionError("client closed during the ClientHello")
+            buf += more
+
+    # -- transparent TLS (port 443) --------------------------------------------------------
+
+    async def transparent(self, client: Client, port: int) -> None:
+        proxy = self.proxy
+        buf = bytearray()
+        try:
+            hello = await self.read_hello(client, buf)
+            if hello.sni is None:
+                raise Denied(Decision(False, "TLS without SNI: cannot tell where it goes"), "tls")
+        except Denied as denied:  # not decided by name: no event yet, so say why here
+            proxy.bus.decision(denied.decision, session=client.session, client=client.label,
+                               kind="tls", name=None, port=port)
+            client.writer.write(TLS_ACCESS_DENIED)
+            return
+        host = Host(name=hello.sni)
+        if not proxy.flows.tunnels.admit(client.session):
+            proxy.stats["refused_tunnels"] += 1
+            proxy.refused(client, client.session, proxy.flows.tunnels)
+            client.writer.transport.abort()
+            return
+        try:
+            try:
+                up_r, up_w, event, flow = await proxy.open(client, host, port, "tls",
+                                                           f"{host}:{port}")
+            except Denied:  # open() has emitted the event
+                client.writer.write(TLS_ACCESS_DENIED)
+                return
+            counters = Counters()
+            try:
+                up_w.write(bytes(buf))
+                counters.add(len(buf), upward=True)
+                await tunnel(client.reader, client.writer, up_r, up_w, counters,
+                             self.config.idle_timeout)
+            finally:
+                up_w.close()
+                proxy.untrack(flow)
+                proxy.closed(event, counters)
+        finally:
+            proxy.flows.tunnels.release(client.session)

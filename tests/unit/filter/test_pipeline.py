@@ -1,0 +1,248 @@
+"""The proxy's routing and re-serialisation, without sockets: where each request goes on
+each kind of connection, and what the upstream is sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.filter.http import (
+    HttpError,
+    check_request_line,
+    parse_chunk_size,
+    parse_request,
+    parse_response,
+)
+from appliance.filter.proxy.flows import Flow, Flows
+from appliance.filter.proxy.pipeline import (
+    Denied,
+    Explicit,
+    InTunnel,
+    Route,
+    Transparent,
+    outgoing,
+    route,
+    strip_empty_lines,
+)
+from appliance.policy import Decision, Host, parse_host
+
+A = Host(name="a.test")
+TUNNEL = InTunnel(A, 80)
+
+
+def head(text: str):
+    return parse_request(text.replace("\n", "\r\n").encode() + b"\r\n")
+
+
+@pytest.mark.parametrize(("request_text", "mode", "expected"), [
+    # explicit: the absolute-form target decides, in any scheme case; Host is rebuilt
+    ("GET http://a.test/x?q HTTP/1.1\nHost: a.test\n", Explicit(), ("a.test", 80, "/x?q")),
+    ("GET HTTP://A.TEST:8080/ HTTP/1.1\n", Explicit(), ("a.test", 8080, "/")),
+    ("GET http://a.test:8080/ HTTP/1.1\nHost: a.test\n", Explicit(), ("a.test", 8080, "/")),
+    ("GET http://a.test/ HTTP/1.1\nHost: A.test.:80\n", Explicit(), ("a.test", 80, "/")),
+    # transparent: Host, or an absolute-form target (scheme case does not matter)
+    ("GET /t HTTP/1.1\nHost: a.test\n", Transparent(80), ("a.test", 80, "/t")),
+    ("GET HTTP://a.test/t HTTP/1.1\nHost: a.test\n", Transparent(80), ("a.test", 80, "/t")),
+    ("OPTIONS * HTTP/1.1\nHost: a.test\n", Transparent(80), ("a.test", 80, "*")),
+    # in a tunnel: the CONNECT target, however the request names it
+    ("GET / HTTP/1.1\nHost: a.test\n", TUNNEL, ("a.test", 80, "/")),
+    ("GET / HTTP/1.0\n", TUNNEL, ("a.test", 80, "/")),
+    ("GET http://a.test/p HTTP/1.1\n", TUNNEL, ("a.test", 80, "/p")),
+])
+def test_requests_are_routed_to_what_they_name(request_text, mode, expected):
+    where = route(head(request_text), mode)
+    assert (str(where.host), where.port, where.path) == expected
+    assert where.conflict is None
+
+
+@pytest.mark.parametrize(("request_text", "mode", "conflict"), [
+    ("GET http://a.test/ HTTP/1.1\nHost: b.test\n", Explicit(),
+     "Host header 'b.test' differs from the request target a.test:80"),
+    ("GET HTTP://b.test/ HTTP/1.1\nHost: a.test\n", Transparent(80),
+     "Host header 'a.test' differs from the request target b.test:80"),
+    ("GET / HTTP/1.1\nHost: a.test:8080\n", Transparent(80), "port 8080 differs"),
+    ("GET http://a.test:8080/ HTTP/1.1\n", Transparent(80), "port 8080 differs"),
+    ("GET / HTTP/1.1\nHost: b.test\n", TUNNEL,
+     "Host header 'b.test' inside the tunnel differs from CONNECT host a.test:80"),
+    ("GET / HTTP/1.1\nHost: a.test:81\n", TUNNEL, "inside the tunnel differs"),
+    ("GET http://b.test/ HTTP/1.1\nHost: a.test\n", TUNNEL, "inside the tunnel differs"),
+])
+def test_a_second_name_is_a_conflict_judged_after_the_route(request_text, mode, conflict):
+    where = route(head(request_text), mode)
+    assert conflict in where.conflict
+    if isinstance(mode, InTunnel):  # a tunnel only ever goes where it was opened to
+        assert (where.host, where.port) == (A, 80)
+
+
+def test_a_denied_target_is_reported_by_its_own_name_not_the_host_header():
+    """`HTTP://denied/` with `Host: allowed` on port 80: the route is the URI's authority,
+    so the policy judges (and the event names) the denied host."""
+    where = route(head("GET HTTP://denied.test/ HTTP/1.1\nHost: allowed.test\n"),
+                  Transparent(80))
+    assert where.host == Host(name="denied.test")
+
+
+@pytest.mark.parametrize(("request_text", "mode", "status", "message"), [
+    ("GET / HTTP/1.1\nHost: a.test\n", Explicit(), 400, "origin-form"),
+    ("GET / HTTP/1.1\n", Transparent(80), 400, "no Host header"),
+    ("GET https://a.test/ HTTP/1.1\n", Explicit(), 400, "use CONNECT"),
+    ("GET a.test/ HTTP/1.1\nHost: a.test\n", Transparent(80), 400, "absolute URI"),
+    ("GET * HTTP/1.1\nHost: a.test\n", Transparent(80), 400, "absolute URI"),
+    ("CONNECT a.test:443 HTTP/1.1\n", Transparent(80), 405, "CONNECT"),
+    ("GET http://a.test@b.test/ HTTP/1.1\n", Explicit(), 400, "credentials"),
+    ("GET / HTTP/1.1\nHost: a%2etest\n", Transparent(80), 400, "not a valid host name"),
+])
+def test_unroutable_requests_are_refused(request_text, mode, status, message):
+    with pytest.raises(HttpError, match=message) as info:
+        route(head(request_text), mode)
+    assert info.value.status == status
+
+
+def test_connect_inside_a_tunnel_is_denied():
+    with pytest.raises(Denied, match="CONNECT inside a tunnel"):
+        route(head("CONNECT b.test:443 HTTP/1.1\nHost: b.test:443\n"), TUNNEL)
+
+
+def test_the_upstream_gets_origin_form_and_a_host_header_built_from_the_route():
+    request = head("POST HTTP://A.test:8080/p?q=1 HTTP/1.1\nHost: a.test\nX-Keep: 1\n"
+                   "Connection: keep-alive, X-Hop\nX-Hop: gone\nProxy-Authorization: secret\n"
+                   "Keep-Alive: 5\nTE: trailers\nContent-Length: 3\n")
+    sent = outgoing(request, route(request, Explicit()))
+    assert sent == (b"POST /p?q=1 HTTP/1.1\r\nHost: a.test:8080\r\nX-Keep: 1\r\n"
+                    b"Content-Length: 3\r\n\r\n")
+
+
+def test_expect_and_upgrade_are_handled_by_the_proxy():
+    request = head("GET http://a.test/ws HTTP/1.1\nConnection: Upgrade\nUpgrade: websocket\n"
+                   "Expect: 100-continue\n")
+    sent = outgoing(request, route(request, Explicit()), drop_expect=True, upgrade=True)
+    assert sent == (b"GET /ws HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\n"
+                    b"Connection: upgrade\r\n\r\n")
+
+
+def test_ipv6_literals_keep_their_brackets_in_host():
+    where = Route(parse_host("2001:db8::1"), 8080, "/")
+    assert where.authority == "[2001:db8::1]:8080" and where.target == "[2001:db8::1]:8080"
+
+
+def test_empty_lines_before_a_request_are_dropped_and_counted():
+    assert strip_empty_lines(b"\r\n\r\nGET / HTTP/1.1\r\n\r\n") == (b"GET / HTTP/1.1\r\n\r\n", 2)
+    assert strip_empty_lines(b"\nGET") == (b"\nGET", 0)  # a bare LF is not an empty line
+
+
+# -- framing the parser refuses (anything two parsers could read differently) ----------------
+
+
+@pytest.mark.parametrize("connection", ["keep-alive, Content-Length", "Transfer-Encoding",
+                                        "close, host", "CONTENT-LENGTH"])
+def test_connection_may_not_name_a_framing_field(connection):
+    with pytest.raises(HttpError, match="framing field") as info:
+        parse_request(f"POST http://a.test/ HTTP/1.1\r\nConnection: {connection}\r\n"
+                      f"Content-Length: 4\r\n\r\n".encode())
+    assert info.value.status == 400
+    with pytest.raises(HttpError) as info:
+        parse_response(f"HTTP/1.1 200 OK\r\nConnection: {connection}\r\n\r\n".encode())
+    assert info.value.status == 502
+
+
+def test_transfer_encoding_in_an_http_10_request_is_refused():
+    with pytest.raises(HttpError, match=r"HTTP/1\.0"):
+        parse_request(b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+
+@pytest.mark.parametrize(("line", "size"), [
+    (b"0", 0), (b"1a", 26), (b"FFFF", 65535), (b"5;name=value", 5), (b"5 ; ext", 5),
+    (b"5;a=\"q\"", 5),
+])
+def test_chunk_size_lines(line, size):
+    assert parse_chunk_size(line) == size
+
+
+@pytest.mark.parametrize("line", [
+    b"", b"5\n", b"5\r", b"\n5", b"5\nGET / HTTP/1.1", b"+5", b"-1", b"0x5", b" 5", b"5 x",
+    b"5;\x00", b"5;\x7f", b"1" * 17, b"5;ext\n", b"g",
+])
+def test_chunk_size_lines_that_parsers_could_read_differently_are_refused(line):
+    with pytest.raises(HttpError, match="chunk size"):
+        parse_chunk_size(line)
+
+
+# -- flows and caps ------------------------------------------------------------------------
+
+
+def test_each_session_has_its_own_caps():
+    flows = Flows(max_connections=2, max_tunnels=1)
+    connections, tunnels = flows.connections, flows.tunnels
+    assert connections.admit("s1") and connections.admit("s1")
+    assert not connections.admit("s1")
+    assert connections.admit("s2") and connections.admit(None)
+    assert tunnels.admit("s1") and not tunnels.admit("s1")
+    connections.release("s1")
+    assert connections.admit("s1")
+    assert dict(connections.held) == {"s1": 2, "s2": 1, None: 1}
+
+
+def test_refusals_are_reported_once_a_second_with_their_count():
+    cap = Flows(max_connections=0, max_tunnels=0).connections
+    for _ in range(5):
+        cap.admit("s1")
+    assert cap.report("s1", now=100.0) == 5
+    cap.admit("s1")
+    assert cap.report("s1", now=100.5) == 0  # not yet: counted on
+    cap.admit("s1")
+    assert cap.report("s1", now=101.0) == 2
+
+
+def test_judge_names_the_flows_the_new_policy_denies():
+    flows = Flows(10, 10)
+    cut = []
+    for n, name in enumerate(["keep.test", "drop.test", "drop.test"]):
+        flows.add(Flow(n, "s1", "10.0.0.2", f"10.0.0.2:{n}", "connect", Host(name=name), 443,
+                       lambda n=n: cut.append(n)))
+    denied = list(flows.judge(lambda f: Decision(f.host.name == "keep.test", "x")))
+    assert [f.id for f, _ in denied] == [1, 2]
+    flows.remove(1)
+    assert sorted(flows.open) == [0, 2]
+
+
+@pytest.mark.parametrize("line", [b"GET / HTTP/1.1", b"OPTIONS * HTTP/1.0",
+                                  b"PURGE http://a.test/x?y HTTP/1.1"])
+def test_request_lines_that_look_like_http(line):
+    check_request_line(line)
+
+
+@pytest.mark.parametrize("line", [b"SSH-2.0-OpenSSH_9.2p1 Debian-2", b"GET /", b"GET / HTTP/2.0",
+                                  b"GET  / HTTP/1.1", b"GET / HTTP/1.1 ", b"\x16\x03\x01",
+                                  b"get / http/1.1", b"GET /\t HTTP/1.1"])
+def test_what_is_not_an_http_request_line_is_refused_at_its_first_line(line):
+    with pytest.raises(HttpError, match=r"not an HTTP/1\.x request line"):
+        check_request_line(line)
+
+
+def test_a_head_of_too_many_fields_is_refused_before_it_costs_the_loop():
+    from appliance.filter.http import MAX_FIELDS
+
+    fields = "".join(f"X{i}: v\r\n" for i in range(MAX_FIELDS))
+    parse_request(f"GET / HTTP/1.1\r\n{fields}\r\n".encode())
+    with pytest.raises(HttpError, match="header fields") as info:
+        parse_request(f"GET / HTTP/1.1\r\n{fields}Y: v\r\n\r\n".encode())
+    assert info.value.status == 431
+    with pytest.raises(HttpError) as info:
+        parse_response(f"HTTP/1.1 200 OK\r\n{fields}Y: v\r\n\r\n".encode())
+    assert info.value.status == 502
+
+
+@pytest.mark.parametrize(("fields", "relayed"), [
+    ("Connection: Upgrade\nUpgrade: websocket\nSec-WebSocket-Key: k\n", True),
+    ("Connection: keep-alive, Upgrade\nUpgrade: WebSocket\nSec-WebSocket-Key: k\n", True),
+    ("Connection: Upgrade\nUpgrade: h2c\nHTTP2-Settings: AAMAAABkAAQAAP__\n", False),
+    ("Connection: Upgrade\nUpgrade: websocket, h2c\nSec-WebSocket-Key: k\n", False),
+    ("Connection: Upgrade\nUpgrade: websocket\n", False),
+    ("Upgrade: websocket\nSec-WebSocket-Key: k\n", False),
+])
+def test_only_a_websocket_upgrade_is_relayed(fields, relayed):
+    from appliance.filter.proxy.pipeline import websocket
+
+    request = head(f"GET http://a.test/ HTTP/1.1\n{fields}")
+    assert websocket(request) is relayed
+    sent = outgoing(request, route(request, Explicit()), upgrade=websocket(request))
+    assert (b"Upgrade:" in sent) is relayed and b"HTTP2-Settings" not in sent
