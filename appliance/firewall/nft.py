@@ -68,24 +68,38 @@ class Nft:
         self.run(commands)
 
     def learn(self, entries: list[tuple[str, str, int, int]]) -> None:
-        """Add (sandbox, destination, port, timeout seconds) to the learned set. An existing
-        element gets its timeout refreshed: deleting is avoided so no flow sees a gap."""
+        """Add (sandbox, destination, port, timeout seconds) to the learned set, in one
+        transaction. An existing element gets its timeout set again (`add` alone would keep
+        the old one): add, delete and add again, so that the delete never misses and no
+        flow ever sees the element gone."""
         if not entries:
             return
         elements = [{"elem": {"val": {"concat": [src, dst, port]}, "timeout": ttl}}
                     for src, dst, port, ttl in entries]
-        self.run([{"add": {"element": {"family": FAMILY, "table": TABLE, "name": LEARNED,
-                                       "elem": elements}}}])
-        # `add` keeps an existing element's old timeout; refresh with a delete + add of
-        # only those, in one transaction, so an element never disappears.
-        self.run([
-            {"delete": {"element": {"family": FAMILY, "table": TABLE, "name": LEARNED,
-                                    "elem": elements}}},
-            {"add": {"element": {"family": FAMILY, "table": TABLE, "name": LEARNED,
-                                 "elem": elements}}},
-        ])
+        self.run([_elements("add", elements), _elements("delete", elements),
+                  _elements("add", elements)])
+
+    def forget(self, keys: list[tuple[str, str, int]]) -> None:
+        """Delete (sandbox, destination, port) elements from the learned set, in one
+        transaction, whether or not each is still there (one that timed out meanwhile
+        would fail a plain delete, and with it the whole transaction): each is added
+        first, which does nothing to one that is there."""
+        if not keys:
+            return
+        elements = [{"elem": {"val": {"concat": [src, dst, port]}, "timeout": 1}}
+                    for src, dst, port in keys]
+        self.run([_elements("add", elements), _elements("delete", elements)])
+
+    def learned_keys(self) -> set[tuple[str, str, int]]:
+        """The (sandbox, destination, port) of every element in the learned set now."""
+        return {tuple(e["elem"]["val"]["concat"]) for e in self.learned_elements()}
 
     def counters(self) -> dict[str, dict]:
         return {item["counter"]["name"]: {"packets": item["counter"]["packets"],
                                           "bytes": item["counter"]["bytes"]}
                 for item in self.list_table() or [] if "counter" in item}
+
+
+def _elements(verb: str, elements: list[dict]) -> dict:
+    return {verb: {"element": {"family": FAMILY, "table": TABLE, "name": LEARNED,
+                               "elem": elements}}}

@@ -11,7 +11,13 @@ Traffic from a sandbox interface (the `[firewall] interfaces` patterns):
   input           only DNS and the proxy listeners on the session's own gateway; else reject
   forward         only (sandbox . destination . port) in the DNS-learned set, or a tcp rule
                   naming an IP; else reject. Nothing is routed in to a sandbox, so sessions
-                  cannot reach each other. IPv6 is rejected everywhere.
+                  cannot reach each other. Established flows pass before the set is looked
+                  at: taking a learned element back ends its flows in conntrack too
+                  (learned.py), and their next packets meet these rejects as new ones.
+IPv4 is held by the session subnets as well as by the interfaces: a session's rules match its
+source addresses on any interface. IPv6 has no subnets to match, so it fails closed another
+way: nothing is forwarded over IPv6 at all (flows established before the ruleset aside), from
+whatever interface, and IPv6 to the appliance itself is rejected on sandbox interfaces.
 Every reject is counted per session (named counter `deny_<session>`), logged to NFLOG at a
 limited rate (prefix "corral <session> <chain> "), and answered fast: TCP reset for TCP,
 ICMP admin-prohibited for the rest.
@@ -24,7 +30,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from appliance.filter.config import FilterConfig, SessionConfig
-from appliance.policy import parse_address
+from appliance.policy import Host, parse_address
 
 TABLE = "corral"
 FAMILY = "inet"
@@ -167,9 +173,11 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
 
     forward_in = [_rule("filter_forward", _match({"ct": {"key": "state"}},
                                                  ["established", "related"]), {"accept": None})]
-    forward_in.append(_rule("filter_forward", sandbox_if, _match(
+    # Not only from sandbox interfaces: a bridge whose name matches no pattern must not be
+    # an IPv6 way out either (IPv4 is held there by the session subnets below).
+    forward_in.append(_rule("filter_forward", _match(
         {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
-        comment="no IPv6 path out"))
+        comment="no IPv6 is forwarded"))
     commands += forward_in
     # Neighbour discovery only, so that a sandbox's IPv6 packet reaches the reject below
     # and fails fast; without it the sandbox cannot even send, and its connect hangs.
@@ -181,19 +189,39 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         comment="no IPv6 to the appliance"))
 
     for session in config.sessions:
-        commands += _session(session, ports, static_tcp.get(session.name, []), ip_saddr,
-                             ip_daddr, tcp_dport)
+        commands += _session(session, ports, _limits(config), static_tcp.get(session.name, []),
+                             ip_saddr, ip_daddr, tcp_dport)
 
     commands.append(_rule("filter_input", sandbox_if, {"jump": {"target": f"deny_{UNKNOWN}"}}))
     commands.append(_rule("filter_forward", sandbox_if,
                           {"jump": {"target": f"deny_{UNKNOWN}"}}))
+    # A flow whose conntrack entry was deleted (a learned element taken back) comes back as
+    # new, or as invalid with nf_conntrack_tcp_loose off. Invalid is dropped, not answered:
+    # a reset for a live flow's out-of-window packet would end it.
+    commands.append(_rule("filter_forward", _iifname(fw.interfaces, "oifname"), _match(
+        {"ct": {"key": "state"}}, ["invalid"]), {"drop": None},
+        comment="routed in, unknown to conntrack"))
     commands.append(_rule("filter_forward", _iifname(fw.interfaces, "oifname"), _match(
         {"ct": {"key": "state"}}, ["new"]), {"jump": {"target": f"deny_{UNKNOWN}"}},
         comment="nothing is routed in to a sandbox: no session reaches another"))
     return commands
 
 
-def _session(session: SessionConfig, ports, static, ip_saddr, ip_daddr, tcp_dport) -> list:
+def _limits(config: FilterConfig) -> dict[str, int]:
+    """What one session may send the filter, enforced in the kernel: before a flood fills
+    the queues that every session shares (one DNS socket, one listening socket each)."""
+    fw = config.firewall
+    return {"dns_packets": fw.dns_packets, "new_connections": fw.new_connections,
+            "connections": 2 * (config.proxy.max_connections_per_session + config.dns.max_tcp)}
+
+
+def _rate(per_second: int) -> dict:
+    return {"limit": {"rate": per_second, "burst": 2 * per_second, "per": "second",
+                      "inv": True}}
+
+
+def _session(session: SessionConfig, ports, limits, static, ip_saddr, ip_daddr,
+             tcp_dport) -> list:
     source = _match(ip_saddr, _prefix(session.subnet))
     gateway = _match(ip_daddr, str(session.gateway))
     deny = {"jump": {"target": f"deny_{session.name}"}}
@@ -201,6 +229,18 @@ def _session(session: SessionConfig, ports, static, ip_saddr, ip_daddr, tcp_dpor
     rules = []
     tcp_ports = sorted({*ports["dns"], *ports["proxy"], *ports["transparent_http"],
                         *ports["transparent_tls"]})
+    if ports["dns"]:
+        rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
+            _payload("udp", "dport"), {"set": ports["dns"]}), _rate(limits["dns_packets"]),
+            deny, comment="a DNS flood: kept out of the socket every session shares"))
+    if tcp_ports:
+        new = [source, gateway, _match(l4, "tcp"), _match(tcp_dport, {"set": tcp_ports}),
+               _match({"ct": {"key": "state"}}, ["new"])]
+        rules.append(_rule("filter_input", *new, {"ct count": {
+            "val": limits["connections"], "inv": True}}, deny,
+            comment="past the session's connection caps"))
+        rules.append(_rule("filter_input", *new, _rate(limits["new_connections"]), deny,
+                           comment="a connection flood: kept out of the shared accept queues"))
     if ports["dns"]:
         rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
             _payload("udp", "dport"), {"set": ports["dns"]}), {"accept": None}))
@@ -227,13 +267,19 @@ def _session(session: SessionConfig, ports, static, ip_saddr, ip_daddr, tcp_dpor
 
 
 def static_tcp_rules(store) -> dict[str, list[tuple[str, list[int]]]]:
-    """Per session, the tcp rules that name an IPv4 address (no DNS answer teaches those)."""
+    """Per session, the tcp rules that name an IPv4 address (no DNS answer teaches those):
+    that address on the ports the session's policy allows there (a deny naming it wins)."""
     out: dict[str, list] = {}
     for name, session in store.sessions.items():
-        for rule in session.policy.rules:
+        policy = session.policy
+        for rule in policy.rules:
             address = parse_address(rule.host) if rule.kind == "tcp" else None
-            if address is not None and address.version == 4:  # IPv6 has no path out
-                out.setdefault(name, []).append((str(address), sorted(rule.port.ports)))
+            if address is None or address.version != 4:  # IPv6 has no path out
+                continue
+            literal = Host(address=address)
+            ports = [p for p in sorted(rule.port.ports) if policy.decide_tcp(literal, p).allowed]
+            if ports:
+                out.setdefault(name, []).append((str(address), ports))
     return out
 
 

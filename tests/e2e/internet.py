@@ -5,7 +5,9 @@
 DNS (authoritative, every query logged to DIR/dns-queries.log) on 203.0.113.53:53;
 HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address; an SSH-like
 banner on :22; TLS on :853 (DNS-over-TLS stand-in); UDP echo on :443 and :53 of the other
-addresses. Writes DIR/ready when everything listens; runs until killed.
+addresses; a long-lived TCP service on STREAM_HOST:STREAM_PORT (`stream`: every connection
+and how it ended goes to DIR/stream.log). Writes DIR/ready when everything listens; runs
+until killed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tests.fakes import FakeDns, FakeHttp, Loop, TestCA
 WEB = "203.0.113.10"
 RESOLVER = "203.0.113.53"
 SSH_HOST = "203.0.113.22"
+STREAM_HOST, STREAM_PORT = SSH_HOST, 7007
 WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 
 ZONE = {
@@ -29,6 +32,7 @@ ZONE = {
     "denied.test": [("A", WEB, 300)],
     "private.test": [("A", "10.0.0.5", 300)],
     "ssh.test": [("A", SSH_HOST, 300)],
+    "stream.test": [("A", STREAM_HOST, 300)],
 }
 
 
@@ -36,6 +40,42 @@ async def banner(reader, writer):
     writer.write(b"SSH-2.0-corral-e2e\r\n")
     await writer.drain()
     writer.close()
+
+
+def stream(log: Path):
+    """The long-lived TCP service. The first line picks the mode: `echo` sends back every
+    byte it gets; `tick` sends "tick\n" every 0.2 s, unasked, until the connection fails (so
+    that a cut is seen from this side too). Each connection's end goes to `log`:
+    "end PEER MODE eof|reset|error"."""
+
+    def record(line: str) -> None:
+        with open(log, "a") as out:
+            out.write(line + "\n")
+
+    async def serve(reader, writer):
+        host, port = writer.get_extra_info("peername")[:2]
+        peer = f"{host}:{port}"
+        mode, how = "?", "eof"
+        try:
+            mode = (await reader.readline()).strip().decode("ascii", "replace") or "?"
+            record(f"open {peer} {mode}")
+            if mode == "tick":
+                while True:
+                    writer.write(b"tick\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionResetError:
+            how = "reset"
+        except OSError as exc:
+            how = f"error {exc.errno}"
+        finally:
+            record(f"end {peer} {mode} {how}")
+            writer.close()
+
+    return serve
 
 
 class Echo(asyncio.DatagramProtocol):
@@ -46,9 +86,11 @@ class Echo(asyncio.DatagramProtocol):
         self.transport.sendto(data, addr)
 
 
-async def extras(loop: Loop, context: ssl.SSLContext):
+async def extras(loop: Loop, context: ssl.SSLContext, directory: Path):
     servers = [await asyncio.start_server(banner, None, 22),
-               await asyncio.start_server(banner, None, 853, ssl=context)]
+               await asyncio.start_server(banner, None, 853, ssl=context),
+               await asyncio.start_server(stream(directory / "stream.log"), STREAM_HOST,
+                                          STREAM_PORT)]
     aio = asyncio.get_running_loop()
     for host, port in ((WEB, 443), (WEB, 9999), (SSH_HOST, 53)):
         await aio.create_datagram_endpoint(Echo, local_addr=(host, port))
@@ -65,7 +107,7 @@ def main(directory: str) -> None:
         dns.zone.update(ZONE)
         FakeHttp(loop, port=80, host=None)
         FakeHttp(loop, ca.server_context(names), port=443, host=None)
-        loop.run(extras(loop, ca.server_context(names)))
+        loop.run(extras(loop, ca.server_context(names), path))
         (path / "ready").write_text("ready\n")
         while True:
             time.sleep(3600)

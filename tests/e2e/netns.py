@@ -85,9 +85,10 @@ def build(sessions: int = 2) -> None:
         add_sandbox(i)
 
 
-def add_sandbox(i: int) -> None:
-    """Sandbox i (10.213.i.2) wired to the appliance on "corral-si" (the firewall's pattern)."""
-    sandbox, bridge = sandbox_name(i), f"corral-s{i}"
+def add_sandbox(i: int, bridge: str | None = None) -> None:
+    """Sandbox i (10.213.i.2, 2001:db8:i::2) wired to the appliance on `bridge`, by default
+    "corral-si" (the firewall's pattern)."""
+    sandbox, bridge = sandbox_name(i), bridge or f"corral-s{i}"
     if sandbox not in existing():
         sh("ip", "netns", "add", sandbox)
         sh("ip", "link", "set", "lo", "up", ns=sandbox)
@@ -105,6 +106,19 @@ def add_sandbox(i: int) -> None:
     # `ip netns exec` shows this file as /etc/resolv.conf inside the sandbox
     Path(f"/etc/netns/{sandbox}").mkdir(parents=True, exist_ok=True)
     Path(f"/etc/netns/{sandbox}/resolv.conf").write_text(f"nameserver 10.213.{i}.1\n")
+
+
+def remove_sandbox(i: int, bridge: str | None = None) -> None:
+    """Undo add_sandbox: its processes, its namespace, and its end of the link."""
+    name = sandbox_name(i)
+    for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    sh("ip", "link", "del", bridge or f"corral-s{i}", ns=APPLIANCE, check=False)
+    sh("ip", "netns", "del", name, check=False)
+    with contextlib.suppress(OSError):
+        Path(f"/etc/netns/{name}/resolv.conf").unlink()
+        Path(f"/etc/netns/{name}").rmdir()
 
 
 def spawn(ns: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

@@ -38,8 +38,7 @@ def test_template_and_python_build_the_same_boot_table(tmp_path):
         for name in names:
             subprocess.run(["ip", "netns", "add", name], check=True)
         ruleset = tmp_path / "base.nft"
-        ruleset.write_text(render("corral_firewall", "etc/corral/base.nft.j2",
-                                  corral_firewall_interfaces=["corral*"]))
+        ruleset.write_text(render("corral_firewall", "etc/corral/base.nft.j2"))
         subprocess.run(["ip", "netns", "exec", names[0], "nft", "-f", str(ruleset)], check=True)
         # loading it again replaces the table (the unit's restart), it does not fail
         subprocess.run(["ip", "netns", "exec", names[0], "nft", "-f", str(ruleset)], check=True)

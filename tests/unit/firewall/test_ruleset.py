@@ -9,6 +9,8 @@ import pytest
 from appliance.filter.config import parse_config
 from appliance.firewall.ruleset import build, build_base, listener_ports
 
+from .verdict import Packet, Unknown, verdict
+
 CONFIG = """
 [dns]
 listen = ["10.213.1.1:53"]
@@ -89,3 +91,145 @@ def test_learned_allowances_of_a_gone_session_are_not_carried_over():
     commands = build(parse_config(CONFIG, "filter.toml"), learned=learned)
     added = [c["add"]["element"]["elem"] for c in commands if "element" in c.get("add", {})]
     assert added == [[element("10.213.1.2")]]
+
+
+def test_static_tcp_rules_open_the_named_address_on_the_ports_the_policy_allows(tmp_path):
+    from appliance.filter.store import PolicyStore
+    from appliance.firewall.ruleset import static_tcp_rules
+
+    (tmp_path / "s1.toml").write_text("""
+[tcp]
+allow = ["203.0.113.7:22", "10.0.0.5:5432", "198.51.100.9:22", "[2001:db8::1]:22",
+         "db.example.net:5432"]
+[deny]
+names = ["198.51.100.9"]
+""")
+    config = parse_config(f"""
+[state]
+dir = "{tmp_path}/state"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+files = ["{tmp_path}/s1.toml"]
+""", "filter.toml")
+    # an IPv4 literal on its ports (in a blocked range too: the rule names it); a denied
+    # literal opens nothing; v6 has no path out; names are taught by DNS answers, not here
+    assert static_tcp_rules(PolicyStore(config)) == {
+        "s1": [("203.0.113.7", [22]), ("10.0.0.5", [5432])]}
+
+
+# What the ruleset does with packets (tests/unit/firewall/verdict.py walks its chains).
+# The config's sandbox interfaces are the default, podman*; "leak3" matches no pattern.
+S1, S1_GW, WEB, WEB6 = "10.213.1.2", "10.213.1.1", "203.0.113.10", "3fff:ff::10"
+
+
+@pytest.fixture
+def ruleset():
+    return build(parse_config(CONFIG, "filter.toml"), {"s1": [("203.0.113.7", [22])]})
+
+
+@pytest.mark.parametrize("iif", ["podman3", "leak3"])
+@pytest.mark.parametrize(("packet", "chain", "expected"), [
+    (Packet("", S1, WEB, dport=22), "filter_forward", "reject:deny_s1"),
+    (Packet("", S1, WEB, l4="udp", dport=443), "filter_forward", "reject:deny_s1"),
+    (Packet("", S1, "203.0.113.7", dport=22), "filter_forward", "accept"),
+    (Packet("", S1, WEB, dport=22, learned={(S1, WEB, 22)}), "filter_forward", "accept"),
+    (Packet("", S1, "10.213.2.2", dport=22), "filter_forward", "reject:deny_s1"),
+    (Packet("", S1, S1_GW, l4="udp", dport=53, local=True), "filter_input", "accept"),
+    (Packet("", S1, S1_GW, dport=3128, local=True), "filter_input", "accept"),
+    (Packet("", S1, S1_GW, dport=22, local=True), "filter_input", "reject:deny_s1"),
+    (Packet("", S1, "10.213.2.254", dport=53, local=True), "filter_input", "reject:deny_s1"),
+    (Packet("", S1, WEB, dport=443), "nat_prerouting", "redirect:3130"),
+    (Packet("", S1, WEB, dport=80), "nat_prerouting", "redirect:3129"),
+], ids=["tcp-out", "udp-out", "tcp-rule-by-ip", "learned", "other-session", "dns", "proxy",
+        "gateway-ssh", "other-gateway", "https-redirected", "http-redirected"])
+def test_ipv4_of_a_session_is_held_by_its_subnet_on_any_interface(ruleset, iif, packet, chain,
+                                                                   expected):
+    """A bridge whose name matches no pattern gets the same IPv4 verdicts: the session's
+    rules match its source addresses, not its interface."""
+    packet.iif = iif
+    assert verdict(ruleset, chain, packet) == expected
+
+
+@pytest.mark.parametrize(("iif", "oif"), [("podman3", "up0"), ("leak3", "up0"),
+                                           ("up0", "leak3"), ("eth0", "eth1")])
+@pytest.mark.parametrize("l4", ["tcp", "udp"])
+def test_no_ipv6_is_forwarded_from_any_interface(ruleset, iif, oif, l4):
+    packet = Packet(iif, "2001:db8:3::2", WEB6, l4=l4, oif=oif)
+    assert verdict(ruleset, "filter_forward", packet) == "reject:deny_ipv6"
+
+
+@pytest.mark.parametrize(("state", "expected"), [
+    ("established", "accept"),
+    ("new", "reject:deny_unknown"),  # a cut flow's next packet (nf_conntrack_tcp_loose on)
+    ("invalid", "drop"),  # the same with tcp_loose off: never forwarded in
+])
+def test_a_packet_routed_in_to_a_sandbox_passes_only_on_an_established_flow(ruleset, state,
+                                                                            expected):
+    """What becomes of the destination's next packet once a taken-back element's conntrack
+    entry is deleted: conntrack sees it as new (or invalid), and nothing that is not an
+    established flow is routed in to a sandbox."""
+    packet = Packet("up0", WEB, S1, dport=40000, oif="podman3", state=state)
+    assert verdict(ruleset, "filter_forward", packet) == expected
+
+
+def test_a_cut_flows_next_packet_from_the_sandbox_is_rejected_as_new(ruleset):
+    """The sandbox's side of a cut flow: no conntrack entry, no element: a reset."""
+    flow = Packet("podman3", S1, WEB, dport=22, state="established")
+    assert verdict(ruleset, "filter_forward", flow) == "accept"
+    for state in ("new", "invalid"):
+        flow.state = state
+        assert verdict(ruleset, "filter_forward", flow) == "reject:deny_s1"
+    flow.learned = {(S1, WEB, 22)}
+    flow.state = "new"
+    assert verdict(ruleset, "filter_forward", flow) == "accept"  # while it was allowed
+
+
+def test_ipv6_flows_established_before_the_ruleset_go_on(ruleset):
+    packet = Packet("eth0", "2001:db8:3::2", WEB6, oif="eth1", state="established")
+    assert verdict(ruleset, "filter_forward", packet) == "accept"
+
+
+def test_ipv6_to_the_appliance_is_rejected_on_sandbox_interfaces_only(ruleset):
+    to_ssh = Packet("podman3", "2001:db8:3::2", "2001:db8:3::1", dport=22, local=True)
+    assert verdict(ruleset, "filter_input", to_ssh) == "reject:deny_ipv6"
+    to_ssh.iif = "eth0"  # the management interface: the appliance's own IPv6 is untouched
+    assert verdict(ruleset, "filter_input", to_ssh) == "accept"
+    solicit = Packet("podman3", "fe80::2", "ff02::1:ff00:1", l4="icmpv6",
+                     icmpv6_type="nd-neighbor-solicit", local=True)
+    assert verdict(ruleset, "filter_input", solicit) == "accept"  # rejects come fast
+
+
+def test_spoofed_or_unrouted_sources_on_a_sandbox_interface_are_dropped(ruleset):
+    assert verdict(ruleset, "raw_prerouting", Packet("podman3", "192.0.2.9", WEB)) == "drop"
+    assert verdict(ruleset, "raw_prerouting",
+                   Packet("podman3", S1, WEB, routed_back=False)) == "drop"
+    assert verdict(ruleset, "raw_prerouting", Packet("podman3", S1, WEB)) == "accept"
+
+
+def test_the_verdict_reader_refuses_what_it_does_not_know(ruleset):
+    strange = [{"add": {"chain": {"name": "c"}}},
+               {"add": {"rule": {"chain": "c", "expr": [{"queue": {"num": 1}}]}}}]
+    with pytest.raises(Unknown):
+        verdict(strange, "c", Packet("eth0", S1, WEB))
+
+
+@pytest.mark.parametrize(("packet", "expected"), [
+    (Packet("podman3", S1, S1_GW, l4="udp", dport=53, local=True), "accept"),
+    (Packet("podman3", S1, S1_GW, l4="udp", dport=53, local=True, flooding=True),
+     "reject:deny_s1"),
+    (Packet("podman3", S1, S1_GW, dport=3128, local=True, flooding=True), "reject:deny_s1"),
+    (Packet("podman3", S1, S1_GW, dport=3128, local=True, connections=576), "accept"),
+    (Packet("podman3", S1, S1_GW, dport=3128, local=True, connections=577),
+     "reject:deny_s1"),
+    (Packet("podman3", S1, S1_GW, dport=53, local=True, connections=577), "reject:deny_s1"),
+    # an established flow is never cut by the rate or the count of new ones
+    (Packet("podman3", S1, S1_GW, dport=3128, local=True, state="established",
+            flooding=True, connections=10_000), "accept"),
+], ids=["dns", "dns-flood", "connection-flood", "at-the-cap", "past-the-cap", "dns-tcp-past",
+        "established"])
+def test_a_sessions_floods_are_stopped_in_the_kernel(ruleset, packet, expected):
+    """Past `[firewall] dns_packets` / `new_connections` a second, or past twice the
+    session's connection caps ((256 + 32) * 2 = 576), the kernel rejects: before the
+    queues every session shares fill up."""
+    assert verdict(ruleset, "filter_input", packet) == expected
