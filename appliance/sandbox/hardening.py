@@ -2,8 +2,11 @@
 
 Read-only root, a size-limited tmpfs /tmp, no capabilities, no-new-privileges, a non-root
 user with the host user's UID/GID inside a user namespace (so that UID is not the host's),
-an init as PID 1, memory/pids/cpu limits, no host socket, proxy settings for every tool
-that reads its own, and DNS pointed at the session's filter.
+corral's seccomp profile (no namespaces, mounts, keyrings, bpf, perf, userfaultfd: see
+seccomp.py), an init as PID 1 that the agent cannot trace (confinement.py), ICMP echo
+sockets for the sandbox's groups (so that a ping meets the firewall rather than a missing
+capability), memory/pids/cpu limits, no host socket, proxy settings for every tool that
+reads its own, and DNS pointed at the session's filter.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 # Each tool reads its own spelling (curl/pip/requests: both cases; npm: npm_config_*;
 # git: http.proxy via GIT_CONFIG_*; Java: JAVA_TOOL_OPTIONS).
 NO_PROXY = "localhost,127.0.0.1,::1"
+USERNS_SIZE = 65536
+"""IDs mapped into a sandbox's user namespace: 0 to 65535 inside."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,11 @@ class Sandbox:
     """A podman network, or None for no network at all."""
     gateway: str | None
     """The filter's address on that network: DNS and proxy."""
+    seccomp_profile: str
+    """corral's seccomp profile (confinement.install writes it): required, so that no
+    caller can start a sandbox under podman's laxer default by forgetting it."""
+    init: str
+    """The exec-only init podman runs as PID 1 (confinement.install writes it)."""
     uid: int = 1000
     gid: int = 1000
     proxy_port: int = 3128
@@ -32,7 +42,7 @@ class Sandbox:
     cpus: str = "2"
     tmp_size: str = "1g"
     userns_base: int = 200_000
-    """Container ID 0 maps to this host ID; 65536 IDs are mapped."""
+    """Container ID 0 maps to this host ID; USERNS_SIZE IDs are mapped."""
     volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(source, target) pairs: the home volume and the workspace."""
     workdir: str = "/work"
@@ -59,11 +69,17 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
         "--read-only", "--read-only-tmpfs=false",
         "--tmpfs", f"/tmp:rw,nosuid,nodev,size={s.tmp_size}",  # noqa: S108 - inside the sandbox
         "--cap-drop=ALL", "--security-opt=no-new-privileges",
+        "--security-opt", f"seccomp={s.seccomp_profile}",
         # private IPC: /dev/shm lives in the container's own mount namespace, with no
         # host-side mount to leak into other namespaces (or be shared with anyone)
         "--ipc", "private",
-        "--uidmap", f"0:{s.userns_base}:65536", "--gidmap", f"0:{s.userns_base}:65536",
-        "--user", f"{s.uid}:{s.gid}", "--init",
+        "--uidmap", f"0:{s.userns_base}:{USERNS_SIZE}",
+        "--gidmap", f"0:{s.userns_base}:{USERNS_SIZE}",
+        "--user", f"{s.uid}:{s.gid}", "--init", "--init-path", s.init,
+        # unprivileged ICMP echo sockets for every group the sandbox has, so that a ping (and
+        # the battery's ICMP probe) meets the firewall; the range is written inside the
+        # user namespace, so it may only name IDs mapped there
+        "--sysctl", f"net.ipv4.ping_group_range=0 {USERNS_SIZE - 1}",
         "--memory", s.memory, "--pids-limit", str(s.pids), "--cpus", s.cpus,
         "--workdir", s.workdir,
         "--env", "HOME=/home/agent", "--env", "TERM=xterm-256color",

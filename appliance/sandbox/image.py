@@ -3,6 +3,9 @@
   mmdebstrap (bookworm, PACKAGES) -> rootfs.tar -> `podman import` -> corral-base:VERSION
   + the layer in CONTAINERFILE (the selftest, /work, labels)   -> corral-sandbox:VERSION
 
+The selftest (appliance/selftest/, a package) goes in as one file: a zipapp of the package
+behind a `#!/usr/bin/python3` line, built here the same, byte for byte, from the same sources.
+
 The package list lives here and nowhere else; change it (or the layer) and bump VERSION.
 A team layers its own tools on top with a Containerfile that starts
 `FROM localhost/corral-sandbox:<VERSION>` (see README).
@@ -11,9 +14,11 @@ A team layers its own tools on top with a Containerfile that starts
 from __future__ import annotations
 
 import hashlib
+import io
 import shutil
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,11 +33,15 @@ PACKAGES = (
 )
 BASE = f"localhost/corral-base:{VERSION}"
 IMAGE = f"localhost/corral-sandbox:{VERSION}"
-SELFTEST = Path(__file__).resolve().parents[1] / "selftest.py"
+SELFTEST = Path(__file__).resolve().parents[1] / "selftest"
+"""The battery's package: every .py file under it is shipped, and digested."""
+SELFTEST_INTERPRETER = b"#!/usr/bin/python3\n"  # Debian's, in the base image
+SELFTEST_MAIN = b"import sys\n\nfrom selftest.cli import main\n\nsys.exit(main())\n"
+"""The zipapp's own __main__.py: the package sits in the archive as `selftest`."""
 
 CONTAINERFILE = """\
 FROM {base}
-COPY selftest.py /usr/local/bin/corral-selftest
+COPY corral-selftest /usr/local/bin/corral-selftest
 RUN chmod 0755 /usr/local/bin/corral-selftest \\
  && mkdir -p /work /home/agent && chmod 1777 /work /home/agent
 LABEL io.corral.image="sandbox" io.corral.version="{version}" \\
@@ -42,10 +51,32 @@ CMD ["/bin/bash", "-l"]
 """
 
 
-def layer_digest() -> str:
-    """What the top layer is made of: the Containerfile and the selftest it copies in."""
+def selftest_zipapp(package: Path = SELFTEST) -> bytes:
+    """`corral-selftest`: the battery's package as one executable file (a zipapp, as
+    `python -m zipapp` makes). The same sources give the same bytes: entries sorted, stored
+    uncompressed, with a fixed time and mode, so the digest changes only when a file does."""
+    buffer = io.BytesIO()
+    buffer.write(SELFTEST_INTERPRETER)
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        entries = [("__main__.py", SELFTEST_MAIN)] + [
+            (f"selftest/{path.relative_to(package).as_posix()}", path.read_bytes())
+            for path in sorted(package.rglob("*.py"))]
+        for name, data in entries:
+            entry = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            entry.external_attr = 0o644 << 16
+            archive.writestr(entry, data)
+    return buffer.getvalue()
+
+
+def layer_digest(package: Path = SELFTEST) -> str:
+    """What the top layer is made of: the Containerfile and the selftest it copies in (the
+    zipapp, so every file of the package)."""
+    return _digest(selftest_zipapp(package))
+
+
+def _digest(selftest: bytes) -> str:
     digest = hashlib.sha256(CONTAINERFILE.encode())
-    digest.update(SELFTEST.read_bytes())
+    digest.update(selftest)
     return digest.hexdigest()[:16]
 
 
@@ -78,9 +109,10 @@ def build(podman: Podman, mirror: str = "http://deb.debian.org/debian",
         else:
             progress(f"[1-2/3] {BASE} is there (same package list): only the layer is built")
         progress(f"[3/3] podman build -> {IMAGE} ({time.monotonic() - started:.0f}s)")
-        shutil.copy(SELFTEST, work / "selftest.py")
+        selftest = selftest_zipapp()  # once: the label names exactly what is copied in
+        (work / "corral-selftest").write_bytes(selftest)
         (work / "Containerfile").write_text(CONTAINERFILE.format(
-            base=BASE, version=VERSION, packages=" ".join(PACKAGES), digest=layer_digest()))
+            base=BASE, version=VERSION, packages=" ".join(PACKAGES), digest=_digest(selftest)))
         podman.run("build", "--network", "none", "--tag", IMAGE, "--file",
                    str(work / "Containerfile"), str(work))
         progress(f"built {IMAGE} in {time.monotonic() - started:.0f}s")

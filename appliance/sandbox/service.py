@@ -13,9 +13,11 @@ filter's control socket. A request may carry a payload (a project archive): its 
   {"op": "create", "name": N, "presets": [P]?, "project_id": ID?, "uid": U?, "gid": G?,
    "payload": BYTES?}                                  the payload is a tar of the project
   {"op": "stop", "name": N}          {"op": "remove", "name": N, "home": BOOL?}
-  {"op": "diff", "name": N}          {"op": "changes", "name": N, "paths": [P]?}
+  {"op": "diff", "name": N}          the diff to read, the changes listed, the notes
+  {"op": "changes", "name": N, "paths": [P]?}          the changes to apply (format 2)
   {"op": "fold", "name": N, "changes": [CHANGE]}       what the host applied
-  {"op": "selftest", "name": N, "options": {...}}      the battery inside the session
+  {"op": "selftest", "name": N, "options": {...}}      the battery inside the session, its
+                                                       denials checked against the records
   {"op": "stop-all"}                                   before the firewall goes away
 """
 
@@ -41,30 +43,37 @@ from typing import BinaryIO
 from appliance import workspace
 from appliance.control_client import ControlClient, ServiceUnavailable
 from appliance.policy import ConfigError, preset_names
+from appliance.selftest.review import REVIEW_DIR
 from appliance.settings import load_table, non_empty, positive
 
-from . import image
+from . import battery, image
 from .podman import Podman, PodmanError
 from .sessions import SessionError, SessionManager
 
 log = logging.getLogger("corral.sandbox")
-MAX_LINE = 64 * 1024 * 1024  # a `fold` carries file contents
+MAX_LINE = 64 * 1024 * 1024
+"""A `fold` carries file contents: the CLI sends at most FOLD_BATCH (cli/sessions.py) of
+them, or one file of at most workspace.MAX_FILE, per request, base64 in JSON."""
 MAX_MEMBERS = 200_000
+SELFTEST_TIMEOUT = 600  # seconds: the battery waits on purpose (silence, floods, caps)
 
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    socket: str = "/run/corral/sandbox.sock"
+    socket: str = "/run/corral-sandbox/control.sock"
+    """The service's unix socket (corral_sandbox_control_socket, as the role sets it)."""
     group: str = ""
     """Owner group of the socket (0660): the admin API's. Empty: 0600, root only."""
-    state_dir: str = "/var/lib/corral/sandbox"
-    filter_socket: str = "/run/corral/filter.sock"
+    state_dir: str = "/var/lib/corral-sandbox"
+    """Sessions, workspaces and homes (corral_sandbox_state_dir)."""
+    filter_socket: str = "/run/corral-filter/control.sock"
+    """The filter's control socket (corral_filter_control_socket)."""
     pool: str = "10.213.0.0/16"
     image: str = image.IMAGE
     containers_conf: str = ""
     """A containers.conf for podman (the host's defaults when empty)."""
     proxy_port: int = 3128
-    max_project: int = 2 * 1024**3
+    max_project: int = 512 * 1024**2
     """The most a project may hold once unpacked, in bytes."""
 
 
@@ -130,13 +139,7 @@ class Sessions:
         if op == "create":
             return {"session": self._create(request, payload)}
         if op in ("diff", "changes"):
-            changes = manager.diff(_name(request))
-            if op == "diff":
-                return {"diff": workspace.render(changes), "changes": [
-                    {"path": c.path, "action": c.action, "binary": c.binary} for c in changes]}
-            paths = _string_list(request, "paths")
-            return {"changes": [workspace.to_json(c) for c in changes
-                                if workspace.selected(c, paths)]}
+            return self._changes(op, _name(request), _string_list(request, "paths"))
         if op == "selftest":
             return self._selftest(_name(request), request.get("options"))
         with self.lock:
@@ -152,14 +155,25 @@ class Sessions:
                 changes = request.get("changes")
                 if not isinstance(changes, list):
                     raise RequestError("'changes' must be a list of changes")
-                manager.fold(_name(request), [workspace.from_json(c) for c in changes])
-                return {"folded": len(changes)}
+                refused = manager.fold(_name(request),
+                                       [workspace.from_json(c) for c in changes])
+                return {"folded": len(changes) - len(refused), "refused": [
+                    {**workspace.wire_path(r.path), "reason": r.reason} for r in refused]}
             if op == "stop-all":
                 stopped = [manager.stop(r.name, reason="appliance going down").name
                            for r in manager.records() if r.state == "running"]
                 return {"stopped": stopped}
         raise RequestError(f"unknown op {op!r}; expected status, list, create, stop, remove, "
                            "diff, changes, fold, selftest, stop-all")
+
+    def _changes(self, op: str, name: str, paths: list[str]) -> dict:
+        """`diff`: what a person reads (every byte escaped for a terminal) and the changes
+        listed without contents; `changes`: the selected changes with their contents, for
+        the host. Whatever the agent left in /work, both answer (see appliance.workspace)."""
+        changeset = self.manager.diff(name)
+        if op == "diff":
+            return workspace.diff_answer(changeset)
+        return workspace.changes_answer(changeset, paths)
 
     def _create(self, request: dict, payload: BinaryIO | None) -> dict:
         presets = _string_list(request, "presets")
@@ -204,28 +218,49 @@ class Sessions:
             raise RequestError(f"the project archive is unusable: {exc}") from None
 
     def _selftest(self, name: str, options: object) -> dict:
+        """The battery inside the session, then the appliance's own check of it: every denial
+        a probe met must be in the filter's records (battery.confirm), and the files the
+        review probe wrote must survive the session's diff (battery.judge_review)."""
         if not isinstance(options, dict) or not isinstance(options.get("allowed"), str):
             raise RequestError("'options' must be an object with at least 'allowed'")
+        try:
+            flags = battery.arguments(options)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         record = self.manager.get(name)
-        args = ["corral-selftest", "--json"]
-        for key, value in options.items():
-            flag = "--" + key.replace("_", "-")
-            if key == "only":
-                for probe in value:
-                    args += ["--only", str(probe)]
-            elif key in ("allowed", "denied", "foreign_resolver", "v6_target", "private_name",
-                         "tcp_name", "other_gateway", "slow_connections"):
-                args += [flag, str(value)]
-            else:
-                raise RequestError(f"unknown selftest option {key!r}")
-        result = self.manager.podman.run("exec", record.container, *args, check=False,
-                                         timeout=600)
-        probes = [json.loads(line) for line in result.stdout.decode().splitlines()
-                  if line.startswith("{")]
+        try:
+            mark = battery.mark_before(self.manager.control)
+        except battery.RecordsUnavailable as exc:
+            raise SessionError(f"the battery's denials could not be checked: {exc}") from None
+        result = self.manager.podman.run("exec", record.container, "corral-selftest", "--json",
+                                         *flags, check=False, timeout=SELFTEST_TIMEOUT)
+        probes, summary = battery.parse(result.stdout.decode(errors="replace"))
         if not probes:
             raise SessionError(f"the selftest did not run in {name}: "
                                f"{result.stderr.decode(errors='replace').strip()[-500:]}")
-        return {"probes": probes, "passed": result.returncode == 0}
+        probes = battery.confirm(probes, self.manager.control, mark, name)
+        if any(p.get("group") == "review" for p in probes):
+            probes = self._review(name, record.container, probes)
+        return {"probes": probes, "summary": summary, "tally": battery.tally(probes),
+                "passed": result.returncode == 0 and summary is not None
+                and battery.passed(probes)}
+
+    def _review(self, name: str, container: str, probes: list[dict]) -> list[dict]:
+        """Ask for the session's diff as `corral diff` does (when the review probe wrote its
+        files), then take them away again, from inside, as the agent: they must not reach
+        anyone's project."""
+        try:
+            if not any((p.get("expect") or {}).get("kind") == "review" for p in probes):
+                return probes
+            try:
+                answer, error = self.answer({"op": "diff", "name": name}, None), None
+                json.dumps(answer)  # what the handler would send must be sendable
+            except Exception as exc:  # whatever the diff raises is the finding
+                answer, error = None, f"{type(exc).__name__}: {exc}"
+            return battery.judge_review(probes, answer, error)
+        finally:
+            self.manager.podman.run("exec", container, "rm", "-rf", "--",
+                                    f"/work/{REVIEW_DIR}", check=False)
 
 
 class Handler(socketserver.StreamRequestHandler):

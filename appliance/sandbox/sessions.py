@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import shutil
 import time
@@ -22,13 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from appliance import workspace
+from appliance.atomic import write_atomic
 from appliance.filter.config import SESSION_NAME
-from appliance.filter.store import write_atomic
 
-from . import hardening
+from . import confinement, hardening
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
+log = logging.getLogger("corral.sandbox")
 LABEL = "io.corral.session"
 OWNER = "io.corral.owner"
 """On every container and network: the state directory of the manager that made it, so a
@@ -67,11 +69,21 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
             os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
 
+def _remove(path: Path) -> None:
+    """A tree the agent wrote (its workspace, its home) goes, however deep it made it
+    (shutil.rmtree recurses: RecursionError past ~1000 levels, even with ignore_errors)."""
+    try:
+        workspace.remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove all of %s: %s", path, exc)
+
+
 class SessionManager:
     def __init__(self, podman: Podman, control: Callable[[dict], dict], state_dir: Path,
                  pool: str = "10.213.0.0/16", image: str = IMAGE, uid: int = 1000,
                  gid: int = 1000, proxy_port: int = 3128):
         self.podman, self.control = podman, control
+        self.state_dir = Path(state_dir)
         self.records_dir = Path(state_dir) / "sessions"
         self.workspaces = Path(state_dir) / "workspaces"
         self.homes = Path(state_dir) / "homes"
@@ -176,19 +188,25 @@ class SessionManager:
         volumes: tuple[tuple[str, str], ...] = ()
         mapped = hardening.Sandbox.userns_base
         try:
+            # first, before anything needs undoing; written before every start, so that a
+            # containers-common update reaches the next session
+            try:
+                confined = confinement.install(self.state_dir)
+            except (confinement.ConfinementError, OSError) as exc:
+                raise SessionError(f"session {name} cannot be confined: {exc}") from None
             subnet = self._network(name, network)
             gateway = str(next(subnet.hosts()))
             undo.append(lambda: self.podman.run("network", "rm", "--force", network,
                                                 check=False))
             if project is not None:
                 work, base = self.workspace(name)
-                shutil.rmtree(work.parent, ignore_errors=True)  # a stopped session's old copy
-                undo.append(lambda: shutil.rmtree(work.parent, ignore_errors=True))
+                _remove(work.parent)  # a stopped session's old copy
+                undo.append(lambda: _remove(work.parent))
                 workspace.copy_in(Path(project), work, base)
                 _chown_tree(work, mapped + uid, mapped + gid)
                 volumes = ((str(work), "/work"),)
             else:
-                undo.append(lambda: shutil.rmtree(self.workspaces / name, ignore_errors=True))
+                undo.append(lambda: _remove(self.workspaces / name))
             if project_id:
                 home = self.home(project_id)
                 if not home.exists():
@@ -203,7 +221,8 @@ class SessionManager:
                 raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
             undo.append(lambda: self.control({"op": "session-remove", "name": name}))
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
-                                     gateway=gateway, uid=uid, gid=gid,
+                                     gateway=gateway, seccomp_profile=str(confined.profile),
+                                     init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes)
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
@@ -232,14 +251,16 @@ class SessionManager:
         self._save(record)
         return record
 
-    def diff(self, name: str) -> list[workspace.Change]:
+    def diff(self, name: str) -> workspace.Changeset:
         self.get(name)
-        return workspace.changes(*reversed(self.workspace(name)))
+        work, base = self.workspace(name)
+        return workspace.changes(base, work)
 
-    def fold(self, name: str, applied: list[workspace.Change]) -> None:
-        """The host took these changes: the next diff starts from them."""
+    def fold(self, name: str, applied: list[workspace.Change]) -> list[workspace.Refusal]:
+        """The host took these changes: the next diff starts from them (what could not be
+        folded is returned; the next diff shows it again)."""
         self.get(name)
-        workspace.fold(self.workspace(name)[1], applied)
+        return workspace.fold(self.workspace(name)[1], applied)
 
     def remove(self, name: str, home: bool = False) -> None:
         """Stop if needed, then forget the session and its workspace (and with `home`, the
@@ -253,9 +274,9 @@ class SessionManager:
                                    f"{', '.join(others)}; remove those first")
         if record.state != "stopped":
             self.stop(name)
-        shutil.rmtree(self.workspaces / name, ignore_errors=True)
+        _remove(self.workspaces / name)
         if home and record.project:
-            shutil.rmtree(self.home(record.project), ignore_errors=True)
+            _remove(self.home(record.project))
         self._path(name).unlink()
 
     def _containers(self) -> dict[str, str]:

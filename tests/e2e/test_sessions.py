@@ -10,11 +10,11 @@ import time
 import pytest
 
 from appliance.sandbox.podman import Podman, PodmanError
+from appliance.sandbox.service import SandboxConfig, Sessions
 from appliance.sandbox.sessions import SessionError, SessionManager
 
 from . import netns
 from .conftest import CONTAINERS_CONF
-from .test_bypass import recorded
 
 PROJECT = """
 [http]
@@ -28,6 +28,12 @@ allow = ["ssh.test:22"]
 def manager(world, sandbox_image):
     inside = Podman(CONTAINERS_CONF, prefix=("nsenter", f"--net=/run/netns/{netns.APPLIANCE}"))
     return SessionManager(inside, world.control, world.dir / "manager", image=sandbox_image)
+
+
+@pytest.fixture(scope="module")
+def service(manager):
+    """The sandbox service's request handling (what its socket answers), on that manager."""
+    return Sessions(SandboxConfig(), manager)
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +55,38 @@ def session(world, manager):
         manager.stop("p1")
 
 
-def test_the_battery_passes_inside_a_real_session(world, manager, session):
-    result = manager.podman.run(
-        "exec", session.container, "corral-selftest", "--json", "--allowed", "allowed.test",
-        "--denied", "denied.test", "--foreign-resolver", "203.0.113.53",
-        "--v6-target", "3fff:ff::10", "--private-name", "private.test",
-        "--tcp-name", "ssh.test:22", "--slow-connections", "500", check=False, timeout=300)
-    probes = [json.loads(line) for line in result.stdout.decode().splitlines()
-              if line.startswith("{")]
-    failed = [p for p in probes if not p["ok"]]
-    assert probes and not failed, json.dumps(failed, indent=1)
-    time.sleep(0.3)
-    events, counters = world.events(), world.counters()
-    missing = [p for p in probes if p["expect"]
-               and not recorded(world, p["expect"], events, counters)]
-    assert not missing, json.dumps(missing, indent=1)
-    assert any(e.get("session") == "p1" and e["verdict"] == "deny" for e in events)
+NETWORK = {"allowed": "allowed.test", "denied": "denied.test",
+           "foreign_resolver": "203.0.113.53", "v6_target": "3fff:ff::10",
+           "private_name": "private.test", "tcp_name": "ssh.test:22",
+           "silence": 6}  # the e2e filter's header_timeout is 5
+
+
+def test_the_battery_passes_inside_a_real_session(world, service, session):
+    """Through the sandbox service's selftest op, as `corral selftest` runs it: the battery
+    in the container, then the appliance's check that every denial was recorded."""
+    answer = service.answer({"op": "selftest", "name": "p1", "options": {
+        **NETWORK, "skip_group": ["kernel", "review"]}}, None)
+    failed = [p for p in answer["probes"] if p["state"] != "passed"]
+    assert answer["passed"] and not failed, json.dumps(failed, indent=1)
+    assert set(answer["summary"]["skipped_groups"]) == {"kernel", "review"}
+    (icmp,) = [p for p in answer["probes"] if p["id"] == "icmp-echo"]
+    assert icmp["state"] == "passed"  # really tried: the sandbox may open an ICMP socket
+    assert any(e.get("session") == "p1" and e["verdict"] == "deny" for e in world.events())
+
+
+def test_the_kernel_and_review_groups_pass_inside_a_real_session(manager, service, session):
+    """What a container must refuse (seccomp: user namespaces, mount, keyctl, bpf, ...), and
+    files in /work the session's diff must survive; passes once the sandbox's seccomp profile
+    and the robust workspace diff are in."""
+    answer = service.answer({"op": "selftest", "name": "p1", "options": {
+        "allowed": "allowed.test", "skip_group": ["network"]}}, None)
+    states = {p["id"]: (p["state"], p["detail"]) for p in answer["probes"]}
+    assert {"userns-unshare", "userns-clone", "mount", "keyctl", "bpf", "perf-event-open",
+            "userfaultfd", "ptrace-outside", "proc-sys-write", "raw-socket", "packet-socket",
+            "review-hostile-files"} == set(states)
+    listing = manager.podman.run("exec", session.container, "ls", "-A", "/work").stdout
+    assert b"corral-selftest-review" not in listing  # the service took its files away again
+    assert answer["passed"], json.dumps(states, indent=1)
 
 
 def test_the_proxy_settings_reach_every_tool(manager, session):
@@ -98,12 +120,12 @@ def test_diff_and_apply_round_trip_with_a_refused_conflict(world, manager, sessi
     run("exec", session.container, "sh", "-c",
         "printf \"print('v2')\\n\" > /work/app.py && echo new > /work/added.txt "
         "&& printf 'edited by agent\\n' > /work/notes.md")
-    from appliance.workspace import Conflict, apply, render
+    from appliance.workspace import Conflict, apply, carry, render
 
     def host_apply(**options):  # what `corral apply` does on the host, then tells the manager
-        applied = apply(project, manager.diff("p1"), **options)
-        manager.fold("p1", applied)
-        return applied
+        applied = apply(project, carry(manager.diff("p1")), **options)
+        assert manager.fold("p1", applied.changes) == []
+        return applied.changes
 
     text = render(manager.diff("p1"))
     assert "-print('v1')\n+print('v2')\n" in text and "+++ b/added.txt" in text

@@ -1,0 +1,66 @@
+"""A session starts under corral's profile and init, written into the manager's state
+directory; when they cannot be made, no session starts and nothing is left to undo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance.sandbox import confinement
+from appliance.sandbox.sessions import SessionError, SessionManager
+
+from .test_seccomp import podman_like_default
+
+
+class Recorder:
+    """Stands in for podman and the filter's control socket (neither runs in unit tests):
+    records every call and answers as they would for an empty host."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, ...]] = []
+
+    def run(self, *args, **kwargs):
+        self.calls.append(args)
+
+    def json(self, *args):
+        self.calls.append(args)
+        return []
+
+    def remove_container(self, name):
+        self.calls.append(("remove", name))
+
+    def control(self, request):
+        self.calls.append(("control", request["op"]))
+        return {"ok": True, "sessions": []}
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    default = tmp_path / "seccomp.json"
+    default.write_text(json.dumps(podman_like_default()))
+    init = tmp_path / "catatonit"
+    init.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(confinement, "DEFAULT_PROFILE", default)
+    monkeypatch.setattr(confinement, "INITS", (init,))
+    return default
+
+
+def test_the_container_runs_with_the_profile_and_init_of_the_state_dir(tmp_path, host):
+    recorder = Recorder()
+    manager = SessionManager(recorder, recorder.control, tmp_path / "state")
+    manager.create("s1")
+    (run,) = [c for c in recorder.calls if c[:1] == ("run",)]
+    profile, init = tmp_path / "state" / "seccomp.json", tmp_path / "state" / "init"
+    assert f"seccomp={profile}" in run and run[run.index("--init-path") + 1] == str(init)
+    assert profile.is_file() and init.is_file()
+
+
+def test_no_session_starts_without_its_profile(tmp_path, host):
+    host.write_text('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []}')
+    recorder = Recorder()
+    manager = SessionManager(recorder, recorder.control, tmp_path / "state")
+    with pytest.raises(SessionError, match=r"s1 cannot be confined: .*default-deny"):
+        manager.create("s1")
+    assert recorder.calls == []  # no network, no filter session, no container
+    assert manager.records() == []
