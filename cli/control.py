@@ -132,17 +132,29 @@ def parse_since(text: str) -> float:
     return moment.timestamp()
 
 
+VERIFY_TIMEOUT = 600.0
+"""Seconds `corral audit --verify` waits: the filter reads every segment (512 MiB by default
+takes seconds on an appliance, more under emulation)."""
+
+
 def cmd_audit(args) -> int:
     client = client_for(args)
     if args.verify:
-        verdict = client.request("GET", "/audit/verify")
+        verdict = client.request("GET", "/audit/verify", timeout=VERIFY_TIMEOUT)
         if args.json:
             output.data(verdict)
         elif verdict["intact"]:
-            output.line(f"audit log intact: {verdict['lines']} records, chain verified up to "
-                        f"seq {verdict['head']['seq']}")
+            first, head = verdict.get("first") or 1, verdict["head"]["seq"]
+            output.line(f"audit log intact: {verdict['lines']} records in "
+                        f"{verdict.get('segments', 1)} segment(s), chain verified from seq "
+                        f"{first} to seq {head}")
+            if verdict.get("note"):
+                output.line(f"note: {verdict['note']}")
         else:
-            output.error(f"audit log broken at line {verdict['line']}: {verdict['error']}")
+            where = verdict.get("segment") or "its end"
+            if verdict.get("line"):
+                where += f" line {verdict['line']}"
+            output.error(f"audit log broken at {where}: {verdict['error']}")
         return exitcodes.OK if verdict["intact"] else exitcodes.AUDIT_BROKEN
     since = parse_since(args.since) if args.since else None
     after, shown, records = 0, 0, []
@@ -195,6 +207,11 @@ def cmd_status(args) -> int:
         output.line(f"filter: DOWN: {health['error']}")
     output.line("firewall: " + (f"loaded, {firewall['rules']} rules" if firewall.get("loaded")
                                 else f"NOT LOADED: {firewall.get('error', 'unknown')}"))
+    audit = health.get("audit") or {}
+    if audit.get("head"):
+        output.line(f"audit: up to seq {audit['head']['seq']}, {audit.get('segments', 1)} "
+                    f"segment(s), {audit.get('bytes', 0) / 2**20:.1f} MiB"
+                    + (f"; ERROR: {audit['error']}" if audit.get("error") else ""))
     sandbox = status.get("sandbox")
     if sandbox is not None:
         output.line(f"sandbox: healthy, {sandbox['sessions']} sessions, image {sandbox['image']}"

@@ -19,74 +19,74 @@ import tomllib
 from pathlib import Path
 
 from appliance import pki
+from appliance.policy import split_host_port
 
-from . import exitcodes, output
+from . import exitcodes, output, roles
 from .client import Client, CliError, config_home, load_appliance, write_appliance
 
 BIN = Path(sys.executable).parent
 DEFAULT_STATE = Path("/var/lib/corral-local")
 
-CONTAINERS_CONF = """\
-# podman for corral's sandboxes on this host. Where PID 1 is not systemd (containers, CI):
-# runc, cgroupfs and file events; default ulimits under a low hard RLIMIT_NOFILE.
-[containers]
-default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
-[engine]
-runtime = "runc"
-cgroup_manager = "{cgroup_manager}"
-events_logger = "file"
-"""
-
-FILTER = """\
-# corral-filter on this host (written by `corral up --backend local`; edit freely).
-[dns]
-listen = [{dns_listen}]      # every session gateway: the firewall confines each sandbox
-upstream = [{upstream}]
-[proxy]
-listen = ["0.0.0.0:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
-[state]
-dir = "{state}/filter"
-[control]
-socket = "{state}/run/filter.sock"
-[firewall]
-manage = true
-interfaces = ["podman*"]     # podman 4.3 names session bridges podmanN
-"""
-
-SANDBOX = """\
-[sandbox]
-socket = "{state}/run/sandbox.sock"
-state_dir = "{state}/sandbox"
-filter_socket = "{filter_socket}"
-containers_conf = "{state}/containers.conf"
-proxy_port = {proxy_port}
-"""
-
-API = """\
-[api]
-listen = "{listen}"
-tls_dir = "{state}/api"
-control_socket = "{filter_socket}"
-sandbox_socket = "{state}/run/sandbox.sock"
-pidfile = "{state}/run/api.pid"
-"""
+RESOLV_CONFS = (Path("/run/systemd/resolve/resolv.conf"), Path("/etc/resolv.conf"))
+"""Where the host's resolvers are: systemd-resolved's list of its upstreams where it runs
+(its /etc/resolv.conf names only its loopback stub), else /etc/resolv.conf."""
+FILTER_CONFIGS = (("corral_filter", "filter.toml"), ("corral_filter", "policy.toml"))
+OTHER_CONFIGS = (("corral_sandbox", "containers.conf"), ("corral_sandbox", "sandbox.toml"),
+                 ("corral_api", "api.toml"))
+"""The roles' config templates the local backend writes into its state directory: the
+filter's first, as the others name its socket and port."""
 
 
-def _quote(values: list[str]) -> str:
-    return ", ".join(f'"{v}"' for v in values)
+def _systemd() -> bool:
+    try:
+        return Path("/proc/1/comm").read_text().strip() == "systemd"
+    except OSError:
+        return False
 
 
-def _upstreams() -> list[str]:
-    """The host's resolvers, as the filter's upstream (loopback stubs cannot serve it)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for line in Path("/etc/resolv.conf").read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[0] == "nameserver" and not parts[1].startswith("127."):
-                found.append(f"{parts[1]}:53")
-    return found or ["9.9.9.9:53", "149.112.112.112:53"]
+def resolv_conf() -> Path:
+    return next((path for path in RESOLV_CONFS if path.exists()), RESOLV_CONFS[-1])
+
+
+def values(state: Path, *, dns_listen: str = "0.0.0.0:53", api_listen: str = "127.0.0.1:7443",
+           upstream: list[str] | None = None, systemd: bool | None = None) -> dict:
+    """The roles' defaults with what differs on this host: everything under the state
+    directory, no control group (root alone uses the sockets), the host's resolvers (read at
+    each filter start, as on an appliance) unless `upstream` names them, podman's cgroup
+    manager for this PID 1."""
+    try:
+        address, port = split_host_port(dns_listen)
+    except ValueError as exc:
+        raise CliError(f"--dns-listen {dns_listen!r}: {exc}", "give IPv4:PORT, as in "
+                       "0.0.0.0:53", exitcodes.USAGE) from None
+    if not port or not port.isdigit():
+        raise CliError(f"--dns-listen {dns_listen!r} needs a port", "as in 0.0.0.0:53",
+                       exitcodes.USAGE)
+    return {
+        **roles.defaults(),
+        "ansible_managed": "written once by `corral up --backend local`: yours to edit, "
+                           "never overwritten",
+        "corral_base_control_group": "",
+        "corral_filter_dns_address": address,
+        "corral_filter_dns_port": int(port),
+        "corral_filter_upstream": list(upstream or []),
+        "corral_filter_resolv_conf": str(resolv_conf()),
+        "corral_filter_state_dir": str(state / "filter"),
+        "corral_filter_control_socket": str(state / "run" / "filter.sock"),
+        "corral_sandbox_control_socket": str(state / "run" / "sandbox.sock"),
+        "corral_sandbox_state_dir": str(state / "sandbox"),
+        "corral_sandbox_cgroup_manager": "systemd" if (
+            _systemd() if systemd is None else systemd) else "cgroupfs",
+        "corral_api_listen": api_listen,
+        "corral_api_tls_dir": str(state / "api"),
+        "corral_api_pidfile": str(state / "run" / "api.pid"),
+    }
+
+
+def containers_conf(directory: Path) -> str:
+    """podman's config for corral's sandboxes on this host (the role's template)."""
+    return roles.render("corral_sandbox", "etc/corral/containers.conf.j2",
+                        values(directory), config_dir=str(directory))
 
 
 def _prerequisites() -> list[str]:
@@ -105,31 +105,70 @@ def _prerequisites() -> list[str]:
 
 
 def _write_once(path: Path, text: str) -> bool:
+    """Write `path` (atomically) unless it exists: a kept file is the user's."""
     if path.exists():
         return False
-    path.write_text(text)
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
     return True
 
 
 def _configure(state: Path, args) -> tuple[str, str]:
-    """The config files (kept when present); returns (filter socket, API endpoint)."""
+    """The config files, rendered from the roles' templates (kept when present); returns
+    (filter socket, API endpoint)."""
     for sub in ("run", "logs", "api", "filter", "sandbox"):
         (state / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
-    systemd = Path("/proc/1/comm").read_text().strip() == "systemd"
-    _write_once(state / "containers.conf", CONTAINERS_CONF.format(
-        cgroup_manager="systemd" if systemd else "cgroupfs"))
-    _write_once(state / "filter.toml", FILTER.format(
-        state=state, dns_listen=_quote([args.dns_listen]),
-        upstream=_quote(args.upstream or _upstreams())))
-    filter_config = tomllib.loads((state / "filter.toml").read_text())
-    filter_socket = filter_config["control"]["socket"]
-    proxy_port = filter_config["proxy"]["listen"][0].rpartition(":")[2]
-    _write_once(state / "sandbox.toml", SANDBOX.format(
-        state=state, filter_socket=filter_socket, proxy_port=proxy_port))
-    _write_once(state / "api.toml", API.format(state=state, filter_socket=filter_socket,
-                                               listen=args.api_listen))
+    settings = values(state, dns_listen=args.dns_listen, api_listen=args.api_listen,
+                      upstream=args.upstream)
+    kept = [name for role, name in FILTER_CONFIGS if _render(state, role, name, settings)]
+    _check_filter(state / "filter.toml")
+    settings.update(_filter_endpoints(state / "filter.toml", settings))
+    kept += [name for role, name in OTHER_CONFIGS if _render(state, role, name, settings)]
+    if kept:
+        output.notice(f"kept {', '.join(kept)} as found in {state}: yours to edit (remove one "
+                      "to have it written anew from the roles' templates)")
     listen = tomllib.loads((state / "api.toml").read_text())["api"]["listen"]
-    return filter_socket, listen
+    return settings["corral_filter_control_socket"], listen
+
+
+def _render(state: Path, role: str, name: str, settings: dict) -> bool:
+    """Write the role's template for `name` unless the file is there; True if a kept file
+    differs from what would be written now."""
+    text = roles.render(role, f"etc/corral/{name}.j2", settings, config_dir=str(state))
+    return not _write_once(state / name, text) and (state / name).read_text() != text
+
+
+def _filter_endpoints(path: Path, settings: dict) -> dict:
+    """The control socket and proxy port of the filter config as it is on disk (a kept one
+    may have moved them; the filter's loader has read it already)."""
+    config = tomllib.loads(path.read_text())
+    socket = config.get("control", {}).get("socket", settings["corral_filter_control_socket"])
+    listen = config.get("proxy", {}).get("listen", [])
+    port = int(listen[0].rpartition(":")[2]) if listen else settings["corral_filter_proxy_port"]
+    return {"corral_filter_control_socket": socket, "corral_filter_proxy_port": port}
+
+
+def _check_filter(path: Path) -> None:
+    """The filter's own loader reads the config before anything starts: a config it would
+    refuse (a host without a usable resolver, above all) fails here, saying how to fix it."""
+    result = subprocess.run([str(BIN / "corral-filter"), "--config", str(path), "--check"],
+                            capture_output=True, text=True)
+    if result.returncode == 0:
+        return
+    problem = (result.stderr or result.stdout).strip()
+    if "upstream_from" in problem:
+        raise CliError(f"no DNS resolver for the filter: {problem}",
+                       "name the resolvers the filter forwards allowed names to: `corral up "
+                       "--backend local --upstream IP:PORT` (remove "
+                       f"{path} first if it was written before), or set [dns] upstream in it",
+                       exitcodes.NOT_CONFIGURED)
+    raise CliError(f"{path} does not load: {problem}",
+                   "fix it (it is yours to edit), or remove it to have it written anew",
+                   exitcodes.NOT_CONFIGURED)
 
 
 def _supervisor_pid(state: Path) -> int | None:

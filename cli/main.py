@@ -175,10 +175,17 @@ def parser() -> argparse.ArgumentParser:
                          ("tcp-name", "NAME:PORT allowed by a tcp rule (expects a banner)"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
-    selftest.add_argument("--slow-connections", type=int, metavar="N",
-                          help="connections of the slowloris probe")
+    selftest.add_argument("--silence", type=int, metavar="SECONDS",
+                          help="how long sni-after-silence waits (longer than the filter's "
+                          "header_timeout; default 11)")
+    selftest.add_argument("--connections", type=int, metavar="N",
+                          help="most connections the connection-cap probe holds (default 2000)")
     selftest.add_argument("--only", action="append", metavar="PROBE",
                           help="run only this probe (repeatable)")
+    selftest.add_argument("--skip-group", action="append", metavar="GROUP",
+                          choices=["network", "kernel", "review"],
+                          help="leave out a group of probes: network, kernel, review "
+                          "(repeatable; the result says so)")
     image = sub.add_parser("image", help="the sandbox image")
     image_sub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
     build = image_sub.add_parser("build", help="build the sandbox image on the appliance "

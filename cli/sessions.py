@@ -9,6 +9,7 @@ changes, `appliance.workspace` checks them against the project here and writes t
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import secrets
@@ -157,45 +158,108 @@ def cmd_rm(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    answer = client_for(args).request("GET", f"/sessions/{args.name}/diff")
+    # a big workspace takes a while to walk (the default 10 s would break the diff)
+    answer = client_for(args).request("GET", f"/sessions/{args.name}/diff", timeout=SLOW)
     if args.json:
-        output.data(answer)
-    else:
-        output.line(answer["diff"])
+        output.data(answer)  # JSON escapes every control character itself
+    else:  # the appliance escaped what the agent wrote; this holds even if it had not
+        output.line(workspace.terminal_safe(answer["diff"]))
     return exitcodes.OK
+
+
+FOLD_BATCH = 16 * 1024 * 1024
+"""File contents per `applied` request (one larger file goes alone): the sandbox service
+reads each request as one line of at most 64 MiB."""
+FOLD_COUNT = 5000
+
+
+def _batches(changes: list[workspace.Change]):
+    batch, size = [], 0
+    for change in changes:
+        data = len(change.after.data or b"") if change.after is not None else 0
+        if batch and (size + data > FOLD_BATCH or len(batch) >= FOLD_COUNT):
+            yield batch
+            batch, size = [], 0
+        batch.append(change)
+        size += data
+    if batch:
+        yield batch
+
+
+def _fold(client: Client, name: str, applied: list[workspace.Change]) -> list[str]:
+    """Tell the appliance what this host now holds, in batches; what it could not record
+    (it shows up in the next diff again, and the next apply finds it already in place)."""
+    missed = []
+    for batch in _batches(applied):
+        answer = client.request("POST", f"/sessions/{name}/applied",
+                                {"changes": [workspace.to_json(c) for c in batch]},
+                                timeout=SLOW)
+        missed += [f"{workspace.shown(str(r.get('path', '?')))}: {r.get('reason', '')}"
+                   for r in answer.get("refused", [])]
+    return missed
+
+
+def _changes(client: Client, name: str, paths: list[str] | None):
+    # a --path that is not UTF-8 cannot go in a URL: then all changes come and are picked here
+    query = paths if paths and all(workspace.is_utf8(p) for p in paths) else None
+    answer = client.request("GET", f"/sessions/{name}/changes", path=query, timeout=SLOW)
+    if answer.get("format") != workspace.FORMAT:
+        raise CliError(f"the appliance sends changesets in format {answer.get('format', 1)}; "
+                       f"this corral reads format {workspace.FORMAT}",
+                       "upgrade corral on this host or on the appliance (they ship together)")
+    try:
+        changes = [workspace.from_json(c) for c in answer["changes"]]
+        notes = [f"{workspace.shown(workspace.path_from(n, 'a note'))}: {n['text']}"
+                 for n in answer.get("notes", [])]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"the appliance sent a changeset this corral cannot read: {exc}") from None
+    return changes, notes
 
 
 def cmd_apply(args) -> int:
     client = client_for(args)
     project = Path(args.project or os.getcwd()).resolve()
+    if not project.is_dir():
+        raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
     session = client.request("GET", f"/sessions/{args.name}")
     if session.get("project") and session["project"] != project_id(project) and not args.force:
         raise CliError(f"session {args.name} was started from another project "
                        f"({session['project']}), not {project}",
                        "run it in that project, pass --project DIR, or --force",
                        exitcodes.USAGE)
-    wire = client.request("GET", f"/sessions/{args.name}/changes", path=args.path)["changes"]
-    changeset = [workspace.from_json(c) for c in wire]
+    changeset, notes = _changes(client, args.name, args.path)
     try:
-        applied = workspace.apply(project, changeset, args.path, args.force)
+        result = workspace.apply(project, changeset, args.path, args.force)
     except workspace.Conflict as conflict:
         if args.json:
-            output.data({"applied": [], "conflicts": conflict.paths,
-                         "refused": conflict.refused})
+            output.data({"applied": [], "conflicts": [workspace.shown(p) for p in conflict.paths],
+                         "refused": [str(r) for r in conflict.refused]})
         raise CliError(f"nothing applied: {conflict}",
                        "look at `corral diff`; keep your edits, or pass --force to overwrite "
                        "them (refused paths are never written)") from None
-    applied_json = [workspace.to_json(c) for c in applied]
-    if applied:
-        client.request("POST", f"/sessions/{args.name}/applied", {"changes": applied_json},
-                       timeout=SLOW)
+    except OSError as exc:
+        raise CliError(f"cannot write into {project}: {exc}",
+                       "nothing was written; check the directory's permissions and space"
+                       ) from None
+    missed = _fold(client, args.name, result.changes) if result.changes else []
     if args.json:
-        output.data({"applied": [c.path for c in applied], "conflicts": [], "refused": []})
+        output.data({"applied": [workspace.shown(c.path) for c in result.changes],
+                     "conflicts": [], "refused": [str(r) for r in result.refused],
+                     "not_shown": notes, "not_recorded": missed})
     else:
-        for change in applied:
-            output.line(f"{change.action:>8}  {change.path}")
-        output.line(f"applied {len(applied)} change(s) to {project}")
-    return exitcodes.OK
+        for change in result.changes:
+            output.line(f"{change.action:>8}  {workspace.shown(change.path)}")
+        for refusal in result.refused:
+            output.line(f" refused  {refusal}")
+        for note in notes:
+            output.line(f"    note  {note}")
+        output.line(f"applied {len(result.changes)} change(s) to {project}"
+                    + (f"; refused {len(result.refused)} (named above, never written)"
+                       if result.refused else ""))
+        for line in missed:
+            output.notice(f"the appliance did not record {line}; the next diff shows it "
+                          "again and the next apply finds it in place")
+    return exitcodes.FAILURE if result.refused else exitcodes.OK
 
 
 def _default_allowed(client: Client, session: str) -> str:
@@ -208,19 +272,34 @@ def _default_allowed(client: Client, session: str) -> str:
                    "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
 
 
+def _empty_project() -> tuple[io.BytesIO, int]:
+    """A project with nothing in it: the throwaway session gets a workspace, so the review
+    probe has a /work to write into and a diff to check."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz"):
+        pass
+    size = data.tell()
+    data.seek(0)
+    return data, size
+
+
+STATES = {"passed": "ok", "failed": "FAIL", "not-run": "NOT RUN"}
+
+
 def cmd_selftest(args) -> int:
     client = client_for(args)
     throwaway = None
     if args.session is None:
         throwaway = f"selftest-{secrets.token_hex(3)}"
         output.notice(f"starting throwaway session {throwaway} ...")
-        client.request("POST", "/sessions", {"name": throwaway, "presets": args.preset or []},
-                       timeout=SLOW)
+        data, size = _empty_project()
+        client.request("POST", "/sessions", upload=(data, size, "application/gzip"),
+                       timeout=SLOW, name=throwaway, preset=args.preset or [])
     session = args.session or throwaway
     try:
         options = {"allowed": args.allowed or _default_allowed(client, session)}
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
-                    "other_gateway", "slow_connections", "only"):
+                    "other_gateway", "silence", "connections", "only", "skip_group"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")
@@ -228,16 +307,38 @@ def cmd_selftest(args) -> int:
     finally:
         if throwaway:
             client.request("DELETE", f"/sessions/{throwaway}", timeout=SLOW)
-    probes = result["probes"]
-    failed = [p for p in probes if not p["ok"]]
     if args.json:
         output.data(result)
     else:
-        output.table([["ok" if p["ok"] else "FAIL", p["id"], p.get("threat", ""),
+        probes = result["probes"]
+        output.table([[STATES.get(p.get("state"), "FAIL"), p["id"], p.get("threat", ""),
                        f"{p.get('ms', 0):.1f}", p.get("detail", "")] for p in probes],
                      ["", "PROBE", "THREAT", "MS", "DETAIL"])
-        output.line(f"\n{len(probes) - len(failed)}/{len(probes)} probes passed in {session}")
-    return exitcodes.OK if result["passed"] and not failed else exitcodes.FAILURE
+        output.line("\n" + selftest_summary(result, session))
+    return exitcodes.OK if result["passed"] else exitcodes.FAILURE
+
+
+def selftest_summary(result: dict, session: str) -> str:
+    """`N/M probes passed in SESSION`, then what did not pass and what was left out."""
+    probes = result["probes"]
+    count = {state: sum(p.get("state") == state for p in probes) for state in STATES}
+    unrecorded = sum(bool(p.get("unrecorded")) for p in probes)
+    text = f"{count['passed']}/{len(probes)} probes passed in {session}"
+    if count["failed"]:
+        text += f"; {count['failed']} failed"
+        if unrecorded:
+            text += f" ({unrecorded} denied but not recorded)"
+    if count["not-run"]:
+        text += f"; {count['not-run']} not run (could not be tried: see DETAIL)"
+    summary = result.get("summary") or {}
+    for group, ids in (summary.get("skipped_groups") or {}).items():
+        text += f"; group {group} skipped ({len(ids)} probes)"
+    if summary.get("unselected"):
+        text += f"; {len(summary['unselected'])} not selected (an option they need was " \
+            "not given)"
+    if result.get("summary") is None:
+        text += "; the battery did not finish"
+    return text
 
 
 def cmd_image_build(args) -> int:

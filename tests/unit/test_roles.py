@@ -4,7 +4,9 @@ the very loader the service uses (so a template and its service cannot drift apa
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -14,9 +16,13 @@ import jinja2
 import pytest
 import yaml
 
+from appliance.api.config import ApiConfig
 from appliance.api.config import load as load_api
+from appliance.filter.config import TABLES, FilterConfig
 from appliance.filter.config import load_config as load_filter
+from appliance.sandbox.service import SandboxConfig
 from appliance.sandbox.service import load as load_sandbox
+from cli import roles
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir())
@@ -35,11 +41,8 @@ def all_defaults(**overrides) -> dict:
 
 
 def render(role: str, template: str, **overrides) -> str:
-    environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    environment.filters.update(to_json=json.dumps, basename=lambda p: Path(p).name,
-                               dirname=lambda p: str(Path(p).parent))
-    source = (ROOT / "roles" / role / "templates" / template).read_text()
-    return environment.from_string(source).render(**all_defaults(**overrides))
+    """As the appliance gets it: the renderer the local backend uses (cli/roles.py)."""
+    return roles.render(role, template, all_defaults(**overrides))
 
 
 def test_the_roles_are_the_services_of_design_md():
@@ -79,6 +82,11 @@ def test_filter_config_renders_into_what_the_filter_loads(tmp_path):
     assert config.firewall.manage and config.firewall.interfaces == ("podman*",)
     assert config.control_group == "root"
     assert config.proxy.listen == (("0.0.0.0", 3128),)
+    # the role's audit retention is the filter's own default, not a second opinion
+    fields = {f.name: f.default for f in dataclasses.fields(FilterConfig)}
+    assert (config.audit_segment_bytes, config.audit_segments) == (
+        fields["audit_segment_bytes"], fields["audit_segments"])
+    assert config.state_dir == str(tmp_path / "state")
 
 
 def test_filter_config_with_fixed_upstreams(tmp_path):
@@ -100,12 +108,80 @@ def test_sandbox_and_api_configs_render_into_what_their_services_load(tmp_path):
     assert config.sandbox_socket == "/run/corral-sandbox/control.sock"
 
 
+def _code_defaults() -> dict[tuple[str, str, str], object]:
+    """(config file, table, key) -> the default of the field the loader fills from it."""
+    found = {}
+    for table, cls in TABLES.items():
+        for f in dataclasses.fields(cls):
+            found[("filter.toml", table, f.name)] = f.default
+    for f in dataclasses.fields(FilterConfig):
+        if f.metadata.get("key"):
+            table, _, key = f.metadata["key"].partition(".")
+            found[("filter.toml", table, key)] = f.default
+    for name, table, cls in (("sandbox.toml", "sandbox", SandboxConfig),
+                             ("api.toml", "api", ApiConfig)):
+        for f in dataclasses.fields(cls):
+            found[(name, table, f.name)] = f.default
+    return found
+
+
+TEMPLATED = re.compile(r'^(\w+) = "?\{\{ (\w+)(?: \| to_json)? \}\}"?\s*(#.*)?$')
+
+
+def templated_keys(role: str, name: str) -> list[tuple[str, str, str]]:
+    """(table, key, variable) of each key a config template sets from one role variable."""
+    table, found = "", []
+    for line in (ROOT / "roles" / role / "templates" / "etc" / "corral" / f"{name}.j2"
+                 ).read_text().splitlines():
+        if line.startswith("["):
+            table = line.strip("[] ")
+        elif match := TEMPLATED.match(line):
+            found.append((table, match.group(1), match.group(2)))
+    return found
+
+
+CONFIG_TEMPLATES = [("corral_filter", "filter.toml"), ("corral_sandbox", "sandbox.toml"),
+                    ("corral_api", "api.toml")]
+DIFFER_ON_PURPOSE = {
+    ("filter.toml", "control", "group"): "code: no group, root alone; the role: the API's",
+    ("sandbox.toml", "sandbox", "group"): "code: no group, root alone; the role: the API's",
+    ("api.toml", "api", "listen"): "code: loopback unless told; the role: the management "
+                                   "interface, which Vagrant forwards to the host's loopback",
+    ("api.toml", "api", "pidfile"): "code: none unless asked; the role: in the unit's "
+                                    "RuntimeDirectory, which only systemd creates",
+}
+"""Where a role default and its code default differ, and why (safe without the role)."""
+
+
+def test_every_role_default_a_config_template_writes_is_the_loaders_default():
+    """A default is written once: what the role writes into a config is what the service
+    assumes when the key is left out, so hand-written configs and the appliance agree."""
+    code, values = _code_defaults(), all_defaults()
+    compared = []
+    for role, name in CONFIG_TEMPLATES:
+        for table, key, variable in templated_keys(role, name):
+            where = (name, table, key)
+            if variable not in values or where in DIFFER_ON_PURPOSE:
+                continue  # not a role default (a task's own variable), or explained above
+            assert where in code, f"{name} [{table}] {key}: the loader has no such key"
+            expected = code[where]
+            expected = list(expected) if isinstance(expected, tuple) else expected
+            assert values[variable] == expected, (
+                f"{name} [{table}] {key}: role {variable} = {values[variable]!r}, "
+                f"code default {expected!r}")
+            compared.append(where)
+    assert len(compared) >= 12, compared  # the templates were read, not skipped
+    assert set(DIFFER_ON_PURPOSE) <= {(n, t, k) for r, n in CONFIG_TEMPLATES
+                                      for t, k, _ in templated_keys(r, n)}
+
+
 def test_units_are_hardened_and_ordered():
     filter_unit = render("corral_filter", "etc/systemd/system/corral-filter.service.j2")
     api_unit = render("corral_api", "etc/systemd/system/corral-api.service.j2")
     sandbox_unit = render("corral_sandbox", "etc/systemd/system/corral-sandbox.service.j2")
     firewall_unit = render("corral_firewall", "etc/systemd/system/corral-firewall.service.j2")
     assert "CapabilityBoundingSet=CAP_NET_BIND_SERVICE CAP_NET_ADMIN\n" in filter_unit
+    assert "LimitNOFILE=1048576\n" in filter_unit
     assert "User=corral-filter\n" in filter_unit and "User=corral-api\n" in api_unit
     for unit in (filter_unit, api_unit):
         for line in ("ProtectSystem=strict", "NoNewPrivileges=yes", "Restart=always"):
@@ -126,14 +202,86 @@ def test_base_ruleset_template_names_every_interface_pattern():
     assert 'iifname { "podman*", "corral*" } jump deny_unknown' in two
 
 
+PACKAGE_MODULES = {"ansible.builtin.apt", "apt", "ansible.builtin.package", "package"}
+
+
+def _tasks(items) -> list[dict]:
+    """Every task of a tasks file, those in blocks (block, rescue, always) included."""
+    found = []
+    for task in items or []:
+        found.append(task)
+        for key in ("block", "rescue", "always"):
+            found += _tasks(task.get(key))
+    return found
+
+
+def _resolve(value, variables: dict):
+    """A task argument as Ansible would see it: templates rendered from the role defaults;
+    a whole-value template keeps its type (a list stays a list)."""
+    if isinstance(value, list):
+        return [_resolve(v, variables) for v in value]
+    if not isinstance(value, str) or "{{" not in value:
+        return value
+    whole = re.fullmatch(r"\{\{\s*(\w+)\s*\}\}", value)
+    if whole:
+        return _resolve(variables[whole.group(1)], variables)
+    environment = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    return environment.from_string(value).render(**variables)
+
+
+def installed_packages() -> dict[str, list[str]]:
+    """Every package an apt (or package) task of any role installs -> where: parsed from
+    the tasks themselves, names resolved from the role defaults, loops expanded."""
+    variables = all_defaults()
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            module = next((m for m in PACKAGE_MODULES if m in task), None)
+            if module is None:
+                continue
+            where = f"{path.relative_to(ROOT)}: {task.get('name')}"
+            args = task[module]
+            if isinstance(args, str):  # the free form: name=x state=present
+                args = dict(word.split("=", 1) for word in args.split())
+            assert "deb" not in args, f"{where}: a .deb file cannot be baked into the box"
+            if args.get("state", "present") in ("absent", "build-dep"):
+                continue
+            assert "name" in args, f"{where}: an apt task without names (upgrade?)"
+            items = _resolve(task.get("loop", task.get("with_items", [None])), variables)
+            for item in items:
+                names = _resolve(args["name"], {**variables, "item": item})
+                for name in [names] if isinstance(names, str) else names:
+                    for package in str(name).split(","):
+                        found.setdefault(package.strip().split("=")[0], []).append(where)
+    return found
+
+
+def test_every_apt_task_is_found_with_its_packages():
+    """The parser reads the roles as they are: it is no use if it finds nothing."""
+    found = installed_packages()
+    assert {"python3-nftables", "podman", "nftables", "mmdebstrap"} <= set(found), found
+    assert any("corral_firewall/tasks/main.yml" in w for w in found["nftables"])
+
+
 def test_box_bakes_in_every_package_the_roles_install():
+    """Under TCG an apt download costs minutes: every apt task must be a no-op on a box
+    from `corral box build`, so each package any role installs is in the box's list."""
     from cli.box import appliance_packages
 
-    packages = appliance_packages()
-    for role, key in (("corral_base", "corral_base_packages"),
-                      ("corral_sandbox", "corral_sandbox_packages")):
-        assert set(defaults(role)[key]) <= set(packages)
-    assert "nftables" in packages  # corral_firewall's
+    baked = set(appliance_packages())
+    missing = {name: where for name, where in installed_packages().items() if name not in baked}
+    assert not missing, missing
+
+
+def test_no_task_installs_packages_behind_the_apt_module():
+    """apt-get in a shell or command task would escape the check above."""
+    for path in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            for module in ("ansible.builtin.shell", "ansible.builtin.command", "shell",
+                           "command"):
+                text = json.dumps(task.get(module, ""))
+                assert not re.search(r"\b(apt-get|apt|dpkg)\s+(-\S+\s+)*(install|-i)\b",
+                                     text), f"{path}: {task.get('name')}"
 
 
 def test_the_box_preloads_the_sandbox_images_the_appliance_uses():

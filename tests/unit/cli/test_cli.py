@@ -32,12 +32,15 @@ def test_the_shared_workspace_module_is_standard_library_only():
     """The CLI may import it because it pulls in nothing: keep it that way."""
     import sys
 
-    tree = ast.parse(Path("appliance/workspace.py").read_text())
-    modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-               for a in n.names}
-    modules |= {n.module.split(".")[0] for n in ast.walk(tree)
-                if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
-    assert modules - {"__future__"} <= sys.stdlib_module_names, modules
+    sources = sorted(Path("appliance/workspace").glob("*.py"))
+    assert sources
+    for source in sources:
+        tree = ast.parse(source.read_text())
+        modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                   for a in n.names}
+        modules |= {n.module.split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        assert modules - {"__future__"} <= sys.stdlib_module_names, (source, modules)
 
 
 def test_the_boundary_check_catches_a_forbidden_import(tmp_path, monkeypatch):
@@ -78,3 +81,23 @@ def test_presets_json(capsys):
     assert main(["presets", "--json"]) == exitcodes.OK
     names = {p["name"] for p in json.loads(capsys.readouterr().out)}
     assert {"pypi", "github", "golang"} <= names
+
+
+def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_left_out():
+    from cli.sessions import selftest_summary
+
+    def probe(state, **extra):
+        return {"id": "p", "state": state, **extra}
+
+    result = {"probes": [probe("passed"), probe("failed", unrecorded=True), probe("failed"),
+                         probe("not-run")],
+              "summary": {"skipped_groups": {"kernel": ["a", "b"]},
+                          "unselected": {"x": "needs --private-name"}}}
+    assert selftest_summary(result, "s1") == (
+        "1/4 probes passed in s1; 2 failed (1 denied but not recorded); 1 not run (could not "
+        "be tried: see DETAIL); group kernel skipped (2 probes); 1 not selected (an option "
+        "they need was not given)")
+    assert selftest_summary({"probes": [probe("passed")], "summary": {}}, "s1") == (
+        "1/1 probes passed in s1")
+    assert selftest_summary({"probes": [probe("passed")], "summary": None}, "s1").endswith(
+        "; the battery did not finish")
