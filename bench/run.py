@@ -34,14 +34,18 @@ import timeit
 from pathlib import Path
 
 PREFIX = "corral-bench-"
-CLIENT, DIRECT, APP, UP = (PREFIX + n for n in ("client", "direct", "app", "up"))
+CLIENT, DIRECT, APP, UP, NOISY = (PREFIX + n for n in ("client", "direct", "app", "up",
+                                                       "noisy"))
 GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
+NOISY_GATEWAY = "10.232.3.1"
+FILTER_NOFILE = 1 << 20
+"""The filter's open-files limit, as its unit sets it (LimitNOFILE)."""
 BIN = Path(sys.executable).parent
 NETNS_ETC = Path("/etc/netns") / APP
 RESULTS = Path(__file__).resolve().parent / "results"
 TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
-PARTS = ["bulk", "http", "setup", "memory", "dns", "policy"]
+PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "noisy"]
 
 
 def sh(*args: str, ns: str | None = None, check: bool = True, timeout: float = 600):
@@ -67,7 +71,7 @@ def cleanup() -> None:
 
 def topology() -> None:
     cleanup()
-    for ns in (CLIENT, DIRECT, APP, UP):
+    for ns in (CLIENT, DIRECT, APP, UP, NOISY):
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "set", "lo", "up", ns=ns)
         sh("sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000", ns=ns)
@@ -77,6 +81,7 @@ def topology() -> None:
     NETNS_ETC.mkdir(parents=True)
     (NETNS_ETC / "resolv.conf").write_text(f"nameserver {UPSTREAM}\n")
     for client, app_if, client_ip, app_ip in ((CLIENT, "cb-sbx0", "10.232.0.2", GATEWAY),
+                                              (NOISY, "cb-sbx1", "10.232.3.2", NOISY_GATEWAY),
                                               (DIRECT, "cbd0", "10.232.2.2", PEER_GATEWAY),
                                               (UP, "cb-up0", UPSTREAM, "10.232.1.1")):
         sh("ip", "link", "add", app_if, "netns", APP, "type", "veth", "peer", "name", "eth0",
@@ -88,10 +93,22 @@ def topology() -> None:
         sh("ip", "route", "add", "default", "via", app_ip, ns=client)
 
 
-def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+def spawn(ns: str, args: list[str], log: Path, nofile: int | None = None,
+          stdin=None) -> subprocess.Popen:
     out = open(log, "ab")  # noqa: SIM115 - the child keeps it
+
+    def limit():  # as far as this host lets root go (a container may cap the hard limit)
+        import resource
+
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        except (ValueError, OSError):
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
     return subprocess.Popen(["ip", "netns", "exec", ns, *args], stdout=out, stderr=out,
-                            start_new_session=True)
+                            stdin=stdin, start_new_session=True,
+                            preexec_fn=limit if nofile else None)
 
 
 def wait_port(ns: str, host: str, port: int, what: str, timeout: float = 30) -> None:
@@ -147,7 +164,7 @@ class Bench:
         (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM))
         sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
         self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                  str(d / "filter.toml")], d / "filter.log")
+                                  str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
         self.processes.append(self.filter)
         wait_port(DIRECT, UPSTREAM, 443, "nginx")
         wait_port(DIRECT, PEER_GATEWAY, 3138, "squid", timeout=60)
@@ -399,6 +416,100 @@ class Bench:
                               "remembered_us": round(again_us, 2), "deny_us": round(deny_us, 2),
                               "compile_s": round(compile_s, 3)})
 
+    def noisy(self) -> None:
+        """Session A asks at an agent's pace (cached names, CONNECTs) while session B floods
+        random denied names, holds connections and tunnels up to its caps and sends the
+        worst DNS packets there are: A's answered rate and p99 against its own, unloaded,
+        measured in the same rep. Runs a filter with the appliance's defaults in place of
+        the benchmark's, and puts the benchmark's back afterwards."""
+        d, seconds = self.dir, self.args.noisy_seconds
+        self._stop_filter()
+        (d / "noisy.toml").write_text(NOISY_FILTER.format(dir=d, up=UPSTREAM))
+        noisy_filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                   str(d / "noisy.toml")], d / "noisy-filter.log", FILTER_NOFILE)
+        try:
+            wait_port(CLIENT, GATEWAY, 3128, "corral-filter (defaults)")
+            cached = [f"n{i}.allowed.test" for i in range(10)]
+            victim = {
+                "DNS, cached (A at 150/s)": ["paced-dns", f"{GATEWAY}:5300", "150",
+                                             str(seconds), *cached],
+                "CONNECT setup (A at 50/s)": ["paced-connect", f"{GATEWAY}:3128",
+                                              "bulk.allowed.test:443", "50", str(seconds)]}
+            results: dict[str, dict[str, list[dict]]] = {m: {"alone": [], "noisy": []}
+                                                         for m in victim}
+            for _ in range(self.args.reps):
+                for metric, argv in victim.items():  # warm the caches, then alone
+                    self._noisy_run(CLIENT, argv)
+                    results[metric]["alone"].append(self._noisy_run(CLIENT, argv))
+                load = self._neighbour(seconds * len(victim) + 3)
+                try:
+                    for metric, argv in victim.items():
+                        results[metric]["noisy"].append(self._noisy_run(CLIENT, argv))
+                finally:
+                    for process in load:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
+            for metric, runs in results.items():
+                alone = {k: statistics.median(r[k] for r in runs["alone"])
+                         for k in ("rate", "p50_us", "p99_us")}
+                noisy = {k: statistics.median(r[k] for r in runs["noisy"])
+                         for k in ("rate", "p50_us", "p99_us")}
+                row = {"metric": f"noisy neighbour: {metric}", "tool": "corral",
+                       "unit": "answered/s", "value": noisy["rate"],
+                       "n": len(runs["noisy"]),
+                       "ratio_alone": round(noisy["rate"] / alone["rate"], 3),
+                       "p50_us": noisy["p50_us"], "p99_us": noisy["p99_us"],
+                       "alone_p50_us": alone["p50_us"], "alone_p99_us": alone["p99_us"],
+                       "p99_ratio": round(noisy["p99_us"] / alone["p99_us"], 2)}
+                self.rows.append(row)
+                print(f"  {row['metric']:<48} {row['value']:>8} /s ({row['ratio_alone']:.2f} "
+                      f"of alone; p99 {row['p99_ratio']:.2f}x)", flush=True)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(noisy_filter.pid, signal.SIGTERM)
+            noisy_filter.wait(10)
+            self._start_filter()
+
+    def _noisy_run(self, ns: str, argv: list[str]) -> dict:
+        return json.loads(sh(sys.executable, "-m", "bench.noisy", *argv, ns=ns,
+                             timeout=120).stdout)
+
+    def _neighbour(self, seconds: int) -> list[subprocess.Popen]:
+        """Session B at its worst, for `seconds`: a flood of random denied names, tunnels and
+        connections held up to (and beyond) its caps, and pointer-bomb DNS packets."""
+        d = self.dir
+        names = d / "flood.txt"
+        names.write_text("".join(f"x{random.getrandbits(48):x}.denied.test A\n"
+                                 for _ in range(100_000)))
+        flood = spawn(NOISY, ["dnsperf", "-s", NOISY_GATEWAY, "-p", "5300", "-d", str(names),
+                              "-l", str(seconds), "-q", "500", "-c", "4"], d / "flood.log")
+        holder = spawn(NOISY, [sys.executable, "-m", "bench.noisy", "hold",
+                               f"{NOISY_GATEWAY}:3128", "bulk.allowed.test:443", "400"],
+                       d / "hold.log", stdin=subprocess.PIPE)
+        bombs = spawn(NOISY, [sys.executable, "-m", "bench.noisy", "bombs",
+                              f"{NOISY_GATEWAY}:5300", str(seconds)], d / "bombs.log")
+        deadline = time.monotonic() + 30
+        while b"held" not in (d / "hold.log").read_bytes():  # B sits at its caps now
+            if time.monotonic() > deadline or holder.poll() is not None:
+                raise RuntimeError("the neighbour could not take its connections: "
+                                   + (d / "hold.log").read_text()[-500:])
+            time.sleep(0.1)
+        return [flood, holder, bombs]
+
+    def _stop_filter(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.filter.pid, signal.SIGTERM)
+        self.filter.wait(10)
+        self.processes.remove(self.filter)
+
+    def _start_filter(self) -> None:
+        d = self.dir
+        self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                  str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
+        self.processes.append(self.filter)
+        wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
+
     def report(self, metric, unit, runs, ratios, higher_is_better, extra=None) -> None:
         peers = {t: statistics.median(r) for t, r in ratios.items() if t != "corral"}
         best = max(peers.values(), default=None) if higher_is_better else min(
@@ -428,8 +539,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
+        if "alone_p99_us" in r:
+            latency += (f" (alone {r['alone_p50_us']:.0f} / {r['alone_p99_us']:.0f}: "
+                        f"p99 {r['p99_ratio']}x)")
+        ratio = r.get("ratio_direct", r.get("ratio_alone", ""))
+        if "ratio_alone" in r:
+            ratio = f"{ratio} of alone"
         lines.append(f"| {r['metric']} | {r['tool']} | {r['value']} {r['unit']} | "
-                     f"{r.get('ratio_direct', '')} | {r.get('ratio_best_peer', '')} | {latency} |")
+                     f"{ratio} | {r.get('ratio_best_peer', '')} | {latency} |")
     return "\n".join(lines) + "\n"
 
 
@@ -444,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-connections", type=int, default=5000)
     parser.add_argument("--connects", type=int, default=1000)
     parser.add_argument("--tunnels", type=int, default=1000)
+    parser.add_argument("--noisy-seconds", type=int, default=4)
     parser.add_argument("--only", choices=PARTS, action="append")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -494,7 +612,14 @@ FILTER = """
 [dns]
 listen = ["{gateway}:53"]
 upstream = ["{up}:53"]
+# the throughput rows measure the filter, not its per-session limits: one session here
+# sends more queries, names and tunnels than an agent would (the noisy part keeps them)
+rate = 1000000
+burst = 1000000
+exfil_names = 1000000000
 [proxy]
+max_connections_per_session = 1200   # the RSS row holds 1000 tunnels; within 20000
+max_tunnels_per_session = 1100       # descriptors (this host's hard limit) with headroom
 listen = ["{gateway}:3128"]
 transparent_http = ["0.0.0.0:3129"]
 transparent_tls = ["0.0.0.0:3130"]
@@ -508,6 +633,34 @@ interfaces = ["cb-sbx*"]
 [[session]]
 name = "bench"
 subnet = "10.232.0.0/24"
+files = ["{dir}/policy.toml"]
+"""
+
+NOISY_FILTER = """
+# the appliance's defaults, as the role writes them: one DNS socket and one proxy socket
+# for every session, per-session limits as shipped (DNS on 5300: the peers' dnsmasq holds
+# a port-53 address in this namespace, and a wildcard bind would collide with it)
+[dns]
+listen = ["0.0.0.0:5300"]
+upstream = ["{up}:53"]
+[proxy]
+listen = ["0.0.0.0:3128"]
+transparent_http = ["0.0.0.0:3129"]
+transparent_tls = ["0.0.0.0:3130"]
+[state]
+dir = "{dir}/noisy-state"
+[control]
+socket = "{dir}/noisy.sock"
+[firewall]
+manage = true
+interfaces = ["cb-sbx*"]
+[[session]]
+name = "a"
+subnet = "10.232.0.0/24"
+files = ["{dir}/policy.toml"]
+[[session]]
+name = "b"
+subnet = "10.232.3.0/24"
 files = ["{dir}/policy.toml"]
 """
 
