@@ -14,7 +14,6 @@ import resource
 import secrets
 import selectors
 import socket
-import string
 import struct
 import time
 from collections import Counter
@@ -51,8 +50,9 @@ def pointer_chain_query(size: int, qid: int) -> bytes:
 FLOOD_SECONDS = 20.0
 """The longest dns-flood-rate-limited floods: at the defaults (a burst of 1,000, 200 a second)
 a filter that answers 300 queries a second refuses one after 10 s."""
-WINDOW = 64
-"""Flood queries outstanding at once."""
+BURST, BURST_GAP = 100, 0.05
+"""Flood queries sent at once, and the pause between bursts (read answers meanwhile): 2,000 a
+second, `[firewall] dns_packets`; faster would only be dropped by the kernel."""
 ENOUGH_REFUSED = 20
 """REFUSED answers after which the flood has shown the limit."""
 
@@ -105,15 +105,17 @@ def _recv_exactly(sock, n):
 @probe("dns-flood-rate-limited", 21, records="dns event, reason 'rate'",
        budget=lambda args: FLOOD_SECONDS + 1 + args.recover + FAST)
 def dns_flood_rate_limited(ctx):
-    """Random names under the denied zone as fast as the filter answers them (the
-    exfiltration pattern): past the session's rate, REFUSED; never NOERROR; and the
-    session's ordinary queries are answered again a few seconds later.
+    """Random names under the denied zone in bursts of BURST every BURST_GAP seconds (the
+    exfiltration pattern, at the kernel's per-session packet rate): past the session's rate,
+    REFUSED; never NOERROR; and the session's ordinary queries are answered again a few
+    seconds later.
 
-    The flood keeps `WINDOW` queries outstanding rather than sending blind: a filter on a
-    slow machine (a VM under emulation) answers a few hundred a second, and queries the
-    kernel or a full socket queue drops never reach the rate limit, so a blind flood of any
-    fixed size can end before the bucket is empty. It stops at the first REFUSED answers,
-    after `--flood` queries, or after FLOOD_SECONDS."""
+    The filter spends a token only on a query it reads, so the bucket empties only while the
+    filter answers faster than the rate: on a slow machine (a VM under emulation, a few
+    hundred answers a second) that takes seconds of flood, not a fixed number of packets.
+    The flood keeps the filter's queue full until the first REFUSED answers, `--flood`
+    queries, or FLOOD_SECONDS; what the kernel or a full queue drops is no answer, no
+    token, and no harm to the result."""
     a = ctx.args
     ids, rcodes = set(), Counter()
     sent = 0
@@ -122,38 +124,33 @@ def dns_flood_rate_limited(ctx):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         sock.connect((a.gateway, a.dns_port))
 
-        def receive(wait):
-            """One answer to this flood, if one comes within `wait` seconds."""
-            sock.settimeout(wait)
+        def drain(until):
             while True:
+                remaining = until - time.monotonic()
+                if remaining > 0:
+                    sock.settimeout(remaining)
+                else:
+                    sock.setblocking(False)
                 try:
                     reply = sock.recv(4096)
-                except TimeoutError:
-                    return False
+                except (BlockingIOError, TimeoutError):
+                    return
                 except OSError:  # an ICMP error reported on the socket: not an answer
                     continue
                 if len(reply) >= 4 and struct.unpack("!H", reply[:2])[0] in ids:
                     rcodes[reply[3] & 0x0F] += 1
-                    return True
 
-        outstanding = 0
         deadline = time.monotonic() + FLOOD_SECONDS
         while sent < a.flood and rcodes[5] < ENOUGH_REFUSED and time.monotonic() < deadline:
-            while outstanding < WINDOW and sent < a.flood:
+            sock.setblocking(True)
+            for _ in range(min(BURST, a.flood - sent)):
                 qid = sent & 0xFFFF
                 ids.add(qid)
-                label = "".join(secrets.choice(string.ascii_lowercase) for _ in range(16))
-                sock.settimeout(FAST)
-                sock.send(dns_query(f"{label}.flood.{a.denied}", qid=qid))
+                with contextlib.suppress(BlockingIOError, ConnectionRefusedError):
+                    sock.send(dns_query(f"{secrets.token_hex(8)}.flood.{a.denied}", qid=qid))
                 sent += 1
-                outstanding += 1
-            if receive(0.5):
-                outstanding -= 1
-            else:  # what is still out was dropped (the kernel's rate, a full queue)
-                outstanding = 0
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and receive(max(0.0, end - time.monotonic())):
-            pass
+            drain(time.monotonic() + BURST_GAP)
+        drain(time.monotonic() + 1.0)
     recovered, waited = None, 0.0
     started = time.monotonic()
     while recovered is None and waited <= a.recover:

@@ -9,11 +9,11 @@ import asyncio
 import struct
 
 import pytest
-from dnslib import RCODE, DNSRecord
+from dnslib import EDNS0, RCODE, DNSRecord
 
 from appliance.filter.config import parse_config
-from appliance.filter.dns import DnsFilter, Pending
-from appliance.filter.dnswire import pointer_bomb
+from appliance.filter.dns import DnsFilter, Pending, _reply
+from appliance.filter.dnswire import parse_query, pointer_bomb
 from appliance.filter.events import EventBus
 from appliance.filter.resolver import Resolver
 from appliance.filter.store import PolicyStore
@@ -84,6 +84,39 @@ def test_a_denied_name_is_answered_from_the_policy_without_dnslib_parsing_it(dns
     assert b"\x05Other\x07Example\x00" in reply  # the question echoed as sent
     monkeypatch.undo()
     assert str(DNSRecord.parse(reply).q.qname) == "Other.Example."
+
+
+def test_what_the_policy_answers_alone_is_answered_at_once_without_dnslib(dns, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("dnslib built a reply the policy decided alone")
+
+    queries = [query("Random0123.Other.Example", 5), query("a.wild.example", 6, "HTTPS"),
+               query("Random0123.Other.Example", 8)]
+    monkeypatch.setattr(DNSRecord, "pack", refuse)
+    denied = dns.first(queries[0], S1, udp=True)
+    assert isinstance(denied, bytes) and rcode(denied) == RCODE.NXDOMAIN  # no task, no await
+    assert denied[:2] == struct.pack("!H", 5)
+    assert b"\x0aRandom0123\x05Other\x07Example\x00" in denied  # the question as sent
+    empty = dns.first(queries[1], S1, udp=True)  # a type the policy answers empty
+    assert isinstance(empty, bytes) and rcode(empty) == RCODE.NOERROR
+    assert [(e["name"], e["verdict"]) for e in list(dns.bus.recent)[-2:]] == [
+        ("random0123.other.example", "deny"), ("a.wild.example", "allow")]
+    again = dns.first(queries[2], S1, udp=True)  # from the wire cache
+    assert again[:2] == struct.pack("!H", 8) and again[2:] == denied[2:]
+    monkeypatch.undo()
+    parsed = DNSRecord.parse(denied)
+    assert (parsed.header.qr, parsed.header.ra, parsed.header.rd, parsed.header.q,
+            parsed.header.a) == (1, 1, 1, 1, 0)
+    # with EDNS the reply carries the OPT record the full path packs, byte for byte
+    with_edns = DNSRecord.question("x.other.example")
+    with_edns.header.id = 11
+    with_edns.add_ar(EDNS0(udp_len=4096))
+    reply = dns.first(with_edns.pack(), S1, udp=True)
+    parsed_query = parse_query(with_edns.pack())
+    expected = _reply(parsed_query)
+    expected.header.rcode = RCODE.NXDOMAIN
+    assert reply == DnsFilter._pack(parsed_query, expected, udp=True)
+    assert [r.rtype for r in DNSRecord.parse(reply).ar] == [41]
 
 
 def test_over_the_rate_a_session_is_refused_at_once_and_told_once_a_report(dns):
