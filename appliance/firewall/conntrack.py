@@ -56,6 +56,8 @@ TIMEOUT = 5.0
 """Seconds to wait for the kernel's answer to one message before giving up (OSError)."""
 DUMP_ATTEMPTS = 3
 """An interrupted dump (the table changed under it) may miss entries: it is read again."""
+DELETE_ROUNDS = 3
+"""Dumps, each followed by its deletes, that `end` makes at most (the last finds nothing)."""
 
 Flow = tuple[str, str, int]
 """(sandbox address, destination address, destination port): a learned element's key."""
@@ -279,17 +281,26 @@ class Conntrack:
         ended: dict[Flow, int] = dict.fromkeys(wanted, 0)
         if not wanted:
             return ended
+        seq = 100
         with self._socket() as sock:
-            found = [entry for source in sorted({flow[0] for flow in wanted})
-                     for entry in choose(self.entries(sock, source), wanted)]
-            for seq, entry in enumerate(found, start=100):
-                sock.send(delete_request(entry, seq))
-                page = parse(sock.recv(65536))
-                if page.error == -errno.ENOENT:  # it ended by itself meanwhile
-                    continue
-                if page.error:
-                    raise ConntrackError(-page.error, f"conntrack refused to delete "
-                                         f"{entry.source} -> {entry.destination}:{entry.port}"
-                                         f": {errno.errorcode.get(-page.error, page.error)}")
-                ended[entry.flow] += 1
+            # A dump that spans several pages may miss an entry when others come and go
+            # meanwhile (the kernel resumes a dump where it stopped, without saying it was
+            # interrupted): read again until a dump finds nothing left to end.
+            for _ in range(DELETE_ROUNDS):
+                found = [entry for source in sorted({flow[0] for flow in wanted})
+                         for entry in choose(self.entries(sock, source), wanted)]
+                if not found:
+                    break
+                for entry in found:
+                    seq += 1
+                    sock.send(delete_request(entry, seq))
+                    page = parse(sock.recv(65536))
+                    if page.error == -errno.ENOENT:  # it ended by itself meanwhile
+                        continue
+                    if page.error:
+                        raise ConntrackError(
+                            -page.error, f"conntrack refused to delete {entry.source} -> "
+                            f"{entry.destination}:{entry.port}: "
+                            f"{errno.errorcode.get(-page.error, page.error)}")
+                    ended[entry.flow] += 1
         return ended

@@ -196,7 +196,7 @@ def test_removing_a_tcp_rule_ends_its_established_connections(world, loose):
             assert [sandbox, STREAM_HOST, STREAM_PORT] not in _learned(sandbox)
         event = _cut_event(world, "s1", "stream.test is not in the tcp policy")
         assert event["client"] == sandbox and event["name"] == "stream.test"
-        assert event["connections"] == 2 and event["reason"].endswith("2 connections ended")
+        assert event["connections"] == 2 and event["reason"].endswith("2 connections ended"), event
     finally:
         if client is not None:
             client.close()
