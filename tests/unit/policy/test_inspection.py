@@ -16,6 +16,7 @@ from appliance.policy import (
     dedupe,
     parse_host,
     policy_file_rules,
+    preset_rules,
 )
 
 HOST = parse_host("api.github.com")
@@ -235,9 +236,9 @@ def test_denials_name_the_rule_and_the_command():
     unmatched = inspection.decide("POST", "/user/repos")
     assert unmatched.reason == "no allow pattern matches POST /user/repos on api.github.com"
     assert unmatched.hint == "corral allow-request 'api.github.com POST /user/repos'"
-    project = policy_of(EXAMPLE).inspection(HOST).decide("PUT", "/gists/1")
-    assert project.hint == ("remove request rule !api.github.com * /gists/** from the project "
-                            "layer (project.toml)")
+    preset = policy_of('presets = ["github-pr"]').inspection(HOST).decide("PUT", "/gists/1")
+    assert preset.hint == ("remove request rule !api.github.com * /gists/** from the project "
+                           "layer (preset:github-pr)")
 
 
 @pytest.mark.parametrize(("method", "target"), [
@@ -265,8 +266,8 @@ def test_an_allow_must_hold_under_both_readings_of_an_encoded_slash():
 
 
 def test_request_rules_keep_their_identity_as_text():
-    rules = policy_file_rules(EXAMPLE + '[[inspect]]\nhost = "x.example"\nallow = []\n',
-                              "corral.toml", "project")
+    rules = [r for name in ("github-pr", "github-readonly", "npm-no-publish", "pypi-no-upload")
+             for r in preset_rules(name, "project")]
     for rule in rules:
         again = Rule.parse(rule.kind, rule.text, rule.layer, rule.source)
         assert again == rule and again.key() == rule.key()
@@ -307,6 +308,80 @@ def test_bad_request_rules(text, message):
         Rule.parse("request", text)
     with pytest.raises(RuleError, match="names a host only"):
         Rule.parse("inspect", "api.github.com GET /")
+
+
+# -- presets ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("preset", "host", "method", "target", "allowed"), [
+    ("github-readonly", "api.github.com", "GET", "/repos/o/r/pulls", True),
+    ("github-readonly", "api.github.com", "HEAD", "/repos/o/r", True),
+    ("github-readonly", "api.github.com", "POST", "/repos/o/r/pulls", False),
+    ("github-readonly", "api.github.com", "POST", "/graphql", False),
+    ("github-readonly", "api.github.com", "DELETE", "/repos/o/r", False),
+    ("github-readonly", "github.com", "GET", "/o/r.git/info/refs?service=git-upload-pack", True),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs?service=git-upload-pack", True),
+    ("github-readonly", "github.com", "POST", "/o/r.git/git-upload-pack", True),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs?service=git-receive-pack", False),
+    ("github-readonly", "github.com", "GET",
+     "/o/r/info/refs?service=git-upload-pack&service=git-receive-pack", False),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs", False),
+    ("github-readonly", "github.com", "POST", "/o/r.git/git-receive-pack", False),
+    ("github-readonly", "github.com", "GET", "/o/r/releases/download/v1/x.tar.gz", True),
+    ("github-readonly", "github.com", "GET", "/o/r/archive/refs/tags/v1.tar.gz", True),
+    ("github-pr", "api.github.com", "GET", "/repos/o/r/pulls/1/files", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/pulls/3", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments/9/replies", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/pulls/comments/9", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/issues/3/comments", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/issues/comments/9", True),
+    ("github-pr", "api.github.com", "PUT", "/repos/o/r/pulls/3/merge", False),
+    ("github-pr", "api.github.com", "PUT", "/repos/O/R/pulls/3/merge/", False),
+    ("github-pr", "api.github.com", "POST", "/gists", False),
+    ("github-pr", "api.github.com", "GET", "/gists/abc", False),
+    ("github-pr", "api.github.com", "POST", "/user/repos", False),
+    ("github-pr", "api.github.com", "POST", "/orgs/acme/repos", False),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/forks", False),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/generate", False),
+    ("github-pr", "api.github.com", "DELETE", "/repos/o/r", False),
+    ("github-pr", "api.github.com", "PUT", "/repos/o/r/contents/README.md", False),
+    ("github-pr", "api.github.com", "POST", "/graphql", False),
+    ("github-pr", "github.com", "POST", "/o/r/git-upload-pack", True),
+    ("github-pr", "github.com", "POST", "/o/r/git-receive-pack", False),
+    ("github-pr", "github.com", "GET", "/o/r/info/refs?service=git-receive-pack", False),
+    ("pypi-no-upload", "upload.pypi.org", "POST", "/legacy/", False),
+    ("pypi-no-upload", "upload.pypi.org", "POST", "/legacy", False),
+    ("pypi-no-upload", "upload.pypi.org", "post", "/%6Cegacy/", False),
+    ("pypi-no-upload", "test.pypi.org", "POST", "/legacy/", False),
+    ("pypi-no-upload", "test.pypi.org", "GET", "/simple/corral/", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/@types%2fnode", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad/-/left-pad-1.3.0.tgz", True),
+    ("npm-no-publish", "registry.npmjs.org", "POST", "/-/npm/v1/security/advisories/bulk", True),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/left-pad", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/@acme%2fwidget", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/@acme/widget", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/left-pad/-rev/3-abc", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/-/package/left-pad/dist-tags/latest",
+     False),
+    ("npm-no-publish", "registry.npmjs.org", "DELETE", "/left-pad/-rev/3-abc", False),
+    ("npm-no-publish", "registry.npmjs.org", "POST", "/-/package/@acme%2fwidget/access", False),
+    ("npm-no-publish", "registry.yarnpkg.com", "PUT", "/left-pad", False),
+])
+def test_presets_decide_as_documented(preset, host, method, target, allowed):
+    policy = Policy(preset_rules(preset, "project"))
+    decision = policy.inspection(parse_host(host)).decide(method, target)
+    assert decision.allowed is allowed, decision.reason
+
+
+def test_github_presets_allow_their_hosts_and_no_ssh():
+    for name in ("github-readonly", "github-pr"):
+        policy = Policy(preset_rules(name, "project"))
+        assert policy.decide_http(HOST, 443).allowed
+        assert not policy.tcp_rules(parse_host("github.com"))
+    for name in ("pypi-no-upload", "npm-no-publish"):  # guards: they allow no host
+        assert not [r for r in preset_rules(name, "project") if r.kind == "http"]
 
 
 # -- properties ---------------------------------------------------------------------------
