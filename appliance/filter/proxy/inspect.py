@@ -143,7 +143,7 @@ def mint(authority: Authority, host: Host, now: datetime.datetime) -> tuple[byte
         x509.CertificateBuilder()
         .subject_name(x509.Name(subject)).issuer_name(authority.cert.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - LEAF_BACKDATE)
+        .not_valid_before(max(now - LEAF_BACKDATE, authority.cert.not_valid_before_utc))
         .not_valid_after(min(now + LEAF_LIFETIME, authority.cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(

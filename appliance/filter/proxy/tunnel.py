@@ -132,7 +132,7 @@ class Tunnels:
         proxy, config = self.proxy, self.config
         try:
             await server.handshake(hello, config.header_timeout)
-        except (ssl.SSLError, TimeoutError) as exc:  # fail closed: never a splice instead
+        except (ssl.SSLError, ConnectionError, TimeoutError) as exc:  # never a splice instead
             reason = getattr(exc, "reason", None)  # TLSV1_ALERT_UNKNOWN_CA, as curl says it
             reason = reason.lower().replace("_", " ") if reason else str(exc) or "timed out"
             self._tunnel_denied(client, Denied(Decision(
