@@ -145,16 +145,17 @@ class Tunnels:
                                              server_hostname=host.key,
                                              ssl_handshake_timeout=config.connect_timeout),
                          config.connect_timeout)
-        except ssl.SSLCertVerificationError as exc:
-            refusal = f"upstream {host}:{port} failed TLS verification: {exc.verify_message}"
-        except (ssl.SSLError, OSError, TimeoutError) as exc:
-            refusal = f"TLS to upstream {host}:{port} failed: {exc or 'timed out'}"
+        except ssl.SSLCertVerificationError as exc:  # a decision: 403
+            refusal = Denied(Decision(False, f"upstream {host}:{port} failed TLS verification:"
+                                      f" {exc.verify_message}"), f"{host}:{port}")
+        except (ssl.SSLError, OSError, TimeoutError) as exc:  # a failure: 502
+            refusal = Denied(Decision(False, f"TLS to upstream {host}:{port} failed: "
+                                      f"{exc or 'timed out'}"), f"{host}:{port}", 502)
         else:
             refusal = None
         if refusal is not None:
-            denied = Denied(Decision(False, refusal), f"{host}:{port}")
-            self._tunnel_denied(client, denied, event, host, port)
-            await self._answer_in_tls(server, denied)
+            self._tunnel_denied(client, refusal, event, host, port)
+            await self._answer_in_tls(server, refusal)
             return
         # from here the client's connection carries the plaintext (its raw streams stay
         # with Proxy._serve, which closes them)
@@ -163,10 +164,11 @@ class Tunnels:
 
     def _tunnel_denied(self, client: Client, denied: Denied, event: dict, host: Host,
                        port: int) -> None:
-        """The tunnel's decision event becomes a denial (same id): it was allowed by name,
-        and refused after its hello."""
+        """The tunnel's decision event becomes a denial (same id; "error" when something
+        failed rather than was refused): it was allowed by name, and ended after its hello."""
         self.proxy.event(denied.decision, client, event["session"], event["kind"], host, port,
-                         event["address"], event_id=event["id"])
+                         event["address"], event_id=event["id"],
+                         verdict="deny" if denied.status == 403 else "error")
 
     async def _answer_in_tls(self, server: TlsServer, denied: Denied) -> None:
         """A 403 the client can read (curl prints it, `monitor` shows it): after its first

@@ -361,6 +361,18 @@ def test_a_denied_request_that_asks_to_close_is_answered_and_closed(
         assert recv_all(tls) == b""
 
 
+def test_inside_inspected_tls_a_request_for_another_host_is_refused(
+        inspecting, origins, interception):
+    """Domain fronting, which a splice cannot see (test_attack_tls.py): the SNI names an
+    allowed host, the Host header inside another. Inspected, the request is refused."""
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with tls_through(inspecting, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"plain.test:{port}", "/fronted")
+    assert status == 403 and "differs from CONNECT host" in headers["x-corral-deny"]
+    assert len(origins["good"].requests) == before
+
+
 def test_a_client_that_does_not_trust_the_interception_ca_fails_closed(inspecting, origins):
     before = len(origins["good"].requests)
     context = origins.ca.client_context()  # trusts the origin's CA, not corral's
