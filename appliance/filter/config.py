@@ -213,7 +213,7 @@ class InspectConfig:
     the system trust store. A certificate that fails is a denial with its reason."""
     leaf_cache: int = setting(1024, whole())
     """Leaf certificates kept, one per host, the least recently used dropped first (each with
-    its TLS context: about 10 KB)."""
+    its TLS context: about 20 KB, so 20 MB at the default)."""
     mint_rate: float = setting(10.0, number())
     """Leaf certificates a second one session may have made for hosts not in the cache (a
     token bucket). Each costs about a millisecond, off the event loop, on one worker shared
