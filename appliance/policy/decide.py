@@ -246,12 +246,6 @@ class Policy:
                 reason += " (an [[inspect]] table does not allow a host; [http] allow does)"
         return Decision(False, reason, None, f"corral allow-{kind} {target}")
 
-    def inspection(self, host: Host):
-        """The per-request rules of `host` when the policy marks it inspected (an object with
-        `decide(method, target) -> Decision`), else None: the filter splices its TLS.
-        No rule marks a host inspected yet (issue 15's [inspect] rules come next)."""
-        return None
-
     def to_json(self) -> list[dict]:
         return [rule.to_json() for rule in self.rules]
 
