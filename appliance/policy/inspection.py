@@ -29,7 +29,6 @@ is O(labels) and `Inspection.decide` looks only at that host's own patterns.
 
 from __future__ import annotations
 
-import shlex
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -189,8 +188,8 @@ class Inspection:
         return Decision(
             False, f"{method} {parsed.path} on {self.host} denied by request rule {rule.text} "
             f"({rule.layer} layer)", rule,
-            f"corral revoke request {shlex.quote(rule.text)}" if rule.layer == "session"
-            else f"remove request rule {rule.text} from the {rule.layer} layer ({rule.source})")
+            f"remove request rule {rule.text} from the {rule.layer} layer"
+            + (f" ({rule.source})" if rule.source else ""))
 
     def _allow_hint(self, method: str, parsed: Target) -> str:
         if method != method.upper():
@@ -202,7 +201,9 @@ class Inspection:
             path = f"{head}/**"
         host = self.host
         name = f"[{host}]" if host.address is not None and host.address.version == 6 else host
-        return f"corral allow-request {shlex.quote(f'{name} {method} {path}')}"
+        # request rules live in policy files for now (the runtime layer takes dns, http,
+        # tcp and deny): the hint says what to add where
+        return f"add '{method} {path}' to an allow list of an [[inspect]] table for {name}"
 
 
 class Inspections:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import shlex
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -232,10 +232,12 @@ def test_denials_name_the_rule_and_the_command():
     denied = inspection.decide("GET", "/gists")
     assert denied.reason == ("GET /gists on api.github.com denied by request rule "
                              "!api.github.com * /gists/** (session layer)")
-    assert denied.hint == "corral revoke request '!api.github.com * /gists/**'"
+    assert denied.hint == ("remove request rule !api.github.com * /gists/** from the session "
+                           "layer")
     unmatched = inspection.decide("POST", "/user/repos")
     assert unmatched.reason == "no allow pattern matches POST /user/repos on api.github.com"
-    assert unmatched.hint == "corral allow-request 'api.github.com POST /user/repos'"
+    assert unmatched.hint == ("add 'POST /user/repos' to an allow list of an [[inspect]] "
+                              "table for api.github.com")
     preset = policy_of('presets = ["github-pr"]').inspection(HOST).decide("PUT", "/gists/1")
     assert preset.hint == ("remove request rule !api.github.com * /gists/** from the project "
                            "layer (preset:github-pr)")
@@ -249,9 +251,9 @@ def test_denials_name_the_rule_and_the_command():
 def test_the_hint_names_a_rule_that_allows_the_request(method, target):
     policy = Policy([Rule.parse("request", "api.github.com nothing")])
     hint = policy.inspection(HOST).decide(method, target).hint
-    command, verb, text = shlex.split(hint)
-    assert (command, verb) == ("corral", "allow-request")
-    widened = Policy([*policy.rules, Rule.parse("request", text)])
+    pattern = re.fullmatch(r"add '(.+)' to an allow list of an \[\[inspect\]\] table for "
+                           r"api\.github\.com", hint).group(1)
+    widened = Policy([*policy.rules, Rule.parse("request", f"api.github.com {pattern}")])
     assert widened.inspection(HOST).decide(method, target).allowed
 
 
