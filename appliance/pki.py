@@ -1,9 +1,15 @@
-"""The control plane's certificates: an ephemeral Ed25519 CA, one server and one client cert.
+"""The appliance's certificates.
 
-The CA's private key exists only inside `issue()`: it signs the two certificates and is
-dropped when the function returns; it is never serialised. So nothing can mint another
-client certificate later, and rotating means issuing a whole new set: the server then trusts
-only the new CA, and every old client certificate stops working.
+The control plane's: an ephemeral Ed25519 CA, one server and one client cert. The CA's
+private key exists only inside `issue()`: it signs the two certificates and is dropped when
+the function returns; it is never serialised. So nothing can mint another client certificate
+later, and rotating means issuing a whole new set: the server then trusts only the new CA,
+and every old client certificate stops working.
+
+The filter's TLS interception CA (`intercept_ca()`): the one CA whose key is kept, because
+the filter signs a leaf certificate with it for each inspected host on first use. It is
+ECDSA P-256 (every client stack accepts it), may sign end-entity certificates only
+(pathlen 0), and lives half a year; its key file is 0600 for the filter's user alone.
 """
 
 from __future__ import annotations
@@ -12,17 +18,24 @@ import datetime
 import ipaddress
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from appliance.policy import normalise_name
 
 VALIDITY = datetime.timedelta(days=825)
 SERVER_FILES = ("ca.crt", "server.crt", "server.key")
 CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
+INTERCEPT_FILES = ("intercept-ca.crt", "intercept-ca.key")
+INTERCEPT_DAYS = 180
+"""The interception CA's default lifetime: short, since whoever holds its key can read every
+inspected session's traffic; `corral certs rotate` makes a new one."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,46 @@ def issue(addresses: list[str] = ("127.0.0.1",), names: list[str] = ()) -> Bundl
     return Bundle(ca_cert, server_cert, _pem_key(server_key), client_cert, _pem_key(client_key))
 
 
+def intercept_ca(days: int = INTERCEPT_DAYS, permit: Iterable[str] = ()) -> tuple[bytes, bytes]:
+    """A new interception CA: (certificate PEM, private key PEM).
+
+    With `permit`, the CA is name-constrained (critical nameConstraints) to those DNS names
+    and their subdomains, and to no IP address at all: a client that checks constraints
+    (OpenSSL, Go, NSS, the JVM, browsers) refuses any leaf it signs for another name, so a
+    stolen key reads only those hosts' traffic. Without it the CA is unconstrained: the
+    inspected hosts are chosen at run time by the policy, not when the CA is made."""
+    if days <= 0:
+        raise ValueError("--days must be at least 1")
+    names = [normalise_name(name) for name in permit]  # raises HostNameError (ValueError)
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name(f"corral interception CA {now:%Y-%m-%d %H:%M:%S}")
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(x509.KeyUsage(
+                   digital_signature=False, content_commitment=False, key_encipherment=False,
+                   data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                   crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                              critical=False))
+    if names:
+        builder = builder.add_extension(x509.NameConstraints(
+            permitted_subtrees=[x509.DNSName(n) for n in names],
+            excluded_subtrees=[x509.IPAddress(ipaddress.ip_network("0.0.0.0/0")),
+                               x509.IPAddress(ipaddress.ip_network("::/0"))]), critical=True)
+    cert = builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+    return cert, key.private_bytes(serialization.Encoding.PEM,
+                                   serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption())
+
+
+def write_intercept_ca(cert: bytes, key: bytes, directory: Path) -> None:
+    _write(Path(directory), dict(zip(INTERCEPT_FILES, (cert, key), strict=True)))
+
+
 def _write(directory: Path, files: dict[str, bytes]) -> None:
     """Each file atomically (temp, fsync, rename); keys 0600 from birth; directory 0700."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -121,20 +174,41 @@ def missing(directory: Path, files: tuple[str, ...]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m appliance.pki issue`: what the corral_pki role runs on the control machine.
     The client side goes where the CLI reads it; the server side to a directory the role
-    copies into the appliance and then deletes."""
+    copies into the appliance and then deletes.
+
+    `python -m appliance.pki intercept-ca --out DIR`: the filter's interception CA, written
+    as DIR/intercept-ca.crt and DIR/intercept-ca.key (0600; DIR 0700)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m appliance.pki",
-                                     description="Issue a new certificate set (the CA key "
-                                     "is discarded right after signing).")
-    parser.add_argument("command", choices=["issue"])
-    parser.add_argument("--server-dir", required=True, type=Path)
-    parser.add_argument("--client-dir", required=True, type=Path)
-    parser.add_argument("--address", action="append", default=[], metavar="IP",
-                        help="an address the API is reached at (repeatable)")
-    parser.add_argument("--name", action="append", default=[], metavar="DNS",
-                        help="a DNS name the API is reached at (repeatable)")
+                                     description="The appliance's certificates.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    issue_cmd = commands.add_parser("issue", description="Issue a new control-plane "
+                                    "certificate set (the CA key is discarded right after "
+                                    "signing).")
+    issue_cmd.add_argument("--server-dir", required=True, type=Path)
+    issue_cmd.add_argument("--client-dir", required=True, type=Path)
+    issue_cmd.add_argument("--address", action="append", default=[], metavar="IP",
+                           help="an address the API is reached at (repeatable)")
+    issue_cmd.add_argument("--name", action="append", default=[], metavar="DNS",
+                           help="a DNS name the API is reached at (repeatable)")
+    ca_cmd = commands.add_parser("intercept-ca", description="Make the filter's TLS "
+                                 "interception CA (ECDSA P-256, pathlen 0).")
+    ca_cmd.add_argument("--out", required=True, type=Path, help="the directory to write to")
+    ca_cmd.add_argument("--days", type=int, default=INTERCEPT_DAYS,
+                        help=f"how long it is valid (default {INTERCEPT_DAYS})")
+    ca_cmd.add_argument("--permit", action="append", default=[], metavar="NAME",
+                        help="constrain the CA to this DNS name and its subdomains "
+                        "(repeatable; without it the CA is unconstrained)")
     args = parser.parse_args(argv)
+    if args.command == "intercept-ca":
+        try:
+            cert, key = intercept_ca(args.days, args.permit)
+        except ValueError as exc:
+            parser.error(str(exc))
+        write_intercept_ca(cert, key, args.out)
+        print(f"interception CA written to {args.out}")
+        return 0
     try:
         bundle = issue(args.address or ["127.0.0.1"], args.name)
     except ValueError as exc:

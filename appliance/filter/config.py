@@ -62,6 +62,17 @@ def paths(value, fail: Fail) -> tuple[str, ...]:
     return tuple(value)
 
 
+def readable(value, fail: Fail) -> str:
+    """A file this process can read now (a missing key file is named before anything binds)."""
+    path = string(value, fail)
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", value)
+    return path
+
+
 def boolean(value, fail: Fail) -> bool:
     if not isinstance(value, bool):
         fail(f"must be true or false, got {value!r}")
@@ -189,6 +200,34 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class InspectConfig:
+    ca_cert: str | None = setting(None, readable)
+    """The interception CA's certificate (PEM), made by `python -m appliance.pki intercept-ca`.
+    With `ca_key`, TLS to a host the policy marks inspected is terminated by the filter with
+    a leaf certificate this CA signs, and every request in it judged. Without them inspection
+    is off: a host the policy marks inspected is denied, never tunnelled uninspected."""
+    ca_key: str | None = setting(None, readable)
+    """The CA's private key (PEM, unencrypted), readable by the filter's user alone."""
+    upstream_ca: str | None = setting(None, readable)
+    """CA certificates (PEM bundle) that inspected upstreams are verified against, instead of
+    the system trust store. A certificate that fails is a denial with its reason."""
+    leaf_cache: int = setting(1024, whole())
+    """Leaf certificates kept, one per host, the least recently used dropped first (each with
+    its TLS context: about 20 KB, so 20 MB at the default)."""
+    mint_rate: float = setting(10.0, number())
+    """Leaf certificates a second one session may have made for hosts not in the cache (a
+    token bucket). Each costs about a millisecond, off the event loop, on one worker shared
+    by every session; a flood of new names under an inspected wildcard is refused with an
+    event beyond this, rather than queued ahead of the other sessions' hosts."""
+    mint_burst: int = setting(50, whole())
+    """New leaf certificates one session may have made at once above `mint_rate`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca_cert is not None
+
+
+@dataclass(frozen=True)
 class FirewallConfig:
     manage: bool = setting(False, boolean)
     """Re-apply the ruleset whenever a session is registered or unregistered at run time.
@@ -262,13 +301,15 @@ class FilterConfig:
     """What host.corral resolves to."""
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
+    inspect: InspectConfig = field(default_factory=InspectConfig)
 
     @property
     def audit_path(self) -> Path:
         return Path(self.state_dir) / "audit.jsonl"
 
 
-TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig}
+TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig,
+          "inspect": InspectConfig}
 """The tables that are a dataclass of their own; FilterConfig's fields name their keys."""
 EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "gateway"}}
 """Keys that are not a field of their own."""
@@ -355,6 +396,11 @@ def parse_config(text: str, path: str) -> FilterConfig:
     if firewall.log_group > 65535:
         failer("firewall", "log_group")("must be at most 65535")
 
+    inspect = read(InspectConfig, "inspect")
+    if (inspect.ca_cert is None) != (inspect.ca_key is None):
+        failer("inspect", "ca_key" if inspect.ca_key is None else "ca_cert")(
+            "ca_cert and ca_key go together: give both (inspection on) or neither (off)")
+
     sessions: list[SessionConfig] = []
     for entry in data.get("session", []):
         try:
@@ -365,7 +411,7 @@ def parse_config(text: str, path: str) -> FilterConfig:
             failer("session", exc.key)(str(exc), exc.value)
 
     return read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
-                sessions=tuple(sessions), firewall=firewall)
+                sessions=tuple(sessions), firewall=firewall, inspect=inspect)
 
 
 class SessionError(ValueError):

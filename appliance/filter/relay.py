@@ -99,6 +99,8 @@ async def _pump(reader, writer, counters: Counters, upward: bool, idle: float) -
             if writer.can_write_eof():
                 with contextlib.suppress(OSError):
                     writer.write_eof()
+            else:  # TLS has no half-close: one side's end is the end of both directions
+                writer.close()
             return
         counters.add(len(data), upward)
         writer.write(data)

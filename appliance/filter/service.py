@@ -38,6 +38,7 @@ from .dns import DnsFilter, UdpServer, serve_tcp
 from .events import EventBus
 from .limits import Budget, raise_limit
 from .proxy import Proxy
+from .proxy.inspect import Inspector
 from .resolver import Resolver
 from .store import Change, PolicyStore
 
@@ -118,7 +119,7 @@ class Service:
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
                              config.firewall.learn_ttl_min, config.dns)
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
-                           self.dns.exfil)
+                           self.dns.exfil, Inspector.from_config(config.inspect))
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
@@ -156,6 +157,7 @@ class Service:
                           for name, count in self.proxy.flows.connections.held.items()}},
             "descriptors": self.budget.to_json(self._fds_seen),
             "tunnels": dict(relay.STATS),
+            "inspect": self.proxy.inspector.status() if self.proxy.inspector else None,
             "resolver": {**self.resolver.stats, "cache_entries": len(self.resolver.cache),
                          "cache_evicted": self.resolver.cache.evicted},
             "dns": self.dns.stats(),
@@ -494,6 +496,8 @@ class Service:
         if self.audit is not None:
             self.audit.close()
             self.audit = None
+        if self.proxy.inspector is not None:
+            self.proxy.inspector.close()
         self.blocking.shutdown(wait=False, cancel_futures=True)
 
 

@@ -5,10 +5,14 @@ Typical use:
     rules = [*DEFAULT_RULES, *policy_file_rules(text, "corral.toml", "project")]
     policy = Policy(rules)
     policy.decide_http(parse_host("api.example.com"), 443)  # -> Decision
+    inspection = policy.inspection(parse_host("api.github.com"))  # -> Inspection | None
+    inspection.decide("PUT", "/repos/acme/widget/pulls/1/merge")  # -> Decision
 """
 
 from .config import ConfigError, PolicyDocument, parse_policy, parse_toml
-from .decide import HOST_NAME, Decision, Policy
+from .decide import HOST_NAME, Policy
+from .decision import Decision
+from .inspection import Inspection
 from .layers import (
     DEFAULT_RULES,
     dedupe,
@@ -18,6 +22,7 @@ from .layers import (
     preset_rules,
 )
 from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
+from .patterns import PatternError, RequestSpec
 from .ranges import blocked_range
 from .rules import KINDS, LAYERS, PortSpec, Rule, RuleError
 
@@ -30,9 +35,12 @@ __all__ = [
     "Decision",
     "Host",
     "HostNameError",
+    "Inspection",
+    "PatternError",
     "Policy",
     "PolicyDocument",
     "PortSpec",
+    "RequestSpec",
     "Rule",
     "RuleError",
     "blocked_range",

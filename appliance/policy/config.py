@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
+from .patterns import PatternError, RequestSpec
 from .rules import Rule, RuleError
 
 # key in the document -> (table, field, rule kind)
@@ -24,6 +25,12 @@ SECTIONS = {
     ("deny", "names"): "deny",
 }
 TOP_LEVEL = ("presets", "description", "version")
+INSPECT = "inspect"
+"""The array of tables `[[inspect]]`: one host each, with optional allow and deny lists of
+request patterns (patterns.py). A table becomes an `inspect` rule for its host and a
+`request` rule per pattern; `allow = []` also becomes `HOST nothing` (an empty allow list,
+which restricts), while a missing `allow` restricts nothing."""
+INSPECT_KEYS = ("host", "allow", "deny")
 
 
 class ConfigError(ValueError):
@@ -61,6 +68,9 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
     rules: list[Rule] = []
     presets: tuple[str, ...] = ()
     for key, value in data.items():
+        if key == INSPECT:
+            rules.extend(_inspect_tables(value, path, layer, locate))
+            continue
         if key in TOP_LEVEL:
             if key == "presets":
                 if not allow_presets:
@@ -98,8 +108,57 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
     return PolicyDocument(tuple(rules), presets)
 
 
+def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
+    if isinstance(tables, dict):
+        raise ConfigError(path, INSPECT, "write [[inspect]] (an array of tables, one per host), "
+                          "not [inspect]", locate.key("", INSPECT))
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(path, INSPECT, "must be [[inspect]] tables, one per host",
+                          locate.key("", INSPECT))
+    rules: list[Rule] = []
+    for index, table in enumerate(tables):
+        where = f"{INSPECT}#{index}"
+        for key in table:
+            if key not in INSPECT_KEYS:
+                raise ConfigError(path, f"[[inspect]] {key}", "unknown key; expected "
+                                  f"{', '.join(INSPECT_KEYS)}", locate.key(where, key))
+        host = table.get("host")
+        if not isinstance(host, str):
+            line = locate.key(where, "host") or locate.array_table(INSPECT, index)
+            problem = "missing" if host is None else f"{host!r} is not a string"
+            raise ConfigError(path, "[[inspect]] host", f"{problem}: name the host to inspect, "
+                              'e.g. host = "api.github.com"', line)
+        try:
+            mark = Rule.parse("inspect", host, layer, path)
+        except RuleError as exc:
+            raise ConfigError(path, "[[inspect]] host", str(exc), locate.key(where, "host")
+                              ) from None
+        rules.append(mark)
+        for field in ("allow", "deny"):
+            items = table.get(field)
+            if items is None:
+                continue
+            full = f"[[inspect]] {field}"
+            if not isinstance(items, list):
+                raise ConfigError(path, full, f"must be a list, got {type(items).__name__}",
+                                  locate.key(where, field))
+            for item in items:
+                if not isinstance(item, str):
+                    raise ConfigError(path, full, f"{item!r} is not a string",
+                                      locate.value(where, item))
+                try:
+                    spec = RequestSpec.parse(item, deny=field == "deny")
+                except PatternError as exc:
+                    raise ConfigError(path, full, f"{item!r}: {exc}", locate.value(where, item)
+                                      ) from None
+                rules.append(Rule.for_request(mark.host, spec, layer, path))
+        if table.get("allow") == []:
+            rules.append(Rule.for_request(mark.host, RequestSpec.parse("nothing"), layer, path))
+    return rules
+
+
 def _tables() -> str:
-    return ", ".join(sorted({f"[{t}]" for t, _ in SECTIONS}))
+    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]"])
 
 
 def _string_list(value, path: str, key: str, line: int | None) -> list[str]:
@@ -118,15 +177,24 @@ class Locator:
     best effort that is right for the ordinary `[table]` + `key = [...]` layout."""
 
     _HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_.-]+)\s*\]")
+    _ARRAY = re.compile(r"^\s*\[\[\s*([A-Za-z0-9_.-]+)\s*\]\]")
 
     def __init__(self, text: str):
         self.lines = text.splitlines()
 
     def _scan(self, table: str):
+        """The lines of `table`: a `[name]`, or the n-th `[[name]]` spelt `name#n`."""
         current = ""
+        arrays: dict[str, int] = {}
         for number, line in enumerate(self.lines, 1):
+            array = self._ARRAY.match(line)
+            if array:
+                name = array.group(1)
+                arrays[name] = arrays.get(name, -1) + 1
+                current = f"{name}#{arrays[name]}"
+                continue
             header = self._HEADER.match(line)
-            if header and not line.lstrip().startswith("[["):
+            if header:
                 current = header.group(1)
                 continue
             stripped = line.split("#", 1)[0]
@@ -142,6 +210,17 @@ class Locator:
         for number, line in self._scan(table):
             if pattern.match(line):
                 return number
+        return None
+
+    def array_table(self, name: str, index: int) -> int | None:
+        """The line of the `index`-th `[[name]]` header."""
+        seen = -1
+        for number, line in enumerate(self.lines, 1):
+            array = self._ARRAY.match(line)
+            if array and array.group(1) == name:
+                seen += 1
+                if seen == index:
+                    return number
         return None
 
     def value(self, table: str, value) -> int | None:

@@ -9,6 +9,10 @@ of an IP literal that address only). When several allows match, the most specifi
 reported — exact before wildcard, a narrower wildcard before
 a broader one, an inner layer (session) before an outer one (default) — so that `monitor`
 names the rule a person would point at.
+
+Inspected hosts (`[[inspect]]`, kinds `inspect` and `request`) are compiled here too, into
+`inspection.Inspections`: `Policy.inspection(host)` answers whether the filter terminates a
+host's TLS, and the Inspection it returns judges each request there.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 import ipaddress
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import NamedTuple
 
+from .decision import Decision
+from .inspection import Inspection, Inspections
 from .names import Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
 from .rules import LAYERS, Rule
@@ -28,23 +33,6 @@ MEMO_MAX = 4096
 """Decisions a Policy remembers (then it starts again): an agent asks for the same few
 hosts over and over, and a remembered answer costs a dict lookup, not a walk and a
 formatted reason."""
-
-
-class Decision(NamedTuple):
-    """The answer to one question put to a policy. (A NamedTuple: one is built per request,
-    and a frozen dataclass costs several times more to construct.)"""
-
-    allowed: bool
-    reason: str
-    """Why, in words a person reads in `corral monitor` and in a 403 body."""
-    rule: Rule | None = None
-    """The rule that decided it (allow or deny); None for the default deny."""
-    hint: str = ""
-    """The command that would change this decision, for denials."""
-
-    @property
-    def verdict(self) -> str:
-        return "allow" if self.allowed else "deny"
 
 
 _Index = dict[str, tuple[Rule, ...]]
@@ -104,7 +92,8 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_http", "_memo", "_tcp", "cidrs", "host_ports", "rules")
+    __slots__ = ("_deny", "_dns", "_http", "_inspect", "_memo", "_tcp", "cidrs", "host_ports",
+                 "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
@@ -119,6 +108,7 @@ class Policy:
         # DNS answers every name some rule lets a client reach (issue: "a name allowed by
         # an http or tcp rule is also answered by DNS").
         self._dns = _index(by_kind["dns"] + by_kind["http"] + by_kind["tcp"])
+        self._inspect = Inspections(by_kind["inspect"] + by_kind["request"])
         self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
             (ipaddress.ip_network(r.host), r) for r in by_kind["cidr"]
         )
@@ -141,6 +131,12 @@ class Policy:
             self._memo.clear()
         self._memo[key] = decision
         return decision
+
+    def inspection(self, host: Host) -> Inspection | None:
+        """The host's request rules if it is inspected (TLS terminated, each request judged
+        by `Inspection.decide`); None if it is not (its TLS is spliced, never terminated).
+        Says nothing about whether the host may be reached: ask `decide_http` first."""
+        return self._inspect.lookup(host)
 
     def decide_dns(self, host: Host) -> Decision:
         """May a client learn this name's addresses? Denied names are never sent upstream."""
@@ -246,6 +242,8 @@ class Policy:
             reason = f"IP literal {host} is not named by any {kind} rule"
         else:
             reason = f"{host} is not in the {kind} policy"
+            if kind == "http" and self._inspect and self.inspection(host) is not None:
+                reason += " (an [[inspect]] table does not allow a host; [http] allow does)"
         return Decision(False, reason, None, f"corral allow-{kind} {target}")
 
     def to_json(self) -> list[dict]:

@@ -7,6 +7,7 @@ A preset's rules join the layer of the file that named it, with `preset:NAME` as
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import cache
 from importlib import resources
 
@@ -43,9 +44,7 @@ def preset_rules(name: str, layer: str, referrer: str = "") -> tuple[Rule, ...]:
         raise ConfigError(referrer or "presets", "presets",
                           f"unknown preset {name!r}; known: {', '.join(preset_names())}")
     document = parse_policy(_preset_text(name), f"preset:{name}", layer, allow_presets=False)
-    return tuple(
-        Rule(r.kind, r.host, r.port, layer, f"preset:{name}") for r in document.rules
-    )
+    return tuple(replace(r, layer=layer, source=f"preset:{name}") for r in document.rules)
 
 
 def policy_file_rules(text: str, path: str, layer: str) -> list[Rule]:

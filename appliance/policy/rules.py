@@ -13,12 +13,26 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
+from .patterns import PatternError, RequestSpec
 
-KINDS = ("dns", "http", "tcp", "cidr", "host", "deny")
+KINDS = ("dns", "http", "tcp", "cidr", "host", "deny", "inspect", "request")
 """dns: a name DNS answers. http: host[:port] the proxy reaches. tcp: host:port reached
 directly (nftables set filled from DNS answers). cidr: a blocked range made reachable.
 host: a port of the VM host reachable as host.corral. deny: a name (and its subdomains),
-`*.suffix` (the subdomains) or an IP literal (that address) that wins over allows."""
+`*.suffix` (the subdomains) or an IP literal (that address) that wins over allows.
+inspect: a host (name, `*.suffix` or IP literal) whose TLS the filter terminates, so that
+its requests can be judged; it does not allow the host (that stays with http).
+request: a method and path on an inspected host — `HOST METHOD /path` allows,
+`!HOST METHOD /path` denies (deny wins), `HOST nothing` is an empty allow list.
+
+Why two kinds and a `!` rather than one kind per table or a kind per polarity: a rule's
+text is its identity, so each pattern is a rule of its own that `corral rules` prints,
+`corral revoke` removes and `dedupe` folds, one line each; the host leads the text, so
+the same pattern on two hosts is two rules; and the `!` puts allow and deny of the same
+pattern under one kind with different texts, so revoking by text alone is never
+ambiguous. A request rule makes its host inspected by itself (a deny that nothing
+enforces would be a silent hole); the `inspect` rule says so for a table with no pattern,
+and heads the table's rules in `corral rules`."""
 
 LAYERS = ("default", "appliance", "project", "session")
 """From the outside in: built-in defaults, appliance-wide (Ansible), project file
@@ -84,6 +98,8 @@ class Rule:
     """One of LAYERS."""
     source: str = ""
     """Where it was written: a file path, `preset:NAME`, or `api`."""
+    request: RequestSpec | None = None
+    """The requests a `request` rule covers (and whether it denies them); None otherwise."""
     text: str = field(init=False, compare=False, repr=False)
     """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
 
@@ -93,6 +109,8 @@ class Rule:
         else:
             host = f"[{self.host}]" if ":" in self.host and self.kind != "cidr" else self.host
             text = f"{host}:{self.port.text}" if self.port.text else host
+            if self.request is not None:
+                text = f"{'!' if self.request.deny else ''}{host} {self.request.text}"
         object.__setattr__(self, "text", text)
 
     @property
@@ -157,6 +175,33 @@ class Rule:
         return cls("tcp", _host_pattern(host), spec, layer, source)
 
     @classmethod
+    def _parse_inspect(cls, text: str, layer: str, source: str) -> Rule:
+        words = text.split()
+        if len(words) > 1 and (words[1] == "*" or words[1].isupper()):
+            raise RuleError(f"inspect rule {text!r} names a host only; a method and path make "
+                            "a request rule ('HOST METHOD /path')")
+        return cls("inspect", _inspected_host(text), PortSpec("", None), layer, source)
+
+    @classmethod
+    def _parse_request(cls, text: str, layer: str, source: str) -> Rule:
+        deny = text.startswith("!")
+        words = text[1:].split(None, 1) if deny else text.split(None, 1)
+        if len(words) != 2:
+            raise RuleError(f"request rule {text!r} is not 'HOST METHOD /path' ('!HOST METHOD "
+                            "/path' to deny, 'HOST nothing' for an empty allow list)")
+        try:
+            spec = RequestSpec.parse(words[1], deny)
+        except PatternError as exc:
+            raise RuleError(f"request rule {text!r}: {exc}") from None
+        return cls.for_request(_inspected_host(words[0]), spec, layer, source)
+
+    @classmethod
+    def for_request(cls, host: str, spec: RequestSpec, layer: str = "session",
+                    source: str = "") -> Rule:
+        """The request rule for an already parsed host pattern and spec."""
+        return cls("request", host, PortSpec("", None), layer, source, spec)
+
+    @classmethod
     def _parse_cidr(cls, text: str, layer: str, source: str) -> Rule:
         try:
             network = ipaddress.ip_network(text, strict=False)
@@ -185,6 +230,15 @@ def _pattern(text: str) -> str:
         raise RuleError(f"{text!r}: '*' may only stand alone as the first label,"
                         " as in *.example.com")
     return normalise_name(text)
+
+
+def _inspected_host(text: str) -> str:
+    """The host of an inspect or request rule: a name pattern or IP literal, every port."""
+    host, port = split_host_port(text)
+    if port is not None:
+        raise RuleError(f"{text!r}: an inspected host is inspected on every port its http "
+                        f"rules allow; drop ':{port}'")
+    return _host_pattern(host)
 
 
 def _host_pattern(text: str) -> str:

@@ -7,8 +7,9 @@ Denials are answered (403 + X-Corral-Deny, or a TLS access_denied alert), never 
 
 The rooms: `pipeline` routes and re-serialises HTTP requests (no I/O), `flows` keeps the
 per-session caps and the open flows (no I/O), `forward` relays plain HTTP (explicit,
-transparent, inside tunnels), `tunnel` handles CONNECT and transparent TLS. This module is
-the edge they share: listeners, deciding, dialling, events, and cutting flows that a new
+transparent, inside tunnels, inside inspected TLS), `tunnel` handles CONNECT and transparent
+TLS, `inspect` holds the interception CA and the leaf certificates (no sockets). This module
+is the edge they share: listeners, deciding, dialling, events, and cutting flows that a new
 policy denies.
 """
 
@@ -32,6 +33,7 @@ from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
 from .flows import Cap, Flow, Flows
 from .forward import Forward
+from .inspect import Inspector
 from .pipeline import Denied, Explicit, Transparent
 from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
@@ -70,12 +72,16 @@ class Client:
 
 class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
-                 config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None):
+                 config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
+                 inspector: Inspector | None = None):
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
         self.gateway = gateway
         self.exfil = exfil
         """The DNS filter's exfiltration limits: a name under a wildcard that the proxy
         resolves leaves the appliance too (shared, so DNS and proxy count one window)."""
+        self.inspector = inspector
+        """TLS inspection (the interception CA, its leaves); None when no CA is configured,
+        and a host the policy inspects is then denied."""
         self.active = 0
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
                       "refused_tunnels": 0, "cut": 0}
@@ -83,6 +89,8 @@ class Proxy:
         self.forward = Forward(self)
         self.tunnels = Tunnels(self)
         store.on_change(self.rejudge)
+        if inspector is not None:
+            store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
 
     # -- listeners -----------------------------------------------------------------------
 
@@ -188,10 +196,12 @@ class Proxy:
             raise Denied(Decision(False, failure), target, 502)
         raise Denied(refusal, target)
 
-    async def open(self, client: Client, host: Host, port: int, kind: str, target: str):
+    async def open(self, client: Client, host: Host, port: int, kind: str, target: str,
+                   **extra):
         """Decide, register the flow (a policy change cuts it even while it dials), dial,
-        emit the decision event. Returns (up_r, up_w, event, flow): the caller untracks the
-        flow when it ends. Raises Denied, recorded, with nothing left registered."""
+        emit the decision event (with `extra` fields). Returns (up_r, up_w, event, flow): the
+        caller untracks the flow when it ends. Raises Denied, recorded, with nothing left
+        registered."""
         session, policy, decision = self.decide(client.address, host, port)
         rule = decision.rule
         if decision.allowed and self.exfil is not None and rule is not None and rule.wildcard:
@@ -218,7 +228,7 @@ class Proxy:
             raise
         flow.address = address
         return up_r, up_w, self.event(decision, client, session, kind, host, port, address,
-                                      event_id=flow.id), flow
+                                      event_id=flow.id, **extra), flow
 
     def event(self, decision, client: Client, session, kind, host, port, address=None,
               **extra) -> dict:
@@ -268,9 +278,13 @@ class Proxy:
             flow.cut()
 
     def _judge(self, flow: Flow) -> Decision:
-        """The flow under the policy in force now: its name and port, then the address it
-        reached (a cidr rule that let a blocked address through may be gone)."""
+        """The flow under the policy in force now: its name and port, whether a spliced
+        tunnel's host has come to be inspected, then the address it reached (a cidr rule
+        that let a blocked address through may be gone)."""
         _, policy, decision = self.decide(flow.client, flow.host, flow.port)
+        if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
+            return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
+                            "could carry any request")
         if decision.allowed and flow.address is not None and flow.host.name != HOST_NAME:
             check = policy.decide_address(ipaddress.ip_address(flow.address), flow.host,
                                           flow.port)

@@ -33,6 +33,8 @@ class Flow:
     """Ends the flow at once: both connections close."""
     address: str | None = None
     """The address it reached; None while it is still dialling."""
+    spliced: bool = False
+    """A TLS tunnel passed on uninspected: cut if the policy comes to inspect its host."""
 
 
 class Cap:

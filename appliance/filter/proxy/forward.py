@@ -21,7 +21,7 @@ from ..http import (
     parse_response,
     serialise_response,
 )
-from ..relay import Counters, copy_body, copy_until_eof, drain, tunnel, within
+from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, tunnel, within
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
@@ -30,7 +30,10 @@ from .pipeline import (
     Mode,
     deny_response,
     error_response,
+    judge_request,
+    keeps_after_refusal,
     outgoing,
+    request_fields,
     route,
     strip_empty_lines,
     wants_close,
@@ -73,7 +76,12 @@ class Forward:
                         return
                     head = parse_request(data)
                 except HttpError as exc:
-                    if in_tunnel and opening:  # the tunnel's first bytes: not HTTP at all
+                    if in_tunnel and opening and mode.inspected:
+                        exc = HttpError(400, f"not HTTP/1.x inside the inspected TLS to "
+                                        f"{mode.target} ({exc}): only HTTP/1.x can be "
+                                        "inspected")
+                        self._tunnel_refused(client, mode, tunnel_event, str(exc))
+                    elif in_tunnel and opening:  # the tunnel's first bytes: not HTTP at all
                         exc = HttpError(400, f"neither TLS nor HTTP/1.x inside a tunnel to "
                                         f"{mode.target} ({exc}); other protocols need a tcp "
                                         "rule")
@@ -184,24 +192,31 @@ class Forward:
         connection, the upstream connection to keep). Raises Denied or HttpError."""
         proxy = self.proxy
         where = route(head, mode)
-        session, _, decision = proxy.decide(client.address, where.host, where.port)
+        session, policy, decision = proxy.decide(client.address, where.host, where.port)
         if decision.allowed and where.conflict is not None:
             decision = Decision(False, where.conflict)
         if not decision.allowed:
             proxy.event(decision, client, session, "http", where.host, where.port)
             raise Denied(decision, where.target, recorded=True)
+        inspection = policy.inspection(where.host)
+        fields = request_fields(where, head) if inspection is not None else {}
+        decision = judge_request(inspection, head, where, decision)
+        if not decision.allowed:  # by the host's request rules: the connection may go on
+            proxy.event(decision, client, session, "http", where.host, where.port, **fields)
+            target = f"{fields['method']} {fields['path']} on {where.target}"
+            return await self._refuse(client, head, Denied(decision, target)), kept
         key = (str(where.host), where.port)
         if isinstance(mode, InTunnel) or (
                 kept is not None and kept.key == key and not kept.reader.at_eof()):
             flow = proxy.track(client, session, "http", where.host, where.port, kept.address)
             event = proxy.event(decision, client, session, "http", where.host, where.port,
-                                kept.address, event_id=flow.id)
+                                kept.address, event_id=flow.id, **fields)
         else:
             if kept is not None:
                 kept.writer.close()
                 kept = None
             up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
-                                                       where.target)
+                                                       where.target, **fields)
             kept = Upstream(key, up_r, up_w, event["address"])
         counters = Counters()
         try:
@@ -220,6 +235,22 @@ class Forward:
             kept.writer.close()
             kept = None
         return keep_client, kept
+
+    async def _refuse(self, client: Client, head, denied: Denied) -> bool:
+        """Answer a request its host's request rules refuse; whether the connection goes on.
+        It does when HTTP allows: not closing, no body waiting on 100 Continue, and a body
+        (if any) small enough to read and drop. Nothing of it reached the upstream."""
+        keep = keeps_after_refusal(head)
+        if keep:
+            left, idle = head.content_length or 0, self.config.idle_timeout
+            while left:
+                data = await within(client.reader.read(min(left, CHUNK)), idle)
+                if not data:
+                    raise ConnectionError("the client closed in the middle of a refused body")
+                left -= len(data)
+        client.writer.write(deny_response(denied, keep))
+        await drain(client.writer, self.config.idle_timeout)
+        return keep
 
     async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters
                         ) -> tuple[bool, bool]:

@@ -29,6 +29,10 @@ from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
 OWN = frozenset({"host", "content-length", "transfer-encoding"})
 """Fields the upstream gets as the proxy writes them (from what it judged and how it reads
 the body), never as the client spelt them."""
+DISCARD_MAX = 1 << 20
+"""The largest body of a request refused by its host's request rules that is read and
+dropped so that the connection goes on; a larger one (or a chunked one, or one the client
+waits for a 100 Continue to send) ends the connection instead."""
 MAX_EMPTY_LINES = 8
 """Empty lines (CRLF) ignored before a request line (RFC 9112 §2.2 asks servers to ignore at
 least one; more than a few is not a client being robust)."""
@@ -59,10 +63,12 @@ class Transparent:
 
 @dataclass(frozen=True, slots=True)
 class InTunnel:
-    """Plain HTTP inside a CONNECT tunnel to host:port."""
+    """Plain HTTP inside a CONNECT tunnel to host:port, or inside TLS the filter terminated
+    for an inspected host (CONNECT or transparent)."""
 
     host: Host
     port: int
+    inspected: bool = False
 
     @property
     def target(self) -> str:
@@ -197,6 +203,26 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
     return data, count
 
 
+def judge_request(inspection, head: Head, where: Route, host_decision: Decision) -> Decision:
+    """The decision for one request: its host's (already allowed), then, on a host the
+    policy inspects, its request rules by method and origin-form target."""
+    if inspection is None:
+        return host_decision
+    return inspection.decide(head.start[0], where.path)
+
+
+def request_fields(where: Route, head: Head) -> dict[str, str]:
+    """What an event says of a request judged by its host's request rules: the method and
+    the path, never the query (credentials ride in queries too)."""
+    return {"method": head.start[0], "path": where.path.partition("?")[0][:200]}
+
+
+def keeps_after_refusal(head: Head) -> bool:
+    """May the connection go on after this request is refused (its body read and dropped)?"""
+    return (not wants_close(head, head.start[2]) and head.get("expect") is None
+            and not head.chunked and (head.content_length or 0) <= DISCARD_MAX)
+
+
 def wants_close(head: Head, version: str) -> bool:
     """Does this message end its connection (Connection: close, or HTTP/1.0 by default)?"""
     tokens = head.tokens("connection")
@@ -206,22 +232,23 @@ def wants_close(head: Head, version: str) -> bool:
 # -- the proxy's own answers ------------------------------------------------------------------
 
 
-def response(status: int, body: str, extra: dict[str, str] | None = None) -> bytes:
-    """A complete response of the proxy's own, which always closes the connection."""
+def response(status: int, body: str, extra: dict[str, str] | None = None, keep: bool = False
+             ) -> bytes:
+    """A complete response of the proxy's own, which closes the connection unless `keep`."""
     payload = body.encode()
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", "Content-Type: text/plain; charset=utf-8",
-             f"Content-Length: {len(payload)}", "Connection: close"]
+             f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
     lines += [f"{k}: {printable(v)}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
-def deny_response(denied: Denied) -> bytes:
+def deny_response(denied: Denied, keep: bool = False) -> bytes:
     d = denied.decision
     body = f"corral: {printable(denied.target)} denied: {printable(d.reason)}."
     if d.hint:
         body += f" To allow it: {d.hint}"
     header = "X-Corral-Deny" if denied.status == 403 else "X-Corral-Error"
-    return response(denied.status, body + "\n", {header: d.reason})
+    return response(denied.status, body + "\n", {header: d.reason}, keep)
 
 
 def error_response(status: int, message: str) -> bytes:

@@ -6,13 +6,22 @@ where the server speaks first), but the client's bytes wait. A TLS ClientHello m
 complete within `header_timeout` of its first byte and name the CONNECT host (no domain
 fronting); anything else must be HTTP/1.x and goes through the same per-request pipeline as
 plain HTTP, for the life of the tunnel. No timeout and no error opens a tunnel uninspected.
-Once inspected, a TLS tunnel's bytes are spliced (relay.tunnel): they never enter Python.
+Once its hello is checked, a TLS tunnel's bytes are spliced (relay.tunnel): they never
+enter Python, and no certificate of ours is on the wire.
+
+Unless the policy marks the host inspected: then the filter ends the client's TLS itself,
+with a leaf certificate for the host (inspect.py), its ClientHello replayed into a TLS
+object driven by hand (tlsstream.py); opens verified TLS to the upstream; and serves every
+request in between with forward.py, as plain HTTP in a tunnel is served. Each failure —
+no CA, a client that refuses ours, an upstream that fails verification — ends the
+connection with a reason and an event; none falls back to a splice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from typing import TYPE_CHECKING
 
@@ -21,7 +30,10 @@ from appliance.policy import Decision, Host
 from ..http import Head, parse_authority
 from ..relay import CHUNK, Counters, drain, tunnel, within
 from ..sni import TlsError, parse_client_hello
+from ..tlsstream import TlsServer
+from .flows import Flow
 from .forward import Upstream
+from .inspect import no_inspector
 from .pipeline import Denied, InTunnel, deny_response, error_response, host_of
 
 if TYPE_CHECKING:
@@ -71,10 +83,9 @@ class Tunnels:
                                 port, event["address"], event_id=event["id"])
                     client.writer.write(TLS_ACCESS_DENIED)
                     return
-                up_w.write(bytes(buf))
-                counters.add(len(buf), upward=True)
-                await tunnel(client.reader, client.writer, up_r, up_w, counters,
-                             self.config.idle_timeout)
+                await self._onward(client, bytes(buf), host, port,
+                                   Upstream((str(host), port), up_r, up_w, event["address"]),
+                                   event, flow, counters)
             finally:
                 up_w.close()
                 proxy.untrack(flow)
@@ -85,6 +96,89 @@ class Tunnels:
             client.writer.write(deny_response(denied))
         finally:
             proxy.flows.tunnels.release(client.session)
+
+    # -- after the ClientHello: splice, or inspect ---------------------------------------------
+
+    async def _onward(self, client: Client, hello: bytes, host: Host, port: int,
+                      up: Upstream, event: dict, flow: Flow, counters: Counters) -> None:
+        """`hello` (every byte read so far) has been checked: splice the tunnel, unless the
+        policy in force now inspects the host."""
+        _, policy = self.proxy.store.lookup(client.address)
+        if policy.inspection(host) is None:
+            flow.spliced = True
+            up.writer.write(hello)
+            counters.add(len(hello), upward=True)
+            await tunnel(client.reader, client.writer, up.reader, up.writer, counters,
+                         self.config.idle_timeout)
+            return
+        inspector = self.proxy.inspector
+        try:
+            if inspector is None:
+                raise no_inspector(host)
+            context = await inspector.leaf(host, event["session"])
+        except Denied as denied:
+            self._tunnel_denied(client, denied, event, host, port)
+            client.writer.write(TLS_ACCESS_DENIED)
+            return
+        server = TlsServer(context, client.reader, client.writer, counters,
+                           self.config.max_header_bytes)
+        try:
+            await self._inspect(client, server, hello, host, port, up, event)
+        finally:
+            server.close()
+
+    async def _inspect(self, client: Client, server: TlsServer, hello: bytes, host: Host,
+                       port: int, up: Upstream, event: dict) -> None:
+        proxy, config = self.proxy, self.config
+        try:
+            await server.handshake(hello, config.header_timeout)
+        except (ssl.SSLError, ConnectionError, TimeoutError) as exc:  # never a splice instead
+            reason = getattr(exc, "reason", None)  # TLSV1_ALERT_UNKNOWN_CA, as curl says it
+            reason = reason.lower().replace("_", " ") if reason else str(exc) or "timed out"
+            self._tunnel_denied(client, Denied(Decision(
+                False, f"TLS handshake with the client failed ({reason}): a client must "
+                "trust the corral interception CA to reach an inspected host"), str(host)),
+                event, host, port)
+            return
+        try:
+            await within(up.writer.start_tls(proxy.inspector.upstream,
+                                             server_hostname=host.key,
+                                             ssl_handshake_timeout=config.connect_timeout),
+                         config.connect_timeout)
+        except ssl.SSLCertVerificationError as exc:  # a decision: 403
+            refusal = Denied(Decision(False, f"upstream {host}:{port} failed TLS verification:"
+                                      f" {exc.verify_message}"), f"{host}:{port}")
+        except (ssl.SSLError, OSError, TimeoutError) as exc:  # a failure: 502
+            refusal = Denied(Decision(False, f"TLS to upstream {host}:{port} failed: "
+                                      f"{exc or 'timed out'}"), f"{host}:{port}", 502)
+        else:
+            refusal = None
+        if refusal is not None:
+            self._tunnel_denied(client, refusal, event, host, port)
+            await self._answer_in_tls(server, refusal)
+            return
+        # from here the client's connection carries the plaintext (its raw streams stay
+        # with Proxy._serve, which closes them)
+        client.reader, client.writer = server.reader, server.writer
+        await proxy.forward.serve(client, InTunnel(host, port, inspected=True), up, b"", event)
+
+    def _tunnel_denied(self, client: Client, denied: Denied, event: dict, host: Host,
+                       port: int) -> None:
+        """The tunnel's decision event becomes a denial (same id; "error" when something
+        failed rather than was refused): it was allowed by name, and ended after its hello."""
+        self.proxy.event(denied.decision, client, event["session"], event["kind"], host, port,
+                         event["address"], event_id=event["id"],
+                         verdict="deny" if denied.status == 403 else "error")
+
+    async def _answer_in_tls(self, server: TlsServer, denied: Denied) -> None:
+        """A 403 the client can read (curl prints it, `monitor` shows it): after its first
+        request head, or at once if none comes in time."""
+        with contextlib.suppress(asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                                 ConnectionError, TimeoutError):
+            await within(server.reader.readuntil(b"\r\n\r\n"), self.config.header_timeout)
+        server.writer.write(deny_response(denied))
+        with contextlib.suppress(ConnectionError):
+            await drain(server.writer, self.config.idle_timeout)
 
     async def _first_byte(self, client: Client, up_r, counters: Counters) -> bytes:
         """The client's first byte inside the tunnel, however late it comes; b"" when the
@@ -185,10 +279,9 @@ class Tunnels:
                 return
             counters = Counters()
             try:
-                up_w.write(bytes(buf))
-                counters.add(len(buf), upward=True)
-                await tunnel(client.reader, client.writer, up_r, up_w, counters,
-                             self.config.idle_timeout)
+                await self._onward(client, bytes(buf), host, port,
+                                   Upstream((str(host), port), up_r, up_w, event["address"]),
+                                   event, flow, counters)
             finally:
                 up_w.close()
                 proxy.untrack(flow)

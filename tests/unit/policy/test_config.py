@@ -77,3 +77,70 @@ def test_every_required_preset_ships_and_parses():
 def test_a_preset_cannot_include_presets():
     with pytest.raises(ConfigError, match="cannot include other presets"):
         parse_policy('presets = ["pypi"]\n', "preset:x", "appliance", allow_presets=False)
+
+
+INSPECT = """[http]
+allow = ["api.github.com"]
+
+[[inspect]]
+host = "api.github.com"
+allow = ["GET /**"]
+
+[[inspect]]
+host = "github.com"
+allow = [
+    "GET /*/*/info/refs?service=git-upload-pack",
+    {bad},
+]
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (INSPECT.format(bad='"get /x"'),
+     "corral.toml:12: [[inspect]] allow: 'get /x': method 'get': HTTP methods are "
+     "case-sensitive; write 'GET'"),
+    (INSPECT.format(bad='"/x"'),
+     "corral.toml:12: [[inspect]] allow: '/x': '/x' is not 'METHOD /path'"),
+    (INSPECT.format(bad='"GET x"'),
+     "corral.toml:12: [[inspect]] allow: 'GET x': path 'x' must start with '/'"),
+    (INSPECT.format(bad='"GET /a/../b"'),
+     "corral.toml:12: [[inspect]] allow: 'GET /a/../b': path '/a/../b': a dot segment"),
+    (INSPECT.format(bad="3"), "corral.toml:12: [[inspect]] allow: 3 is not a string"),
+    ('[[inspect]]\nhost = "a.example"\nallw = ["GET /"]\n',
+     "corral.toml:3: [[inspect]] allw: unknown key; expected host, allow, deny"),
+    ('[[inspect]]\nhost = "a.example"\n[[inspect]]\nallow = ["GET /"]\n',
+     "corral.toml:3: [[inspect]] host: missing: name the host to inspect"),
+    ('[[inspect]]\nhost = ["a.example"]\n', "corral.toml:2: [[inspect]] host: ['a.example'] is"
+     " not a string"),
+    ('[[inspect]]\nhost = "a.example:443"\n', "corral.toml:2: [[inspect]] host: 'a.example:443':"
+     " an inspected host is inspected on every port"),
+    ('[[inspect]]\nhost = "not ok"\n', "corral.toml:2: [[inspect]] host: 'not ok' is not a valid"
+     " host name"),
+    ('[[inspect]]\nhost = "a.example"\ndeny = "PUT /**"\n',
+     "corral.toml:3: [[inspect]] deny: must be a list, got str"),
+    ('[[inspect]]\nhost = "a.example"\ndeny = ["nothing"]\n',
+     "corral.toml:3: [[inspect]] deny: 'nothing': 'nothing' stands for an empty allow list"),
+    ('[inspect]\nhost = "a.example"\n', "corral.toml:1: inspect: write [[inspect]]"),
+    ('inspect = "a.example"\n', "corral.toml:1: inspect: must be [[inspect]] tables"),
+])
+def test_inspect_errors_name_file_line_key_and_value(text, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_policy(text, "corral.toml", "project")
+    assert str(info.value).startswith(expected)
+
+
+def test_inspect_tables_become_rules_tagged_like_the_others():
+    rules = policy_file_rules(INSPECT.format(bad='"POST /*/*/git-upload-pack"'), "corral.toml",
+                              "project")
+    assert [(r.kind, r.text) for r in rules] == [
+        ("http", "api.github.com"),
+        ("inspect", "api.github.com"),
+        ("request", "api.github.com GET /**"),
+        ("inspect", "github.com"),
+        ("request", "github.com GET /*/*/info/refs?service=git-upload-pack"),
+        ("request", "github.com POST /*/*/git-upload-pack"),
+    ]
+    assert {(r.layer, r.source) for r in rules} == {("project", "corral.toml")}
+    inline = parse_policy('inspect = [{host = "a.example", deny = ["DELETE /**"]}]\n',
+                          "corral.toml", "project")
+    assert [r.text for r in inline.rules] == ["a.example", "!a.example DELETE /**"]

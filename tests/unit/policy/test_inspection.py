@@ -1,0 +1,477 @@
+"""Per-request rules on inspected hosts: decisions, evasions, layers, presets, properties."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.policy import (
+    DEFAULT_RULES,
+    Policy,
+    Rule,
+    dedupe,
+    parse_host,
+    policy_file_rules,
+    preset_rules,
+)
+
+HOST = parse_host("api.github.com")
+EXAMPLE = """
+[http]
+allow = ["api.github.com"]
+[[inspect]]
+host = "api.github.com"
+allow = ["GET /**", "POST /repos/acme/widget/pulls", "PATCH /repos/acme/widget/pulls/*"]
+deny  = ["* /gists/**", "PUT /repos/*/*/pulls/*/merge"]
+"""
+
+
+def policy_of(*texts: str, layers: tuple[str, ...] = ()) -> Policy:
+    rules = [*DEFAULT_RULES]
+    for text, layer in zip(texts, layers or ("project",) * len(texts), strict=True):
+        rules.extend(policy_file_rules(text, f"{layer}.toml", layer))
+    return Policy(dedupe(rules))
+
+
+@pytest.fixture(scope="module")
+def github():
+    return policy_of(EXAMPLE).inspection(HOST)
+
+
+@pytest.mark.parametrize(("method", "target", "allowed", "rule"), [
+    ("GET", "/repos/acme/widget", True, "api.github.com GET /**"),
+    ("GET", "/", True, "api.github.com GET /**"),
+    ("GET", "/search/code?q=x", True, "api.github.com GET /**"),
+    ("POST", "/repos/acme/widget/pulls", True, "api.github.com POST /repos/acme/widget/pulls"),
+    ("PATCH", "/repos/acme/widget/pulls/7", True,
+     "api.github.com PATCH /repos/acme/widget/pulls/*"),
+    ("PATCH", "/repos/acme/widget/pulls/7/x", False, None),
+    ("POST", "/repos/acme/other/pulls", False, None),
+    ("HEAD", "/repos/acme/widget", False, None),  # GET does not imply HEAD
+    ("GET", "/gists", False, "!api.github.com * /gists/**"),  # ** is zero segments too
+    ("GET", "/gists/abc", False, "!api.github.com * /gists/**"),  # deny wins over GET /**
+    ("POST", "/gists", False, "!api.github.com * /gists/**"),
+    ("PUT", "/repos/acme/widget/pulls/7/merge", False,
+     "!api.github.com PUT /repos/*/*/pulls/*/merge"),
+    ("GET", "/repos/acme/widget/pulls/7/merge", True, "api.github.com GET /**"),
+])
+def test_the_documented_example(github, method, target, allowed, rule):
+    decision = github.decide(method, target)
+    assert decision.allowed is allowed, decision.reason
+    assert (decision.rule.text if decision.rule else None) == rule
+
+
+@pytest.mark.parametrize(("method", "target"), [
+    ("GET", "/%67ists/1"),  # percent-encoded unreserved: decoded, then denied
+    ("GET", "/%67%69%73%74%73"),
+    ("GET", "/GISTS/1"),  # a deny ignores case
+    ("GET", "/Gists"),
+    ("get", "/gists/1"),
+    ("put", "/repos/acme/widget/pulls/1/merge"),
+    ("Put", "/repos/ACME/Widget/pulls/1/MERGE"),
+    ("PUT", "/repos/acme/widget/pulls/1/merge/"),  # trailing slash: same route
+    ("GET", "/gists/"),
+    ("GET", "//gists"),
+    ("GET", "/./gists"),
+    ("GET", "/x/../gists"),
+    ("GET", "/x/%2e%2e/gists"),
+    ("GET", "/x/.%2E/gists"),
+    ("GET", "/gists%2F1"),  # encoded slash: the split reading is /gists/1
+    ("GET", "/x%2F..%2Fgists"),
+    ("PUT", "/repos%2Facme%2Fwidget/pulls/1/merge"),
+    ("PUT", "/repos/acme/widget/pulls/1%2Fmerge"),
+    ("GET", "\\gists"),
+    ("GET", "/x\\..\\gists"),
+    ("GET", "/x%5C..%5Cgists"),
+    ("GET", "/gists;x/1"),
+    ("GET", "/%2567ists"),  # double encoding
+    ("GET", "/x%252F..%252Fgists"),
+    ("GET", "/gists%00"),
+    ("GET", "/gists\x00"),
+    ("GET", "/gists\r\nX: y"),
+    ("GET", "/%C0%AFgists"),
+    ("GET", "/gists#x"),
+    ("GET", "https://api.github.com/gists"),  # absolute-form: judged only in origin-form
+    ("GET", "api.github.com/gists"),
+    ("OPTIONS", "*"),  # asterisk-form names no path
+    ("G ET", "/gists"),
+    ("", "/gists"),
+])
+def test_no_spelling_evades_a_deny(github, method, target):
+    decision = github.decide(method, target)
+    assert not decision.allowed, decision.reason
+    assert decision.hint
+
+
+@pytest.mark.parametrize(("method", "target", "reason"), [
+    ("GET", "/x/../gists", "dot segment"),
+    ("GET", "//gists", "empty segment ('//')"),
+    ("GET", "/a\\b", "backslash"),
+    ("GET", "https://api.github.com/x", "not an origin-form target"),
+    ("OPTIONS", "*", "asterisk-form target names no path"),
+    ("G ET", "/x", "not an HTTP method name"),
+])
+def test_refusals_say_why(github, method, target, reason):
+    assert reason in github.decide(method, target).reason
+
+
+def test_a_request_rule_with_query_matches_by_parameter():
+    policy = policy_of("""
+[[inspect]]
+host = "search.example"
+allow = ["GET /search?q=*", "GET /static/**"]
+deny = ["GET /search?debug=1"]
+""")
+    inspection = policy.inspection(parse_host("search.example"))
+
+    def allowed(target: str) -> bool:
+        return inspection.decide("GET", target).allowed
+
+    assert allowed("/search?q=corral")
+    assert allowed("/search?page=2&q=")
+    assert not allowed("/search")  # q must be there
+    assert not allowed("/search?debug=1&q=x")
+    assert not allowed("/search?q=x&DEBUG=1")  # a deny ignores case
+    assert not allowed("/search?q=x&%64ebug=%31")  # and sees through unreserved escapes
+    assert not allowed("/search?q=%zz")  # a named query must parse
+    assert allowed("/static/app.js?v=%zz")  # a query no pattern of the path names is ignored
+
+
+def test_a_host_with_no_request_rules_passes_everything():
+    policy = policy_of('[[inspect]]\nhost = "creds.example"\n')
+    inspection = policy.inspection(parse_host("creds.example"))
+    assert not inspection.restricted
+    for method, target in (("GET", "/"), ("DELETE", "/x/../y"), ("OPTIONS", "*")):
+        decision = inspection.decide(method, target)
+        assert decision.allowed and decision.rule.kind == "inspect"
+
+
+def test_no_allow_list_allows_what_no_deny_names():
+    policy = policy_of('[[inspect]]\nhost = "r.example"\ndeny = ["DELETE /**"]\n')
+    inspection = policy.inspection(parse_host("r.example"))
+    assert inspection.decide("PUT", "/anything").allowed
+    assert not inspection.decide("DELETE", "/x").allowed
+    assert not inspection.decide("GET", "/a/../b").allowed  # a rule exists to be evaded
+
+
+def test_an_empty_allow_list_allows_nothing():
+    policy = policy_of('[[inspect]]\nhost = "r.example"\nallow = []\n')
+    inspection = policy.inspection(parse_host("r.example"))
+    assert inspection.restricted
+    assert not inspection.decide("GET", "/").allowed
+    assert [r.text for r in policy.rules if r.kind == "request"] == ["r.example nothing"]
+
+
+def test_tables_combine_across_layers_union_of_allows_union_of_denies():
+    appliance = """
+[[inspect]]
+host = "*.example.com"
+deny = ["DELETE /**"]
+"""
+    project = """
+[[inspect]]
+host = "api.example.com"
+[[inspect]]
+host = "api.example.com"
+allow = ["GET /**"]
+"""
+    session = [Rule.parse("request", "api.example.com POST /items"),
+               Rule.parse("request", "!api.example.com GET /secret/**")]
+    rules = [*policy_file_rules(appliance, "a.toml", "appliance"),
+             *policy_file_rules(project, "corral.toml", "project"), *session]
+    policy = Policy(dedupe(rules))
+    api = policy.inspection(parse_host("api.example.com"))
+
+    def allowed(method: str, target: str) -> bool:
+        return api.decide(method, target).allowed
+
+    assert allowed("GET", "/x") and allowed("POST", "/items")  # allows add up
+    assert not allowed("PUT", "/x")  # one table's allow list restricts the host
+    assert not allowed("DELETE", "/x")  # a wildcard's deny covers it
+    assert not allowed("GET", "/secret/1")  # a session deny wins over a project allow
+    other = policy.inspection(parse_host("www.example.com"))  # the wildcard alone
+    assert other.decide("PUT", "/x").allowed and not other.decide("DELETE", "/x").allowed
+    assert policy.inspection(parse_host("example.com")) is None  # never the apex
+    assert policy.inspection(parse_host("api.example.org")) is None
+
+
+def test_an_empty_allow_list_restricts_next_to_another_table():
+    policy = policy_of('[[inspect]]\nhost = "r.example"\nallow = []\n',
+                       '[[inspect]]\nhost = "r.example"\nallow = ["GET /**"]\n',
+                       layers=("appliance", "project"))
+    inspection = policy.inspection(parse_host("r.example"))
+    assert inspection.decide("GET", "/x").allowed
+    assert not inspection.decide("POST", "/x").allowed
+
+
+def test_a_request_rule_alone_makes_its_host_inspected():
+    policy = Policy([Rule.parse("request", "!x.example DELETE /**")])
+    inspection = policy.inspection(parse_host("x.example"))
+    assert inspection is not None and not inspection.decide("DELETE", "/a").allowed
+
+
+def test_inspection_does_not_allow_the_host():
+    policy = policy_of('[[inspect]]\nhost = "api.github.com"\nallow = ["GET /**"]\n')
+    decision = policy.decide_http(HOST, 443)
+    assert not decision.allowed
+    assert "[[inspect]] table does not allow a host; [http] allow does" in decision.reason
+    assert decision.hint == "corral allow-http api.github.com:443"
+    assert "inspect" not in policy.decide_http(parse_host("other.example"), 443).reason
+    assert not policy.decide_dns(HOST).allowed
+
+
+def test_denials_name_the_rule_and_the_command():
+    session = Policy([Rule.parse("inspect", "api.github.com"),
+                      Rule.parse("request", "!api.github.com * /gists/**"),
+                      Rule.parse("request", "api.github.com GET /user")])
+    inspection = session.inspection(HOST)
+    denied = inspection.decide("GET", "/gists")
+    assert denied.reason == ("GET /gists on api.github.com denied by request rule "
+                             "!api.github.com * /gists/** (session layer)")
+    assert denied.hint == ("remove request rule !api.github.com * /gists/** from the session "
+                           "layer")
+    unmatched = inspection.decide("POST", "/user/repos")
+    assert unmatched.reason == "no allow pattern matches POST /user/repos on api.github.com"
+    assert unmatched.hint == ("add 'POST /user/repos' to an allow list of an [[inspect]] "
+                              "table for api.github.com")
+    preset = policy_of('presets = ["github-pr"]').inspection(HOST).decide("PUT", "/gists/1")
+    assert preset.hint == ("remove request rule !api.github.com * /gists/** from the project "
+                           "layer (preset:github-pr)")
+
+
+@pytest.mark.parametrize(("method", "target"), [
+    ("POST", "/user/repos"),
+    ("GET", "/@types%2Fnode"),
+    ("DELETE", "/a/b/"),
+])
+def test_the_hint_names_a_rule_that_allows_the_request(method, target):
+    policy = Policy([Rule.parse("request", "api.github.com nothing")])
+    hint = policy.inspection(HOST).decide(method, target).hint
+    pattern = re.fullmatch(r"add '(.+)' to an allow list of an \[\[inspect\]\] table for "
+                           r"api\.github\.com", hint).group(1)
+    widened = Policy([*policy.rules, Rule.parse("request", f"api.github.com {pattern}")])
+    assert widened.inspection(HOST).decide(method, target).allowed
+
+
+def test_an_allow_must_hold_under_both_readings_of_an_encoded_slash():
+    policy = policy_of('[[inspect]]\nhost = "registry.example"\nallow = ["GET /*"]\n')
+    inspection = policy.inspection(parse_host("registry.example"))
+    assert inspection.decide("GET", "/left-pad").allowed
+    decision = inspection.decide("GET", "/@types%2Fnode")
+    assert not decision.allowed and "allows it only if the encoded slash" in decision.reason
+    both = policy_of('[[inspect]]\nhost = "registry.example"\nallow = ["GET /**"]\n')
+    assert both.inspection(parse_host("registry.example")).decide("GET", "/@types%2fnode").allowed
+
+
+def test_request_rules_keep_their_identity_as_text():
+    rules = [r for name in ("github-pr", "github-readonly", "npm-no-publish", "pypi-no-upload")
+             for r in preset_rules(name, "project")]
+    for rule in rules:
+        again = Rule.parse(rule.kind, rule.text, rule.layer, rule.source)
+        assert again == rule and again.key() == rule.key()
+    spelt = Rule.parse("request", "API.GitHub.com  GET  /%67ists/")
+    assert spelt.text == "api.github.com GET /gists"
+    assert Rule.parse("request", "! api.github.com GET /x").text == "!api.github.com GET /x"
+    assert Rule.parse("request", "[::1] GET /").text == "[::1] GET /"
+    allow = Rule.parse("request", "h.example GET /x")
+    assert allow.key() != Rule.parse("request", "!h.example GET /x").key()
+
+
+def test_repeated_tables_fold_and_to_json_lists_each_pattern():
+    text = EXAMPLE + '[[inspect]]\nhost = "api.github.com"\ndeny = ["* /gists/**"]\n'
+    policy = policy_of(text)
+    shown = [(r["kind"], r["rule"]) for r in policy.to_json() if r["kind"] in ("inspect",
+                                                                                "request")]
+    assert shown == [
+        ("inspect", "api.github.com"),
+        ("request", "api.github.com GET /**"),
+        ("request", "api.github.com POST /repos/acme/widget/pulls"),
+        ("request", "api.github.com PATCH /repos/acme/widget/pulls/*"),
+        ("request", "!api.github.com * /gists/**"),
+        ("request", "!api.github.com PUT /repos/*/*/pulls/*/merge"),
+    ]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("api.github.com", "is not 'HOST METHOD /path'"),
+    ("api.github.com get /x", "write 'GET'"),
+    ("api.github.com:443 GET /x", "drop ':443'"),
+    ("!api.github.com nothing", "empty allow list"),
+    ("*.com GET /", "whole top-level domain"),
+])
+def test_bad_request_rules(text, message):
+    from appliance.policy import RuleError
+
+    with pytest.raises(RuleError, match=message):
+        Rule.parse("request", text)
+    with pytest.raises(RuleError, match="names a host only"):
+        Rule.parse("inspect", "api.github.com GET /")
+
+
+# -- presets ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("preset", "host", "method", "target", "allowed"), [
+    ("github-readonly", "api.github.com", "GET", "/repos/o/r/pulls", True),
+    ("github-readonly", "api.github.com", "HEAD", "/repos/o/r", True),
+    ("github-readonly", "api.github.com", "POST", "/repos/o/r/pulls", False),
+    ("github-readonly", "api.github.com", "POST", "/graphql", False),
+    ("github-readonly", "api.github.com", "DELETE", "/repos/o/r", False),
+    ("github-readonly", "github.com", "GET", "/o/r.git/info/refs?service=git-upload-pack", True),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs?service=git-upload-pack", True),
+    ("github-readonly", "github.com", "POST", "/o/r.git/git-upload-pack", True),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs?service=git-receive-pack", False),
+    ("github-readonly", "github.com", "GET",
+     "/o/r/info/refs?service=git-upload-pack&service=git-receive-pack", False),
+    ("github-readonly", "github.com", "GET", "/o/r/info/refs", False),
+    ("github-readonly", "github.com", "POST", "/o/r.git/git-receive-pack", False),
+    ("github-readonly", "github.com", "GET", "/o/r/releases/download/v1/x.tar.gz", True),
+    ("github-readonly", "github.com", "GET", "/o/r/archive/refs/tags/v1.tar.gz", True),
+    ("github-pr", "api.github.com", "GET", "/repos/o/r/pulls/1/files", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/pulls/3", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments/9/replies", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/pulls/comments/9", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/issues/3/comments", True),
+    ("github-pr", "api.github.com", "PATCH", "/repos/o/r/issues/comments/9", True),
+    ("github-pr", "api.github.com", "PUT", "/repos/o/r/pulls/3/merge", False),
+    ("github-pr", "api.github.com", "PUT", "/repos/O/R/pulls/3/merge/", False),
+    ("github-pr", "api.github.com", "POST", "/gists", False),
+    ("github-pr", "api.github.com", "GET", "/gists/abc", False),
+    ("github-pr", "api.github.com", "POST", "/user/repos", False),
+    ("github-pr", "api.github.com", "POST", "/orgs/acme/repos", False),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/forks", False),
+    ("github-pr", "api.github.com", "POST", "/repos/o/r/generate", False),
+    ("github-pr", "api.github.com", "DELETE", "/repos/o/r", False),
+    ("github-pr", "api.github.com", "PUT", "/repos/o/r/contents/README.md", False),
+    ("github-pr", "api.github.com", "POST", "/graphql", False),
+    ("github-pr", "github.com", "POST", "/o/r/git-upload-pack", True),
+    ("github-pr", "github.com", "POST", "/o/r/git-receive-pack", False),
+    ("github-pr", "github.com", "GET", "/o/r/info/refs?service=git-receive-pack", False),
+    ("pypi-no-upload", "upload.pypi.org", "POST", "/legacy/", False),
+    ("pypi-no-upload", "upload.pypi.org", "POST", "/legacy", False),
+    ("pypi-no-upload", "upload.pypi.org", "post", "/%6Cegacy/", False),
+    ("pypi-no-upload", "test.pypi.org", "POST", "/legacy/", False),
+    ("pypi-no-upload", "test.pypi.org", "GET", "/simple/corral/", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/@types%2fnode", True),
+    ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad/-/left-pad-1.3.0.tgz", True),
+    ("npm-no-publish", "registry.npmjs.org", "POST", "/-/npm/v1/security/advisories/bulk", True),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/left-pad", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/@acme%2fwidget", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/@acme/widget", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/left-pad/-rev/3-abc", False),
+    ("npm-no-publish", "registry.npmjs.org", "PUT", "/-/package/left-pad/dist-tags/latest",
+     False),
+    ("npm-no-publish", "registry.npmjs.org", "DELETE", "/left-pad/-rev/3-abc", False),
+    ("npm-no-publish", "registry.npmjs.org", "POST", "/-/package/@acme%2fwidget/access", False),
+    ("npm-no-publish", "registry.yarnpkg.com", "PUT", "/left-pad", False),
+])
+def test_presets_decide_as_documented(preset, host, method, target, allowed):
+    policy = Policy(preset_rules(preset, "project"))
+    decision = policy.inspection(parse_host(host)).decide(method, target)
+    assert decision.allowed is allowed, decision.reason
+
+
+def test_github_presets_allow_their_hosts_and_no_ssh():
+    for name in ("github-readonly", "github-pr"):
+        policy = Policy(preset_rules(name, "project"))
+        assert policy.decide_http(HOST, 443).allowed
+        assert not policy.tcp_rules(parse_host("github.com"))
+    for name in ("pypi-no-upload", "npm-no-publish"):  # guards: they allow no host
+        assert not [r for r in preset_rules(name, "project") if r.kind == "http"]
+
+
+# -- properties ---------------------------------------------------------------------------
+
+segment = st.text("abcXYZ019-_~.", min_size=1, max_size=4).filter(lambda s: s not in (".", ".."))
+pattern_item = st.one_of(segment, st.just("*"), st.just("**"))
+METHODS = ("GET", "PUT", "POST", "DELETE")
+
+
+@st.composite
+def pattern_and_path(draw):
+    """A pattern (no '**/**') and a path that matches it."""
+    items = draw(st.lists(pattern_item, max_size=5).filter(
+        lambda xs: all(not (a == b == "**") for a, b in itertools.pairwise(xs))))
+    path = []
+    for item in items:
+        if item == "*":
+            path.append(draw(segment))
+        elif item == "**":
+            path.extend(draw(st.lists(segment, max_size=2)))
+        else:
+            path.append(item)
+    return "/" + "/".join(items), path
+
+
+def _encode(char: str, upper: bool) -> str:
+    text = f"%{ord(char):02X}"
+    return text if upper else text.lower()
+
+
+@st.composite
+def spelling(draw, path: list[str], fold: bool):
+    """A target an upstream may route to `path`: escapes, case (when `fold`), a trailing
+    slash, and the tricks that some servers resolve (dot segments, '//', backslashes, ';',
+    encoded and double-encoded slashes)."""
+    out = []
+    for index, seg in enumerate(path):
+        chars = []
+        for char in seg:
+            if draw(st.booleans()):
+                char = _encode(char, draw(st.booleans()))
+            elif fold and draw(st.booleans()):
+                char = char.swapcase()
+            chars.append(char)
+        sep = "/" if index == 0 else draw(st.sampled_from(
+            ["/", "/", "/", "%2F", "%2f", "\\", "%5C", "//", "/./", "/x/../", "/%2e%2e/../",
+             "/x;y/", "%252F"]))
+        out.append(sep + "".join(chars))
+    target = "".join(out) or "/"
+    target += draw(st.sampled_from(["", "", "/", "?a=b", "/?x", ";p", "#f"]))
+    return target
+
+
+@settings(max_examples=300)
+@given(data=st.data(), method=st.sampled_from(METHODS), restricted=st.booleans())
+def test_a_denied_pattern_is_never_evaded_by_another_spelling(data, method, restricted):
+    pattern, path = data.draw(pattern_and_path())
+    rules = [Rule.parse("request", f"!h.example {method} {pattern}")]
+    if restricted:
+        rules.append(Rule.parse("request", "h.example * /**"))
+    inspection = Policy(rules).inspection(parse_host("h.example"))
+    target = data.draw(spelling(path, fold=True))
+    sent = data.draw(st.sampled_from([method, method.lower(), method.title()]))
+    decision = inspection.decide(sent, target)
+    assert not decision.allowed, (target, decision.reason)
+
+
+@settings(max_examples=300)
+@given(data=st.data(), method=st.sampled_from(METHODS),
+       allows=st.lists(st.tuples(st.sampled_from((*METHODS, "*")), pattern_and_path()),
+                       max_size=3),
+       denies=st.lists(st.tuples(st.sampled_from((*METHODS, "*")), pattern_and_path()),
+                       max_size=2))
+def test_another_spelling_never_gains_what_the_plain_path_is_denied(data, method, allows,
+                                                                     denies):
+    rules = [Rule.parse("inspect", "h.example")]
+    rules += [Rule.parse("request", f"h.example {m} {p}") for m, (p, _) in allows]
+    rules += [Rule.parse("request", f"!h.example {m} {p}") for m, (p, _) in denies]
+    inspection = Policy(rules).inspection(parse_host("h.example"))
+    path = data.draw(st.one_of(st.sampled_from([p for _, (_, p) in allows] or [[]]),
+                               st.lists(segment, max_size=4)))
+    plain = "/" + "/".join(path)
+    target = data.draw(spelling(path, fold=False))
+    if inspection.decide(method, target).allowed:
+        assert inspection.decide(method, plain).allowed, (target, plain)
+
+
+@given(method=st.text(max_size=10), target=st.text(max_size=60))
+def test_decide_answers_whatever_it_is_given(github, method, target):
+    decision = github.decide(method, target)
+    assert isinstance(decision.reason, str) and decision.reason
