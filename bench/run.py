@@ -630,6 +630,8 @@ socket = "{dir}/filter.sock"
 [firewall]
 manage = true
 interfaces = ["cb-sbx*"]
+dns_packets = 100000000       # the kernel's per-session rates, lifted as the filter's are
+new_connections = 100000000
 [[session]]
 name = "bench"
 subnet = "10.232.0.0/24"
