@@ -18,6 +18,12 @@ import time
 
 from .relay import CHUNK, Counters, within
 
+SLICE = 8 * 1024
+"""Raw bytes given to TLS per turn of the event loop. A read of CHUNK (256 KiB) may hold
+ten thousand one-byte records (or key updates), each a trip through OpenSSL and Python of
+about a microsecond: decrypted at once they would hold the loop for ten milliseconds.
+8 KiB holds at most ~370 records (invariant 10: about a millisecond at most)."""
+
 
 class _Gate:
     """The plaintext reader's "transport": StreamReader pauses it when more than twice its
@@ -42,6 +48,8 @@ class TlsServer:
     def __init__(self, context: ssl.SSLContext, raw_reader: asyncio.StreamReader,
                  raw_writer: asyncio.StreamWriter, counters: Counters, limit: int):
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.backlog = bytearray()
+        """Raw bytes read from the client and not yet given to TLS (at most SLICE a turn)."""
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
         self.raw_reader, self.raw_writer = raw_reader, raw_writer
         self.counters = counters
@@ -55,9 +63,10 @@ class TlsServer:
         """Complete the handshake, `received` (the ClientHello and anything after it) first.
         Raises ssl.SSLError (the client refused our certificate, or spoke no TLS),
         ConnectionError, TimeoutError."""
-        self.incoming.write(received)
+        self.backlog += received
         deadline = time.monotonic() + seconds
         while True:
+            self._feed()
             try:
                 self.tls.do_handshake()
                 break
@@ -66,18 +75,26 @@ class TlsServer:
             except ssl.SSLError:
                 self.flush()  # our alert, so that the client hears why
                 raise
+            if self.backlog:
+                continue
             data = await within(self.raw_reader.read(CHUNK),
                                 max(deadline - time.monotonic(), 0.001))
             if not data:
                 raise ConnectionError("the client closed during the TLS handshake")
             self.counters.add(len(data), upward=True)
-            self.incoming.write(data)
+            self.backlog += data
         self.flush()
         self.pump = asyncio.get_running_loop().create_task(self._pump(), name="tls-decrypt")
 
     @property
     def alpn(self) -> str | None:
         return self.tls.selected_alpn_protocol()
+
+    def _feed(self) -> None:
+        """Give TLS the next SLICE of the backlog."""
+        if self.backlog:
+            self.incoming.write(self.backlog[:SLICE])
+            del self.backlog[:SLICE]
 
     def flush(self) -> None:
         """Send what TLS has written (records, alerts) to the client."""
@@ -87,17 +104,23 @@ class TlsServer:
             self.raw_writer.write(data)
 
     async def _pump(self) -> None:
-        """Decrypt into `reader` until the client closes: its close_notify, or its EOF."""
+        """Decrypt into `reader` until the client closes: its close_notify, or its EOF. At
+        most SLICE raw bytes a turn of the loop."""
         try:
             while True:
                 if self._decrypt():
                     self.reader.feed_eof()
                     return
                 await self.gate.open.wait()
+                if self.backlog:
+                    await asyncio.sleep(0)  # the loop's turn between two slices
+                    self._feed()
+                    continue
                 data = await self.raw_reader.read(CHUNK)
                 if data:
                     self.counters.add(len(data), upward=True)
-                    self.incoming.write(data)
+                    self.backlog += data
+                    self._feed()
                 else:
                     self.incoming.write_eof()  # decrypts what is left, then ends
         except (ssl.SSLError, ConnectionError) as exc:

@@ -162,11 +162,17 @@ def mint(authority: Authority, host: Host, now: datetime.datetime) -> tuple[byte
 
 def server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
     """The TLS context a client of an inspected host is answered with: TLS 1.2 or later,
-    HTTP/1.1 by ALPN, no renegotiation."""
+    HTTP/1.1 by ALPN, no renegotiation, P-256 key exchange only."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.options |= ssl.OP_NO_RENEGOTIATION
     context.set_alpn_protocols(ALPN)
+    # One key exchange group, the one every TLS client must implement (RFC 8446 §9.1): by
+    # default OpenSSL 3 also accepts ffdhe2048..ffdhe8192, and a ClientHello offering only
+    # ffdhe8192 costs the event loop (the handshake runs on it) over 50 ms, before the
+    # client has proved anything. A client whose first key share is another group gets a
+    # HelloRetryRequest for P-256. (Python's ssl sets no group list but this one.)
+    context.set_ecdh_curve("prime256v1")
     with _memfile(cert_pem) as cert_path, _memfile(key_pem) as key_path:
         context.load_cert_chain(cert_path, key_path)
     return context

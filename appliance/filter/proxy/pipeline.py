@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from http import HTTPStatus
+from urllib.parse import unquote
 
 from appliance.policy import Decision, Host, HostNameError, parse_host
+from appliance.policy.targets import Ambiguous, query_pairs
 
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
 
@@ -203,12 +205,47 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
     return data, count
 
 
+METHOD_OVERRIDES = ("x-http-method-override", "x-http-method", "x-method-override")
+"""Fields that frameworks read as the request's real method (Rack and so Rails and GitLab,
+Express's method-override, Symfony and Laravel, ASP.NET, Google's APIs): a `POST` that
+says `X-HTTP-Method-Override: DELETE` is a DELETE to them. Symfony and Laravel also read a
+`_method` query parameter. (A `_method` in a form body is not read here: bodies are not.)"""
+
+
+def override_methods(head: Head, path: str) -> list[tuple[str, str]]:
+    """(where, method) for every other method the request asks an upstream to read it as."""
+    found = [(name, value.strip()) for name in METHOD_OVERRIDES
+             for value in head.get_all(name)]
+    query = path.partition("?")[2]
+    if query:
+        try:
+            pairs = query_pairs(query)
+        except Ambiguous:  # unreadable: if it may name _method, it is refused
+            pairs = (("_method", "?"),) if "method" in unquote(query).lower() else ()
+        found += [("the _method query parameter", v) for n, v in pairs
+                  if n.lower() == "_method"]
+    return found
+
+
 def judge_request(inspection, head: Head, where: Route, host_decision: Decision) -> Decision:
     """The decision for one request: its host's (already allowed), then, on a host the
-    policy inspects, its request rules by method and origin-form target."""
+    policy inspects, its request rules by method and origin-form target — for its own
+    method and for every method it asks to be read as (`METHOD_OVERRIDES`): a deny of
+    either refuses it, and an allow must hold for each."""
     if inspection is None:
         return host_decision
-    return inspection.decide(head.start[0], where.path)
+    method = head.start[0]
+    decision = inspection.decide(method, where.path)
+    if not decision.allowed:
+        return decision
+    for how, other in override_methods(head, where.path):
+        other = other.upper() if other.isascii() else other  # as the frameworks read it
+        found = inspection.decide(other, where.path)
+        if not found.allowed:
+            return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks by "
+                            f"{how} to be read as {printable(other)[:40]}: {found.reason}",
+                            found.rule, found.hint)
+    return decision
 
 
 def request_fields(where: Route, head: Head) -> dict[str, str]:
