@@ -35,7 +35,8 @@ CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
 INTERCEPT_FILES = ("intercept-ca.crt", "intercept-ca.key")
 INTERCEPT_DAYS = 180
 """The interception CA's default lifetime: short, since whoever holds its key can read every
-inspected session's traffic; `corral certs rotate` makes a new one."""
+inspected session's traffic; `python -m appliance.pki intercept-ca` makes a new one (the
+roles do not make or rotate it yet)."""
 
 
 @dataclass(frozen=True)

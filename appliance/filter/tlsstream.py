@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 
 from .relay import CHUNK, Counters, within
+
+log = logging.getLogger("corral.filter")
 
 SLICE = 8 * 1024
 """Raw bytes given to TLS per turn of the event loop. A read of CHUNK (256 KiB) may hold
@@ -76,6 +79,7 @@ class TlsServer:
                 self.flush()  # our alert, so that the client hears why
                 raise
             if self.backlog:
+                await asyncio.sleep(0)  # the loop's turn between two slices, as in _pump
                 continue
             data = await within(self.raw_reader.read(CHUNK),
                                 max(deadline - time.monotonic(), 0.001))
@@ -85,10 +89,6 @@ class TlsServer:
             self.backlog += data
         self.flush()
         self.pump = asyncio.get_running_loop().create_task(self._pump(), name="tls-decrypt")
-
-    @property
-    def alpn(self) -> str | None:
-        return self.tls.selected_alpn_protocol()
 
     def _feed(self) -> None:
         """Give TLS the next SLICE of the backlog."""
@@ -125,6 +125,9 @@ class TlsServer:
                     self.incoming.write_eof()  # decrypts what is left, then ends
         except (ssl.SSLError, ConnectionError) as exc:
             self.reader.set_exception(ConnectionError(f"client TLS: {exc}"))
+        except Exception as exc:  # a bug: the reader must hear of it, not wait out idle
+            log.exception("tls: decrypting the client's stream failed")
+            self.reader.set_exception(ConnectionError(f"client TLS: internal error: {exc!r}"))
 
     def _decrypt(self) -> bool:
         """Move every decrypted byte to `reader`; True when the client's stream has ended."""

@@ -121,13 +121,13 @@ class Inspection:
                                  f"for {host}'s request rules to judge",
                                  "no rule allows it on a host with request rules")
         if not target.startswith("/"):
-            return self._refused(f"{method} {target[:80]!r} on {host}: not an origin-form "
+            return self._refused(f"{method} {_shown(target)} on {host}: not an origin-form "
                                  "target (the path the proxy sends upstream is what is judged)",
                                  "judge the origin-form target the upstream is sent")
         try:
             parsed = read_target(target)
         except Ambiguous as exc:
-            return self._refused(f"{method} {target[:80]!r} on {host} refused: {exc}")
+            return self._refused(f"{method} {_shown(target)} on {host} refused: {exc}")
         pairs: Pairs | None = ()
         unreadable = ""
         if rules.reads_query and parsed.query:
@@ -204,6 +204,13 @@ class Inspection:
         # request rules live in policy files for now (the runtime layer takes dns, http,
         # tcp and deny): the hint says what to add where
         return f"add '{method} {path}' to an allow list of an [[inspect]] table for {name}"
+
+
+def _shown(target: str) -> str:
+    """A refused target as a reason shows it: the path, never the query (events and the
+    audit log keep reasons, and credentials ride in queries too)."""
+    path, query, _ = target.partition("?")
+    return repr(path[:80]) + (" (query not shown)" if query else "")
 
 
 class Inspections:

@@ -96,8 +96,9 @@ class Authority:
                               "(python -m appliance.pki intercept-ca)")
         try:
             constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
-            permitted = tuple(n.value.lower() for n in constraints.permitted_subtrees or ()
-                              if isinstance(n, x509.DNSName))
+            permitted = None if constraints.permitted_subtrees is None else tuple(
+                n.value.lower() for n in constraints.permitted_subtrees
+                if isinstance(n, x509.DNSName))  # only excluded subtrees: no positive list
         except x509.ExtensionNotFound:
             permitted = None
         try:

@@ -138,7 +138,8 @@ def route(head: Head, mode: Mode) -> Route:
         return _judged_against(mode, host_of(name), port, target, f"Host header {host_header!r}")
     parsed = parse_absolute(target)  # any other form must be absolute: http:// in any case
     host, port = host_of(parsed.host), parsed.port
-    found = _judged_against(mode, host, port, parsed.path, f"request target {target[:80]!r}")
+    found = _judged_against(mode, host, port, parsed.path,  # never the query: see above
+                            f"request target {target.partition('?')[0][:80]!r}")
     if found.conflict is None and host_header is not None:
         name, _ = parse_authority(host_header, port)
         if host_of(name) != host:  # a port notation difference is no conflict: Host is rebuilt

@@ -410,11 +410,14 @@ def test_an_upstream_that_fails_verification_is_denied_with_the_reason(
 def test_a_host_that_is_not_inspected_is_spliced_with_the_origins_own_certificate(
         inspecting, origins, interception):
     port = origins["good"].port
+    before = inspecting.status()["tunnels"]
     sock = tunnel(inspecting.proxy_port, f"plain.test:{port}")
     with origins.ca.client_context().wrap_socket(sock, server_hostname="plain.test") as tls:
         issuer = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).issuer
         assert issuer == origins.ca.cert.subject
         assert get(tls, f"plain.test:{port}", "/spliced")[0] == 200
+    after = inspecting.status()["tunnels"]  # spliced in the kernel, not streamed by Python
+    assert after["spliced"] == before["spliced"] + 1 and after["streamed"] == before["streamed"]
     sock = tunnel(inspecting.proxy_port, f"plain.test:{port}")
     with pytest.raises(ssl.SSLCertVerificationError):  # no corral certificate on the wire
         client_context(interception).wrap_socket(sock, server_hostname="plain.test")

@@ -475,3 +475,18 @@ def test_another_spelling_never_gains_what_the_plain_path_is_denied(data, method
 def test_decide_answers_whatever_it_is_given(github, method, target):
     decision = github.decide(method, target)
     assert isinstance(decision.reason, str) and decision.reason
+
+
+@pytest.mark.parametrize("target", [
+    "//x?access_token=SECRET123",
+    "/a/../b?token=SECRET123",
+    "http://api.github.com/x?key=SECRET123",
+    "/%zz?sig=SECRET123",
+])
+def test_a_refused_target_is_shown_without_its_query(target):
+    """Reasons go into events and the audit log; credentials ride in queries too."""
+    decision = policy_of('[[inspect]]\nhost = "api.github.com"\nallow = ["GET /**"]\n'
+                         ).inspection(HOST).decide("GET", target)
+    assert not decision.allowed
+    assert "SECRET123" not in decision.reason and "SECRET123" not in (decision.hint or "")
+    assert "(query not shown)" in decision.reason
