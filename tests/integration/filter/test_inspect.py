@@ -2,11 +2,9 @@
 the filter terminating its TLS, and real TLS origins on loopback behind it (their own test
 CA, given to the filter as `upstream_ca`).
 
-The filter runs in this process, on uvloop and on asyncio's loop (a thread each), so that its
-policy can name inspected hosts: the policy's own `[inspect]` rules are being built on
-another branch. Until they land, `Inspecting` puts exactly the interface the filter
-consumes on each compiled Policy — `inspection(host)` returning an object whose
-`decide(method, target)` returns a Decision — and nothing else of the filter is replaced.
+The filter runs in this process, on uvloop and on asyncio's loop (a thread each), with the
+sessions' policy files naming the inspected hosts in `[[inspect]]` tables: nothing of the
+filter or the policy is replaced.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from cryptography import x509
 from appliance import pki
 from appliance.filter.config import load_config
 from appliance.filter.service import Service, loop_factory
-from appliance.policy import Decision, Host
 from tests import fakes
 from tests.fakes import FakeHttp
 from tests.integration.conftest import S1_CLIENT, S2_CLIENT, connect, recv_all, write_config
@@ -37,54 +34,18 @@ LEAF_CACHE = 8
 MINT_BURST = 20
 
 
-# -- the policy's side, as appliance.policy will give it ------------------------------------
-
-
-class RequestRules:
-    """An inspected host's request rules: (method or "*", path prefix) pairs that deny."""
-
-    def __init__(self, *deny: tuple[str, str]):
-        self.deny = deny
-
-    def decide(self, method: str, target: str) -> Decision:
-        path = target.partition("?")[0]
-        for rule_method, prefix in self.deny:
-            if rule_method in ("*", method) and path.startswith(prefix):
-                return Decision(False, f"{method} {path} denied by request rule "
-                                f"{rule_method} {prefix}")
-        return Decision(True, f"{method} {path}: no request rule denies it")
-
-
-class Inspecting:
-    """A compiled Policy, and the hosts it inspects (exact names, or `*.zone`)."""
-
-    def __init__(self, policy, rules: dict[str, RequestRules]):
-        self.policy, self.rules = policy, rules
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-    def inspection(self, host: Host):
-        if host.name is None:
-            return None
-        found = self.rules.get(host.name)
-        if found is None and "." in host.name:
-            found = self.rules.get("*." + host.name.split(".", 1)[1])
-        return found
-
-
 # -- the filter, in this process ---------------------------------------------------------------
 
 
 class InProcessFilter:
-    """corral-filter's Service on a loop thread, its store's policies wrapped in Inspecting."""
+    """corral-filter's Service on a loop thread."""
 
-    def __init__(self, directory: Path, dns, event_loop: str, rules: dict, inspect: str,
-                 policy: str, dns_extra: str = ""):
+    def __init__(self, directory: Path, dns, event_loop: str, inspect: str, policy: str,
+                 dns_extra: str = ""):
         config_path = write_config(directory, dns, extra_config=inspect, dns_extra=dns_extra)
+        self.directory = directory
         (directory / "s1.toml").write_text(policy)
         (directory / "s2.toml").write_text(policy)
-        self.rules = rules
         factory = loop_factory(event_loop)
         self.loop = factory() if factory else asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="filter", daemon=True)
@@ -96,9 +57,6 @@ class InProcessFilter:
 
     async def _start(self, config) -> Service:
         service = Service(config)
-        lookup = service.store.lookup
-        service.store.lookup = lambda address: (
-            lambda found: (found[0], Inspecting(found[1], self.rules)))(lookup(address))
         await service.start()
         return service
 
@@ -125,10 +83,13 @@ class InProcessFilter:
         raise AssertionError("no matching event; last events:\n" + "\n".join(
             json.dumps(e, default=str) for e in self.events()[-10:]))
 
-    def rejudge(self) -> None:
-        async def rejudge():
-            self.service.proxy.rejudge()
-        self.run(rejudge())
+    def reload(self, policy: str) -> None:
+        """Session s1's policy file becomes `policy`, read again as SIGHUP has it read."""
+        (self.directory / "s1.toml").write_text(policy)
+
+        async def reload():
+            self.service.reload()
+        self.run(reload())
 
     def stop(self) -> None:
         """As corral-filter stops (asyncio.Runner): the service, then every task left."""
@@ -211,15 +172,18 @@ POLICY = """
 allow = ["inspected.test:*", "plain.test:*", "untrusted.test:*", "mismatch.test:*",
          "upgrade.test:*", "cut.test:*", "*.flood.test:*", "allowed.test", "noca.test:*",
          "s2.test:*"]
-"""
 
+[[inspect]]
+host = "inspected.test"
+deny = ["DELETE /**", "* /gists/**"]
 
-def inspected_rules() -> dict[str, RequestRules]:
-    return {"inspected.test": RequestRules(("DELETE", "/"), ("*", "/gists")),
-            "untrusted.test": RequestRules(), "mismatch.test": RequestRules(),
-            "upgrade.test": RequestRules(), "allowed.test": RequestRules(("*", "/denied")),
-            "*.flood.test": RequestRules(), "noca.test": RequestRules(),
-            "s2.test": RequestRules()}
+[[inspect]]
+host = "allowed.test"
+deny = ["* /denied/**"]
+""" + "".join(f'\n[[inspect]]\nhost = "{host}"\n' for host in (
+    "untrusted.test", "mismatch.test", "upgrade.test", "*.flood.test", "noca.test", "s2.test"))
+"""The sessions' policy: every host allowed, all but plain.test and cut.test inspected (a
+table with no allow list lets every request through that no deny matches)."""
 
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
@@ -234,7 +198,7 @@ mint_burst = {MINT_BURST}
 mint_rate = 0.01
 """
     process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
-                              request.param, inspected_rules(), config, POLICY,
+                              request.param, config, POLICY,
                               dns_extra="exfil_names = 1000")
     yield process
     process.stop()
@@ -339,7 +303,8 @@ def test_denied_requests_get_403_with_the_reason_and_the_connection_goes_on(
         assert get(tls, host, "/one")[0] == 200
         status, headers, body = get(tls, host, "/repo", method="DELETE")
         assert status == 403 and headers["connection"] == "keep-alive"
-        assert headers["x-corral-deny"] == "DELETE /repo denied by request rule DELETE /"
+        assert headers["x-corral-deny"] == ("DELETE /repo on inspected.test denied by request "
+                                            "rule !inspected.test DELETE /** (project layer)")
         assert b"DELETE /repo on inspected.test" in body
         status, headers, _ = get(tls, host, "/gists", method="POST", body=b'{"a": 1}')
         assert status == 403 and "/gists" in headers["x-corral-deny"]
@@ -461,12 +426,11 @@ def test_a_spliced_tunnel_is_cut_when_its_host_comes_to_be_inspected(inspecting,
     sock = tunnel(inspecting.proxy_port, f"cut.test:{port}")
     with origins.ca.client_context().wrap_socket(sock, server_hostname="cut.test") as tls:
         assert get(tls, f"cut.test:{port}", "/before")[0] == 200
-        inspecting.rules["cut.test"] = RequestRules()
         try:
-            inspecting.rejudge()
+            inspecting.reload(POLICY + '\n[[inspect]]\nhost = "cut.test"\n')
             assert recv_all(tls) == b""  # the tunnel was cut
         finally:
-            del inspecting.rules["cut.test"]
+            inspecting.reload(POLICY)
     event = inspecting.wait_event(lambda e: e.get("name") == "cut.test" and
                                   "inspected now" in (e.get("reason") or ""))
     assert event["verdict"] == "deny"
@@ -506,8 +470,7 @@ def test_an_sni_flood_stays_within_the_cache_and_the_mint_budget(
 
 def test_without_an_interception_ca_an_inspected_host_is_denied_not_tunnelled(
         origins, tmp_path):
-    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", inspected_rules(),
-                              "", POLICY)
+    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", "", POLICY)
     try:
         sock = tunnel(process.proxy_port, f"noca.test:{origins['good'].port}")
         with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
