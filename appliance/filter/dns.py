@@ -273,6 +273,8 @@ class DnsFilter:
         if name == HOST_NAME:
             return self._host_corral(reply, policy, session, client, qtype)
         decision = policy.decide_dns(host)
+        # first() answers these already (_decided); kept here so that no path to the
+        # resolver below ever skips the policy, whoever calls _answer
         if not decision.allowed or qtype in EMPTY_TYPES:  # decided by the policy alone
             note["event"] = self._event(decision, session, client, name, qtype_name)
             note["expires"] = time.monotonic() + POLICY_ONLY_SECONDS
