@@ -45,17 +45,6 @@ deny = ["DELETE /**"]
 """
 
 
-class RealPolicyFilter(InProcessFilter):
-    """The in-process filter with the policies as the store loads them."""
-
-    async def _start(self, config):
-        from appliance.filter.service import Service
-
-        service = Service(config)
-        await service.start()
-        return service
-
-
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def real(request, origins, interception, tmp_path_factory):  # noqa: F811
     config = f"""
@@ -64,8 +53,8 @@ ca_cert = "{interception / 'intercept-ca.crt'}"
 ca_key = "{interception / 'intercept-ca.key'}"
 upstream_ca = "{origins.ca.ca_path}"
 """
-    process = RealPolicyFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
-                               request.param, {}, config, POLICY)
+    process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
+                              request.param, config, POLICY)
     yield process
     process.stop()
 
