@@ -205,7 +205,9 @@ files = ["{fdir}/s3.toml"]
     def nginx_requests(self) -> list[dict]:
         out = []
         for line in self.nginx_log.read_text().splitlines():
-            server, host, request, http_host, sni = line.split("|")
+            # the request line is raw client bytes (a ClientHello's random may hold "|")
+            server, host, rest = line.split("|", 2)
+            request, http_host, sni = rest.rsplit("|", 2)
             out.append({"vhost": server, "host": host, "request": request,
                         "http_host": http_host, "sni": sni})
         return out
