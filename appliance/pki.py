@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from appliance.atomic import fsync_dir
 from appliance.policy import normalise_name
 
 VALIDITY = datetime.timedelta(days=825)
@@ -35,8 +36,10 @@ CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
 INTERCEPT_FILES = ("intercept-ca.crt", "intercept-ca.key")
 INTERCEPT_DAYS = 180
 """The interception CA's default lifetime: short, since whoever holds its key can read every
-inspected session's traffic; `python -m appliance.pki intercept-ca` makes a new one (the
-roles do not make or rotate it yet)."""
+inspected session's traffic. The filter makes its own (`CaDirectory`) and a new one on
+`corral certs rotate`; `python -m appliance.pki intercept-ca` makes one by hand."""
+CURRENT = "current"
+"""In a CA directory: the symlink naming the generation in use."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,53 @@ def intercept_ca(days: int = INTERCEPT_DAYS, permit: Iterable[str] = ()) -> tupl
 
 def write_intercept_ca(cert: bytes, key: bytes, directory: Path) -> None:
     _write(Path(directory), dict(zip(INTERCEPT_FILES, (cert, key), strict=True)))
+
+
+class CaDirectory:
+    """The filter's own interception CA (`[inspect] ca_dir`): made on its first start,
+    replaced by `rotate()`. Each pair is written into a generation directory of its own and
+    DIR/current, a symlink, is swapped to it in one rename: a crash mid-rotation leaves the
+    old pair or the new one in use, never a certificate with another pair's key. The
+    directory is the filter user's alone (0700; keys 0600)."""
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory)
+
+    @property
+    def cert(self) -> Path:
+        return self.path / CURRENT / INTERCEPT_FILES[0]
+
+    @property
+    def key(self) -> Path:
+        return self.path / CURRENT / INTERCEPT_FILES[1]
+
+    def exists(self) -> bool:
+        return not missing(self.path / CURRENT, INTERCEPT_FILES)
+
+    def ensure(self) -> bool:
+        """Make a CA unless one is in use; True if it made one."""
+        if self.exists():
+            return False
+        self.rotate()
+        return True
+
+    def rotate(self, days: int = INTERCEPT_DAYS) -> None:
+        """A new CA in a new generation, then `current` moved to it; older generations go."""
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path, 0o700)
+        cert, key = intercept_ca(days)
+        generation = Path(tempfile.mkdtemp(dir=self.path, prefix="ca-"))  # mode 0700
+        write_intercept_ca(cert, key, generation)
+        fsync_dir(generation)
+        link = self.path / f".{CURRENT}.{generation.name}"
+        os.symlink(generation.name, link)
+        os.replace(link, self.path / CURRENT)
+        fsync_dir(self.path)
+        for old in self.path.iterdir():
+            if old.is_dir() and not old.is_symlink() and old.name != generation.name:
+                for child in old.iterdir():
+                    child.unlink()
+                old.rmdir()
 
 
 def _write(directory: Path, files: dict[str, bytes]) -> None:

@@ -201,6 +201,10 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class InspectConfig:
+    ca_dir: str | None = setting(None, string)
+    """Where the filter keeps an interception CA of its own: made on its first start when
+    there is none (ECDSA P-256, 180 days), replaced by `corral certs rotate`, which also
+    gives every running session the new certificate. What the roles set. Or, instead:"""
     ca_cert: str | None = setting(None, readable)
     """The interception CA's certificate (PEM), made by `python -m appliance.pki intercept-ca`.
     With `ca_key`, TLS to a host the policy marks inspected is terminated by the filter with
@@ -224,7 +228,7 @@ class InspectConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.ca_cert is not None
+        return self.ca_cert is not None or self.ca_dir is not None
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,9 @@ def parse_config(text: str, path: str) -> FilterConfig:
     if (inspect.ca_cert is None) != (inspect.ca_key is None):
         failer("inspect", "ca_key" if inspect.ca_key is None else "ca_cert")(
             "ca_cert and ca_key go together: give both (inspection on) or neither (off)")
+    if inspect.ca_dir is not None and inspect.ca_cert is not None:
+        failer("inspect", "ca_dir")("give ca_dir (the filter keeps its own CA there) or "
+                                    "ca_cert and ca_key (a CA made by hand), not both")
 
     sessions: list[SessionConfig] = []
     for entry in data.get("session", []):

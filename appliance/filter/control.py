@@ -17,6 +17,8 @@ the client hangs up. Requests:
   {"op": "session-remove", "name": N, "forget_rules": BOOL?}
   {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
+  {"op": "inspect-ca"}                                the interception CA's certificate, or null
+  {"op": "inspect-rotate"}                            a new interception CA, in use at once
 
 The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
 waits on a disk or on nftables on it: audit pages and the firewall check run on the
@@ -133,6 +135,7 @@ class ControlServer:
     def __init__(self, service):
         self.service = service  # the running Service: store, bus, audit, listeners, workers
         self._audit_readers = asyncio.Semaphore(AUDIT_READERS)
+        self._rotating = asyncio.Lock()
 
     async def start(self, path: str, group: str | None = None) -> asyncio.AbstractServer:
         """Listen on `path`: 0600, or 0660 owned by `group` (the admin API's user)."""
@@ -282,6 +285,29 @@ class ControlServer:
         async with self._audit_readers:
             verdict = await verify_apart(self.service.config.audit_path, head)
         return {"ok": True, **verdict}
+
+    @handles("inspect-ca")
+    async def _inspect_ca(self, request: dict) -> dict:
+        inspector = self.service.proxy.inspector
+        return {"ok": True, "ca": inspector.describe() if inspector else None}
+
+    @handles("inspect-rotate")
+    async def _inspect_rotate(self, request: dict) -> dict:
+        inspector = self.service.proxy.inspector
+        if inspector is None:
+            raise ControlError("inspection is off (no [inspect] ca_dir in the filter's "
+                               "config): there is no CA to rotate")
+        async with self._rotating:  # one new CA at a time: each removes the ones before it
+            old = inspector.describe()["sha256"]
+            inspector.use(await self.service.off_loop(inspector.renewed))
+        ca = inspector.describe()
+        log.info("control: interception CA rotated: %s -> %s", old, ca["sha256"])
+        self.service.bus.emit({
+            "session": None, "client": None, "kind": "certs", "name": None, "port": None,
+            "address": None, "verdict": "change", "rule": None, "layer": None,
+            "reason": f"new interception CA {ca['sha256']} (was {old}), valid until "
+                      f"{ca['not_after']}"})
+        return {"ok": True, "ca": ca, "previous": old}
 
     async def _stream(self, subscription, writer: asyncio.StreamWriter) -> None:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import logging
 import os
 import ssl
 import stat
@@ -34,11 +35,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from appliance.pki import CaDirectory
 from appliance.policy import ConfigError, Decision, Host
 
 from ..config import InspectConfig
 from ..dnsguard import TokenBucket
 from .pipeline import Denied
+
+log = logging.getLogger(__name__)
 
 ALPN = ["http/1.1"]
 """What both sides are offered: requests are judged as HTTP/1.x. A client that insists on
@@ -294,18 +298,76 @@ class Leaves:
 class Inspector:
     """What the proxy needs to inspect: leaves for clients, a context for upstreams."""
 
-    def __init__(self, authority: Authority, upstream: ssl.SSLContext, config: InspectConfig):
+    def __init__(self, authority: Authority, upstream: ssl.SSLContext, config: InspectConfig,
+                 directory: CaDirectory | None = None):
         self.authority = authority
         self.upstream = upstream
-        self.leaves = Leaves(authority, config.leaf_cache, config.mint_rate, config.mint_burst)
+        self.config = config
+        self.directory = directory
+        """The filter's own CA (`[inspect] ca_dir`), which `renewed` replaces; None for a
+        CA given as files, which only its maker replaces."""
+        self.leaves = self._leaves()
+
+    def _leaves(self) -> Leaves:
+        config = self.config
+        return Leaves(self.authority, config.leaf_cache, config.mint_rate, config.mint_burst)
 
     @classmethod
     def from_config(cls, config: InspectConfig) -> Inspector | None:
-        """None when no CA is configured (inspection off). Raises ConfigError."""
-        if config.ca_cert is None or config.ca_key is None:
+        """None when no CA is configured (inspection off). With `ca_dir`, the filter's own CA
+        is made there when there is none, or none usable (expired, damaged: it could sign
+        nothing a client accepts). Raises ConfigError."""
+        if not config.enabled:
             return None
-        return cls(Authority.load(config.ca_cert, config.ca_key),
-                   upstream_context(config.upstream_ca), config)
+        upstream = upstream_context(config.upstream_ca)
+        if config.ca_dir is not None:
+            directory = CaDirectory(config.ca_dir)
+            try:
+                if directory.ensure():
+                    log.info("inspect: made an interception CA in %s", directory.path)
+                try:
+                    authority = Authority.load(str(directory.cert), str(directory.key))
+                except ConfigError as exc:
+                    log.warning("inspect: the CA in %s is not usable (%s): making a new one; "
+                                "running sessions trust it after `corral certs rotate "
+                                "--interception`", directory.path, exc)
+                    directory.rotate()
+                    authority = Authority.load(str(directory.cert), str(directory.key))
+            except OSError as exc:
+                raise ConfigError(config.ca_dir, "[inspect] ca_dir", f"cannot keep the "
+                                  f"interception CA there: {exc.strerror or exc}") from None
+            return cls(authority, upstream, config, directory)
+        return cls(Authority.load(config.ca_cert, config.ca_key), upstream, config)
+
+    def renewed(self) -> Authority:
+        """A new CA in the directory, loaded (blocking: run it off the loop). Raises
+        ConfigError for a CA given as files."""
+        if self.directory is None:
+            raise ConfigError(self.config.ca_cert or "", "[inspect]", "the CA is given as "
+                              "ca_cert and ca_key: make a new pair with `python -m "
+                              "appliance.pki intercept-ca` and restart the filter, or let it "
+                              "keep its own with ca_dir")
+        self.directory.rotate()
+        return Authority.load(str(self.directory.cert), str(self.directory.key))
+
+    def use(self, authority: Authority) -> None:
+        """Sign with `authority` from now on: the leaves of the old CA go (mints under way
+        finish into the old cache, which nothing reads)."""
+        old, self.authority = self.leaves, authority
+        self.leaves = self._leaves()
+        old.worker.shutdown(wait=False)
+
+    def describe(self) -> dict:
+        """The CA as sessions need it (its certificate) and people check it."""
+        cert = self.authority.cert
+        return {"pem": cert.public_bytes(serialization.Encoding.PEM).decode(),
+                "sha256": cert.fingerprint(hashes.SHA256()).hex(":"),
+                "subject": cert.subject.rfc4514_string(),
+                "not_before": cert.not_valid_before_utc.isoformat(),
+                "not_after": cert.not_valid_after_utc.isoformat(),
+                "permitted": list(self.authority.permitted) if self.authority.permitted
+                is not None else None,
+                "rotatable": self.directory is not None}
 
     async def leaf(self, host: Host, session: str | None) -> ssl.SSLContext:
         """The context to answer a client of `host` with. Raises Denied."""
@@ -316,7 +378,10 @@ class Inspector:
         return await self.leaves.get(host, session)
 
     def status(self) -> dict:
-        return {**self.leaves.stats, "leaves": len(self.leaves.cache)}
+        cert = self.authority.cert
+        return {**self.leaves.stats, "leaves": len(self.leaves.cache),
+                "ca_sha256": cert.fingerprint(hashes.SHA256()).hex(":"),
+                "ca_not_after": cert.not_valid_after_utc.isoformat()}
 
     def close(self) -> None:
         self.leaves.close()
@@ -325,4 +390,4 @@ class Inspector:
 def no_inspector(host: Host) -> Denied:
     """An inspected host where the filter has no interception CA: denied, never spliced."""
     return Denied(Decision(False, f"{host} is to be inspected, but the filter has no "
-                           "interception CA ([inspect] ca_cert and ca_key)"), str(host))
+                           "interception CA ([inspect] ca_dir)"), str(host))

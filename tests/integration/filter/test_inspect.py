@@ -26,6 +26,7 @@ from appliance.filter.config import load_config
 from appliance.filter.service import Service, loop_factory
 from tests import fakes
 from tests.fakes import FakeHttp
+from tests.helpers import control
 from tests.integration.conftest import S1_CLIENT, S2_CLIENT, connect, recv_all, write_config
 
 FLOOD = 40
@@ -482,3 +483,72 @@ def test_without_an_interception_ca_an_inspected_host_is_denied_not_tunnelled(
         assert process.status()["inspect"] is None
     finally:
         process.stop()
+
+
+def _ca_pem(answer: dict) -> bytes:
+    assert answer["ok"], answer
+    return answer["ca"]["pem"].encode()
+
+
+def _leaf_of(process: InProcessFilter, ca_pem: bytes, port: int) -> x509.Certificate:
+    """A handshake with `inspected.test` through the filter, trusting `ca_pem` alone."""
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    with tls_through(process, context, "inspected.test", port) as tls:
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+
+
+def test_the_filter_makes_its_own_ca_keeps_it_and_rotation_takes_effect_at_once(
+        origins, tmp_path):
+    """`[inspect] ca_dir`: made on the first start (key 0600, directory 0700), the same CA
+    after a restart, and `inspect-rotate` signs the next handshake with a new one: the old
+    CA no longer verifies it, cached leaves included."""
+    ca_dir = tmp_path / "intercept"
+    config = f'[inspect]\nca_dir = "{ca_dir}"\nupstream_ca = "{origins.ca.ca_path}"\n'
+    port = origins["good"].port
+    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", config, POLICY)
+    try:
+        first = _ca_pem(control(tmp_path / "filter.sock", {"op": "inspect-ca"}))
+        assert (ca_dir.stat().st_mode & 0o777) == 0o700
+        assert (pki.CaDirectory(ca_dir).key.stat().st_mode & 0o777) == 0o600
+        _leaf_of(process, first, port)  # and now a leaf of the first CA is cached
+    finally:
+        process.stop()
+    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", config, POLICY)
+    try:
+        assert _ca_pem(control(tmp_path / "filter.sock", {"op": "inspect-ca"})) == first
+        rotated = control(tmp_path / "filter.sock", {"op": "inspect-rotate"})
+        second = _ca_pem(rotated)
+        assert second != first and rotated["previous"] != rotated["ca"]["sha256"]
+        leaf = _leaf_of(process, second, port)
+        leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(second))
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _leaf_of(process, first, port)
+        event = process.wait_event(lambda e: e.get("kind") == "certs")
+        assert rotated["ca"]["sha256"] in event["reason"] and event["verdict"] == "change"
+        generations = [p.name for p in ca_dir.iterdir() if p.is_dir() and not p.is_symlink()]
+        assert len(generations) == 1  # the old pair is gone with its key
+    finally:
+        process.stop()
+
+
+def test_a_damaged_ca_in_the_filters_directory_is_replaced_at_start(origins, tmp_path):
+    ca_dir = tmp_path / "intercept"
+    directory = pki.CaDirectory(ca_dir)
+    directory.ensure()
+    stranger_key = pki.intercept_ca()[1]  # a key that is not the certificate's
+    directory.key.write_bytes(stranger_key)
+    config = f'[inspect]\nca_dir = "{ca_dir}"\nupstream_ca = "{origins.ca.ca_path}"\n'
+    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", config, POLICY)
+    try:
+        ca = _ca_pem(control(tmp_path / "filter.sock", {"op": "inspect-ca"}))
+        _leaf_of(process, ca, origins["good"].port)
+        assert directory.cert.read_bytes() == ca
+    finally:
+        process.stop()
+
+
+def test_a_ca_given_as_files_is_not_rotated_by_the_filter(inspecting):
+    socket = inspecting.directory / "filter.sock"
+    answer = control(socket, {"op": "inspect-rotate"})
+    assert not answer["ok"] and "python -m appliance.pki intercept-ca" in answer["error"]
+    assert control(socket, {"op": "inspect-ca"})["ca"]["rotatable"] is False

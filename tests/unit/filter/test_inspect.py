@@ -485,3 +485,34 @@ def test_an_upstream_bundle_without_certificates_is_a_config_error(tmp_path, ca_
     with pytest.raises(ConfigError, match="holds no usable CA certificate") as caught:
         Inspector.from_config(config.inspect)
     assert caught.value.path == str(bundle)
+
+
+def test_the_filters_ca_directory_swaps_whole_pairs(tmp_path):
+    directory = pki.CaDirectory(tmp_path / "ca")
+    assert directory.ensure() and not directory.ensure()  # made once, then kept
+    first = directory.cert.read_bytes()
+    Authority.load(str(directory.cert), str(directory.key))
+    # a rotation cut short before `current` moved: a generation nobody points at
+    (tmp_path / "ca" / "ca-interrupted").mkdir()
+    (tmp_path / "ca" / "ca-interrupted" / pki.INTERCEPT_FILES[1]).write_bytes(b"partial")
+    assert not directory.ensure() and directory.cert.read_bytes() == first
+    directory.rotate()
+    assert directory.cert.read_bytes() != first
+    Authority.load(str(directory.cert), str(directory.key))  # a matching pair
+    left = sorted(p.name for p in (tmp_path / "ca").iterdir())
+    assert len(left) == 2 and pki.CURRENT in left  # the generation in use, and its link
+    assert (tmp_path / "ca").stat().st_mode & 0o777 == 0o700
+    assert directory.key.stat().st_mode & 0o777 == 0o600
+
+
+def test_ca_dir_and_ca_files_are_one_or_the_other(tmp_path):
+    from appliance.filter.config import parse_config
+    from appliance.policy import ConfigError
+
+    cert, key = write_ca(tmp_path)
+    base = '[dns]\nlisten = []\n[proxy]\nlisten = []\n'
+    with pytest.raises(ConfigError, match=r"ca_dir.*not both"):
+        parse_config(base + f'[inspect]\nca_dir = "{tmp_path}/d"\nca_cert = "{cert}"\n'
+                     f'ca_key = "{key}"\n', "filter.toml")
+    config = parse_config(base + f'[inspect]\nca_dir = "{tmp_path}/d"\n', "filter.toml")
+    assert config.inspect.enabled and not (tmp_path / "d").exists()  # made at start only
