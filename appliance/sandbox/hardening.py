@@ -6,12 +6,15 @@ corral's seccomp profile (no namespaces, mounts, keyrings, bpf, perf, userfaultf
 seccomp.py), an init as PID 1 that the agent cannot trace (confinement.py), ICMP echo
 sockets for the sandbox's groups (so that a ping meets the firewall rather than a missing
 capability), memory/pids/cpu limits, no host socket, proxy settings for every tool that
-reads its own, and DNS pointed at the session's filter.
+reads its own, trust in the appliance's CAs and its interception CA (trust.py), and DNS
+pointed at the session's filter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from . import trust
 
 # Each tool reads its own spelling (curl/pip/requests: both cases; npm: npm_config_*;
 # git: http.proxy via GIT_CONFIG_*; Java: JAVA_TOOL_OPTIONS).
@@ -45,6 +48,9 @@ class Sandbox:
     """Container ID 0 maps to this host ID; USERNS_SIZE IDs are mapped."""
     volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(source, target) pairs: the home volume and the workspace."""
+    trust: str | None = None
+    """The session's trust directory (trust.py), mounted read-only at trust.TRUST_DIR;
+    every client stack is pointed at it."""
     workdir: str = "/work"
 
 
@@ -90,8 +96,14 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
         args += ["--network", s.network]
         if s.gateway:
             args += ["--dns", s.gateway]
-            for key, value in proxy_environment(s.gateway, s.proxy_port).items():
+            environment = proxy_environment(s.gateway, s.proxy_port)
+            if s.trust is not None:
+                environment.update(trust.environment())
+                environment["JAVA_TOOL_OPTIONS"] += " " + trust.java_options()
+            for key, value in environment.items():
                 args += ["--env", f"{key}={value}"]
+    if s.trust is not None:
+        args += ["--volume", f"{s.trust}:{trust.TRUST_DIR}:ro"]
     for source, target in s.volumes:
         args += ["--volume", f"{source}:{target}:rw"]
     return [*args, s.image, *command]

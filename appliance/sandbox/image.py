@@ -43,7 +43,8 @@ CONTAINERFILE = """\
 FROM {base}
 COPY corral-selftest /usr/local/bin/corral-selftest
 RUN chmod 0755 /usr/local/bin/corral-selftest \\
- && mkdir -p /work /home/agent && chmod 1777 /work /home/agent
+ && mkdir -p /work /home/agent /etc/corral/trust && chmod 1777 /work /home/agent \\
+ && ln -sf /etc/corral/trust/ca-bundle.crt /etc/ssl/certs/ca-certificates.crt
 LABEL io.corral.image="sandbox" io.corral.version="{version}" \\
       io.corral.packages="{packages}" io.corral.layer="{digest}"
 WORKDIR /work

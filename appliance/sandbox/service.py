@@ -18,6 +18,7 @@ filter's control socket. A request may carry a payload (a project archive): its 
   {"op": "fold", "name": N, "changes": [CHANGE]}       what the host applied
   {"op": "selftest", "name": N, "options": {...}}      the battery inside the session, its
                                                        denials checked against the records
+  {"op": "trust-refresh"}                              every running session's trust anew
   {"op": "stop-all"}                                   before the firewall goes away
 """
 
@@ -159,12 +160,14 @@ class Sessions:
                                        [workspace.from_json(c) for c in changes])
                 return {"folded": len(changes) - len(refused), "refused": [
                     {**workspace.wire_path(r.path), "reason": r.reason} for r in refused]}
+            if op == "trust-refresh":
+                return {"refreshed": manager.refresh_trust()}
             if op == "stop-all":
                 stopped = [manager.stop(r.name, reason="appliance going down").name
                            for r in manager.records() if r.state == "running"]
                 return {"stopped": stopped}
         raise RequestError(f"unknown op {op!r}; expected status, list, create, stop, remove, "
-                           "diff, changes, fold, selftest, stop-all")
+                           "diff, changes, fold, selftest, trust-refresh, stop-all")
 
     def _changes(self, op: str, name: str, paths: list[str]) -> dict:
         """`diff`: what a person reads (every byte escaped for a terminal) and the changes

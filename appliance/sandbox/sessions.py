@@ -26,7 +26,7 @@ from appliance import workspace
 from appliance.atomic import write_atomic
 from appliance.filter.config import SESSION_NAME
 
-from . import confinement, hardening
+from . import confinement, hardening, trust
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
@@ -148,6 +148,27 @@ class SessionManager:
     def home(self, project: str) -> Path:
         return self.homes / project
 
+    def trust(self, name: str) -> Path:
+        """Write the session's trust directory (the appliance's CAs and the filter's
+        interception CA, as the filter has it now); returns its path."""
+        answer = self.control({"op": "inspect-ca"})
+        if not answer.get("ok"):
+            raise SessionError(f"cannot ask the filter for its CA: {answer.get('error')}")
+        directory = self.workspaces / name / "trust"
+        trust.write(directory, (answer.get("ca") or {}).get("pem"))
+        return directory
+
+    def refresh_trust(self) -> list[str]:
+        """Every running session's trust directory anew (after the filter's CA changed):
+        the files are replaced in the mounted directory, so the session sees them at once.
+        Returns the sessions refreshed."""
+        done = []
+        for record in self.records():
+            if record.state == "running":
+                self.trust(record.name)
+                done.append(record.name)
+        return done
+
     def _policy_files(self, name: str, project_files: list[str], presets: list[str],
                       project: Path | None) -> list[str]:
         """The session's own layers: the given files, the project's corral.toml (copied out
@@ -215,6 +236,7 @@ class SessionManager:
                 volumes = (*volumes, (str(home), "/home/agent"))
             files = self._policy_files(name, list(project_files), list(presets),
                                        Path(project) if project is not None else None)
+            trusted = self.trust(name)
             answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
                                    "gateway": gateway, "files": files})
             if not answer.get("ok"):
@@ -223,7 +245,8 @@ class SessionManager:
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
                                      gateway=gateway, seccomp_profile=str(confined.profile),
                                      init=str(confined.init), uid=uid, gid=gid,
-                                     proxy_port=self.proxy_port, volumes=volumes)
+                                     proxy_port=self.proxy_port, volumes=volumes,
+                                     trust=str(trusted))
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))
