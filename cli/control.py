@@ -221,8 +221,44 @@ def cmd_status(args) -> int:
         sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
 
 
+def cmd_certs_interception(args) -> int:
+    """The filter's interception CA: what sessions trust for the hosts it inspects."""
+    answer = client_for(args).request("GET", "/certs/interception")
+    ca = answer.get("ca")
+    if args.json:
+        output.data(answer)
+    elif ca is None:
+        output.line("inspection is off: the filter has no interception CA (set [inspect] "
+                    "ca_dir in its config, as the roles do)")
+    elif args.pem:
+        sys.stdout.write(ca["pem"])
+    else:
+        _show_ca(ca)
+    return exitcodes.OK
+
+
+def _show_ca(ca: dict) -> None:
+    output.line(f"interception CA  {ca['subject']}\n"
+                f"sha256           {ca['sha256']}\n"
+                f"valid            {ca['not_before']} to {ca['not_after']}\n"
+                "rotate           " + ("`corral certs rotate --interception`" if ca["rotatable"]
+                                       else "given as files ([inspect] ca_cert): by hand"))
+
+
 def cmd_certs_rotate(args) -> int:
-    """A new CA, server and client certificate; the old client certificate stops working."""
+    """A new CA, server and client certificate; the old client certificate stops working.
+    With --interception: a new interception CA instead, trusted by every running session."""
+    if args.interception:
+        answer = client_for(args).request("POST", "/certs/interception/rotate", {})
+        if args.json:
+            output.data(answer)
+            return exitcodes.OK
+        _show_ca(answer["ca"])
+        sessions = answer["sessions"]
+        output.line(f"rotated: the filter signs with the new CA now (was {answer['previous']})"
+                    f"; {len(sessions)} running session(s) trust it: "
+                    f"{', '.join(sessions) or 'none'}")
+        return exitcodes.OK
     appliance = load_appliance(args.appliance)
     if appliance.server_dir is None:
         raise CliError(f"appliance {appliance.name} does not run on this host",

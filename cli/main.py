@@ -244,12 +244,29 @@ def parser() -> argparse.ArgumentParser:
                            help="only build the image, do not add the box to vagrant")
     box_build.set_defaults(run=box.cmd_build)
 
-    certs = sub.add_parser("certs", help="the control plane's certificates")
+    certs = sub.add_parser("certs", help="the control plane's certificates, and the "
+                           "interception CA")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")
-    rotate = certs_sub.add_parser("rotate", help="issue a new CA and certificates; the old "
-                                  "client certificate stops working")
+    rotate = certs_sub.add_parser(
+        "rotate", help="issue a new CA and certificates; the old client certificate stops "
+        "working (--interception: a new interception CA instead)",
+        description="Without options: a new control-plane CA, server and client certificate "
+        "for an appliance on this host; the old client certificate stops working. With "
+        "--interception: the filter makes a new interception CA and signs inspected hosts' "
+        "certificates with it at once; every running session is given it to trust.")
     rotate.add_argument("--appliance", default="default", metavar="NAME")
+    rotate.add_argument("--interception", action="store_true",
+                        help="rotate the interception CA (any appliance, through its API)")
+    rotate.add_argument("--json", action="store_true", help="machine-readable output")
     rotate.set_defaults(run=control.cmd_certs_rotate)
+    shown = certs_sub.add_parser(
+        "interception", help="the interception CA sessions trust for inspected hosts",
+        description="The filter's interception CA: subject, SHA-256 fingerprint, validity; "
+        "--pem prints the certificate (to trust it outside a session).")
+    shown.add_argument("--appliance", default="default", metavar="NAME")
+    shown.add_argument("--pem", action="store_true", help="print the certificate (PEM)")
+    shown.add_argument("--json", action="store_true", help="machine-readable output")
+    shown.set_defaults(run=control.cmd_certs_interception)
     return top
 
 

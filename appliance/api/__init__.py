@@ -34,9 +34,9 @@ def create_app(config: ApiConfig) -> Flask:
         config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
         else None
 
-    from . import audit, events, policy, sessions, status
+    from . import audit, certs, events, policy, sessions, status
 
-    for module in (policy, events, audit, sessions, status):
+    for module in (policy, events, audit, sessions, status, certs):
         app.register_blueprint(module.blueprint, url_prefix="/v1")
 
     @app.errorhandler(ApiError)

@@ -208,3 +208,13 @@ def test_audit_verify_names_the_file_and_line_of_a_break(home, corral_filter):
     broken = corral(home, "audit", "--verify")
     assert broken.returncode == 5, broken.stdout + broken.stderr
     assert "audit log broken at audit.jsonl line 2: seq 0 follows 1" in broken.stderr
+
+
+def test_the_interception_ca_commands_say_when_inspection_is_off(home):
+    # this tier's filter has no [inspect] section (the e2e tier runs one that has)
+    shown = corral(home, "certs", "interception")
+    assert shown.returncode == 0, shown.stderr
+    assert "inspection is off" in shown.stdout and "ca_dir" in shown.stdout
+    assert json.loads(corral(home, "certs", "interception", "--json").stdout) == {"ca": None}
+    rotated = corral(home, "certs", "rotate", "--interception")
+    assert rotated.returncode == 1 and "inspection is off" in rotated.stderr
