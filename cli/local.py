@@ -72,6 +72,7 @@ def values(state: Path, *, dns_listen: str = "0.0.0.0:53", api_listen: str = "12
         "corral_filter_upstream": list(upstream or []),
         "corral_filter_resolv_conf": str(resolv_conf()),
         "corral_filter_state_dir": str(state / "filter"),
+        "corral_filter_inspect_ca_dir": str(state / "filter" / "intercept"),
         "corral_filter_control_socket": str(state / "run" / "filter.sock"),
         "corral_sandbox_control_socket": str(state / "run" / "sandbox.sock"),
         "corral_sandbox_state_dir": str(state / "sandbox"),

@@ -153,7 +153,10 @@ def test_the_integration_harness_config_loads(tmp_path):
 def test_the_e2e_harness_config_loads(tmp_path):
     from tests.e2e.conftest import World
 
-    config = load_filter(str(World(tmp_path).config))
+    world = World(tmp_path)
+    (tmp_path / "ca.pem").write_text("")  # the fake internet writes its CA before the filter
+    config = load_filter(str(world.config))
+    assert config.inspect.ca_dir == f"{tmp_path}/state/intercept"
     assert config.firewall.manage and config.firewall.interfaces == ("corral*", "podman*")
     assert [str(s.gateway) for s in config.sessions] == ["10.213.1.1", "10.213.2.1"]
 

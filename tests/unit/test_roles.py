@@ -149,6 +149,8 @@ DIFFER_ON_PURPOSE = {
                                    "interface, which Vagrant forwards to the host's loopback",
     ("api.toml", "api", "pidfile"): "code: none unless asked; the role: in the unit's "
                                     "RuntimeDirectory, which only systemd creates",
+    ("filter.toml", "inspect", "ca_dir"): "code: inspection off unless a CA is given; the "
+                                          "role: the filter's own CA in its state directory",
 }
 """Where a role default and its code default differ, and why (safe without the role)."""
 
