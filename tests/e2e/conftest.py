@@ -70,6 +70,9 @@ listen = ["0.0.0.0:3128"]
 transparent_http = ["0.0.0.0:3129"]
 transparent_tls = ["0.0.0.0:3130"]
 header_timeout = 5
+[inspect]                        # hosts a session's policy names in [[inspect]]
+ca_dir = "{directory}/state/intercept"
+upstream_ca = "{directory}/ca.pem"   # the fake internet's CA (written before the filter starts)
 [state]
 dir = "{directory}/state"
 [control]

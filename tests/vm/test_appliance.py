@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -70,6 +71,48 @@ def test_the_cli_reaches_the_forwarded_api(provisioned):
     status = json.loads(result.stdout)
     assert status["filter"]["healthy"] and status["firewall"]["loaded"], status
     assert status["sandbox"]["healthy"] and status["sandbox"]["image_present"], status
+
+
+INSPECTED_PROJECT = """
+[http]
+allow = ["deb.debian.org"]
+
+[[inspect]]
+host = "deb.debian.org"
+deny = ["* /forbidden/**"]
+"""
+
+
+def test_an_inspected_flow_in_a_real_session_inside_the_appliance(provisioned, tmp_path):
+    """The filter's own interception CA (made when the playbooks started it), a session
+    that trusts it without being told, a request to the real deb.debian.org judged inside
+    the TLS and verified upstream against the appliance's trust store, and a request the
+    project's rules deny answered by the filter."""
+    vm, config_home, _ = provisioned
+    env = {"XDG_CONFIG_HOME": str(config_home), "PATH": "/usr/bin:/bin"}
+    corral = [str(BIN / "corral")]
+    (tmp_path / "corral.toml").write_text(INSPECTED_PROJECT)
+    started = timed("corral run (inspected)", [*corral, "run", "--appliance", "vmtest",
+                                               "--project", str(tmp_path), "--name",
+                                               "inspected", "--detach"], 600, env=env)
+    assert started.returncode == 0, started.stderr
+    try:
+        script = ("curl -sS -o /dev/null -w 'allowed %{http_code}\\n' "
+                  "https://deb.debian.org/debian/dists/bookworm/Release; "
+                  "curl -sS -o /dev/null -w 'denied %{http_code}\\n' "
+                  "https://deb.debian.org/forbidden/x; "
+                  "curl -sS -v -o /dev/null https://deb.debian.org/debian/ 2>&1 | grep issuer:")
+        result = vm.ssh("sudo env CONTAINERS_CONF=/etc/corral/containers.conf podman exec "
+                        f"corral-inspected sh -c {shlex.quote(script)}; sudo stat -c '%a %U' "
+                        "/var/lib/corral-filter/intercept "
+                        "/var/lib/corral-filter/intercept/current/intercept-ca.key", 300)
+        out = result.stdout
+        assert "allowed 200" in out and "denied 403" in out, out + result.stderr
+        assert "CN=corral interception CA" in out, out
+        assert "700 corral-filter\n600 corral-filter" in out, out
+    finally:
+        timed("corral rm (inspected)", [*corral, "rm", "--appliance", "vmtest", "inspected"],
+              300, env=env)
 
 
 def test_the_boot_ruleset_is_loaded_before_networking(provisioned):
