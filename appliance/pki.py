@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
@@ -29,6 +30,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance.atomic import fsync_dir
 from appliance.policy import normalise_name
+
+log = logging.getLogger(__name__)
 
 VALIDITY = datetime.timedelta(days=825)
 SERVER_FILES = ("ca.crt", "server.crt", "server.key")
@@ -180,11 +183,22 @@ class CaDirectory:
         os.symlink(generation.name, link)
         os.replace(link, self.path / CURRENT)
         fsync_dir(self.path)
+        self._clean(keep=generation.name)
+
+    def _clean(self, keep: str) -> None:
+        """Older generations (their keys with them) and links a crash left: only what
+        `rotate` makes. The new CA is in use already: a leftover is logged, never raised."""
         for old in self.path.iterdir():
-            if old.is_dir() and not old.is_symlink() and old.name != generation.name:
-                for child in old.iterdir():
-                    child.unlink()
-                old.rmdir()
+            try:
+                if old.name.startswith(f".{CURRENT}.") and old.is_symlink():
+                    old.unlink()
+                elif (old.name.startswith("ca-") and old.name != keep and old.is_dir()
+                      and not old.is_symlink()):
+                    for child in old.iterdir():
+                        child.unlink()
+                    old.rmdir()
+            except OSError as exc:
+                log.warning("pki: could not remove %s: %s", old, exc)
 
 
 def _write(directory: Path, files: dict[str, bytes]) -> None:

@@ -223,7 +223,18 @@ def cmd_status(args) -> int:
 
 def cmd_certs_interception(args) -> int:
     """The filter's interception CA: what sessions trust for the hosts it inspects."""
-    answer = client_for(args).request("GET", "/certs/interception")
+    client = client_for(args)
+    if args.refresh:
+        answer = client.request("POST", "/certs/interception/refresh", {})
+        if args.json:
+            output.data(answer)
+        elif answer["sessions"] is not None:
+            output.line(f"given the CA again: {', '.join(answer['sessions']) or 'no session'}")
+        if answer["failed"]:
+            raise CliError("not given the CA: " + "; ".join(
+                f"{name}: {why}" for name, why in answer["failed"].items()))
+        return exitcodes.OK
+    answer = client.request("GET", "/certs/interception")
     ca = answer.get("ca")
     if args.json:
         output.data(answer)
@@ -240,7 +251,8 @@ def cmd_certs_interception(args) -> int:
 def _show_ca(ca: dict) -> None:
     output.line(f"interception CA  {ca['subject']}\n"
                 f"sha256           {ca['sha256']}\n"
-                f"valid            {ca['not_before']} to {ca['not_after']}\n"
+                f"valid            {ca['not_before']} to {ca['not_after']} "
+                f"({ca['days_left']} days left)\n"
                 "rotate           " + ("`corral certs rotate --interception`" if ca["rotatable"]
                                        else "given as files ([inspect] ca_cert): by hand"))
 
@@ -256,8 +268,14 @@ def cmd_certs_rotate(args) -> int:
         _show_ca(answer["ca"])
         sessions = answer["sessions"]
         output.line(f"rotated: the filter signs with the new CA now (was {answer['previous']})"
-                    f"; {len(sessions)} running session(s) trust it: "
-                    f"{', '.join(sessions) or 'none'}")
+                    + ("" if sessions is None else f"; {len(sessions)} running session(s) "
+                       f"given it: {', '.join(sessions) or 'none'}") + ". Processes started "
+                    "before in a session (a running node, a JVM) keep the old one: restart "
+                    "them")
+        if answer["failed"]:
+            raise CliError("not given the new CA: " + "; ".join(
+                f"{name}: {why}" for name, why in answer["failed"].items()),
+                "fix that, then `corral certs interception --refresh`")
         return exitcodes.OK
     appliance = load_appliance(args.appliance)
     if appliance.server_dir is None:

@@ -21,7 +21,7 @@ from appliance.policy import (
     preset_names,
 )
 
-from . import box, control, exitcodes, local, output, sessions, vm
+from . import box, control, exitcodes, local, output, secrets, sessions, vm
 from .client import CliError, load_appliance
 
 
@@ -186,6 +186,38 @@ def parser() -> argparse.ArgumentParser:
                           choices=["network", "kernel", "review"],
                           help="leave out a group of probes: network, kernel, review "
                           "(repeatable; the result says so)")
+    secret = sub.add_parser(
+        "secret", help="secrets the appliance holds for sessions (they get placeholders)",
+        description="A secret's value stays on the appliance: a session is given a "
+        "placeholder in the variable NAME, and the filter puts the value in place of it on "
+        "requests to the secret's hosts (their TLS ended by the filter), in the form given.")
+    secret_sub = secret.add_subparsers(dest="secret_command", required=True, metavar="COMMAND")
+
+    def secret_command(name, help, run):
+        command = secret_sub.add_parser(name, help=help, description=help)
+        command.add_argument("--appliance", default="default", metavar="NAME",
+                             help="which appliance (default: %(default)s)")
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        command.set_defaults(run=run)
+        return command
+
+    store = secret_command("set", "store a secret; its value is read from standard input",
+                           secrets.cmd_set)
+    store.add_argument("name", metavar="NAME", help="the variable sessions find its "
+                       "placeholder in, e.g. ANTHROPIC_API_KEY")
+    store.add_argument("--host", action="append", metavar="H",
+                       help="a host it may go to (repeatable; *.example.com for subdomains)")
+    form = store.add_mutually_exclusive_group()
+    form.add_argument("--bearer", action="store_true",
+                      help="sent as `Authorization: Bearer VALUE` (the default)")
+    form.add_argument("--header", metavar="FIELD", help="sent as `FIELD: VALUE`, e.g. x-api-key")
+    form.add_argument("--basic", metavar="USER", help="sent as basic auth USER:VALUE (git "
+                      "over HTTPS)")
+    secret_command("ls", "the secrets: name, hosts and how each is sent (never values)",
+                   secrets.cmd_ls)
+    forget = secret_command("rm", "remove a secret", secrets.cmd_rm)
+    forget.add_argument("name", metavar="NAME")
+
     image = sub.add_parser("image", help="the sandbox image")
     image_sub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
     build = image_sub.add_parser("build", help="build the sandbox image on the appliance "
@@ -265,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
         "--pem prints the certificate (to trust it outside a session).")
     shown.add_argument("--appliance", default="default", metavar="NAME")
     shown.add_argument("--pem", action="store_true", help="print the certificate (PEM)")
+    shown.add_argument("--refresh", action="store_true", help="give every running session "
+                       "the CA again (after a rotation that could not reach one)")
     shown.add_argument("--json", action="store_true", help="machine-readable output")
     shown.set_defaults(run=control.cmd_certs_interception)
     return top

@@ -34,9 +34,9 @@ def create_app(config: ApiConfig) -> Flask:
         config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
         else None
 
-    from . import audit, certs, events, policy, sessions, status
+    from . import audit, certs, events, policy, secrets, sessions, status
 
-    for module in (policy, events, audit, sessions, status, certs):
+    for module in (policy, events, audit, sessions, status, certs, secrets):
         app.register_blueprint(module.blueprint, url_prefix="/v1")
 
     @app.errorhandler(ApiError)

@@ -6,7 +6,7 @@ from flask import current_app, request
 
 from . import ApiError
 
-VERDICTS = ("allow", "deny", "error")
+VERDICTS = ("allow", "deny", "error", "change")
 
 
 def body(required: dict[str, type], optional: dict[str, type] | None = None) -> dict:
@@ -57,5 +57,5 @@ def call(message: dict, service: str = "filter", **options) -> dict:
     answer = client.request(message, **options)
     if not answer.pop("ok", False):
         error = answer.get("error", "the filter refused the request")
-        raise ApiError(404 if error.startswith("no session") else 400, error)
+        raise ApiError(404 if error.startswith(("no session", "no secret")) else 400, error)
     return answer

@@ -417,8 +417,15 @@ def parse_config(text: str, path: str) -> FilterConfig:
         except SessionError as exc:
             failer("session", exc.key)(str(exc), exc.value)
 
-    return read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
-                sessions=tuple(sessions), firewall=firewall, inspect=inspect)
+    config = read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
+                  sessions=tuple(sessions), firewall=firewall, inspect=inspect)
+    if inspect.ca_dir is not None:
+        ca_dir, state_dir = Path(inspect.ca_dir), Path(config.state_dir)
+        if not ca_dir.is_absolute() or ca_dir == state_dir or ca_dir in state_dir.parents:
+            failer("inspect", "ca_dir")(f"{inspect.ca_dir} must be an absolute directory of "
+                                        "its own (a rotation clears old CAs out of it), not "
+                                        "the state directory or one above it")
+    return config
 
 
 class SessionError(ValueError):

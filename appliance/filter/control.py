@@ -19,6 +19,10 @@ the client hangs up. Requests:
   {"op": "audit-verify"}
   {"op": "inspect-ca"}                                the interception CA's certificate, or null
   {"op": "inspect-rotate"}                            a new interception CA, in use at once
+  {"op": "secret-set", "name": N, "value": V, "hosts": [H], "scheme": S?, "header": F?,
+   "user": U?}                                       store a secret (answers never hold values)
+  {"op": "secret-list"}       {"op": "secret-remove", "name": N}
+  {"op": "secret-environment", "session": S}         the session's placeholders, by variable
 
 The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
 waits on a disk or on nftables on it: audit pages and the firewall check run on the
@@ -41,8 +45,9 @@ from pathlib import Path
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
 
-from . import audit
+from . import audit, secrets
 from .config import SessionError
+from .proxy.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +107,8 @@ def _prepare(socket_path: Path) -> None:
     socket_path.unlink(missing_ok=True)
 
 
-BAD_REQUEST = (ControlError, RuleError, ConfigError, SessionError, LookupError)
+BAD_REQUEST = (ControlError, RuleError, ConfigError, SessionError, LookupError,
+               secrets.SecretError)
 """What a request can be refused with: its message says what is wrong with it."""
 
 
@@ -135,7 +141,8 @@ class ControlServer:
     def __init__(self, service):
         self.service = service  # the running Service: store, bus, audit, listeners, workers
         self._audit_readers = asyncio.Semaphore(AUDIT_READERS)
-        self._rotating = asyncio.Lock()
+        self._writing = asyncio.Lock()
+        """One change of the CA or the secrets file at a time."""
 
     async def start(self, path: str, group: str | None = None) -> asyncio.AbstractServer:
         """Listen on `path`: 0600, or 0660 owned by `group` (the admin API's user)."""
@@ -297,7 +304,7 @@ class ControlServer:
         if inspector is None:
             raise ControlError("inspection is off (no [inspect] ca_dir in the filter's "
                                "config): there is no CA to rotate")
-        async with self._rotating:  # one new CA at a time: each removes the ones before it
+        async with self._writing:  # each new CA removes the ones before it
             old = inspector.describe()["sha256"]
             inspector.use(await self.service.off_loop(inspector.renewed))
         ca = inspector.describe()
@@ -308,6 +315,45 @@ class ControlServer:
             "reason": f"new interception CA {ca['sha256']} (was {old}), valid until "
                       f"{ca['not_after']}"})
         return {"ok": True, "ca": ca, "previous": old}
+
+    @handles("secret-set")
+    async def _secret_set(self, request: dict) -> dict:
+        secret = secrets.parse(request)
+        async with self._writing:
+            new = await self.service.off_loop(self.service.secrets.set, secret)
+        self._secrets_changed(f"secret {secret.name} {'set' if new else 'replaced'}: bound to "
+                              f"{', '.join(secret.hosts)} ({secret.scheme})")
+        return {"ok": True, "secret": secret.describe(), "added": new}
+
+    @handles("secret-list")
+    async def _secret_list(self, request: dict) -> dict:
+        return {"ok": True, "secrets": [s.describe() for _, s in
+                                        sorted(self.service.secrets.secrets.items())]}
+
+    @handles("secret-remove")
+    async def _secret_remove(self, request: dict) -> dict:
+        name = _field(request, "name")
+        async with self._writing:
+            secret = await self.service.off_loop(self.service.secrets.remove, name)
+        self._secrets_changed(f"secret {name} removed: it goes to "
+                              f"{', '.join(secret.hosts)} no more")
+        return {"ok": True, "secret": secret.describe()}
+
+    @handles("secret-environment")
+    async def _secret_environment(self, request: dict) -> dict:
+        session = _field(request, "session")
+        if session not in self.service.store.sessions:
+            raise LookupError(f"no session {session!r}")
+        return {"ok": True, "environment": self.service.proxy.credentials.environment(session)}
+
+    def _secrets_changed(self, reason: str) -> None:
+        store = self.service.secrets
+        self.service.proxy.credentials = Credentials(store.key, store.secrets)
+        log.info("control: %s", reason)
+        self.service.bus.emit({
+            "session": None, "client": None, "kind": "secret", "name": None, "port": None,
+            "address": None, "verdict": "change", "rule": None, "layer": None,
+            "reason": reason})
 
     async def _stream(self, subscription, writer: asyncio.StreamWriter) -> None:
         try:

@@ -38,8 +38,10 @@ from .dns import DnsFilter, UdpServer, serve_tcp
 from .events import EventBus
 from .limits import Budget, raise_limit
 from .proxy import Proxy
+from .proxy.credentials import Credentials
 from .proxy.inspect import Inspector
 from .resolver import Resolver
+from .secrets import SecretStore
 from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
@@ -118,8 +120,23 @@ class Service:
         it no longer allows (`_revoke`)."""
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
                              config.firewall.learn_ttl_min, config.dns)
+        self.secrets = SecretStore.load(config.state_dir)
+        self.inspect_error: str | None = None
+        """Why the filter's own CA (`ca_dir`) could not be had: it runs without inspection
+        then (inspected hosts denied, everything else as ever) rather than not at all."""
+        try:
+            inspector = Inspector.from_config(config.inspect)
+        except ConfigError as exc:
+            if config.inspect.ca_dir is None:
+                raise  # a CA given by hand is the operator's to fix: the filter says so
+            log.error("inspect: no interception CA, inspected hosts are denied: %s", exc)
+            inspector, self.inspect_error = None, str(exc)
+        if inspector is not None and inspector.days_left() < 30:
+            log.warning("inspect: the interception CA expires in %d days: `corral certs "
+                        "rotate --interception`", inspector.days_left())
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
-                           self.dns.exfil, Inspector.from_config(config.inspect))
+                           self.dns.exfil, inspector,
+                           Credentials(self.secrets.key, self.secrets.secrets))
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
@@ -157,7 +174,9 @@ class Service:
                           for name, count in self.proxy.flows.connections.held.items()}},
             "descriptors": self.budget.to_json(self._fds_seen),
             "tunnels": dict(relay.STATS),
-            "inspect": self.proxy.inspector.status() if self.proxy.inspector else None,
+            "inspect": self.proxy.inspector.status() if self.proxy.inspector else (
+                {"error": self.inspect_error} if self.inspect_error else None),
+            "secrets": len(self.secrets.secrets),
             "resolver": {**self.resolver.stats, "cache_entries": len(self.resolver.cache),
                          "cache_evicted": self.resolver.cache.evicted},
             "dns": self.dns.stats(),

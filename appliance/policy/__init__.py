@@ -21,7 +21,15 @@ from .layers import (
     preset_names,
     preset_rules,
 )
-from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
+from .names import (
+    PLACEHOLDER_MARK,
+    Host,
+    HostNameError,
+    normalise_name,
+    parse_address,
+    parse_host,
+    split_host_port,
+)
 from .patterns import PatternError, RequestSpec
 from .ranges import blocked_range
 from .rules import KINDS, LAYERS, PortSpec, Rule, RuleError
@@ -31,6 +39,7 @@ __all__ = [
     "HOST_NAME",
     "KINDS",
     "LAYERS",
+    "PLACEHOLDER_MARK",
     "ConfigError",
     "Decision",
     "Host",

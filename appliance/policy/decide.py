@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from .decision import Decision
 from .inspection import Inspection, Inspections
-from .names import Host, IPAddress, parse_address, unmap
+from .names import PLACEHOLDER_MARK, Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
 from .rules import LAYERS, Rule
 
@@ -147,6 +147,8 @@ class Policy:
         return decision
 
     def _decide_dns(self, host: Host) -> Decision:
+        if host.name is not None and PLACEHOLDER_MARK in host.name:
+            return _placeholder(host)
         deny = self.denied_by(host)
         if deny is not None:
             return _denied_by_rule(host, deny)
@@ -226,6 +228,8 @@ class Policy:
         return decision
 
     def _judge_port(self, index, host: Host, port: int, kind: str) -> Decision:
+        if host.name is not None and PLACEHOLDER_MARK in host.name:
+            return _placeholder(host)
         deny = self.denied_by(host)
         if deny is not None:
             return _denied_by_rule(host, deny)
@@ -248,6 +252,12 @@ class Policy:
 
     def to_json(self) -> list[dict]:
         return [rule.to_json() for rule in self.rules]
+
+
+def _placeholder(host: Host) -> Decision:
+    """No rule opens a name that carries a secret's placeholder: that is a way out for it."""
+    return Decision(False, f"{str(host)[:80]} carries a corral secret placeholder: a "
+                    "placeholder goes only to its secret's hosts, in its header")
 
 
 def _denied_by_rule(host: Host, rule: Rule) -> Decision:

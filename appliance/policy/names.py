@@ -27,6 +27,11 @@ class HostNameError(ValueError):
     """A host name or address that cannot be used; the message says why."""
 
 
+PLACEHOLDER_MARK = "corral-secret-"
+"""What every secret placeholder begins with (the filter's credentials): a name that carries
+one is never resolved or reached, whatever the policy says."""
+
+
 @dataclass(frozen=True, slots=True)
 class Host:
     """A normalised host: exactly one of `name` or `address` is set."""

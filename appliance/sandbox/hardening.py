@@ -48,6 +48,8 @@ class Sandbox:
     """Container ID 0 maps to this host ID; USERNS_SIZE IDs are mapped."""
     volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(source, target) pairs: the home volume and the workspace."""
+    secrets: tuple[tuple[str, str], ...] = ()
+    """(variable, placeholder) for each secret the filter holds: never a value."""
     trust: str | None = None
     """The session's trust directory (trust.py), mounted read-only at trust.TRUST_DIR;
     every client stack is pointed at it."""
@@ -100,6 +102,8 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
             if s.trust is not None:
                 environment.update(trust.environment())
                 environment["JAVA_TOOL_OPTIONS"] += " " + trust.java_options()
+            for key, value in s.secrets:  # never over a variable of the session's own
+                environment.setdefault(key, value)
             for key, value in environment.items():
                 args += ["--env", f"{key}={value}"]
     if s.trust is not None:

@@ -44,6 +44,7 @@ FROM {base}
 COPY corral-selftest /usr/local/bin/corral-selftest
 RUN chmod 0755 /usr/local/bin/corral-selftest \\
  && mkdir -p /work /home/agent /etc/corral/trust && chmod 1777 /work /home/agent \\
+ && cp /etc/ssl/certs/ca-certificates.crt /etc/corral/trust/ca-bundle.crt \\
  && ln -sf /etc/corral/trust/ca-bundle.crt /etc/ssl/certs/ca-certificates.crt
 LABEL io.corral.image="sandbox" io.corral.version="{version}" \\
       io.corral.packages="{packages}" io.corral.layer="{digest}"

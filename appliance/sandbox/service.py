@@ -161,7 +161,8 @@ class Sessions:
                 return {"folded": len(changes) - len(refused), "refused": [
                     {**workspace.wire_path(r.path), "reason": r.reason} for r in refused]}
             if op == "trust-refresh":
-                return {"refreshed": manager.refresh_trust()}
+                refreshed, failed = manager.refresh_trust()
+                return {"refreshed": refreshed, "failed": failed}
             if op == "stop-all":
                 stopped = [manager.stop(r.name, reason="appliance going down").name
                            for r in manager.records() if r.state == "running"]
@@ -362,6 +363,12 @@ def serve(config: SandboxConfig) -> int:
             log.info("reconcile: %s", line)
     except (SessionError, PodmanError, ServiceUnavailable) as exc:
         log.error("reconcile failed (sessions are listed as podman reports them): %s", exc)
+    try:  # the filter may have a new CA since (made at its start, rotated meanwhile)
+        refreshed, _ = manager.refresh_trust()  # each failure is logged by itself
+        if refreshed:
+            log.info("trust refreshed for %s", ", ".join(refreshed))
+    except ServiceUnavailable as exc:
+        log.error("trust not refreshed (the filter did not answer): %s", exc)
     server = Server(config.socket, config.group, Sessions(config, manager))
 
     def stop(signum, frame):

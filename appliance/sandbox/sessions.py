@@ -149,25 +149,50 @@ class SessionManager:
         return self.homes / project
 
     def trust(self, name: str) -> Path:
-        """Write the session's trust directory (the appliance's CAs and the filter's
+        """Write the session's trust directory (its image's bundle and the filter's
         interception CA, as the filter has it now); returns its path."""
         answer = self.control({"op": "inspect-ca"})
         if not answer.get("ok"):
             raise SessionError(f"cannot ask the filter for its CA: {answer.get('error')}")
         directory = self.workspaces / name / "trust"
-        trust.write(directory, (answer.get("ca") or {}).get("pem"))
+        trust.write(directory, (answer.get("ca") or {}).get("pem"), self.image_bundle())
         return directory
 
-    def refresh_trust(self) -> list[str]:
+    def image_bundle(self) -> bytes:
+        """What the session image trusts on its own (Debian's bundle, and any CA a team's
+        layer added), read from the image once and kept by its id."""
+        try:
+            image_id = self.podman.json("image", "inspect", self.image)[0]["Id"]
+        except (PodmanError, LookupError, TypeError) as exc:
+            raise SessionError(f"cannot inspect image {self.image}: {exc}") from None
+        kept = self.state_dir / "trust" / f"{image_id[:64]}.crt"
+        try:
+            return kept.read_bytes()
+        except FileNotFoundError:
+            pass
+        bundle = self.podman.run("run", "--rm", "--network", "none", "--entrypoint", "cat",
+                                 self.image, trust.SYSTEM_BUNDLE).stdout
+        if not trust.certificates(bundle):
+            raise SessionError(f"image {self.image} trusts no CA ({trust.SYSTEM_BUNDLE} holds "
+                               "no certificate): install ca-certificates in it")
+        write_atomic(kept, bundle, mode=0o644)
+        return bundle
+
+    def refresh_trust(self) -> tuple[list[str], dict[str, str]]:
         """Every running session's trust directory anew (after the filter's CA changed):
-        the files are replaced in the mounted directory, so the session sees them at once.
-        Returns the sessions refreshed."""
-        done = []
+        the files are replaced in the mounted directory, so the session's next processes
+        see them. Returns (refreshed, {session: why not}): one failure stops no other."""
+        done, failed = [], {}
         for record in self.records():
-            if record.state == "running":
+            if record.state != "running":
+                continue
+            try:
                 self.trust(record.name)
                 done.append(record.name)
-        return done
+            except (SessionError, PodmanError, OSError) as exc:
+                log.error("trust of session %s not refreshed: %s", record.name, exc)
+                failed[record.name] = str(exc)
+        return done, failed
 
     def _policy_files(self, name: str, project_files: list[str], presets: list[str],
                       project: Path | None) -> list[str]:
@@ -242,11 +267,16 @@ class SessionManager:
             if not answer.get("ok"):
                 raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
             undo.append(lambda: self.control({"op": "session-remove", "name": name}))
+            placeholders = self.control({"op": "secret-environment", "session": name})
+            if not placeholders.get("ok"):
+                raise SessionError(f"the filter gave no placeholders for session {name}: "
+                                   f"{placeholders.get('error')}")
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
                                      gateway=gateway, seccomp_profile=str(confined.profile),
                                      init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes,
-                                     trust=str(trusted))
+                                     trust=str(trusted), secrets=tuple(
+                                         placeholders["environment"].items()))
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))

@@ -2,17 +2,19 @@
 
 Each session gets a directory of its own, mounted read-only at TRUST_DIR:
 
-  ca-bundle.crt   the appliance's system bundle, then the interception CA (PEM)
+  ca-bundle.crt   the image's own system bundle, then the interception CA (PEM)
   cacerts.jks     the same certificates as a JKS trust store, for the JVM
 
-The image points the system bundle (/etc/ssl/certs/ca-certificates.crt) at TRUST_DIR's, and
-`environment()` points every client stack that reads its own setting there too, so curl,
-git, OpenSSL, Python (urllib, requests, pip), node and npm, Go and Java trust an inspected
-host's leaf certificate without the agent doing anything. Files are replaced by rename in a
-mounted directory, so `refresh` (after `corral certs rotate`) reaches running sessions.
+The image points the system bundle (/etc/ssl/certs/ca-certificates.crt) at TRUST_DIR's (and
+keeps a copy of Debian's there, under the mount, for what runs without it: a team's image
+build), and `environment()` points every client stack that reads its own setting there too,
+so curl, git, OpenSSL, Python (urllib, requests, pip), node and npm, Go and Java trust an
+inspected host's leaf certificate without the agent doing anything. Files are replaced by
+rename in a mounted directory, so a refresh (after `corral certs rotate --interception`)
+reaches running sessions: the processes started after it.
 
-The bundle is the appliance's, not the image's: both are Debian's ca-certificates, and an
-agent then trusts exactly what the filter verifies inspected upstreams against.
+The bundle starts from the image's (read once per image by the session manager), so a CA a
+team's image layer adds with update-ca-certificates is trusted as before.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from appliance.atomic import write_atomic
 TRUST_DIR = "/etc/corral/trust"
 """Where the directory is mounted inside a session."""
 BUNDLE, JKS = "ca-bundle.crt", "cacerts.jks"
-SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-"""The appliance's own (Debian's ca-certificates)."""
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+"""Debian's, in the image and on the appliance."""
 JKS_PASSWORD = "changeit"  # noqa: S105 - public by convention, guards no secret
 """The JDK's conventional trust store password: `keytool -list` checks the store's digest
 with it; the JVM reads a trust store without one (javax.net.ssl.trustStorePassword unset)."""
@@ -93,16 +95,12 @@ def jks(entries: list[tuple[str, bytes]], when: float | None = None) -> bytes:
     return bytes(out) + digest.digest()
 
 
-def write(directory: Path, ca_pem: str | None, system: Path = SYSTEM_BUNDLE) -> None:
-    """The session's trust directory: the system bundle plus `ca_pem` (None: inspection is
-    off, the bundle alone). Each file is replaced by rename; the directory and files are
-    readable by the sandbox's mapped user."""
+def write(directory: Path, ca_pem: str | None, base: bytes) -> None:
+    """The session's trust directory: the image's bundle `base` plus `ca_pem` (None:
+    inspection is off, the bundle alone). Each file is replaced by rename; the directory and
+    files are readable by the sandbox's mapped user."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o755)  # noqa: S103 - certificates, read by the sandbox's user
-    try:
-        base = system.read_bytes()
-    except OSError:  # a host without ca-certificates: the corral CA alone, still usable
-        base = b""
     bundle = base.rstrip(b"\n") + b"\n" if base.strip() else b""
     extra = ca_pem.encode() if ca_pem else b""
     if extra:

@@ -2,7 +2,9 @@
 project names a host of the fake internet in [[inspect]]. Every client stack in the image
 reaches it through the filter's TLS termination without being told anything, a request the
 rules deny gets the filter's 403 inside the TLS, a client that does not trust the corral CA
-fails closed, and `corral certs rotate --interception` reaches the running session."""
+fails closed, and `corral certs rotate --interception` reaches the running session. A
+secret stored with `corral secret set` reaches the host in place of the placeholder the
+session holds, and goes nowhere else."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ host = "allowed.test"
 deny = ["* /forbidden/**"]
 """
 SESSION = "i1"
+SECRET = "sk-e2e-0123456789abcdefSECRET"
 TLS_FAILURE = re.compile(r"ssl|certificate|verify|self.signed|unable to get", re.I)
 """How a client says it did not trust the certificate it was shown."""
 
@@ -39,9 +42,14 @@ def inspected(world, sandbox_image):
     project = world.dir / "inspect-project"
     project.mkdir(exist_ok=True)
     (project / "corral.toml").write_text(POLICY)
+    stored = world.corral("secret", "set", "API_TOKEN", "--appliance", APPLIANCE_NAME,
+                          "--host", "allowed.test", "--header", "x-api-key", input=SECRET + "\n")
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    assert SECRET not in stored.stdout + stored.stderr
     corral(world, "run", "--project", str(project), "--name", SESSION, "--detach")
     yield project
     corral(world, "rm", SESSION, check=False)
+    world.corral("secret", "rm", "API_TOKEN", "--appliance", APPLIANCE_NAME)
 
 
 def inside(world, script: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -200,3 +208,33 @@ def test_rotating_the_interception_ca_reaches_the_running_session(world, inspect
     assert stale.returncode == 60, stale.stdout + stale.stderr
     events = [e for e in world.events() if e.get("kind") == "certs"]
     assert events and rotated["ca"]["sha256"] in events[-1]["reason"]
+
+
+def test_the_session_holds_a_placeholder_and_the_host_gets_the_secret(world, inspected):
+    env = inside(world, "printenv API_TOKEN").stdout.strip()
+    assert env.startswith("corral-secret-api-token-") and SECRET not in env
+    sent = inside(world, 'curl -sS -H "x-api-key: $API_TOKEN" https://allowed.test/secret')
+    assert sent.returncode == 0, sent.stderr
+    # the fake origin echoes what it got: the value, which the session itself never had
+    assert origin_saw(sent.stdout, "/secret")["headers"]["x-api-key"] == SECRET
+    listed = world.corral("secret", "ls", "--appliance", APPLIANCE_NAME, "--json")
+    assert json.loads(listed.stdout)["secrets"][0]["hosts"] == ["allowed.test"]
+    assert SECRET not in listed.stdout
+
+
+def test_the_placeholder_goes_nowhere_else(world, inspected):
+    before = len(world.events())
+    query = inside(world, 'curl -sS -o /dev/null -w "%{http_code}" '
+                   '"https://allowed.test/q?key=$API_TOKEN"')
+    assert query.stdout.endswith("403"), query.stdout + query.stderr
+    header = inside(world, 'curl -sS -o /dev/null -w "%{http_code}" '
+                    '-H "Authorization: Bearer $API_TOKEN" https://allowed.test/wrong-form')
+    assert header.stdout.endswith("403"), header.stdout + header.stderr
+    name = inside(world, 'getent hosts "$API_TOKEN.allowed.test" || echo unresolved')
+    assert "unresolved" in name.stdout, name.stdout
+    events = world.events()[before:]
+    leaks = [e for e in events if e.get("kind") == "secret" and e["verdict"] == "deny"]
+    assert len(leaks) == 2 and {e["secret"] for e in leaks} == {"API_TOKEN"}, leaks
+    assert any("placeholder" in (e.get("reason") or "") and e.get("kind") == "dns"
+               for e in events), events[-5:]
+    assert SECRET not in json.dumps(world.events())

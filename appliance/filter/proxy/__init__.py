@@ -31,6 +31,7 @@ from ..http import HttpError
 from ..relay import Counters, original_port, within
 from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
+from .credentials import Credentials, Leak
 from .flows import Cap, Flow, Flows
 from .forward import Forward
 from .inspect import Inspector
@@ -73,7 +74,7 @@ class Client:
 class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
                  config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
-                 inspector: Inspector | None = None):
+                 inspector: Inspector | None = None, credentials: Credentials | None = None):
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
         self.gateway = gateway
         self.exfil = exfil
@@ -82,6 +83,9 @@ class Proxy:
         self.inspector = inspector
         """TLS inspection (the interception CA, its leaves); None when no CA is configured,
         and a host the policy inspects is then denied."""
+        self.credentials = credentials or Credentials(b"", {})
+        """The secrets, as requests get them (replaced whole when one changes): a host a
+        secret is bound to is inspected, so that its placeholder can be swapped."""
         self.active = 0
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
                       "refused_tunnels": 0, "cut": 0}
@@ -137,6 +141,20 @@ class Proxy:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    def leaked(self, client: Client, session: str | None, host: Host, leak: Leak) -> Decision:
+        """A placeholder going where it may not: an event of its own (kind "secret"), and
+        the decision that refuses the request."""
+        what = f"the placeholder of secret {leak.secret}" if leak.secret else (
+            "a corral secret placeholder (not one of this session's secrets)")
+        decision = Decision(False, f"{what} in {leak.where} to {host}: a placeholder goes "
+                            "only to its secret's hosts, in its header, inside TLS the filter "
+                            "ends")
+        self.bus.emit({"session": session, "client": client.label, "kind": "secret",
+                       "name": str(host), "port": None, "address": None, "verdict": "deny",
+                       "rule": None, "layer": None, "secret": leak.secret,
+                       "reason": decision.reason})
+        return decision
 
     def refused(self, client: Client, session: str | None, cap: Cap) -> None:
         """A connection or tunnel over its session's cap: an event, once a second."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from appliance.policy import Decision
@@ -22,6 +22,7 @@ from ..http import (
     serialise_response,
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, tunnel, within
+from .credentials import Leak
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
@@ -205,6 +206,16 @@ class Forward:
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
+        try:
+            applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
+                                              isinstance(mode, InTunnel) and mode.inspected)
+        except Leak as leak:  # nothing of it leaves; the connection may go on
+            decision = proxy.leaked(client, session, where.host, leak)
+            proxy.event(decision, client, session, "http", where.host, where.port, **fields)
+            return await self._refuse(client, head, Denied(decision, where.target)), kept
+        if applied.used:
+            head = replace(head, headers=applied.headers)
+            fields = {**fields, "secrets": list(applied.used)}
         key = (str(where.host), where.port)
         if isinstance(mode, InTunnel) or (
                 kept is not None and kept.key == key and not kept.reader.at_eof()):

@@ -54,6 +54,12 @@ LEAF_REUSE = 24 * 3600.0
 """... and used for a day after it was minted, then minted again: never near its end."""
 
 
+class Unusable(ConfigError):
+    """A CA that can never sign anything a client accepts (damaged, mismatched, expired):
+    the filter's own (`ca_dir`) is replaced; one that is not valid *yet* (a clock behind)
+    or cannot be read now is kept, and the error stands."""
+
+
 @dataclass(frozen=True)
 class Authority:
     """The interception CA: what leaves are signed with."""
@@ -73,11 +79,11 @@ class Authority:
         try:
             cert = x509.load_pem_x509_certificate(_read(cert_path))
         except ValueError:
-            raise ConfigError(cert_path, "", "is not a PEM certificate") from None
+            raise Unusable(cert_path, "", "is not a PEM certificate") from None
         try:
             key = serialization.load_pem_private_key(_read(key_path), None)
         except (ValueError, TypeError):
-            raise ConfigError(key_path, "", "is not an unencrypted PEM private key") from None
+            raise Unusable(key_path, "", "is not an unencrypted PEM private key") from None
         if os.stat(key_path).st_mode & stat.S_IROTH:
             raise ConfigError(key_path, "", "is readable by every user: chmod 0600 (or 0640 "
                               "with the filter's group)")
@@ -85,19 +91,20 @@ class Authority:
             raise ConfigError(key_path, "", "must be an ECDSA (python -m appliance.pki "
                               "intercept-ca) or RSA key: not every client accepts others")
         if key.public_key().public_numbers() != cert.public_key().public_numbers():
-            raise ConfigError(key_path, "", f"is not the key of {cert_path}")
+            raise Unusable(key_path, "", f"is not the key of {cert_path}")
         try:
             basic = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
         except x509.ExtensionNotFound:
             basic = None
         if basic is None or not basic.ca:
-            raise ConfigError(cert_path, "", "is not a CA certificate (basicConstraints "
+            raise Unusable(cert_path, "", "is not a CA certificate (basicConstraints "
                               "CA:TRUE): clients would refuse the leaves it signs")
         start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
         if not start <= now < end:
-            raise ConfigError(cert_path, "", f"is valid from {start:%Y-%m-%d %H:%M} to "
-                              f"{end:%Y-%m-%d %H:%M} UTC, not now: make a new one "
-                              "(python -m appliance.pki intercept-ca)")
+            error = Unusable if now >= end else ConfigError  # not yet: a clock behind
+            raise error(cert_path, "", f"is valid from {start:%Y-%m-%d %H:%M} to "
+                        f"{end:%Y-%m-%d %H:%M} UTC, not now: make a new one (python -m "
+                        "appliance.pki intercept-ca, or corral certs rotate --interception)")
         try:
             constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
             permitted = None if constraints.permitted_subtrees is None else tuple(
@@ -327,7 +334,7 @@ class Inspector:
                     log.info("inspect: made an interception CA in %s", directory.path)
                 try:
                     authority = Authority.load(str(directory.cert), str(directory.key))
-                except ConfigError as exc:
+                except Unusable as exc:
                     log.warning("inspect: the CA in %s is not usable (%s): making a new one; "
                                 "running sessions trust it after `corral certs rotate "
                                 "--interception`", directory.path, exc)
@@ -357,6 +364,10 @@ class Inspector:
         self.leaves = self._leaves()
         old.worker.shutdown(wait=False)
 
+    def days_left(self) -> int:
+        left = self.authority.cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+        return left.days
+
     def describe(self) -> dict:
         """The CA as sessions need it (its certificate) and people check it."""
         cert = self.authority.cert
@@ -365,6 +376,7 @@ class Inspector:
                 "subject": cert.subject.rfc4514_string(),
                 "not_before": cert.not_valid_before_utc.isoformat(),
                 "not_after": cert.not_valid_after_utc.isoformat(),
+                "days_left": self.days_left(),
                 "permitted": list(self.authority.permitted) if self.authority.permitted
                 is not None else None,
                 "rotatable": self.directory is not None}
@@ -381,7 +393,8 @@ class Inspector:
         cert = self.authority.cert
         return {**self.leaves.stats, "leaves": len(self.leaves.cache),
                 "ca_sha256": cert.fingerprint(hashes.SHA256()).hex(":"),
-                "ca_not_after": cert.not_valid_after_utc.isoformat()}
+                "ca_not_after": cert.not_valid_after_utc.isoformat(),
+                "ca_days_left": self.days_left()}
 
     def close(self) -> None:
         self.leaves.close()

@@ -102,9 +102,10 @@ class Tunnels:
     async def _onward(self, client: Client, hello: bytes, host: Host, port: int,
                       up: Upstream, event: dict, flow: Flow, counters: Counters) -> None:
         """`hello` (every byte read so far) has been checked: splice the tunnel, unless the
-        policy in force now inspects the host."""
+        policy in force now inspects the host, or a secret is bound to it (its placeholder
+        is swapped in the requests)."""
         _, policy = self.proxy.store.lookup(client.address)
-        if policy.inspection(host) is None:
+        if policy.inspection(host) is None and not self.proxy.credentials.bound(host):
             flow.spliced = True
             up.writer.write(hello)
             counters.add(len(hello), upward=True)

@@ -552,3 +552,24 @@ def test_a_ca_given_as_files_is_not_rotated_by_the_filter(inspecting):
     answer = control(socket, {"op": "inspect-rotate"})
     assert not answer["ok"] and "python -m appliance.pki intercept-ca" in answer["error"]
     assert control(socket, {"op": "inspect-ca"})["ca"]["rotatable"] is False
+
+
+def test_a_ca_dir_that_cannot_be_kept_turns_inspection_off_not_the_filter(origins, tmp_path):
+    """The roles always give a ca_dir: a CA that cannot be made there (a full disk, a path
+    that is not a directory) must cost the inspected hosts, not every session's egress."""
+    (tmp_path / "file").write_text("")
+    config = f'[inspect]\nca_dir = "{tmp_path}/file/ca"\nupstream_ca = "{origins.ca.ca_path}"\n'
+    port = origins["good"].port
+    process = InProcessFilter(tmp_path, origins.dns.address, "asyncio", config, POLICY)
+    try:
+        assert "cannot keep the interception CA" in process.status()["inspect"]["error"]
+        sock = tunnel(process.proxy_port, f"noca.test:{port}")
+        with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
+            origins.ca.client_context().wrap_socket(sock, server_hostname="noca.test")
+        sock.close()
+        with origins.ca.client_context().wrap_socket(
+                tunnel(process.proxy_port, f"plain.test:{port}"),
+                server_hostname="plain.test") as tls:
+            assert get(tls, f"plain.test:{port}", "/spliced")[0] == 200
+    finally:
+        process.stop()

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import pki
-from appliance.filter.config import parse_config
+from appliance.filter.config import InspectConfig, parse_config
 from appliance.filter.proxy.inspect import (
     LEAF_LIFETIME,
     Authority,
@@ -506,9 +506,6 @@ def test_the_filters_ca_directory_swaps_whole_pairs(tmp_path):
 
 
 def test_ca_dir_and_ca_files_are_one_or_the_other(tmp_path):
-    from appliance.filter.config import parse_config
-    from appliance.policy import ConfigError
-
     cert, key = write_ca(tmp_path)
     base = '[dns]\nlisten = []\n[proxy]\nlisten = []\n'
     with pytest.raises(ConfigError, match=r"ca_dir.*not both"):
@@ -516,3 +513,44 @@ def test_ca_dir_and_ca_files_are_one_or_the_other(tmp_path):
                      f'ca_key = "{key}"\n', "filter.toml")
     config = parse_config(base + f'[inspect]\nca_dir = "{tmp_path}/d"\n', "filter.toml")
     assert config.inspect.enabled and not (tmp_path / "d").exists()  # made at start only
+
+
+def test_a_rotation_clears_only_what_rotations_make(tmp_path):
+    directory = pki.CaDirectory(tmp_path / "ca")
+    directory.ensure()
+    (tmp_path / "ca" / "lost+found" / "x").mkdir(parents=True)  # not ours: left alone
+    (tmp_path / "ca" / "notes").mkdir()
+    os.symlink("ca-gone", tmp_path / "ca" / f".{pki.CURRENT}.ca-gone")  # a crash's leftover
+    directory.rotate()
+    left = {p.name for p in (tmp_path / "ca").iterdir()}
+    assert {"lost+found", "notes", pki.CURRENT} <= left
+    assert not any(name.startswith(".current.") for name in left)
+    assert len([n for n in left if n.startswith("ca-")]) == 1
+
+
+def test_a_ca_not_valid_yet_is_kept_not_replaced(tmp_path):
+    """A clock behind (a VM restored from a snapshot) must not cost the CA its key."""
+    directory = pki.CaDirectory(tmp_path / "ca")
+    directory.ensure()
+    key = serialization.load_pem_private_key(directory.key.read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tomorrow")])
+    future = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+              .public_key(key.public_key()).serial_number(1)
+              .not_valid_before(now + datetime.timedelta(days=1))
+              .not_valid_after(now + datetime.timedelta(days=30))
+              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+              .sign(key, hashes.SHA256()))
+    directory.cert.write_bytes(future.public_bytes(serialization.Encoding.PEM))
+    kept = directory.cert.read_bytes(), directory.key.read_bytes()
+    with pytest.raises(ConfigError, match="not now"):
+        Inspector.from_config(InspectConfig(ca_dir=str(tmp_path / "ca")))
+    assert (directory.cert.read_bytes(), directory.key.read_bytes()) == kept
+
+
+def test_ca_dir_must_be_a_directory_of_its_own(tmp_path):
+    base = f'[dns]\nlisten = []\n[proxy]\nlisten = []\n[state]\ndir = "{tmp_path}/state"\n'
+    for bad in (f"{tmp_path}/state", str(tmp_path), "relative/ca"):
+        with pytest.raises(ConfigError, match="directory of its own"):
+            parse_config(base + f'[inspect]\nca_dir = "{bad}"\n', "filter.toml")
+    assert parse_config(base + f'[inspect]\nca_dir = "{tmp_path}/state/ca"\n', "f.toml")

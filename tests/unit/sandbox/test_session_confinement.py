@@ -4,9 +4,11 @@ directory; when they cannot be made, no session starts and nothing is left to un
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from appliance import pki
 from appliance.sandbox import confinement
 from appliance.sandbox.sessions import SessionError, SessionManager
 
@@ -22,17 +24,20 @@ class Recorder:
 
     def run(self, *args, **kwargs):
         self.calls.append(args)
+        if args[:2] == ("run", "--rm"):  # the image's own CA bundle, read once
+            return SimpleNamespace(stdout=pki.intercept_ca()[0])
+        return None
 
     def json(self, *args):
         self.calls.append(args)
-        return []
+        return [{"Id": "0" * 64}] if args[:2] == ("image", "inspect") else []
 
     def remove_container(self, name):
         self.calls.append(("remove", name))
 
     def control(self, request):
         self.calls.append(("control", request["op"]))
-        return {"ok": True, "sessions": []}
+        return {"ok": True, "sessions": [], "environment": {}}
 
 
 @pytest.fixture
@@ -50,7 +55,7 @@ def test_the_container_runs_with_the_profile_and_init_of_the_state_dir(tmp_path,
     recorder = Recorder()
     manager = SessionManager(recorder, recorder.control, tmp_path / "state")
     manager.create("s1")
-    (run,) = [c for c in recorder.calls if c[:1] == ("run",)]
+    (run,) = [c for c in recorder.calls if c[:2] == ("run", "--label")]
     profile, init = tmp_path / "state" / "seccomp.json", tmp_path / "state" / "init"
     assert f"seccomp={profile}" in run and run[run.index("--init-path") + 1] == str(init)
     assert profile.is_file() and init.is_file()
@@ -64,3 +69,25 @@ def test_no_session_starts_without_its_profile(tmp_path, host):
         manager.create("s1")
     assert recorder.calls == []  # no network, no filter session, no container
     assert manager.records() == []
+
+
+def test_a_session_whose_trust_cannot_be_written_stops_no_other_refresh(
+        tmp_path, host, monkeypatch):
+    from appliance.sandbox import trust
+
+    recorder = Recorder()
+    manager = SessionManager(recorder, recorder.control, tmp_path / "state")
+    manager.create("a1")
+    manager.create("b1")
+    reads = [c for c in recorder.calls if c[:2] == ("run", "--rm")]
+    assert len(reads) == 1  # the image's bundle is read once, then kept by the image's id
+    real = trust.write
+
+    def write(directory, *args):
+        if directory.parent.name == "a1":
+            raise OSError(28, "No space left on device")
+        return real(directory, *args)
+
+    monkeypatch.setattr(trust, "write", write)
+    refreshed, failed = manager.refresh_trust()
+    assert refreshed == ["b1"] and "No space left" in failed["a1"]

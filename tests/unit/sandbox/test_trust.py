@@ -30,7 +30,7 @@ def system(tmp_path):
 
 def test_the_bundle_is_the_system_one_then_the_interception_ca(tmp_path, system):
     ca = pki.intercept_ca()[0].decode()
-    trust.write(tmp_path / "trust", ca, system)
+    trust.write(tmp_path / "trust", ca, system.read_bytes())
     bundle = (tmp_path / "trust" / trust.BUNDLE).read_bytes()
     assert bundle.startswith(system.read_bytes())
     ders = trust.certificates(bundle)
@@ -41,14 +41,14 @@ def test_the_bundle_is_the_system_one_then_the_interception_ca(tmp_path, system)
 
 
 def test_without_an_interception_ca_the_bundle_is_the_system_one(tmp_path, system):
-    trust.write(tmp_path / "trust", None, system)
+    trust.write(tmp_path / "trust", None, system.read_bytes())
     assert trust.certificates((tmp_path / "trust" / trust.BUNDLE).read_bytes()) == \
         trust.certificates(system.read_bytes())
 
 
-def test_a_host_without_a_system_bundle_still_trusts_the_interception_ca(tmp_path):
+def test_an_empty_base_still_trusts_the_interception_ca(tmp_path):
     ca = pki.intercept_ca()[0].decode()
-    trust.write(tmp_path / "trust", ca, tmp_path / "missing.crt")
+    trust.write(tmp_path / "trust", ca, b"")
     assert [pem(d) for d in trust.certificates(
         (tmp_path / "trust" / trust.BUNDLE).read_bytes())] == [ca]
 
@@ -62,7 +62,7 @@ def test_what_is_not_a_certificate_block_is_skipped():
 @pytest.mark.skipif(shutil.which("keytool") is None, reason="no JDK keytool on this host")
 def test_the_jks_store_is_read_and_its_digest_checked_by_the_jdk(tmp_path, system):
     ca = pki.intercept_ca()[0].decode()
-    trust.write(tmp_path / "trust", ca, system)
+    trust.write(tmp_path / "trust", ca, system.read_bytes())
     listed = subprocess.run(
         ["keytool", "-list", "-v", "-keystore", str(tmp_path / "trust" / trust.JKS),
          "-storetype", "JKS", "-storepass", trust.JKS_PASSWORD],

@@ -1,0 +1,145 @@
+"""Placeholders in, secrets out, for the bound hosts only: decisions without I/O.
+
+A session knows each secret by a placeholder (`corral-secret-<name>-<32 hex>`, an HMAC of
+the session's and the secret's names under the store's key: the same for a session across
+restarts, different for every session). On a request inside TLS the filter terminated, to
+a host the secret is bound to, the placeholder is replaced by the value where the secret
+says it goes: its own header, `Authorization: Bearer|token`, or the password (or user) of
+basic auth, which is re-written with the secret's user. Anything that still carries a
+placeholder after that, anywhere in the request line or the fields (a placeholder of
+another session, in another field, in the query, on another host, in plain HTTP) is a
+`Leak`: the request is refused, nothing of it leaves. Bodies are not read here.
+
+The real value never reaches a session; a placeholder that escapes is worthless outside the
+filter, so this check is a tripwire that names what an agent tried, not the boundary.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from appliance.policy import PLACEHOLDER_MARK, Host
+
+from ..secrets import Secret
+
+DIGEST_HEX = 32
+
+
+class Leak(Exception):
+    """A placeholder going where its secret may not; the message names where (never the
+    value, never the placeholder in full)."""
+
+    def __init__(self, where: str, secret: str | None):
+        super().__init__(where)
+        self.where, self.secret = where, secret
+
+
+@dataclass(frozen=True)
+class Applied:
+    headers: tuple[tuple[str, str], ...]
+    used: tuple[str, ...]
+    """The secrets attached, by name (for the event)."""
+
+
+class Credentials:
+    """The secrets as the proxy uses them: a snapshot, replaced whole on a change."""
+
+    def __init__(self, key: bytes, secrets: Mapping[str, Secret]):
+        self.key, self.secrets = key, dict(secrets)
+
+    def placeholder(self, session: str, name: str) -> str:
+        digest = hmac.new(self.key, f"{session}\0{name}".encode(), hashlib.sha256)
+        slug = name.lower().replace("_", "-")
+        return f"{PLACEHOLDER_MARK}{slug}-{digest.hexdigest()[:DIGEST_HEX]}"
+
+    def environment(self, session: str) -> dict[str, str]:
+        """What a session is started with: each secret's variable, holding its placeholder."""
+        return {name: self.placeholder(session, name) for name in sorted(self.secrets)}
+
+    def bound(self, host: Host) -> list[str]:
+        """The secrets that may go to `host` (its TLS must be ended to attach them)."""
+        return [s.name for s in self.secrets.values() if s.binds(host.name)]
+
+    def apply(self, session: str | None, host: Host, target: str,
+              headers: tuple[tuple[str, str], ...], tls: bool) -> Applied:
+        """The request's fields with this session's placeholders replaced where their secret
+        goes to `host` (only inside TLS the filter ended: `tls`). Raises Leak if any
+        placeholder is left anywhere: the target (decoded too), a field's name or value, or
+        a basic-auth credential."""
+        mine = {self.placeholder(session, s.name): s for s in self.secrets.values()
+                if s.binds(host.name)} if tls and session is not None else {}
+        out, used = [], []
+        for name, value in headers:
+            low = name.lower()
+            for placeholder, secret in mine.items():
+                swapped = _swap(secret, low, value, placeholder)
+                if swapped is not None:
+                    value = swapped
+                    used.append(secret.name)
+                    break
+            out.append((name, value))
+        for name, value in out:
+            if _marked(name) or _marked(value):
+                raise self._leak(f"the field {name[:40]}", name + value, session)
+            if name.lower() in ("authorization", "proxy-authorization"):
+                decoded = _basic(value)
+                if decoded is not None and _marked(decoded):
+                    raise self._leak(f"the basic-auth credential in {name}", decoded, session)
+        if _marked(target) or _marked(unquote(target)):
+            raise self._leak("the request target", unquote(target), session)
+        return Applied(tuple(out), tuple(used))
+
+    def _leak(self, where: str, text: str, session: str | None) -> Leak:
+        """Which secret a placeholder in `text` stands for, when it is one of this
+        session's (another session's, or a made-up one, is named as such)."""
+        for name in self.secrets:
+            if session is not None and self.placeholder(session, name) in text:
+                return Leak(where, name)
+        return Leak(where, None)
+
+
+def _marked(text: str) -> bool:
+    return PLACEHOLDER_MARK in text.lower()
+
+
+def _swap(secret: Secret, field: str, value: str, placeholder: str) -> str | None:
+    """`value` of `field` with the secret in place of the placeholder, where the secret goes
+    in that field and in that form; None where it does not."""
+    if secret.scheme == "header":
+        return secret.value if field == secret.header and value.strip() == placeholder \
+            else None
+    if field != "authorization":
+        return None
+    scheme, _, credential = value.strip().partition(" ")
+    credential = credential.strip()
+    if secret.scheme == "bearer":
+        if scheme.lower() in ("bearer", "token") and credential == placeholder:
+            return f"{scheme} {secret.value}"
+        return None
+    if scheme.lower() != "basic":  # basic: the placeholder as password (or as user, alone)
+        return None
+    decoded = _basic(value)
+    if decoded is None:
+        return None
+    user, _, password = decoded.partition(":")
+    if password == placeholder or (user == placeholder and password in ("", "x-oauth-basic")):
+        pair = f"{secret.user}:{secret.value}".encode()
+        return f"{scheme} {base64.b64encode(pair).decode()}"
+    return None
+
+
+def _basic(value: str) -> str | None:
+    """The user:password of a basic-auth field, or None if it is not one."""
+    scheme, _, credential = value.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        return base64.b64decode(credential.strip(), validate=True).decode("latin-1")
+    except (binascii.Error, ValueError):
+        return None

@@ -1,0 +1,191 @@
+"""Secrets the appliance holds for sessions: never sent to one, attached by the filter.
+
+A secret is a value (an API token), the environment variable a session knows it by, the
+hosts it may go to and how it goes (a header of its own, `Authorization: Bearer`, or basic
+auth with a user). A session is given a placeholder in that variable instead of the value
+(proxy/credentials.py swaps it on the way out to the secret's hosts). They live in one file
+in the filter's state directory, 0600 for the filter's user, written atomically, with the
+key placeholders are derived from; nothing else ever holds a value: events, the audit log,
+`secret-list` and `status` name secrets, never show them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets as random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance.atomic import write_atomic
+from appliance.policy import ConfigError, HostNameError, normalise_name
+
+FILE = "secrets.json"
+NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+"""A secret's name is the environment variable a session finds its placeholder in."""
+FIELD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+SCHEMES = ("bearer", "basic", "header")
+MAX_VALUE = 8192
+MAX_HOSTS = 32
+RESERVED_FIELDS = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
+    "trailer", "keep-alive", "proxy-connection", "proxy-authorization", "expect"})
+"""Fields the proxy writes itself or that steer the connection: never a secret's."""
+RESERVED_NAMES = frozenset({
+    "HOME", "TERM", "PATH", "USER", "SHELL", "HOSTNAME", "HTTP_PROXY", "HTTPS_PROXY",
+    "ALL_PROXY", "NO_PROXY", "PIP_PROXY", "JAVA_TOOL_OPTIONS", "SSL_CERT_FILE",
+    "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
+    "NODE_EXTRA_CA_CERTS", "NODE_OPTIONS", "PYTHONPATH", "BASH_ENV", "ENV"})
+"""Variables a session's environment sets for its own workings (sandbox/hardening.py and
+trust.py), or that run code: a secret may not take one over."""
+RESERVED_PREFIXES = ("LD_", "GIT_CONFIG_", "NPM_CONFIG_", "CORRAL_")
+
+
+class SecretError(ValueError):
+    """A secret that cannot be stored; the message says which field and why (never the
+    value itself)."""
+
+
+@dataclass(frozen=True)
+class Secret:
+    name: str
+    value: str
+    hosts: tuple[str, ...]
+    """Names and `*.suffix` wildcards it may be sent to."""
+    scheme: str = "bearer"
+    """bearer: `Authorization: Bearer` (or `token`, as gh writes it); basic: basic auth
+    with `user`; header: the value alone in the field `header`."""
+    header: str | None = None
+    user: str | None = None
+    created: float = 0.0
+
+    def binds(self, host_name: str | None) -> bool:
+        """May the value go to this host?"""
+        if host_name is None:
+            return False
+        return any(host_name == h or (h.startswith("*.") and host_name.endswith(h[1:]))
+                   for h in self.hosts)
+
+    def describe(self) -> dict:
+        """What may be shown of it: everything but the value."""
+        shown = {k: v for k, v in asdict(self).items() if k != "value"}
+        shown["hosts"] = list(self.hosts)
+        return shown
+
+
+def parse(request: dict) -> Secret:
+    """A secret from a `secret-set` request. Raises SecretError."""
+    name = request.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise SecretError("'name' must be an environment variable name: A-Z, 0-9 and _, "
+                          "starting with a letter, at most 64 (e.g. ANTHROPIC_API_KEY)")
+    if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+        raise SecretError(f"secret {name}: that variable is a session's own (proxy, trust, "
+                          "paths, loaders): pick another name")
+    value = request.get("value")
+    if not isinstance(value, str) or not value:
+        raise SecretError(f"secret {name}: 'value' must be a non-empty string")
+    if len(value) > MAX_VALUE or not all(" " < c <= "~" for c in value):
+        raise SecretError(f"secret {name}: the value must be 1-{MAX_VALUE} printable ASCII "
+                          "characters without spaces (it goes into an HTTP header)")
+    hosts = request.get("hosts")
+    if (not isinstance(hosts, list) or not hosts or len(hosts) > MAX_HOSTS
+            or not all(isinstance(h, str) for h in hosts)):
+        raise SecretError(f"secret {name}: 'hosts' must list 1-{MAX_HOSTS} host names")
+    normal = []
+    for host in hosts:
+        wild = host.startswith("*.")
+        try:
+            normal.append(("*." if wild else "") + normalise_name(host[2:] if wild else host))
+        except HostNameError as exc:
+            raise SecretError(f"secret {name}: host {host!r}: {exc}") from None
+    scheme = request.get("scheme", "bearer")
+    if scheme not in SCHEMES:
+        raise SecretError(f"secret {name}: 'scheme' must be one of {', '.join(SCHEMES)}")
+    header, user = request.get("header"), request.get("user")
+    if scheme == "header":
+        if not isinstance(header, str) or not FIELD.fullmatch(header) or (
+                header.lower() in RESERVED_FIELDS):
+            raise SecretError(f"secret {name}: 'header' must name a field (letters, digits, "
+                              "'-'), not one the proxy writes itself")
+        header = header.lower()
+    elif header is not None:
+        raise SecretError(f"secret {name}: 'header' goes with scheme 'header' only")
+    if scheme == "basic":
+        if not isinstance(user, str) or not user or ":" in user or not all(
+                " " <= c <= "~" for c in user) or len(user) > 256:
+            raise SecretError(f"secret {name}: basic auth needs a 'user' (printable, no ':')")
+    elif user is not None:
+        raise SecretError(f"secret {name}: 'user' goes with scheme 'basic' only")
+    return Secret(name, value, tuple(dict.fromkeys(normal)), scheme, header, user,
+                  round(time.time(), 3))
+
+
+class SecretStore:
+    """The file: {"key": hex, "secrets": {name: secret}}. Read at start; each change written
+    (atomically) before it is answered."""
+
+    def __init__(self, path: Path, key: bytes, secrets: dict[str, Secret]):
+        self.path, self.key, self.secrets = path, key, secrets
+
+    @classmethod
+    def load(cls, state_dir: str | Path) -> SecretStore:
+        """The store in `state_dir`, made (with a new key) when there is none. Raises
+        OSError, or ConfigError naming the file when it cannot be read as one."""
+        path = Path(state_dir) / FILE
+        try:
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            store = cls(path, random.token_bytes(32), {})
+            store.save()
+            return store
+        except ValueError as exc:
+            raise ConfigError(str(path), "", f"not JSON ({exc}): restore it from a backup, or "
+                              "remove it (every secret is lost, sessions get new "
+                              "placeholders)") from None
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o600)  # it was copied in by hand: no one else reads it from now
+        try:
+            key = bytes.fromhex(data["key"])
+            found = {}
+            for name, fields in data["secrets"].items():
+                secret = Secret(**{**fields, "hosts": tuple(fields["hosts"])})
+                if secret.name != name:
+                    raise ValueError(f"entry {name!r} holds secret {secret.name!r}")
+                found[name] = secret
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(str(path), "", f"not a secrets file ({exc})") from None
+        return cls(path, key, found)
+
+    def save(self) -> None:
+        data = {"key": self.key.hex(),
+                "secrets": {n: {**asdict(s), "hosts": list(s.hosts)}
+                            for n, s in sorted(self.secrets.items())}}
+        write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+
+    def set(self, secret: Secret) -> bool:
+        """Store it (replacing one of that name); True if it is new."""
+        old = self.secrets
+        self.secrets = {**old, secret.name: secret}
+        try:
+            self.save()
+        except BaseException:
+            self.secrets = old
+            raise
+        return secret.name not in old
+
+    def remove(self, name: str) -> Secret:
+        """Forget it. Raises LookupError naming the secrets there are."""
+        if name not in self.secrets:
+            raise LookupError(f"no secret {name!r}; secrets: "
+                              f"{', '.join(sorted(self.secrets)) or 'none'}")
+        old = self.secrets
+        self.secrets = {k: v for k, v in old.items() if k != name}
+        try:
+            self.save()
+        except BaseException:
+            self.secrets = old
+            raise
+        return old[name]

@@ -1,0 +1,135 @@
+"""Secrets held by the filter, for real: stored over the control socket, a placeholder
+swapped for the value inside TLS the filter ends to the secret's hosts (reaching a real TLS
+origin, which echoes what it got), and every other way out for a placeholder refused before
+anything is dialled. The value never shows up in an answer, an event or the audit log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import control
+from tests.integration.conftest import S1_CLIENT, S2_CLIENT, connect, recv_all
+
+from .test_inspect import (
+    POLICY,
+    InProcessFilter,
+    client_context,
+    get,
+    interception,  # noqa: F401  (a fixture)
+    origins,  # noqa: F401  (a fixture)
+    tls_through,
+)
+
+VALUE = "sk-live-0123456789abcdefABCDEF"
+GH_VALUE = "ghp_0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.fixture(scope="module")
+def holding(origins, interception, tmp_path_factory):  # noqa: F811
+    """A filter holding two secrets: API_TOKEN for inspected.test (named in [[inspect]]) as
+    x-api-key, GH_TOKEN for plain.test (not named: inspected because it is bound) as a
+    bearer token."""
+    directory = tmp_path_factory.mktemp("filter")
+    config = f"""
+[inspect]
+ca_cert = "{interception / 'intercept-ca.crt'}"
+ca_key = "{interception / 'intercept-ca.key'}"
+upstream_ca = "{origins.ca.ca_path}"
+"""
+    process = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
+    socket = directory / "filter.sock"
+    answers = [
+        control(socket, {"op": "secret-set", "name": "API_TOKEN", "value": VALUE,
+                         "hosts": ["inspected.test"], "scheme": "header", "header": "x-api-key"}),
+        control(socket, {"op": "secret-set", "name": "GH_TOKEN", "value": GH_VALUE,
+                         "hosts": ["plain.test"]}),
+    ]
+    assert all(a["ok"] and a["added"] for a in answers), answers
+    assert VALUE not in json.dumps(answers) and GH_VALUE not in json.dumps(answers)
+    process.socket = socket
+    yield process
+    process.stop()
+
+
+def placeholders(process, session: str) -> dict[str, str]:
+    answer = control(process.socket, {"op": "secret-environment", "session": session})
+    assert answer["ok"], answer
+    return answer["environment"]
+
+
+def test_a_session_gets_placeholders_never_values(holding):
+    s1, s2 = placeholders(holding, "s1"), placeholders(holding, "s2")
+    assert set(s1) == {"API_TOKEN", "GH_TOKEN"} and s1 != s2
+    assert all(p.startswith("corral-secret-") for p in [*s1.values(), *s2.values()])
+    unknown = control(holding.socket, {"op": "secret-environment", "session": "nobody"})
+    assert not unknown["ok"] and "no session 'nobody'" in unknown["error"]
+    listed = control(holding.socket, {"op": "secret-list"})
+    assert [s["name"] for s in listed["secrets"]] == ["API_TOKEN", "GH_TOKEN"]
+    assert VALUE not in json.dumps(listed) and GH_VALUE not in json.dumps(holding.status())
+
+
+def test_the_placeholder_becomes_the_value_on_the_secrets_host_inside_tls(
+        holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, _, body = get(tls, f"inspected.test:{port}", "/v1/messages",
+                              extra=f"x-api-key: {mine['API_TOKEN']}\r\n")
+    assert status == 200
+    assert json.loads(body)["headers"]["x-api-key"] == VALUE
+    event = holding.wait_event(lambda e: e.get("path") == "/v1/messages" and
+                               not e.get("closed"))
+    assert event["secrets"] == ["API_TOKEN"] and VALUE not in json.dumps(event)
+    # plain.test has no [[inspect]] table: being a secret's host is enough to be inspected
+    with tls_through(holding, client_context(interception), "plain.test", port) as tls:
+        status, _, body = get(tls, f"plain.test:{port}", "/user",
+                              extra=f"Authorization: token {mine['GH_TOKEN']}\r\n")
+    assert status == 200
+    assert json.loads(body)["headers"]["authorization"] == f"token {GH_VALUE}"
+
+
+@pytest.mark.parametrize("case", ["another host", "another session", "the query"])
+def test_a_placeholder_going_anywhere_else_is_refused_before_anything_is_sent(
+        holding, origins, interception, case):  # noqa: F811
+    port = origins["good"].port
+    host, source, extra, path = "inspected.test", S1_CLIENT, "", "/v1/x"
+    mine = placeholders(holding, "s1")["API_TOKEN"]
+    if case == "another host":
+        host, extra = "s2.test", f"x-api-key: {mine}\r\n"
+    elif case == "another session":
+        source, extra = S2_CLIENT, f"x-api-key: {mine}\r\n"
+    else:
+        path = f"/v1/x?key={mine}"
+    before, seen = len(origins["good"].requests), {e["id"] for e in holding.events()}
+    with tls_through(holding, client_context(interception), host, port, source) as tls:
+        status, headers, _ = get(tls, f"{host}:{port}", path, extra=extra)
+        assert status == 403 and "placeholder" in headers["x-corral-deny"]
+        assert headers["connection"] == "keep-alive"
+        assert get(tls, f"{host}:{port}", "/after")[0] == 200  # the connection goes on
+    assert [r["path"] for r in origins["good"].requests[before:]] == ["/after"]
+    event = holding.wait_event(lambda e: e.get("kind") == "secret" and e["verdict"] == "deny"
+                               and e["id"] not in seen)
+    assert event["name"] == host
+    assert mine not in json.dumps(event) and VALUE not in json.dumps(event)
+    assert event["secret"] == (None if case == "another session" else "API_TOKEN")
+
+
+def test_plain_http_never_carries_a_placeholder_or_gets_a_value(holding, origins):  # noqa: F811
+    mine = placeholders(holding, "s1")["API_TOKEN"]
+    with connect(holding.proxy_port) as sock:
+        sock.sendall(f"GET http://inspected.test:{origins['good'].port}/x HTTP/1.1\r\n"
+                     f"Host: inspected.test\r\nx-api-key: {mine}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        reply = recv_all(sock)
+    assert reply.startswith(b"HTTP/1.1 403") and b"placeholder" in reply
+    assert VALUE.encode() not in reply
+
+
+def test_the_value_is_in_no_record_and_the_file_is_the_filters_alone(holding):
+    audit = b"".join(p.read_bytes() for p in (holding.directory / "state").glob("audit*"))
+    assert b"API_TOKEN" in audit  # the secret is named in the records...
+    assert VALUE.encode() not in audit and GH_VALUE.encode() not in audit  # ...never shown
+    stored = holding.directory / "state" / "secrets.json"
+    assert stored.stat().st_mode & 0o777 == 0o600

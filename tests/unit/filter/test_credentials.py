@@ -1,0 +1,180 @@
+"""Placeholders in, secrets out, for the bound hosts only (proxy/credentials.py), and the
+store that holds them (secrets.py): no sockets, no filter."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from appliance.filter import secrets
+from appliance.filter.proxy.credentials import Credentials, Leak
+from appliance.policy import ConfigError, Host, Policy, Rule
+
+VALUE = "sk-live-0123456789abcdef"
+KEY = b"k" * 32
+
+
+def secret(**fields) -> secrets.Secret:
+    return secrets.parse({"name": "API_TOKEN", "value": VALUE, "hosts": ["api.example.com"],
+                          **fields})
+
+
+def credentials(*items: secrets.Secret) -> Credentials:
+    return Credentials(KEY, {s.name: s for s in items})
+
+
+API = Host(name="api.example.com")
+OTHER = Host(name="other.example.org")
+
+
+def apply(creds, headers, host=API, target="/v1/x", tls=True, session="s1"):
+    return creds.apply(session, host, target, tuple(headers), tls)
+
+
+def basic(text: str) -> str:
+    return "Basic " + base64.b64encode(text.encode()).decode()
+
+
+def test_placeholders_are_per_session_stable_and_shaped_as_announced():
+    creds = credentials(secret())
+    first = creds.placeholder("s1", "API_TOKEN")
+    assert first == creds.placeholder("s1", "API_TOKEN") == creds.environment("s1")["API_TOKEN"]
+    assert first != creds.placeholder("s2", "API_TOKEN")
+    assert first.startswith("corral-secret-api-token-") and len(first) == len(
+        "corral-secret-api-token-") + 32
+    assert first != Credentials(b"x" * 32, creds.secrets).placeholder("s1", "API_TOKEN")
+
+
+@pytest.mark.parametrize("form, sent, expected", [
+    ({}, "Bearer {p}", f"Bearer {VALUE}"),
+    ({}, "bearer {p}", f"bearer {VALUE}"),
+    ({}, "token {p}", f"token {VALUE}"),  # as gh sends it
+    ({"scheme": "header", "header": "X-Api-Key"}, "{p}", VALUE),
+    ({"scheme": "basic", "user": "x-access-token"}, "basic:git:{p}",
+     basic(f"x-access-token:{VALUE}")),
+    ({"scheme": "basic", "user": "x-access-token"}, "basic:{p}:",
+     basic(f"x-access-token:{VALUE}")),  # the token as user, as in https://TOKEN@host/
+])
+def test_the_placeholder_becomes_the_value_in_its_form_on_its_host(form, sent, expected):
+    creds = credentials(secret(**form))
+    placeholder = creds.placeholder("s1", "API_TOKEN")
+    field = "X-Api-Key" if form.get("scheme") == "header" else "Authorization"
+    value = sent.format(p=placeholder)
+    if value.startswith("basic:"):
+        value = basic(value.removeprefix("basic:"))
+    applied = apply(creds, [("Accept", "*/*"), (field, value)])
+    assert applied.headers == (("Accept", "*/*"), (field, expected))
+    assert applied.used == ("API_TOKEN",)
+
+
+def test_a_request_without_placeholders_is_left_as_it_is():
+    creds = credentials(secret())
+    headers = (("Authorization", "Bearer my-own-token"), ("Accept", "*/*"))
+    assert apply(creds, headers).headers == headers and apply(creds, headers).used == ()
+
+
+@pytest.mark.parametrize("case", ["other host", "plain http", "other session", "other field",
+                                  "query", "encoded query", "field name", "basic elsewhere",
+                                  "wrong form", "made up", "outside any session"])
+def test_a_placeholder_anywhere_else_is_a_leak_naming_where(case):
+    creds = credentials(secret(scheme="header", header="x-api-key"))
+    mine = creds.placeholder("s1", "API_TOKEN")
+    kwargs, headers = {}, [("x-api-key", mine)]
+    if case == "other host":
+        kwargs["host"] = OTHER
+    elif case == "plain http":
+        kwargs["tls"] = False
+    elif case == "other session":
+        headers = [("x-api-key", creds.placeholder("s2", "API_TOKEN"))]
+    elif case == "other field":
+        headers = [("x-token", mine)]
+    elif case == "query":
+        headers, kwargs["target"] = [], f"/v1/x?key={mine}"
+    elif case == "encoded query":
+        headers, kwargs["target"] = [], "/v1/x?key=%63orral%2Dsecret%2Dapi-token-00"
+    elif case == "field name":
+        headers = [(mine, "1")]
+    elif case == "basic elsewhere":
+        headers = [("Authorization", basic(f"me:{mine}"))]
+    elif case == "wrong form":
+        headers = [("x-api-key", f"Bearer {mine}")]
+    elif case == "made up":
+        headers = [("x-api-key", "CORRAL-SECRET-whatever")]
+    elif case == "outside any session":
+        kwargs["session"] = None
+    with pytest.raises(Leak) as caught:
+        apply(creds, headers, **kwargs)
+    leak = caught.value
+    assert VALUE not in str(leak) and mine not in leak.where
+    expected = "API_TOKEN" if case in ("other host", "plain http", "other field", "query",
+                                       "field name", "basic elsewhere", "wrong form") else None
+    assert leak.secret == expected, (case, leak.secret)
+
+
+def test_names_carrying_a_placeholder_are_never_resolved_or_reached():
+    policy = Policy([Rule.parse("dns", "*.example.com"), Rule.parse("http", "*.example.com"),
+                     Rule.parse("tcp", "*.example.com:443")])
+    marked = Host(name="corral-secret-api-token-00ff.example.com")
+    for decision in (policy.decide_dns(marked), policy.decide_http(marked, 443),
+                     policy.decide_tcp(marked, 443)):
+        assert not decision.allowed and "placeholder" in decision.reason
+        assert not decision.hint  # nothing to allow: no rule opens it
+    assert policy.decide_dns(Host(name="www.example.com")).allowed
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    ({"name": "api_token"}, "environment variable"),
+    ({"name": "HTTPS_PROXY"}, "session's own"),
+    ({"name": "LD_PRELOAD"}, "session's own"),
+    ({"value": f"{VALUE}\r\nX-Injected: 1"}, "printable ASCII"),
+    ({"value": "has space"}, "printable ASCII"),
+    ({"hosts": []}, "1-32 host names"),
+    ({"hosts": ["not a host"]}, "host 'not a host'"),
+    ({"scheme": "header"}, "'header' must name a field"),
+    ({"scheme": "header", "header": "Host"}, "'header' must name a field"),
+    ({"scheme": "basic"}, "needs a 'user'"),
+    ({"scheme": "bearer", "user": "x"}, "'user' goes with scheme 'basic'"),
+    ({"scheme": "magic"}, "'scheme' must be one of"),
+])
+def test_a_secret_that_cannot_be_stored_is_refused_saying_why_never_showing_it(
+        fields, complaint):
+    with pytest.raises(secrets.SecretError, match=complaint) as caught:
+        secret(**fields)
+    assert VALUE not in str(caught.value)
+
+
+def test_the_store_keeps_its_key_and_secrets_privately_across_restarts(tmp_path):
+    store = secrets.SecretStore.load(tmp_path)
+    path = tmp_path / secrets.FILE
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert store.set(secret()) is True and store.set(secret()) is False
+    again = secrets.SecretStore.load(tmp_path)
+    assert again.key == store.key and again.secrets == store.secrets
+    assert "value" not in json.dumps(again.secrets["API_TOKEN"].describe())
+    assert again.remove("API_TOKEN").name == "API_TOKEN"
+    assert secrets.SecretStore.load(tmp_path).secrets == {}
+    with pytest.raises(LookupError, match="no secret 'API_TOKEN'; secrets: none"):
+        again.remove("API_TOKEN")
+
+
+def test_a_change_that_cannot_be_written_changes_nothing(tmp_path):
+    store = secrets.SecretStore.load(tmp_path)
+    store.set(secret())
+    (tmp_path / "file").write_text("")
+    store.path = tmp_path / "file" / secrets.FILE  # a directory that is a file: even root fails
+    with pytest.raises(OSError):
+        store.remove("API_TOKEN")
+    with pytest.raises(OSError):
+        store.set(secret(name="OTHER_TOKEN"))
+    assert list(store.secrets) == ["API_TOKEN"]
+
+
+def test_a_damaged_store_is_named_with_the_way_out(tmp_path):
+    (tmp_path / secrets.FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match="restore it from a backup, or remove it"):
+        secrets.SecretStore.load(tmp_path)
+    (tmp_path / secrets.FILE).write_text('{"key": "zz", "secrets": {}}')
+    with pytest.raises(ConfigError, match="not a secrets file"):
+        secrets.SecretStore.load(tmp_path)
