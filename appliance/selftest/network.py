@@ -360,3 +360,28 @@ def giant_header(ctx):
                          + b"a" * 100_000 + b"\r\n\r\n")
     return Outcome(status(head) == 431, first_line(head), {"kind": "http", "reason": "larger than"})
 
+
+
+# -- T24: the sandbox holds placeholders, never secrets; a placeholder goes nowhere else ---
+
+
+def _placeholder() -> str:
+    """Shaped as the filter's placeholders are (`corral-secret-<name>-<hex>`)."""
+    return f"corral-secret-probe-{secrets.token_hex(16)}"
+
+
+@probe("placeholder-in-a-name", 24, records="dns event for the name, reason 'placeholder'")
+def placeholder_in_a_name(ctx):
+    name = f"{_placeholder()}.{ctx.args.allowed}"
+    rcode, _ = resolve(ctx.args, name)
+    return Outcome(rcode == 3, f"{name[:40]}...: rcode {rcode} (NXDOMAIN = 3)",
+                   {"kind": "dns", "name": name, "reason": "placeholder"})
+
+
+@probe("placeholder-to-an-allowed-host", 24, records="secret event for the allowed host")
+def placeholder_to_an_allowed_host(ctx):
+    a = ctx.args
+    head = proxy_request(a, f"GET http://{a.allowed}/selftest?key={_placeholder()} HTTP/1.1\r\n"
+                         f"Host: {a.allowed}\r\nConnection: close\r\n\r\n".encode())
+    return Outcome(status(head) == 403 and b"placeholder" in head, first_line(head),
+                   {"kind": "secret", "name": a.allowed})

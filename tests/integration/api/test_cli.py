@@ -218,3 +218,28 @@ def test_the_interception_ca_commands_say_when_inspection_is_off(home):
     assert json.loads(corral(home, "certs", "interception", "--json").stdout) == {"ca": None}
     rotated = corral(home, "certs", "rotate", "--interception")
     assert rotated.returncode == 1 and "inspection is off" in rotated.stderr
+
+
+def test_a_secret_goes_in_on_stdin_and_never_comes_out(home):
+    value = "sk-cli-0123456789abcdefVALUE"
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    stored = subprocess.run([CORRAL, "secret", "set", "CLI_TOKEN", "--host", "api.example.com",
+                             "--header", "x-api-key", "--json"], input=value + "\n",
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert stored.returncode == 0, stored.stderr
+    assert json.loads(stored.stdout)["secret"]["header"] == "x-api-key"
+    listed = corral(home, "secret", "ls")
+    assert "CLI_TOKEN" in listed.stdout and "header x-api-key" in listed.stdout
+    shown = [corral(home, "secret", "ls", "--json"), corral(home, "status", "--json"),
+             corral(home, "audit", "--json")]
+    assert all(value not in r.stdout + r.stderr for r in [stored, *shown])
+    empty = subprocess.run([CORRAL, "secret", "set", "CLI_TOKEN", "--host", "h.example"],
+                           input="", capture_output=True, text=True, env=env, timeout=30)
+    assert empty.returncode == 2 and "no value for CLI_TOKEN" in empty.stderr
+    reserved = subprocess.run([CORRAL, "secret", "set", "HTTPS_PROXY", "--host", "h.example"],
+                              input=value, capture_output=True, text=True, env=env, timeout=30)
+    assert reserved.returncode == 1 and "session's own" in reserved.stderr
+    assert value not in reserved.stderr
+    assert corral(home, "secret", "rm", "CLI_TOKEN").returncode == 0
+    gone = corral(home, "secret", "rm", "CLI_TOKEN")
+    assert gone.returncode == 1 and "no secret 'CLI_TOKEN'" in gone.stderr
