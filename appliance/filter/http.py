@@ -16,7 +16,9 @@ from appliance.policy import HostNameError, split_host_port
 _TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _VERSION = re.compile(rb"^HTTP/1\.[01]$")
 _FIELD_VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
+_TARGET_BAD = re.compile(rb"[\x00-\x20\x7f-\xff]")
+"""Bytes no request target may hold (RFC 9112 §3.2: visible ASCII; the rest arrives
+percent-encoded, and a raw one would not survive the re-serialised request line)."""
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authorization",
@@ -39,9 +41,12 @@ _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[\t\x20-\x7e]*)?")
 class HttpError(ValueError):
     """A message the proxy refuses; `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, unquoted: str | None = None):
         super().__init__(message)
         self.status = status
+        self.unquoted = unquoted or message
+        """The message without the bytes it quotes: for what an upstream sent, which may
+        hold what the filter attached to the request (a secret)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +102,12 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
             raise HttpError(400, "obsolete line folding is not accepted")
         name, colon, value = line.partition(b":")
         if not colon or not _TOKEN.match(name):
-            raise HttpError(400, f"malformed header field {line[:60]!r}")
+            raise HttpError(400, f"malformed header field {line[:60]!r}",
+                            "malformed header field")
         value = value.strip(b" \t")
         if _FIELD_VALUE_BAD.search(value):
-            raise HttpError(400, f"control character in header {name.decode()!r}")
+            raise HttpError(400, f"control character in header {name.decode()!r}",
+                            "control character in a header field")
         fields.append((name.decode("ascii"), value.decode("latin-1")))
     return tuple(fields)
 
@@ -113,7 +120,8 @@ def _check_framing(head: Head) -> None:
     lengths = head.get_all("content-length")
     if lengths:  # ASCII digits only: str.isdigit() takes "²", which int() then refuses
         if len(set(lengths)) != 1 or not _DIGITS.fullmatch(lengths[0]):
-            raise HttpError(400, f"invalid or conflicting Content-Length {lengths!r}")
+            raise HttpError(400, f"invalid or conflicting Content-Length {lengths!r}",
+                            "invalid or conflicting Content-Length")
         if len(lengths[0]) > 18:
             raise HttpError(400, "Content-Length too large")
     # tokens as written, but for the spaces and tabs around them: str.strip() would also
@@ -123,7 +131,7 @@ def _check_framing(head: Head) -> None:
     if codings:
         if codings != ["chunked"]:
             raise HttpError(501, f"Transfer-Encoding {', '.join(codings)!r} is not supported;"
-                            " only chunked")
+                            " only chunked", "a Transfer-Encoding other than chunked")
         if lengths:
             raise HttpError(400, "both Transfer-Encoding and Content-Length: refused "
                             "(request smuggling)")
@@ -165,14 +173,16 @@ def parse_response(data: bytes) -> Head:
     lines = _lines(data)
     version, _, rest = lines[0].partition(b" ")
     status, _, reason = rest.partition(b" ")
+    # What is wrong is named, never quoted: an upstream's bytes may hold what the filter
+    # attached to the request (a secret), and errors reach the agent and the audit log.
     if not _VERSION.match(version) or not re.fullmatch(rb"[0-9]{3}", status):
-        raise HttpError(502, f"upstream sent a malformed status line {lines[0][:80]!r}")
+        raise HttpError(502, "upstream sent a malformed status line")
     try:
         head = Head((version.decode(), status.decode(), reason.decode("latin-1")),
                     _fields(lines[1:]))
         _check_framing(head)
     except HttpError as exc:
-        raise HttpError(502, f"upstream response: {exc}") from None
+        raise HttpError(502, f"upstream response: {exc.unquoted}") from None
     return head
 
 
@@ -252,7 +262,7 @@ def parse_chunk_size(line: bytes) -> int:
     LF, a sign, spaces or anything else a lenient parser might read differently."""
     match = _CHUNK_LINE.fullmatch(line)
     if match is None:
-        raise HttpError(400, f"malformed chunk size line {line[:40]!r}")
+        raise HttpError(400, "malformed chunk size line")  # never quoted: see parse_response
     return int(match.group(1), 16)
 
 

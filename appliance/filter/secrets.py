@@ -16,7 +16,7 @@ import os
 import re
 import secrets as random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from appliance.atomic import write_atomic
@@ -60,6 +60,9 @@ class Secret:
     header: str | None = None
     user: str | None = None
     created: float = 0.0
+    nonce: str = ""
+    """Random, made when the secret is first set, kept when it is replaced: in its
+    placeholders (proxy/credentials.py), so a secret removed and set again has new ones."""
 
     def binds(self, host_name: str | None) -> bool:
         """May the value go to this host?"""
@@ -70,7 +73,7 @@ class Secret:
 
     def describe(self) -> dict:
         """What may be shown of it: everything but the value."""
-        shown = {k: v for k, v in asdict(self).items() if k != "value"}
+        shown = {k: v for k, v in asdict(self).items() if k not in ("value", "nonce")}
         shown["hosts"] = list(self.hosts)
         return shown
 
@@ -101,6 +104,9 @@ def parse(request: dict) -> Secret:
             normal.append(("*." if wild else "") + normalise_name(host[2:] if wild else host))
         except HostNameError as exc:
             raise SecretError(f"secret {name}: host {host!r}: {exc}") from None
+        if wild and "." not in normal[-1][2:]:
+            raise SecretError(f"secret {name}: host {host!r} covers a whole top-level domain: "
+                              "every name under a wildcard gets the value")
     scheme = request.get("scheme", "bearer")
     if scheme not in SCHEMES:
         raise SecretError(f"secret {name}: 'scheme' must be one of {', '.join(SCHEMES)}")
@@ -120,7 +126,7 @@ def parse(request: dict) -> Secret:
     elif user is not None:
         raise SecretError(f"secret {name}: 'user' goes with scheme 'basic' only")
     return Secret(name, value, tuple(dict.fromkeys(normal)), scheme, header, user,
-                  round(time.time(), 3))
+                  round(time.time(), 3), random.token_hex(16))
 
 
 class SecretStore:
@@ -151,10 +157,13 @@ class SecretStore:
             key = bytes.fromhex(data["key"])
             found = {}
             for name, fields in data["secrets"].items():
-                secret = Secret(**{**fields, "hosts": tuple(fields["hosts"])})
-                if secret.name != name:
-                    raise ValueError(f"entry {name!r} holds secret {secret.name!r}")
-                found[name] = secret
+                if fields.get("name") != name:
+                    raise ValueError(f"entry {name!r} holds secret {fields.get('name')!r}")
+                checked = parse(fields)  # a file restored or edited by hand: as if set anew
+                found[name] = replace(checked, created=fields.get("created", 0.0),
+                                      nonce=fields.get("nonce") or checked.nonce)
+        except SecretError as exc:
+            raise ConfigError(str(path), "", str(exc)) from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(str(path), "", f"not a secrets file ({exc})") from None
         return cls(path, key, found)
@@ -166,8 +175,11 @@ class SecretStore:
         write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
 
     def set(self, secret: Secret) -> bool:
-        """Store it (replacing one of that name); True if it is new."""
+        """Store it (replacing one of that name, whose placeholders stay good); True if it
+        is new."""
         old = self.secrets
+        if secret.name in old:
+            secret = replace(secret, nonce=old[secret.name].nonce)
         self.secrets = {**old, secret.name: secret}
         try:
             self.save()

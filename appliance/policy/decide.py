@@ -256,8 +256,8 @@ class Policy:
 
 def _placeholder(host: Host) -> Decision:
     """No rule opens a name that carries a secret's placeholder: that is a way out for it."""
-    return Decision(False, f"{str(host)[:80]} carries a corral secret placeholder: a "
-                    "placeholder goes only to its secret's hosts, in its header")
+    return Decision(False, "a name that carries a corral secret placeholder: a placeholder "
+                    "goes only to its secret's hosts, in its header")
 
 
 def _denied_by_rule(host: Host, rule: Rule) -> Decision:

@@ -41,6 +41,9 @@ from .pipeline import (
     websocket,
 )
 
+ECHOING = frozenset({"TRACE", "TRACK"})
+"""Methods whose response is the request itself."""
+
 if TYPE_CHECKING:
     from . import Client, Proxy
 
@@ -213,9 +216,16 @@ class Forward:
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             return await self._refuse(client, head, Denied(decision, where.target)), kept
+        attached: tuple[bytes, ...] = ()
         if applied.used:
+            if head.start[0] in ECHOING:
+                decision = Decision(False, f"{head.start[0]} sends the request back: never with "
+                                    f"a secret attached ({', '.join(applied.used)})")
+                proxy.event(decision, client, session, "http", where.host, where.port, **fields)
+                return await self._refuse(client, head, Denied(decision, where.target)), kept
             head = replace(head, headers=applied.headers)
             fields = {**fields, "secrets": list(applied.used)}
+            attached = proxy.credentials.values(applied.used)
         key = (str(where.host), where.port)
         if isinstance(mode, InTunnel) or (
                 kept is not None and kept.key == key and not kept.reader.at_eof()):
@@ -231,7 +241,7 @@ class Forward:
             kept = Upstream(key, up_r, up_w, event["address"])
         counters = Counters()
         try:
-            keep = await self._exchange(client, head, where, kept, counters)
+            keep = await self._exchange(client, head, where, kept, counters, attached)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
                 kept.writer.close()
@@ -263,10 +273,11 @@ class Forward:
         await drain(client.writer, self.config.idle_timeout)
         return keep
 
-    async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters
-                        ) -> tuple[bool, bool]:
+    async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters,
+                        attached: tuple[bytes, ...] = ()) -> tuple[bool, bool]:
         """Send the request, relay the response. Returns (keep the client connection, keep
-        the upstream connection)."""
+        the upstream connection). A response head that carries back a secret the request
+        was given (`attached`) is not passed on (its body is not read for it)."""
         idle = self.config.idle_timeout
         upgrade = websocket(head)
         # Expect: 100-continue is answered here, now that the request is allowed and the
@@ -283,6 +294,9 @@ class Forward:
                 raise HttpError(502, "upstream response head too large") from None
             except asyncio.IncompleteReadError:
                 raise HttpError(502, "upstream closed without a response") from None
+            if any(value in data for value in attached):
+                raise HttpError(502, "the upstream's response head holds the secret attached "
+                                "to the request: not passed on")
             reply = parse_response(data)
             status = int(reply.start[1])
             if 100 <= status < 200 and status != 101:

@@ -5,6 +5,7 @@ anything is dialled. The value never shows up in an answer, an event or the audi
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -133,3 +134,69 @@ def test_the_value_is_in_no_record_and_the_file_is_the_filters_alone(holding):
     assert VALUE.encode() not in audit and GH_VALUE.encode() not in audit  # ...never shown
     stored = holding.directory / "state" / "secrets.json"
     assert stored.stat().st_mode & 0o777 == 0o600
+
+
+class HeadEcho:
+    """A TLS origin that answers each request head with `reply(head)`: what a hostile or
+    careless API could send back."""
+
+    def __init__(self, world, reply):
+        self.reply, self.heads = reply, []
+
+        async def serve(reader, writer):
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                writer.write(self.reply(head))
+                await writer.drain()
+            finally:
+                writer.close()
+
+        async def start():
+            server = await asyncio.start_server(
+                serve, world.ADDRESS, 0, ssl=world.ca.server_context(["plain.test"]))
+            return server, server.sockets[0].getsockname()[1]
+
+        self.server, self.port = world.loop.run(start())
+
+
+def _authorization(head: bytes) -> bytes:
+    line = next(x for x in head.split(b"\r\n") if x.lower().startswith(b"authorization:"))
+    return line.partition(b":")[2].strip()
+
+
+@pytest.mark.parametrize("shape", ["a header", "a malformed line", "the status line"])
+def test_an_origin_sending_the_secret_back_in_its_head_is_not_passed_on(
+        holding, origins, interception, shape):  # noqa: F811
+    def reply(head):
+        echoed = _authorization(head)
+        if shape == "a header":
+            return b"HTTP/1.1 200 OK\r\nX-Echo: " + echoed + b"\r\nContent-Length: 0\r\n\r\n"
+        if shape == "a malformed line":
+            return b"HTTP/1.1 200 OK\r\n" + echoed + b"\r\nContent-Length: 0\r\n\r\n"
+        return b"HTTP/1.1 " + echoed + b"\r\n\r\n"
+
+    origin = HeadEcho(origins, reply)
+    mine = placeholders(holding, "s1")["GH_TOKEN"]
+    with tls_through(holding, client_context(interception), "plain.test", origin.port) as tls:
+        status, headers, body = get(tls, f"plain.test:{origin.port}", "/echo",
+                                    extra=f"Authorization: Bearer {mine}\r\n")
+    assert GH_VALUE.encode() in origin.heads[0]  # it was attached...
+    assert status == 502  # ...and does not come back, in the answer, the event or the log
+    assert GH_VALUE not in json.dumps(headers) + body.decode("latin-1")
+    assert GH_VALUE not in json.dumps(holding.events())
+    audit = b"".join(p.read_bytes() for p in (holding.directory / "state").glob("audit*"))
+    assert GH_VALUE.encode() not in audit
+    origins.loop.loop.call_soon_threadsafe(origin.server.close)
+
+
+def test_trace_never_carries_a_secret(holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")["GH_TOKEN"]
+    before = len(origins["good"].requests)
+    with tls_through(holding, client_context(interception), "plain.test", port) as tls:
+        status, headers, _ = get(tls, f"plain.test:{port}", "/trace", method="TRACE",
+                                 extra=f"Authorization: Bearer {mine}\r\n")
+        assert status == 403 and "TRACE sends the request back" in headers["x-corral-deny"]
+        assert get(tls, f"plain.test:{port}", "/trace", method="TRACE")[0] == 200  # no secret
+    assert [r["method"] for r in origins["good"].requests[before:]] == ["TRACE"]

@@ -178,3 +178,47 @@ def test_a_damaged_store_is_named_with_the_way_out(tmp_path):
     (tmp_path / secrets.FILE).write_text('{"key": "zz", "secrets": {}}')
     with pytest.raises(ConfigError, match="not a secrets file"):
         secrets.SecretStore.load(tmp_path)
+
+
+@pytest.mark.parametrize("encode", [
+    lambda t: base64.b64encode(t).decode().rstrip("="),         # no padding
+    lambda t: base64.urlsafe_b64encode(t).decode(),              # URL-safe letters
+    lambda t: " ".join(base64.b64encode(t).decode()),            # spaces inside
+])
+def test_basic_credentials_are_read_as_leniently_as_servers_do(encode):
+    creds = credentials(secret())
+    mine = creds.placeholder("s1", "API_TOKEN")
+    with pytest.raises(Leak):
+        apply(creds, [("Authorization", "Basic " + encode(f"x:{mine}?".encode()))],
+              host=OTHER)
+
+
+def test_a_secret_set_again_after_rm_has_new_placeholders_a_replaced_one_the_same(tmp_path):
+    store = secrets.SecretStore.load(tmp_path)
+    store.set(secret())
+    first = Credentials(store.key, store.secrets).placeholder("s1", "API_TOKEN")
+    store.set(secret(hosts=["api.example.com", "b.example.com"]))  # replaced: still good
+    assert Credentials(store.key, store.secrets).placeholder("s1", "API_TOKEN") == first
+    store.remove("API_TOKEN")
+    store.set(secret())
+    again = Credentials(store.key, store.secrets)
+    assert again.placeholder("s1", "API_TOKEN") != first  # the old one stays dead
+    with pytest.raises(Leak):
+        again.apply("s1", API, "/", (("Authorization", f"Bearer {first}"),), True)
+
+
+def test_a_wildcard_over_a_top_level_domain_is_refused():
+    with pytest.raises(secrets.SecretError, match="whole top-level domain"):
+        secret(hosts=["*.com"])
+    assert secret(hosts=["*.example.com"]).binds("api.example.com")
+
+
+def test_a_secrets_file_edited_by_hand_is_checked_as_if_set_anew(tmp_path):
+    store = secrets.SecretStore.load(tmp_path)
+    store.set(secret())
+    data = json.loads((tmp_path / secrets.FILE).read_text())
+    data["secrets"]["API_TOKEN"]["value"] = "v\r\nX-Injected: 1"
+    (tmp_path / secrets.FILE).write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="printable ASCII") as caught:
+        secrets.SecretStore.load(tmp_path)
+    assert "X-Injected" not in str(caught.value)

@@ -42,6 +42,7 @@ def test_request_head_parses():
     (b"GET / HTTP/1.1\nHost: a\r\n\r\n", 400, "bare CR or LF"),
     (b"GET / HTTP/1.1\r\nX: a\x01b\r\n\r\n", 400, "control character"),
     (b"GET /\x7f HTTP/1.1\r\n\r\n", 400, "target"),
+    (b"GET /caf\xc3\xa9 HTTP/1.1\r\n\r\n", 400, "target"),  # raw UTF-8: percent-encode it
 ])
 def test_hostile_request_heads_are_refused(raw, status, message):
     with pytest.raises(HttpError, match=message) as info:
@@ -165,3 +166,18 @@ def test_oversized_hello_is_refused():
     giant = b"\x16\x03\x01\x40\x00" + b"\x01\xff\xff\xff" + b"\x00" * 16380
     with pytest.raises(TlsError, match="larger than 32 KiB"):
         parse_client_hello(giant)
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\r\nsk-SECRET\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: sk-SECRET\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: sk-SECRET\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nsk-SECRET: \x01\r\n\r\n",
+    b"sk-SECRET 200 OK\r\n\r\n",
+])
+def test_what_an_upstream_sent_is_named_never_quoted(raw):
+    """An upstream's bytes may hold a secret the filter attached: errors go to the agent
+    and the audit log."""
+    with pytest.raises(HttpError) as info:
+        parse_response(raw)
+    assert info.value.status == 502 and "SECRET" not in str(info.value)
