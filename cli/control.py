@@ -14,7 +14,8 @@ from appliance import pki
 from . import exitcodes, output
 from .client import Client, CliError, load_appliance
 
-KIND_OF_COMMAND = {"allow-http": "http", "allow-dns": "dns", "allow-tcp": "tcp", "deny": "deny"}
+KIND_OF_COMMAND = {"allow-http": "http", "allow-dns": "dns", "allow-tcp": "tcp", "deny": "deny",
+                   "inspect": "inspect", "allow-request": "request", "deny-request": "request"}
 
 
 def client_for(args) -> Client:
@@ -38,8 +39,12 @@ def cmd_allow(args) -> int:
     client = client_for(args)
     kind = KIND_OF_COMMAND[args.command]
     session = pick_session(client, args.session)
+    rule = args.rule
+    if kind == "request":  # HOST METHOD PATH, as three words; a deny starts with '!'
+        rule = f"{'!' if args.command == 'deny-request' else ''}{args.rule} {args.method} " \
+               f"{args.path}"
     answer = client.request("POST", "/policy/rules",
-                            {"session": session, "kind": kind, "rule": args.rule})
+                            {"session": session, "kind": kind, "rule": rule})
     if args.json:
         output.data(answer)
     else:
@@ -51,10 +56,11 @@ def cmd_allow(args) -> int:
 def cmd_revoke(args) -> int:
     client = client_for(args)
     session = pick_session(client, args.session)
-    if len(args.rule) == 2:
-        kind, text = args.rule
+    words = args.rule
+    if len(words) >= 2 and words[0] in set(KIND_OF_COMMAND.values()):
+        kind, text = words[0], " ".join(words[1:])
     else:
-        (text,) = args.rule
+        text = " ".join(words)
         rules = client.request("GET", "/policy", session=session)["rules"]
         matches = [r for r in rules if r["rule"] == text and r["layer"] == "session"]
         if len(matches) != 1:

@@ -102,6 +102,18 @@ def parser() -> argparse.ArgumentParser:
             name, f"add a {control.KIND_OF_COMMAND[name]} rule to a session's runtime layer",
             control.cmd_allow)
         command.add_argument("rule", metavar=metavar.strip(), help=text.strip())
+    inspect = appliance_command("inspect", "have the filter end TLS to a host and judge each "
+                                "request (a session's runtime layer)", control.cmd_allow)
+    inspect.add_argument("rule", metavar="HOST", help="e.g. api.github.com, *.example.org")
+    for name, verb in (("allow-request", "allow"), ("deny-request", "deny")):
+        command = appliance_command(
+            name, f"{verb} a method and path on an inspected host (a session's runtime layer)",
+            control.cmd_allow, description=f"{verb.capitalize()} requests on an inspected host "
+            "by method and path glob (`*` one segment, `**` any): deny wins; a runtime allow "
+            "only widens a host's allow list.")
+        command.add_argument("rule", metavar="HOST")
+        command.add_argument("method", metavar="METHOD", help="GET, POST, ... or *")
+        command.add_argument("path", metavar="PATH", help="e.g. /repos/acme/widget/pulls/*")
     revoke = appliance_command("revoke", "remove a rule from a session's runtime layer",
                                control.cmd_revoke)
     revoke.add_argument("rule", nargs="+", metavar="[KIND] RULE",

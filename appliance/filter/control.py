@@ -9,7 +9,7 @@ the client hangs up. Requests:
   {"op": "status"}
   {"op": "sessions"}
   {"op": "policy", "session": S}                     effective rules with layers (S may be null)
-  {"op": "add", "session": S, "kind": K, "rule": R}   runtime layer; K in dns|http|tcp|deny
+  {"op": "add", "session": S, "kind": K, "rule": R}   runtime layer; K: one of store.RUNTIME_KINDS
   {"op": "remove", "session": S, "kind": K, "rule": R}
   {"op": "events", "last": N, "session": S?, "verdict": V?}
   {"op": "subscribe", "session": S?, "verdict": V?}

@@ -29,13 +29,14 @@ from appliance.policy import (
     Rule,
     RuleError,
     dedupe,
+    parse_host,
     policy_file_rules,
 )
 
 from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
 log = logging.getLogger(__name__)
-RUNTIME_KINDS = ("dns", "http", "tcp", "deny")
+RUNTIME_KINDS = ("dns", "http", "tcp", "deny", "inspect", "request")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
 opening blocked ranges or host services is a change to a file a person reviews."""
 CLIENTS_MAX = 65536
@@ -292,6 +293,8 @@ class PolicyStore:
             raise RuleError(f"kind {kind!r} cannot be added at run time; expected one of "
                             f"{', '.join(RUNTIME_KINDS)} (cidr and host ports go in corral.toml)")
         rule = Rule.parse(kind, text, "session", "api")
+        if rule.request is not None and not rule.request.deny and rule.request.text != "nothing":
+            _only_adds(session.policy, rule)  # `HOST nothing` restricts on purpose
         if any(r.key() == rule.key() for r in session.runtime):
             return self._change(result=(rule, False), changed=False)
         return self._replace(session, (*session.runtime, rule), (rule, True))
@@ -355,6 +358,21 @@ def _registered_bytes(registered: tuple[SessionConfig, ...]) -> bytes:
         {"name": s.name, "subnet": str(s.subnet), "gateway": str(s.gateway),
          "files": list(s.files)} for s in registered]}
     return json.dumps(document, indent=1).encode() + b"\n"
+
+
+def _only_adds(policy, rule: Rule) -> None:
+    """A request allow added at run time may only widen a host's allow list. On a host with
+    none (every request no deny matches passes, or it is not inspected at all) it would
+    make one, and refuse every other request: refused, saying so."""
+    if rule.wildcard:
+        raise RuleError(f"request rule {rule.text}: a runtime allow names one host (wildcards "
+                        "go in corral.toml)")
+    inspection = policy.inspection(parse_host(rule.host))
+    if inspection is None or not inspection.restricted:
+        state = "is not inspected" if inspection is None else "has no allow list"
+        raise RuleError(f"{rule.host} {state}: every request no deny matches passes already, "
+                        "and an allow added now would refuse all the others; a request a deny "
+                        "refuses is allowed by removing that deny where it is written")
 
 
 def _runtime_bytes(name: str, runtime: tuple[Rule, ...]) -> bytes:

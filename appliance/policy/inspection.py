@@ -201,9 +201,8 @@ class Inspection:
             path = f"{head}/**"
         host = self.host
         name = f"[{host}]" if host.address is not None and host.address.version == 6 else host
-        # request rules live in policy files for now (the runtime layer takes dns, http,
-        # tcp and deny): the hint says what to add where
-        return f"add '{method} {path}' to an allow list of an [[inspect]] table for {name}"
+        return (f"corral allow-request {name} {method} {path} (or add '{method} {path}' to an "
+                f"allow list of an [[inspect]] table for {name})")
 
 
 def _shown(target: str) -> str:

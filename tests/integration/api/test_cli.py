@@ -243,3 +243,21 @@ def test_a_secret_goes_in_on_stdin_and_never_comes_out(home):
     assert corral(home, "secret", "rm", "CLI_TOKEN").returncode == 0
     gone = corral(home, "secret", "rm", "CLI_TOKEN")
     assert gone.returncode == 1 and "no secret 'CLI_TOKEN'" in gone.stderr
+
+
+def test_inspection_and_request_rules_at_run_time(home):
+    def run(*args):
+        return corral(home, *args, "--session", "s2")
+
+    assert run("inspect", "api.docs.test").returncode == 0
+    refused = run("allow-request", "api.docs.test", "GET", "/x")
+    assert refused.returncode == 1 and "has no allow list" in refused.stderr
+    denied = run("deny-request", "api.docs.test", "DELETE", "/**")
+    assert denied.returncode == 0 and "!api.docs.test DELETE /**" in denied.stdout
+    assert run("allow-request", "api.docs.test", "GET", "/x/**").returncode == 1
+    rules = json.loads(corral(home, "rules", "--session", "s2", "--json").stdout)
+    shown = {(r["kind"], r["rule"]) for r in rules["rules"] if r["layer"] == "session"}
+    assert {("inspect", "api.docs.test"), ("request", "!api.docs.test DELETE /**")} <= shown
+    revoked = run("revoke", "request", "!api.docs.test", "DELETE", "/**")
+    assert revoked.returncode == 0, revoked.stderr
+    assert run("revoke", "api.docs.test").returncode == 0

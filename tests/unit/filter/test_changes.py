@@ -246,3 +246,31 @@ def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
     assert events == {"ok": True, "events": []}
     logged = [r for r in caplog.records if "policy failed" in r.getMessage()]
     assert logged and logged[0].exc_info[0] is RuntimeError  # with its traceback
+
+
+def test_hosts_are_inspected_and_requests_ruled_at_run_time_and_that_survives(config):
+    store = PolicyStore(config)
+    api = parse_host("api.project.test")
+    assert store.sessions["s1"].policy.inspection(api) is None
+    store.add("s1", "inspect", "api.project.test")
+    inspection = store.sessions["s1"].policy.inspection(api)
+    assert inspection is not None and inspection.decide("DELETE", "/x").allowed
+    store.add("s1", "request", "!api.project.test DELETE /**")
+    assert not store.sessions["s1"].policy.inspection(api).decide("DELETE", "/x").allowed
+    # an allow on a host with no allow list would make one and refuse everything else
+    with pytest.raises(RuleError, match="has no allow list"):
+        store.add("s1", "request", "api.project.test GET /x")
+    with pytest.raises(RuleError, match="is not inspected"):
+        store.add("s1", "request", "other.project.test GET /x")
+    with pytest.raises(RuleError, match="one host"):
+        store.add("s1", "request", "*.project.test GET /x")
+    store.add("s1", "request", "api.project.test nothing")  # allow = [] written at run time
+    assert not store.sessions["s1"].policy.inspection(api).decide("GET", "/x").allowed
+    store.add("s1", "request", "api.project.test GET /x")  # now it widens a list
+    assert store.sessions["s1"].policy.inspection(api).decide("GET", "/x").allowed
+    again = PolicyStore(config)  # a restart reads them back
+    assert runtime_rules(again) == runtime_rules(store)
+    assert again.sessions["s1"].policy.inspection(api).decide("GET", "/x").allowed
+    assert not again.sessions["s1"].policy.inspection(api).decide("GET", "/y").allowed
+    again.remove("s1", "request", "!api.project.test DELETE /**")
+    assert "!api.project.test DELETE /**" not in runtime_rules(again)

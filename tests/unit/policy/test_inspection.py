@@ -236,8 +236,9 @@ def test_denials_name_the_rule_and_the_command():
                            "layer")
     unmatched = inspection.decide("POST", "/user/repos")
     assert unmatched.reason == "no allow pattern matches POST /user/repos on api.github.com"
-    assert unmatched.hint == ("add 'POST /user/repos' to an allow list of an [[inspect]] "
-                              "table for api.github.com")
+    assert unmatched.hint == ("corral allow-request api.github.com POST /user/repos (or add "
+                              "'POST /user/repos' to an allow list of an [[inspect]] table for "
+                              "api.github.com)")
     preset = policy_of('presets = ["github-pr"]').inspection(HOST).decide("PUT", "/gists/1")
     assert preset.hint == ("remove request rule !api.github.com * /gists/** from the project "
                            "layer (preset:github-pr)")
@@ -251,8 +252,11 @@ def test_denials_name_the_rule_and_the_command():
 def test_the_hint_names_a_rule_that_allows_the_request(method, target):
     policy = Policy([Rule.parse("request", "api.github.com nothing")])
     hint = policy.inspection(HOST).decide(method, target).hint
-    pattern = re.fullmatch(r"add '(.+)' to an allow list of an \[\[inspect\]\] table for "
-                           r"api\.github\.com", hint).group(1)
+    pattern = re.fullmatch(r"corral allow-request api\.github\.com (\S+ \S+) \(or add '(.+)' "
+                           r"to an allow list of an \[\[inspect\]\] table for "
+                           r"api\.github\.com\)", hint)
+    assert pattern.group(1) == pattern.group(2)  # the command and the file say the same
+    pattern = pattern.group(1)
     widened = Policy([*policy.rules, Rule.parse("request", f"api.github.com {pattern}")])
     assert widened.inspection(HOST).decide(method, target).allowed
 
