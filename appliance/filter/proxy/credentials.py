@@ -90,22 +90,27 @@ class Credentials:
                 if s.binds(host.name)} if tls and session is not None else {}
         out, used = [], []
         for name, value in headers:
-            low = name.lower()
-            for placeholder, secret in mine.items():
-                swapped = _swap(secret, low, value, placeholder)
-                if swapped is not None:
-                    value = swapped
-                    used.append(secret.name)
-                    break
+            if mine:
+                low = name.lower()
+                for placeholder, secret in mine.items():
+                    swapped = _swap(secret, low, value, placeholder)
+                    if swapped is not None:
+                        value = swapped
+                        used.append(secret.name)
+                        break
             out.append((name, value))
+        # every request pays for this: one look at all of it first, field by field only
+        # when something is there to name
+        if _marked("\0".join(f"{n}\0{v}" for n, v in out)):
+            for name, value in out:
+                if _marked(name) or _marked(value):
+                    raise self._leak(f"the field {name[:40]}", name + value, session)
         for name, value in out:
-            if _marked(name) or _marked(value):
-                raise self._leak(f"the field {name[:40]}", name + value, session)
             if name.lower() in ("authorization", "proxy-authorization"):
                 decoded = _basic(value)
                 if decoded is not None and _marked(decoded):
                     raise self._leak(f"the basic-auth credential in {name}", decoded, session)
-        if _marked(target) or _marked(unquote(target)):
+        if _marked(target) or ("%" in target and _marked(unquote(target))):
             raise self._leak("the request target", unquote(target), session)
         return Applied(tuple(out), tuple(used))
 
