@@ -97,8 +97,9 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(provisioned, t
                                                "inspected", "--detach"], 600, env=env)
     assert started.returncode == 0, started.stderr
     try:
-        script = ("curl -sS -o /dev/null -w 'allowed %{http_code}\\n' "
+        script = ("curl -sS -o /dev/null -D /tmp/head -w 'allowed %{http_code}\\n' "
                   "https://deb.debian.org/debian/dists/bookworm/Release; "
+                  "grep -i '^x-corral' /tmp/head; "  # the filter's reason, if it refused
                   "curl -sS -o /dev/null -w 'denied %{http_code}\\n' "
                   "https://deb.debian.org/forbidden/x; "
                   "curl -sS -v -o /dev/null https://deb.debian.org/debian/ 2>&1 | grep issuer:")

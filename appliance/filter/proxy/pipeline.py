@@ -92,6 +92,9 @@ class Route:
     """Why the request may not go even where its host is allowed: it also names another host
     or port (a Host header against the target, a target against the tunnel). The caller
     judges the route first, so a denied host is reported as such, then refuses this."""
+    default_port: int = 80
+    """The scheme's port, which the Host header leaves out: 443 inside TLS the filter ended
+    (`Host: example.org:443` is valid, and refused by CDNs that route on the exact name)."""
 
     @property
     def target(self) -> str:
@@ -100,8 +103,8 @@ class Route:
 
     @property
     def authority(self) -> str:
-        """The Host header the upstream is sent: the port only when it is not 80."""
-        return _authority(self.host, self.port, 80)
+        """The Host header the upstream is sent: the port only when it is not the scheme's."""
+        return _authority(self.host, self.port, self.default_port)
 
 
 def _authority(host: Host, port: int, default: int | None) -> str:
@@ -132,7 +135,8 @@ def route(head: Head, mode: Mode) -> Route:
                             "or use an absolute URI")
         if host_header is None:
             if isinstance(mode, InTunnel):  # HTTP/1.0 may leave it out: it goes where the
-                return Route(mode.host, mode.port, target)  # tunnel goes
+                return Route(mode.host, mode.port, target,  # tunnel goes
+                             default_port=_scheme_port(mode))
             raise HttpError(400, "no Host header: cannot tell where the request goes")
         name, port = parse_authority(host_header, _default_port(mode))
         return _judged_against(mode, host_of(name), port, target, f"Host header {host_header!r}")
@@ -144,8 +148,13 @@ def route(head: Head, mode: Mode) -> Route:
         name, _ = parse_authority(host_header, port)
         if host_of(name) != host:  # a port notation difference is no conflict: Host is rebuilt
             return Route(found.host, found.port, found.path, f"Host header {host_header!r} "
-                         f"differs from the request target {found.target}")
+                         f"differs from the request target {found.target}",
+                         found.default_port)
     return found
+
+
+def _scheme_port(mode: InTunnel) -> int:
+    return 443 if mode.inspected else 80
 
 
 def _default_port(mode: Mode) -> int:
@@ -158,7 +167,7 @@ def _judged_against(mode: Mode, host: Host, port: int, path: str, what: str) -> 
     if isinstance(mode, InTunnel):
         conflict = None if (host, port) == (mode.host, mode.port) else (
             f"{what} inside the tunnel differs from CONNECT host {mode.target}")
-        return Route(mode.host, mode.port, path, conflict)
+        return Route(mode.host, mode.port, path, conflict, _scheme_port(mode))
     if isinstance(mode, Transparent) and port != mode.port:
         return Route(host, mode.port, path, f"{what}: port {port} differs from the "
                      f"connection's port {mode.port}")

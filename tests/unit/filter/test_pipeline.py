@@ -111,6 +111,17 @@ def test_the_upstream_gets_origin_form_and_a_host_header_built_from_the_route():
                     b"Content-Length: 3\r\n\r\n")
 
 
+@pytest.mark.parametrize(("inspected", "host"), [(True, "a.test"), (False, "a.test:443")])
+def test_inside_tls_the_filter_ended_https_port_is_left_out_of_host(inspected, host):
+    """Host leaves out the scheme's port: https's inside TLS the filter ended (a CDN that
+    routes on the exact name refuses `a.test:443`), http's in a plain tunnel to 443."""
+    tunnel = InTunnel(parse_host("a.test"), 443, inspected=inspected)
+    for request in (head("GET /x HTTP/1.1\nHost: a.test\n"), head("GET /x HTTP/1.0\n"),
+                    head("GET http://a.test:443/x HTTP/1.1\n")):
+        assert outgoing(request, route(request, tunnel)).split(b"\r\n")[1] == \
+            f"Host: {host}".encode()
+
+
 def test_expect_and_upgrade_are_handled_by_the_proxy():
     request = head("GET http://a.test/ws HTTP/1.1\nConnection: Upgrade\nUpgrade: websocket\n"
                    "Expect: 100-continue\n")
