@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from appliance.sandbox.podman import Podman, PodmanError
+from appliance.sandbox.podman import Podman
 from appliance.sandbox.service import SandboxConfig, Sessions
 from appliance.sandbox.sessions import SessionError, SessionManager
 
@@ -201,8 +201,8 @@ def test_a_failed_create_leaves_nothing_behind(world, manager, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "f.txt").write_text("x\n")
-    with pytest.raises(PodmanError):
-        broken.create("p3", project=project)
+    with pytest.raises(SessionError, match="cannot inspect image localhost/corral-no-such"):
+        broken.create("p3", project=project)  # its trust is read from the image first
     podman = manager.podman
     assert podman.run("container", "exists", "corral-p3", check=False).returncode == 1
     assert podman.run("network", "exists", "corral-p3", check=False).returncode == 1
