@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import re
 import shutil
@@ -153,14 +154,14 @@ def recap(output: str) -> dict[str, int]:
             "failed": int(failed)}
 
 
-def playbook(name: str, vm: Vm, config_home: Path, timeout: float, **extra: str):
+def playbook(name: str, vm: Vm, config_home: Path, timeout: float, **extra):
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg"),
            "XDG_CONFIG_HOME": str(config_home), "ANSIBLE_FORCE_COLOR": "0",
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     argv = [str(BIN / "ansible-playbook"), "-i", str(vm.inventory()),
             str(ROOT / "playbooks" / name)]
     for key, value in extra.items():
-        argv += ["-e", f"{key}={value}"]
+        argv += ["-e", f"{key}={value}" if isinstance(value, str) else json.dumps({key: value})]
     log = vm.directory / f"{name}.log"  # tail it to watch a run
     print(f"vm: {name}: output in {log}")
     with open(log, "w") as out:
