@@ -12,8 +12,10 @@ import asyncio
 import datetime
 import ipaddress
 import json
+import os
 import ssl
 import struct
+import subprocess
 import threading
 import weakref
 from pathlib import Path
@@ -211,6 +213,43 @@ class FakeHttp:
     def close(self):
         self.server.close()
 
+    @staticmethod
+    def seed(root: Path, repos: list[str]) -> str:
+        """Bare repositories `root/REPO.git`, each with branch main at one commit (the same
+        in each); returns that commit's id."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root),
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "seed",
+               "GIT_AUTHOR_EMAIL": "seed@corral.test", "GIT_COMMITTER_NAME": "seed",
+               "GIT_COMMITTER_EMAIL": "seed@corral.test"}
+        work = root / ".seed"
+
+        def git(*args, cwd=None):
+            return subprocess.run(["git", *args], cwd=cwd, env=env, check=True,
+                                  capture_output=True, text=True).stdout.strip()
+
+        git("init", "-q", "-b", "main", str(work))
+        (work / "README").write_text("widget\n")
+        git("add", "README", cwd=work)
+        git("commit", "-q", "-m", "first", cwd=work)
+        for repo in repos:
+            bare = root / f"{repo}.git"
+            bare.parent.mkdir(parents=True, exist_ok=True)
+            git("init", "-q", "--bare", "-b", "main", str(bare))
+            git("push", "-q", str(bare), "main", cwd=work)
+        return git("rev-parse", "HEAD", cwd=work)
+
+    @staticmethod
+    def refs(bare: Path) -> dict[str, str]:
+        listed = subprocess.run(["git", "-C", str(bare), "for-each-ref",
+                                 "--format=%(refname) %(objectname)"], capture_output=True,
+                                text=True, check=True, env={
+                                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                    "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(bare),
+                                    "GIT_CONFIG_COUNT": "1",
+                                    "GIT_CONFIG_KEY_0": "safe.directory",
+                                    "GIT_CONFIG_VALUE_0": "*"}).stdout
+        return dict(line.split(" ") for line in listed.splitlines())
+
 
 class TestCA:
     """A throwaway CA and server certificates for names, minted with cryptography."""
@@ -266,3 +305,117 @@ class TestCA:
     def client_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=str(self.ca_path))
         return context
+
+
+class GitHttp:
+    """A git server over smart HTTP: `git http-backend` (git's own CGI program) behind a
+    small HTTP/1.1 front, serving the bare repositories under `root` (pushes enabled, as an
+    authenticated server would). Every request line goes to `requests`."""
+
+    def __init__(self, loop: Loop, root: Path, ssl_context: ssl.SSLContext | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
+        self.root, self.loop, self.ssl_context = root, loop, ssl_context
+        self.requests: list[str] = []
+        self.port = loop.run(self._start(host, port))
+
+    async def _start(self, host, port):
+        self.server = await asyncio.start_server(self._handle, host, port, ssl=self.ssl_context,
+                                                 reuse_address=True)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ")
+                headers = {}
+                for line in lines[1:]:
+                    if line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = b""
+                if "content-length" in headers:
+                    body = await reader.readexactly(int(headers["content-length"]))
+                elif headers.get("transfer-encoding") == "chunked":
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                        if size == 0:
+                            await reader.readuntil(b"\r\n")
+                            break
+                        body += await reader.readexactly(size)
+                        await reader.readexactly(2)
+                self.requests.append(f"{method} {target}")
+                path, _, query = target.partition("?")
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                       "GIT_PROJECT_ROOT": str(self.root), "GIT_HTTP_EXPORT_ALL": "1",
+                       "REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query,
+                       "CONTENT_TYPE": headers.get("content-type", ""),
+                       "CONTENT_LENGTH": str(len(body)), "REMOTE_USER": "corral-test",
+                       "REMOTE_ADDR": "127.0.0.1", "GIT_CONFIG_NOSYSTEM": "1",
+                       "HOME": str(self.root)}
+                if "content-encoding" in headers:
+                    env["HTTP_CONTENT_ENCODING"] = headers["content-encoding"]
+                if "git-protocol" in headers:
+                    env["GIT_PROTOCOL"] = headers["git-protocol"]
+                backend = await asyncio.create_subprocess_exec(
+                    "git", "http-backend", env=env, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+                out, _ = await backend.communicate(body)
+                cgi_head, _, payload = out.partition(b"\r\n\r\n")
+                if not _:
+                    cgi_head, _, payload = out.partition(b"\n\n")
+                status, fields = "200 OK", []
+                for line in cgi_head.decode("latin-1").splitlines():
+                    name, _, value = line.partition(":")
+                    if name.lower() == "status":
+                        status = value.strip()
+                    elif name:
+                        fields.append(f"{name}: {value.strip()}")
+                response = [f"HTTP/1.1 {status}", *fields, f"Content-Length: {len(payload)}"]
+                writer.write(("\r\n".join(response) + "\r\n\r\n").encode("latin-1") + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self):
+        self.server.close()
+
+    @staticmethod
+    def seed(root: Path, repos: list[str]) -> str:
+        """Bare repositories `root/REPO.git`, each with branch main at one commit (the same
+        in each); returns that commit's id."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root),
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "seed",
+               "GIT_AUTHOR_EMAIL": "seed@corral.test", "GIT_COMMITTER_NAME": "seed",
+               "GIT_COMMITTER_EMAIL": "seed@corral.test"}
+        work = root / ".seed"
+
+        def git(*args, cwd=None):
+            return subprocess.run(["git", *args], cwd=cwd, env=env, check=True,
+                                  capture_output=True, text=True).stdout.strip()
+
+        git("init", "-q", "-b", "main", str(work))
+        (work / "README").write_text("widget\n")
+        git("add", "README", cwd=work)
+        git("commit", "-q", "-m", "first", cwd=work)
+        for repo in repos:
+            bare = root / f"{repo}.git"
+            bare.parent.mkdir(parents=True, exist_ok=True)
+            git("init", "-q", "--bare", "-b", "main", str(bare))
+            git("push", "-q", str(bare), "main", cwd=work)
+        return git("rev-parse", "HEAD", cwd=work)
+
+    @staticmethod
+    def refs(bare: Path) -> dict[str, str]:
+        listed = subprocess.run(["git", "-C", str(bare), "for-each-ref",
+                                 "--format=%(refname) %(objectname)"], capture_output=True,
+                                text=True, check=True, env={
+                                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                    "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(bare),
+                                    "GIT_CONFIG_COUNT": "1",
+                                    "GIT_CONFIG_KEY_0": "safe.directory",
+                                    "GIT_CONFIG_VALUE_0": "*"}).stdout
+        return dict(line.split(" ") for line in listed.splitlines())

@@ -31,6 +31,10 @@ request patterns (patterns.py). A table becomes an `inspect` rule for its host a
 `request` rule per pattern; `allow = []` also becomes `HOST nothing` (an empty allow list,
 which restricts), while a missing `allow` restricts nothing."""
 INSPECT_KEYS = ("host", "allow", "deny")
+GIT = "git"
+"""The array of tables `[[git]]`: one host each, the repositories git may reach there and
+the refs a push may write (git.py); each repository becomes a `git` rule."""
+GIT_KEYS = ("host", "repos", "push")
 
 
 class ConfigError(ValueError):
@@ -70,6 +74,9 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
     for key, value in data.items():
         if key == INSPECT:
             rules.extend(_inspect_tables(value, path, layer, locate))
+            continue
+        if key == GIT:
+            rules.extend(_git_tables(value, path, layer, locate))
             continue
         if key in TOP_LEVEL:
             if key == "presets":
@@ -157,8 +164,45 @@ def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule
     return rules
 
 
+def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(path, GIT, "write [[git]] tables, one per host, e.g. [[git]] host = "
+                          '"github.com" repos = ["acme/widget"]', locate.key("", GIT))
+    rules: list[Rule] = []
+    for index, table in enumerate(tables):
+        where = f"{GIT}#{index}"
+        for key in table:
+            if key not in GIT_KEYS:
+                raise ConfigError(path, f"[[git]] {key}", "unknown key; expected "
+                                  f"{', '.join(GIT_KEYS)}", locate.key(where, key))
+        host = table.get("host")
+        if not isinstance(host, str):
+            line = locate.key(where, "host") or locate.array_table(GIT, index)
+            raise ConfigError(path, "[[git]] host", "missing or not a string: name the git "
+                              'host, e.g. host = "github.com"', line)
+        lists = {}
+        for field in ("repos", "push"):
+            items = table.get(field, [])
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(path, f"[[git]] {field}", "must be a list of strings",
+                                  locate.key(where, field))
+            lists[field] = items
+        if not lists["repos"]:
+            raise ConfigError(path, "[[git]] repos", "name the repositories git may reach, "
+                              'e.g. repos = ["acme/widget"]', locate.key(where, "repos")
+                              or locate.array_table(GIT, index))
+        for repo in lists["repos"]:
+            text = " ".join([host, repo, *lists["push"]])
+            try:
+                rules.append(Rule.parse("git", text, layer, path))
+            except RuleError as exc:
+                raise ConfigError(path, "[[git]]", str(exc), locate.value(where, repo)
+                                  ) from None
+    return rules
+
+
 def _tables() -> str:
-    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]"])
+    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]", "[[git]]"])
 
 
 def _string_list(value, path: str, key: str, line: int | None) -> list[str]:

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from .decision import Decision
+from .git import GitAccess, GitHosts
 from .inspection import Inspection, Inspections
 from .names import PLACEHOLDER_MARK, Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
@@ -92,8 +93,8 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_http", "_inspect", "_memo", "_tcp", "cidrs", "host_ports",
-                 "rules")
+    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_memo", "_tcp", "cidrs",
+                 "host_ports", "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
@@ -108,7 +109,8 @@ class Policy:
         # DNS answers every name some rule lets a client reach (issue: "a name allowed by
         # an http or tcp rule is also answered by DNS").
         self._dns = _index(by_kind["dns"] + by_kind["http"] + by_kind["tcp"])
-        self._inspect = Inspections(by_kind["inspect"] + by_kind["request"])
+        self._inspect = Inspections(by_kind["inspect"] + by_kind["request"] + by_kind["git"])
+        self._git = GitHosts(by_kind["git"])
         self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
             (ipaddress.ip_network(r.host), r) for r in by_kind["cidr"]
         )
@@ -137,6 +139,11 @@ class Policy:
         by `Inspection.decide`); None if it is not (its TLS is spliced, never terminated).
         Says nothing about whether the host may be reached: ask `decide_http` first."""
         return self._inspect.lookup(host)
+
+    def git(self, host: Host) -> GitAccess | None:
+        """The repositories git may reach on `host` and the refs it may push there; None
+        when no git rule names the host (its git requests are then judged as any other)."""
+        return self._git.lookup(host) if self._git else None
 
     def decide_dns(self, host: Host) -> Decision:
         """May a client learn this name's addresses? Denied names are never sent upstream."""

@@ -12,10 +12,11 @@ import ipaddress
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .git import GitRuleError, GitSpec, parse_rule_text
 from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
 from .patterns import PatternError, RequestSpec
 
-KINDS = ("dns", "http", "tcp", "cidr", "host", "deny", "inspect", "request")
+KINDS = ("dns", "http", "tcp", "cidr", "host", "deny", "inspect", "request", "git")
 """dns: a name DNS answers. http: host[:port] the proxy reaches. tcp: host:port reached
 directly (nftables set filled from DNS answers). cidr: a blocked range made reachable.
 host: a port of the VM host reachable as host.corral. deny: a name (and its subdomains),
@@ -24,6 +25,8 @@ inspect: a host (name, `*.suffix` or IP literal) whose TLS the filter terminates
 its requests can be judged; it does not allow the host (that stays with http).
 request: a method and path on an inspected host — `HOST METHOD /path` allows,
 `!HOST METHOD /path` denies (deny wins), `HOST nothing` is an empty allow list.
+git: `HOST REPO [REF ...]`, a repository git may fetch and push to over smart HTTP, and
+the refs a push may write (git.py); it makes its host inspected too.
 
 Why two kinds and a `!` rather than one kind per table or a kind per polarity: a rule's
 text is its identity, so each pattern is a rule of its own that `corral rules` prints,
@@ -100,6 +103,8 @@ class Rule:
     """Where it was written: a file path, `preset:NAME`, or `api`."""
     request: RequestSpec | None = None
     """The requests a `request` rule covers (and whether it denies them); None otherwise."""
+    git: GitSpec | None = None
+    """The repository and refs of a `git` rule; None otherwise."""
     text: str = field(init=False, compare=False, repr=False)
     """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
 
@@ -111,6 +116,8 @@ class Rule:
             text = f"{host}:{self.port.text}" if self.port.text else host
             if self.request is not None:
                 text = f"{'!' if self.request.deny else ''}{host} {self.request.text}"
+            elif self.git is not None:
+                text = f"{host} {self.git.text}"
         object.__setattr__(self, "text", text)
 
     @property
@@ -200,6 +207,20 @@ class Rule:
                     source: str = "") -> Rule:
         """The request rule for an already parsed host pattern and spec."""
         return cls("request", host, PortSpec("", None), layer, source, spec)
+
+    @classmethod
+    def _parse_git(cls, text: str, layer: str, source: str) -> Rule:
+        try:
+            host, spec = parse_rule_text(text)
+        except GitRuleError as exc:
+            raise RuleError(str(exc)) from None
+        return cls.for_git(_inspected_host(host), spec, layer, source)
+
+    @classmethod
+    def for_git(cls, host: str, spec: GitSpec, layer: str = "session", source: str = ""
+                ) -> Rule:
+        """The git rule for an already parsed host pattern and spec."""
+        return cls("git", host, PortSpec("", None), layer, source, None, spec)
 
     @classmethod
     def _parse_cidr(cls, text: str, layer: str, source: str) -> Rule:

@@ -5,8 +5,10 @@
 DNS (authoritative, every query logged to DIR/dns-queries.log) on 203.0.113.53:53;
 HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address; an SSH-like
 banner on :22; TLS on :853 (DNS-over-TLS stand-in); UDP echo on :443 and :53 of the other
-addresses; a long-lived TCP service on STREAM_HOST:STREAM_PORT (`stream`: every connection
-and how it ended goes to DIR/stream.log). Writes DIR/ready when everything listens; runs
+addresses; a git server (`git http-backend`, smart HTTP over TLS) for git.test on
+WEB:GIT_PORT, its bare repositories under DIR/git; a long-lived TCP service on
+STREAM_HOST:STREAM_PORT (`stream`: every connection and how it ended goes to
+DIR/stream.log). Writes DIR/ready when everything listens; runs
 until killed.
 """
 
@@ -18,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from tests.fakes import FakeDns, FakeHttp, Loop, TestCA
+from tests.fakes import FakeDns, FakeHttp, GitHttp, Loop, TestCA
 
 WEB = "203.0.113.10"
 RESOLVER = "203.0.113.53"
 SSH_HOST = "203.0.113.22"
 STREAM_HOST, STREAM_PORT = SSH_HOST, 7007
+GIT_PORT = 8443
+GIT_REPOS = ["acme/widget", "other/secret"]
 WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 
 ZONE = {
@@ -33,6 +37,7 @@ ZONE = {
     "private.test": [("A", "10.0.0.5", 300)],
     "ssh.test": [("A", SSH_HOST, 300)],
     "stream.test": [("A", STREAM_HOST, 300)],
+    "git.test": [("A", WEB, 300)],
 }
 
 
@@ -107,6 +112,9 @@ def main(directory: str) -> None:
         dns.zone.update(ZONE)
         FakeHttp(loop, port=80, host=None)
         FakeHttp(loop, ca.server_context(names), port=443, host=None)
+        (path / "git").mkdir(exist_ok=True)
+        GitHttp.seed(path / "git", GIT_REPOS)
+        GitHttp(loop, path / "git", ca.server_context(["git.test"]), host=WEB, port=GIT_PORT)
         loop.run(extras(loop, ca.server_context(names), path))
         (path / "ready").write_text("ready\n")
         while True:

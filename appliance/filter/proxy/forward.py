@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from appliance.policy import Decision
+from appliance.policy.targets import Ambiguous
 
 from ..http import (
     HttpError,
@@ -21,7 +22,8 @@ from ..http import (
     parse_response,
     serialise_response,
 )
-from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, tunnel, within
+from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
+from . import git
 from .credentials import Leak
 from .pipeline import (
     MAX_EMPTY_LINES,
@@ -209,6 +211,12 @@ class Forward:
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
+        body: bytes | None = None
+        access = policy.git(where.host) if inspection is not None else None
+        if access is not None:
+            refused, body = await self._git(client, head, where, access, session, fields)
+            if refused is not None:
+                return refused, kept
         try:
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
                                               isinstance(mode, InTunnel) and mode.inspected)
@@ -241,7 +249,7 @@ class Forward:
             kept = Upstream(key, up_r, up_w, event["address"])
         counters = Counters()
         try:
-            keep = await self._exchange(client, head, where, kept, counters, attached)
+            keep = await self._exchange(client, head, where, kept, counters, attached, body)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
                 kept.writer.close()
@@ -256,6 +264,58 @@ class Forward:
             kept.writer.close()
             kept = None
         return keep_client, kept
+
+    async def _git(self, client: Client, head, where, access, session: str, fields: dict):
+        """A request to a host a [[git]] table names: (None, None) when it is not git's or
+        may go on as sent; (None, body) for a push that may go on (its body read here to be
+        judged: send it); (keep the connection, None) when it was refused and answered."""
+        proxy, host = self.proxy, where.host
+        try:
+            call = git.classify(where.path)
+        except Ambiguous as exc:
+            decision = Decision(False, f"a git request to {host} that servers read in "
+                                f"different ways: {exc}")
+            proxy.event(decision, client, session, "http", host, where.port, **fields)
+            return await self._refuse(client, head, Denied(decision, where.target)), None
+        if call is None:
+            return None, None
+        spec = access.repository(call.repo)
+        if spec is None:
+            decision = Decision(False, f"git repository {call.repo[:100]!r} on {host} is not "
+                                f"listed (listed: {access.listed()})", hint=(
+                                    f'add "{call.repo[:100]}" to repos of the [[git]] table '
+                                    f"for {host} in corral.toml"))
+            proxy.event(decision, client, session, "http", host, where.port, **fields)
+            return await self._refuse(client, head, Denied(decision, where.target)), None
+        if call.service != git.RECEIVE or call.discovery:
+            return None, None
+        if head.start[0] != "POST":
+            decision = Decision(False, f"git-receive-pack by {head.start[0][:20]}: git pushes "
+                                "with POST")
+            proxy.event(decision, client, session, "http", host, where.port, **fields)
+            return await self._refuse(client, head, Denied(decision, where.target)), None
+        if (head.get("expect") or "").lower() == "100-continue":
+            client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
+        try:
+            verdict = git.judge(git.decode_body(raw, head.get("content-encoding")), spec,
+                                session)
+        except git.GitProtocolError as exc:
+            verdict = git.Verdict((), frozenset(), (), str(exc))
+        if verdict.allowed:
+            return None, raw
+        decision = Decision(False, verdict.reason[:500], hint=(
+            f"push to a branch under {spec.pushes[0].replace('{session}', session)}, or name "
+            f"the ref in push of the [[git]] table for {host}"))
+        proxy.event(decision, client, session, "git", host, where.port, **fields)
+        keep = not wants_close(head, head.start[2])
+        answer = git.report(verdict)
+        client.writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-pack-result\r\n"
+            b"Cache-Control: no-cache\r\nContent-Length: %d\r\n%s\r\n%s" % (
+                len(answer), b"" if keep else b"Connection: close\r\n", answer))
+        await drain(client.writer, self.config.idle_timeout)
+        return keep, None
 
     async def _refuse(self, client: Client, head, denied: Denied) -> bool:
         """Answer a request its host's request rules refuse; whether the connection goes on.
@@ -274,19 +334,28 @@ class Forward:
         return keep
 
     async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters,
-                        attached: tuple[bytes, ...] = ()) -> tuple[bool, bool]:
+                        attached: tuple[bytes, ...] = (), body: bytes | None = None
+                        ) -> tuple[bool, bool]:
         """Send the request, relay the response. Returns (keep the client connection, keep
         the upstream connection). A response head that carries back a secret the request
-        was given (`attached`) is not passed on (its body is not read for it)."""
+        was given (`attached`) is not passed on (its body is not read for it). `body`: the
+        request's body when it was read already (to be judged), sent with its length."""
         idle = self.config.idle_timeout
         upgrade = websocket(head)
         # Expect: 100-continue is answered here, now that the request is allowed and the
         # upstream connected: the client sends its body, and the upstream never waits for it.
         expects = (head.get("expect") or "").lower() == "100-continue"
-        if expects:
+        if expects and body is None:  # a body read already had its 100 Continue
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        up.writer.write(outgoing(head, where, drop_expect=expects, upgrade=upgrade))
-        await copy_body(head, client.reader, up.writer, counters, True, idle)
+        if body is not None:
+            held = tuple((k, v) for k, v in head.headers
+                         if k.lower() not in ("content-length", "transfer-encoding"))
+            head = replace(head, headers=(*held, ("Content-Length", str(len(body)))))
+            up.writer.write(outgoing(head, where, drop_expect=expects) + body)
+            counters.add(len(body), True)
+        else:
+            up.writer.write(outgoing(head, where, drop_expect=expects, upgrade=upgrade))
+            await copy_body(head, client.reader, up.writer, counters, True, idle)
         while True:
             try:
                 data = await within(up.reader.readuntil(b"\r\n\r\n"), idle)

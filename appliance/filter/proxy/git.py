@@ -1,0 +1,431 @@
+"""git's smart HTTP protocol, read by the proxy on hosts a `[[git]]` table names: which
+repository a request reaches, and whether a push may write what it asks. Sans-IO: bytes in,
+a verdict and git's own answer out (policy/git.py holds the rules).
+
+    GET  /REPO[.git]/info/refs?service=git-upload-pack     fetch: the refs on offer
+    POST /REPO[.git]/git-upload-pack                        fetch: the objects
+    GET  /REPO[.git]/info/refs?service=git-receive-pack    push: the refs as they are
+    POST /REPO[.git]/git-receive-pack                       push: commands, then a pack
+
+A push's body is pkt-lines (4 hex digits of length, then data; `0000` a flush): one command
+per ref, `OLD NEW REF` (the first with NUL and the client's capabilities), a flush, push
+options when asked for, then the pack. Each command must pass `judge`: a valid ref name the
+rule's patterns name for this session, never a delete, never a tag moved, and an update
+only when the pack shows NEW descends from OLD (a fast-forward). One refused command
+refuses the whole push (none reaches the upstream), and the client is answered in git's
+report-status format, so that `git push` prints each ref's reason:
+
+    ! [remote rejected] main -> main (corral: refs/heads/main is not yours to push: ...)
+
+Why the pack is read here and not left to the server: `receive.denyNonFastForwards` is the
+server's setting, off on most hosts, and an agent's force-push would rewrite history there.
+Only commits are read (their parents), deltas of commits resolved within the pack; a commit
+the pack does not hold (the remote has it already, or it is a delta against an object the
+remote has) cannot show ancestry, and the update is refused with that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from dataclasses import dataclass
+
+from appliance.policy.git import GitSpec
+from appliance.policy.targets import Ambiguous, query_pairs, read_target
+
+SERVICES = ("git-upload-pack", "git-receive-pack")
+UPLOAD, RECEIVE = SERVICES
+MAX_PUSH = 64 << 20
+"""The largest push body (as decoded) the proxy holds to judge; a larger one is refused."""
+MAX_COMMANDS = 1000
+_OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
+_FORBIDDEN_IN_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|/\.|\.lock(?:/|$)")
+COMMIT, TREE, BLOB, TAG, OFS_DELTA, REF_DELTA = 1, 2, 3, 4, 6, 7
+
+
+class GitProtocolError(ValueError):
+    """A body that is not what git sends; the message says where."""
+
+
+@dataclass(frozen=True, slots=True)
+class GitCall:
+    """A smart-HTTP request: the repository it reaches and the service it asks for."""
+
+    repo: str
+    service: str
+    discovery: bool
+    """The `info/refs` GET that precedes the service's POST."""
+
+
+def classify(target: str) -> GitCall | None:
+    """The git call an origin-form target makes, None for any other request. Raises
+    Ambiguous for a target servers read in different ways. Known whatever the case of its
+    letters (a server that routes without case must not see a push the proxy missed)."""
+    parsed = read_target(target)
+    path, folded = parsed.path, parsed.path.lower()
+    if folded.endswith("/info/refs"):
+        services = [v.lower() for k, v in query_pairs(parsed.query or "")
+                    if k.lower() == "service"]
+        if len(services) > 1:
+            raise Ambiguous("more than one service= in a git discovery request")
+        service = services[0] if services else UPLOAD  # the dumb protocol only reads
+        if service not in SERVICES:
+            raise Ambiguous(f"unknown git service {service[:40]!r}")
+        return GitCall(_repo(path, "/info/refs"), service, True)
+    for service in SERVICES:
+        if folded.endswith("/" + service):
+            return GitCall(_repo(path, "/" + service), service, False)
+    return None
+
+
+def _repo(path: str, suffix: str) -> str:
+    repo = path[1 : -len(suffix)]
+    return repo[:-4] if repo.lower().endswith(".git") else repo
+
+
+# -- pkt-lines -------------------------------------------------------------------------
+
+
+def pkt(data: bytes) -> bytes:
+    return b"%04x" % (len(data) + 4) + data
+
+
+FLUSH = b"0000"
+
+
+def pkt_lines(data: bytes, offset: int = 0):
+    """(payload or None for a flush, offset after it), until a flush has been yielded."""
+    while True:
+        if offset + 4 > len(data):
+            raise GitProtocolError("the push ends inside its commands (no flush-pkt)")
+        try:
+            length = int(data[offset : offset + 4], 16)
+        except ValueError:
+            raise GitProtocolError(f"not a pkt-line length at byte {offset}") from None
+        if length == 0:
+            yield None, offset + 4
+            return
+        if length < 4 or offset + length > len(data):
+            raise GitProtocolError(f"a pkt-line of {length} bytes at byte {offset} does not fit")
+        yield data[offset + 4 : offset + length], offset + length
+        offset += length
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    old: str
+    new: str
+    ref: str
+
+    @property
+    def creates(self) -> bool:
+        return set(self.old) == {"0"}
+
+    @property
+    def deletes(self) -> bool:
+        return set(self.new) == {"0"}
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    commands: tuple[Command, ...]
+    capabilities: frozenset[str]
+    pack: int
+    """Where the pack starts in the decoded body (its length when there is none)."""
+
+
+def read_push(body: bytes) -> Push:
+    """The commands and capabilities of a receive-pack request body (decoded). Raises
+    GitProtocolError."""
+    commands: list[Command] = []
+    capabilities: frozenset[str] = frozenset()
+    end = 0
+    for payload, after in pkt_lines(body):
+        end = after
+        if payload is None:
+            break
+        line, nul, caps = payload.rstrip(b"\n").partition(b"\0")
+        if not commands and nul:
+            capabilities = frozenset(caps.decode("ascii", "replace").split())
+        if line.startswith(b"shallow "):
+            continue
+        if line.startswith(b"push-cert"):
+            raise GitProtocolError("signed pushes (push-cert) are not read by corral; push "
+                                   "without --signed")
+        parts = line.split(b" ")
+        if len(parts) != 3 or not _OID.fullmatch(parts[0]) or not _OID.fullmatch(parts[1]):
+            raise GitProtocolError(f"command {len(commands) + 1} is not 'OLD NEW REF'")
+        if len(commands) >= MAX_COMMANDS:
+            raise GitProtocolError(f"more than {MAX_COMMANDS} refs in one push")
+        try:
+            ref = parts[2].decode("utf-8")
+        except UnicodeDecodeError:
+            raise GitProtocolError(f"command {len(commands) + 1}: a ref name that is not "
+                                   "UTF-8") from None
+        commands.append(Command(parts[0].decode(), parts[1].decode(), ref))
+    if "push-options" in capabilities and commands:
+        for _, after in pkt_lines(body, end):  # the options: read past, not judged
+            end = after
+    return Push(tuple(commands), capabilities, end)
+
+
+def valid_ref(ref: str) -> bool:
+    """git check-ref-format's rules, as a receive-pack applies them to a pushed ref."""
+    return (ref.startswith("refs/") and len(ref) <= 1024 and not ref.endswith(("/", "."))
+            and _FORBIDDEN_IN_REF.search(ref) is None and "/." not in ref
+            and not any(part.startswith(".") for part in ref.split("/")))
+
+
+# -- the pack: commits and their parents -----------------------------------------------
+
+
+def _varint_header(data: bytes, pos: int) -> tuple[int, int, int]:
+    byte = data[pos]
+    kind, size, shift = (byte >> 4) & 7, byte & 15, 4
+    pos += 1
+    while byte & 0x80:
+        byte = data[pos]
+        size |= (byte & 0x7F) << shift
+        shift += 7
+        pos += 1
+    return kind, size, pos
+
+
+def _inflate(data: bytes, pos: int, size: int, keep: bool) -> tuple[bytes, int]:
+    """The object at `pos` inflated (b"" unless `keep`), and where its zlib stream ends."""
+    inflater = zlib.decompressobj()
+    data = memoryview(data)  # slices without copies
+    out = bytearray()
+    step = max(1 << 16, size // 4)
+    at = pos
+    while not inflater.eof:  # fed in steps: an object's compressed size is not written
+        if at >= len(data):
+            raise GitProtocolError("the pack ends inside an object")
+        piece = data[at : at + step]
+        chunk = inflater.decompress(piece)
+        at += len(piece)
+        if keep:
+            out += chunk
+    end = at - len(inflater.unused_data)
+    return bytes(out), end
+
+
+def _delta_size(delta: bytes, pos: int) -> tuple[int, int]:
+    size, shift = 0, 0
+    while True:
+        byte = delta[pos]
+        pos += 1
+        size |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return size, pos
+
+
+def apply_delta(base: bytes, delta: bytes) -> bytes:
+    """A git delta applied to its base. Raises GitProtocolError."""
+    try:
+        source, pos = _delta_size(delta, 0)
+        target, pos = _delta_size(delta, pos)
+        if source != len(base):
+            raise GitProtocolError("a delta's base is not the size it says")
+        out = bytearray()
+        while pos < len(delta):
+            op = delta[pos]
+            pos += 1
+            if op & 0x80:
+                offset = length = 0
+                for i in range(4):
+                    if op & (1 << i):
+                        offset |= delta[pos] << (8 * i)
+                        pos += 1
+                for i in range(3):
+                    if op & (0x10 << i):
+                        length |= delta[pos] << (8 * i)
+                        pos += 1
+                length = length or 0x10000
+                if offset + length > len(base):
+                    raise GitProtocolError("a delta copies from past its base")
+                out += base[offset : offset + length]
+            elif op:
+                out += delta[pos : pos + op]
+                pos += op
+            else:
+                raise GitProtocolError("a delta holds the reserved opcode 0")
+    except IndexError:
+        raise GitProtocolError("a delta ends early") from None
+    if len(out) != target:
+        raise GitProtocolError("a delta's result is not the size it says")
+    return bytes(out)
+
+
+def pack_commits(pack: bytes, sha256: bool = False) -> dict[str, tuple[str, ...]]:
+    """Every commit a pack holds whole or as a delta of another commit in it: id ->
+    parents. Raises GitProtocolError for what is not a pack."""
+    if len(pack) < 12 or pack[:4] != b"PACK" or pack[4:8] not in (b"\0\0\0\2", b"\0\0\0\3"):
+        raise GitProtocolError("the push's pack does not start with a pack header")
+    count = int.from_bytes(pack[8:12], "big")
+    hash_len = 32 if sha256 else 20
+    digest = hashlib.sha256 if sha256 else hashlib.sha1
+    commits: dict[str, tuple[str, ...]] = {}
+    kept: dict[int, bytes] = {}  # offset -> commit body, for deltas against it
+    by_id: dict[bytes, bytes] = {}  # binary id -> commit body
+    pos = 12
+    try:
+        for _ in range(count):
+            start = pos
+            kind, size, pos = _varint_header(pack, pos)
+            base: bytes | None = None
+            if kind == OFS_DELTA:
+                byte = pack[pos]
+                pos += 1
+                back = byte & 0x7F
+                while byte & 0x80:
+                    byte = pack[pos]
+                    pos += 1
+                    back = ((back + 1) << 7) | (byte & 0x7F)
+                base = kept.get(start - back)
+            elif kind == REF_DELTA:
+                base = by_id.get(bytes(pack[pos : pos + hash_len]))
+                pos += hash_len
+            elif kind not in (COMMIT, TREE, BLOB, TAG):
+                raise GitProtocolError(f"an object of unknown type {kind} in the pack")
+            want = kind == COMMIT or base is not None
+            data, pos = _inflate(pack, pos, size, want)
+            if not want:
+                continue
+            body = data if kind == COMMIT else apply_delta(base, data)
+            oid = digest(b"commit %d\0" % len(body) + body)
+            kept[start] = body
+            by_id[oid.digest()] = body
+            commits[oid.hexdigest()] = _parents(body)
+    except IndexError:
+        raise GitProtocolError("the pack ends inside an object header") from None
+    except zlib.error as exc:
+        raise GitProtocolError(f"the pack holds data that does not inflate: {exc}") from None
+    return commits
+
+
+def _parents(body: bytes) -> tuple[str, ...]:
+    head = body.split(b"\n\n", 1)[0]
+    return tuple(line[7:].decode("ascii", "replace") for line in head.split(b"\n")
+                 if line.startswith(b"parent "))
+
+
+def fast_forward(commits: dict[str, tuple[str, ...]], old: str, new: str) -> bool:
+    """Does `new` descend from `old`, as far as the pack's commits show?"""
+    seen, todo = set(), [new]
+    while todo:
+        oid = todo.pop()
+        if oid == old:
+            return True
+        if oid in seen or oid not in commits:
+            continue
+        seen.add(oid)
+        todo.extend(commits[oid])
+    return False
+
+
+# -- the verdict -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    refusals: tuple[tuple[Command, str], ...]
+    """The refused commands and why; empty when the push may go on."""
+    capabilities: frozenset[str]
+    commands: tuple[Command, ...] = ()
+    error: str | None = None
+    """Why the push could not be read at all (then `refusals` is empty)."""
+
+    @property
+    def allowed(self) -> bool:
+        return not self.refusals and self.error is None
+
+    @property
+    def reason(self) -> str:
+        if self.error is not None:
+            return f"git push refused: {self.error}"
+        first = self.refusals[0]
+        more = f" (and {len(self.refusals) - 1} more)" if len(self.refusals) > 1 else ""
+        return f"git push to {first[0].ref} refused: {first[1]}{more}"
+
+
+def decode_body(body: bytes, encoding: str | None) -> bytes:
+    """A request body as git wrote it, gzip undone (bounded by MAX_PUSH)."""
+    if not encoding or encoding.lower() == "identity":
+        return body
+    if encoding.lower() not in ("gzip", "x-gzip"):
+        raise GitProtocolError(f"a push body in Content-Encoding {encoding[:40]!r}")
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        data = inflater.decompress(body, MAX_PUSH + 1)
+    except zlib.error as exc:
+        raise GitProtocolError(f"the gzip body does not inflate: {exc}") from None
+    if len(data) > MAX_PUSH:
+        raise GitProtocolError(f"the push is larger than {MAX_PUSH >> 20} MiB once inflated")
+    return data
+
+
+def judge(body: bytes, spec: GitSpec, session: str) -> Verdict:
+    """The verdict on a receive-pack body (decoded) for `session` under `spec`."""
+    try:
+        push = read_push(body)
+    except GitProtocolError as exc:
+        return Verdict((), frozenset(), (), str(exc))
+    refusals: list[tuple[Command, str]] = []
+    commits: dict[str, tuple[str, ...]] | None = None
+    for command in push.commands:
+        why = _refusal(command, spec, session)
+        if why is None and not command.creates:
+            if commits is None:
+                try:
+                    commits = pack_commits(body[push.pack:], len(command.new) == 64)
+                except GitProtocolError as exc:
+                    return Verdict((), push.capabilities, push.commands, str(exc))
+            if not fast_forward(commits, command.old, command.new):
+                why = (f"{command.new[:12]} is not shown to descend from {command.old[:12]}: "
+                       "a push may only move a ref forward (no force-push, no rewritten "
+                       "history); push a new branch under the same prefix instead")
+        if why is not None:
+            refusals.append((command, why))
+    return Verdict(tuple(refusals), push.capabilities, push.commands)
+
+
+def _refusal(command: Command, spec: GitSpec, session: str) -> str | None:
+    ref = command.ref
+    if not valid_ref(ref):
+        return "not a valid ref name"
+    if command.deletes:
+        return "a push may never delete a ref"
+    if ref.startswith("refs/tags/") and not command.creates:
+        return "a push may never move a tag (creating one may be allowed)"
+    if spec.pushable(ref, session) is None:
+        allowed = ", ".join(p.replace("{session}", session) for p in spec.pushes)
+        return f"this session may push only {allowed}"
+    return None
+
+
+def report(verdict: Verdict) -> bytes:
+    """The receive-pack result that tells `git push` each ref was refused and why, in the
+    form its capabilities asked for (report-status, inside side-band when asked); a push
+    whose commands could not be read gets git's error packet (`remote error: ...`)."""
+    caps = verdict.capabilities
+    sideband = "side-band-64k" in caps or "side-band" in caps
+    limit = 65519 if "side-band-64k" in caps else 999
+    if not verdict.commands:
+        message = f"corral: {verdict.reason}".encode()[: limit - 1]
+        return pkt(b"\3" + message) + FLUSH if sideband else pkt(b"ERR " + message)
+    refused = {c.ref: why for c, why in verdict.refusals}
+    lines = [pkt(b"unpack ok\n")]
+    for command in verdict.commands:
+        why = verdict.error or refused.get(command.ref, "another ref of this push was refused")
+        lines.append(pkt(f"ng {command.ref} corral: {why}\n".encode()[:65000]))
+    lines.append(FLUSH)
+    status = b"".join(lines)
+    if not sideband:
+        return status
+    out = [pkt(b"\2" + f"corral: {verdict.reason}\n".encode()[: limit - 1])]
+    out += [pkt(b"\1" + status[i : i + limit - 1]) for i in range(0, len(status), limit - 1)]
+    out.append(FLUSH)
+    return b"".join(out)

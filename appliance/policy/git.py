@@ -1,0 +1,167 @@
+"""git over smart HTTP, confined: which repositories of a host git may reach, and which refs
+a push may write. Parsed once into matchers; the proxy (filter/proxy/git.py) reads the
+protocol and asks these.
+
+A `git` rule is `HOST REPO [REF ...]`, written in corral.toml as a `[[git]]` table:
+
+    [[git]]
+    host = "github.com"
+    repos = ["acme/widget", "acme/tools-*"]
+    push = ["refs/heads/corral/{session}/**"]     # the default
+
+- **REPO**: the repository's path on the host without `.git` (`acme/widget`); `*` matches
+  within one segment (`acme/*`, `acme/tools-*`). Matched exactly, case included: on a host
+  that ignores case the agent writes it as listed.
+- **REF**: the refs a push may create or move forward, `*` within one segment, `**` any
+  number of them; `{session}` stands for the session's name. Without any: the default
+  above, so that an agent's work lands on branches of its own and nothing else.
+- Whatever the patterns say, a push never deletes a ref, never moves one anywhere but
+  forward (a fast-forward the proxy can show from the pushed commits), and never moves a
+  tag (creating one needs a pattern under `refs/tags/`).
+
+A git rule makes its host inspected (git's requests are read inside TLS the filter ends);
+it does not allow the host: that stays with http, as for `[[inspect]]`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SESSION = "{session}"
+DEFAULT_PUSH = ("refs/heads/corral/{session}/**",)
+_SEGMENT = re.compile(r"[A-Za-z0-9._\-*@+{}]+")
+_REPO_SEGMENT = re.compile(r"[A-Za-z0-9._\-*~]+")
+
+
+class GitRuleError(ValueError):
+    """A git rule that cannot be parsed; the message says what is wrong."""
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """`*` within a segment (a lone `*`: one whole segment), `**` (a segment of its own) any
+    number of segments, none included."""
+    regex = ""
+    for i, segment in enumerate(pattern.split("/")):
+        if segment == "**":
+            regex += "(?:/[^/]+)*" if i else "(?:[^/]+(?:/[^/]+)*)?"
+        else:
+            piece = "[^/]+" if segment == "*" else re.escape(segment).replace(r"\*", "[^/]*")
+            regex += ("/" if i else "") + piece
+    return re.compile(regex)
+
+
+def _check(pattern: str, what: str, segment: re.Pattern[str]) -> None:
+    if not pattern or pattern.startswith("/") or pattern.endswith("/") or "//" in pattern:
+        raise GitRuleError(f"{what} {pattern!r}: write segments joined by '/', no leading, "
+                           "trailing or doubled '/'")
+    for part in pattern.split("/"):
+        if part in (".", "..") or not segment.fullmatch(part):
+            raise GitRuleError(f"{what} {pattern!r}: segment {part!r} is not allowed (letters, "
+                               "digits, '.', '_', '-', and '*' as a glob)")
+        if "**" in part and part != "**":
+            raise GitRuleError(f"{what} {pattern!r}: '**' must be a segment of its own")
+
+
+@dataclass(frozen=True, slots=True)
+class GitSpec:
+    """One repository pattern of a host and the refs a push to it may write."""
+
+    repo: str
+    pushes: tuple[str, ...] = DEFAULT_PUSH
+    _repo: re.Pattern[str] = field(default=None, compare=False, repr=False)  # type: ignore
+
+    @property
+    def text(self) -> str:
+        return " ".join((self.repo, *self.pushes)) if self.pushes != DEFAULT_PUSH else self.repo
+
+    @classmethod
+    def parse(cls, repo: str, pushes: tuple[str, ...] | None = None) -> GitSpec:
+        repo = repo.removesuffix(".git")
+        _check(repo, "repository", _REPO_SEGMENT)
+        if "**" in repo.split("/"):
+            raise GitRuleError(f"repository {repo!r}: '**' is not allowed; name the owner")
+        pushes = DEFAULT_PUSH if not pushes else tuple(pushes)
+        for ref in pushes:
+            _check(ref.replace(SESSION, "s"), "ref pattern", _SEGMENT)
+            if not ref.startswith("refs/") or ref.count("/") < 2:
+                raise GitRuleError(f"ref pattern {ref!r}: name full refs, such as "
+                                   "refs/heads/corral/{session}/**")
+            if "{" in ref.replace(SESSION, "") or "}" in ref.replace(SESSION, ""):
+                raise GitRuleError(f"ref pattern {ref!r}: the one placeholder is {SESSION}")
+        spec = cls(repo, pushes)
+        object.__setattr__(spec, "_repo", _glob(repo))
+        return spec
+
+    def covers(self, repo: str) -> bool:
+        return self._repo.fullmatch(repo) is not None
+
+    def pushable(self, ref: str, session: str) -> str | None:
+        """The pattern that lets `session` push `ref`, None if none does."""
+        for pattern in self.pushes:
+            if _ref_glob(pattern.replace(SESSION, session)).fullmatch(ref):
+                return pattern
+        return None
+
+
+_REF_GLOBS: dict[str, re.Pattern[str]] = {}
+
+
+def _ref_glob(pattern: str) -> re.Pattern[str]:
+    found = _REF_GLOBS.get(pattern)
+    if found is None:
+        if len(_REF_GLOBS) > 4096:
+            _REF_GLOBS.clear()
+        found = _REF_GLOBS[pattern] = _glob(pattern)
+    return found
+
+
+def parse_rule_text(text: str) -> tuple[str, GitSpec]:
+    """`HOST REPO [REF ...]` -> (host text, spec). Raises GitRuleError."""
+    words = text.split()
+    if len(words) < 2:
+        raise GitRuleError(f"git rule {text!r} is not 'HOST REPO [REF-PATTERN ...]'")
+    return words[0], GitSpec.parse(words[1], tuple(words[2:]))
+
+
+@dataclass(frozen=True, slots=True)
+class GitAccess:
+    """What git may do on one host: its repository patterns, in rule order."""
+
+    host: str
+    specs: tuple[GitSpec, ...]
+
+    def repository(self, repo: str) -> GitSpec | None:
+        """The first spec covering `repo` (a path without `.git`), None if none does."""
+        for spec in self.specs:
+            if spec.covers(repo):
+                return spec
+        return None
+
+    def listed(self) -> str:
+        return ", ".join(spec.repo for spec in self.specs)
+
+
+class GitHosts:
+    """The git rules of a policy by host: an exact host's specs first, then those of the
+    `*.suffix` wildcards above it, narrowest first."""
+
+    __slots__ = ("_exact", "_wild")
+
+    def __init__(self, rules):
+        self._exact: dict[str, list[GitSpec]] = {}
+        self._wild: dict[str, list[GitSpec]] = {}
+        for rule in rules:
+            table = self._wild if rule.wildcard else self._exact
+            table.setdefault(rule.suffix, []).append(rule.git)
+
+    def __bool__(self) -> bool:
+        return bool(self._exact or self._wild)
+
+    def lookup(self, host) -> GitAccess | None:
+        specs = list(self._exact.get(host.key, ()))
+        name = host.name
+        while name is not None and self._wild and "." in name:
+            name = name.split(".", 1)[1]
+            specs += self._wild.get(name, ())
+        return GitAccess(host.key, tuple(specs)) if specs else None

@@ -1,0 +1,144 @@
+"""git confined to the session, for real: the git client, through the filter (explicit
+proxy, TLS ended with the interception CA), to `git http-backend` behind a TLS origin. A
+[[git]] table lists one repository; fetch and clone of it work, a push works only onto new
+or fast-forwarded refs under refs/heads/corral/<session>/, and every other push is refused
+with its reason printed by `git push` itself, the server's refs untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import fakes
+
+from .test_inspect import InProcessFilter, World, interception, origins  # noqa: F401
+
+POLICY = """
+[http]
+allow = ["git.test:*"]
+
+[[git]]
+host = "git.test"
+repos = ["acme/widget"]
+"""
+
+
+class Git:
+    """A git origin on the World's address, and a filter whose session s1 may reach it."""
+
+    def __init__(self, origins: World, interception: Path, root: Path):  # noqa: F811
+        self.root = root / "repos"
+        self.root.mkdir()
+        fakes.GitHttp.seed(self.root, ["acme/widget", "other/secret"])
+        self.home = root / "home"
+        self.home.mkdir()
+        (self.home / ".gitconfig").write_text(
+            "[user]\n\tname = agent\n\temail = agent@corral.test\n"
+            "[init]\n\tdefaultBranch = main\n[protocol]\n\tversion = 2\n")
+        origins.dns.zone["git.test"] = [("A", World.ADDRESS, 300)]
+        self.server = fakes.GitHttp(origins.loop, self.root,
+                                    origins.ca.server_context(["git.test"]), World.ADDRESS)
+        config = f"""
+[inspect]
+ca_cert = "{interception / 'intercept-ca.crt'}"
+ca_key = "{interception / 'intercept-ca.key'}"
+upstream_ca = "{origins.ca.ca_path}"
+"""
+        directory = root / "filter"
+        directory.mkdir()
+        self.filter = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(self.home),
+                    "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+                    "GIT_SSL_CAINFO": str(interception / "intercept-ca.crt"),
+                    "https_proxy": f"http://127.0.0.1:{self.filter.proxy_port}"}
+        self.work = root / "work"
+
+    def url(self, repo: str) -> str:
+        return f"https://git.test:{self.server.port}/{repo}.git"
+
+    def run(self, *args, cwd: Path | None = None, check: bool = True):
+        done = subprocess.run(["git", *args], cwd=cwd, env=self.env, capture_output=True,
+                              text=True, timeout=60)
+        if check and done.returncode:
+            raise AssertionError(f"git {' '.join(args)} failed:\n{done.stderr}")
+        return done
+
+    def refs(self, repo: str = "acme/widget") -> dict[str, str]:
+        return fakes.GitHttp.refs(self.root / f"{repo}.git")
+
+    def commit(self, message: str) -> str:
+        (self.work / "notes").write_text(message + "\n")
+        self.run("add", "notes", cwd=self.work)
+        self.run("commit", "-q", "-m", message, cwd=self.work)
+        return self.run("rev-parse", "HEAD", cwd=self.work).stdout.strip()
+
+    def push(self, *args):
+        return self.run("push", "origin", *args, cwd=self.work, check=False)
+
+    def close(self):
+        self.filter.stop()
+        self.server.close()
+
+
+@pytest.fixture(scope="module")
+def served(origins, interception, tmp_path_factory):  # noqa: F811
+    git = Git(origins, interception, tmp_path_factory.mktemp("git"))
+    yield git
+    git.close()
+
+
+def test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(served):
+    served.run("clone", "-q", served.url("acme/widget"), str(served.work))
+    assert (served.work / "README").read_text() == "widget\n"
+    first = served.commit("one")
+    done = served.push("HEAD:refs/heads/corral/s1/work")
+    assert done.returncode == 0, done.stderr
+    assert served.refs()["refs/heads/corral/s1/work"] == first
+    second = served.commit("two")  # a fast-forward of the session's own branch
+    done = served.push("HEAD:refs/heads/corral/s1/work")
+    assert done.returncode == 0, done.stderr
+    assert served.refs()["refs/heads/corral/s1/work"] == second
+    fetched = served.run("fetch", "origin", cwd=served.work)
+    assert fetched.returncode == 0
+
+
+@pytest.mark.parametrize("case", ["main", "force", "delete", "tag", "another session"])
+def test_every_other_push_is_refused_with_its_reason_and_changes_nothing(served, case):
+    if not served.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(served)
+    before = served.refs()
+    seen = {e["id"] for e in served.filter.events()}
+    if case == "main":
+        served.commit("to main")
+        done, why = served.push("HEAD:main"), "this session may push only refs/heads/corral/s1/**"
+    elif case == "force":
+        tip = before["refs/heads/corral/s1/work"]
+        served.run("reset", "-q", "--hard", f"{tip}~1", cwd=served.work)
+        served.commit("rewritten")  # a sibling of the branch's tip: history rewritten
+        done = served.push("--force", "HEAD:refs/heads/corral/s1/work")
+        why = "a push may only move a ref forward"
+    elif case == "delete":
+        done, why = served.push(":refs/heads/corral/s1/work"), "a push may never delete a ref"
+    elif case == "tag":
+        served.run("tag", "-f", "v1", cwd=served.work)
+        done, why = served.push("refs/tags/v1"), "this session may push only"
+    else:
+        done, why = served.push("HEAD:refs/heads/corral/s2/work"), "may push only"
+    print(done.stderr)
+    assert done.returncode != 0
+    assert "[remote rejected]" in done.stderr and why in done.stderr, done.stderr
+    assert served.refs() == before
+    event = served.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
+    assert event["kind"] == "git" and why in event["reason"]
+
+
+def test_a_repository_not_listed_is_refused_with_the_reason(served, tmp_path):
+    done = served.run("clone", "-q", served.url("other/secret"), str(tmp_path / "secret"),
+                      check=False)
+    print(done.stderr)
+    assert done.returncode != 0
+    assert "not listed" in done.stderr and "acme/widget" in done.stderr, done.stderr
+    assert not any("other/secret" in line for line in served.server.requests)
