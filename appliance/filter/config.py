@@ -225,6 +225,10 @@ class InspectConfig:
     event beyond this, rather than queued ahead of the other sessions' hosts."""
     mint_burst: int = setting(50, whole())
     """New leaf certificates one session may have made at once above `mint_rate`."""
+    scan_bytes: int = setting(1 << 20, whole())
+    """The largest request body to an inspected host that is read for leaks (proxy/leaks.py):
+    held whole, read, then sent. A larger one is refused (413) unless its host's [[inspect]]
+    table says `scan = false`."""
 
     @property
     def enabled(self) -> bool:

@@ -30,7 +30,7 @@ INSPECT = "inspect"
 request patterns (patterns.py). A table becomes an `inspect` rule for its host and a
 `request` rule per pattern; `allow = []` also becomes `HOST nothing` (an empty allow list,
 which restricts), while a missing `allow` restricts nothing."""
-INSPECT_KEYS = ("host", "allow", "deny")
+INSPECT_KEYS = ("host", "allow", "deny", "scan")
 GIT = "git"
 """The array of tables `[[git]]`: one host each, the repositories git may reach there and
 the refs a push may write (git.py); each repository becomes a `git` rule."""
@@ -135,8 +135,13 @@ def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule
             problem = "missing" if host is None else f"{host!r} is not a string"
             raise ConfigError(path, "[[inspect]] host", f"{problem}: name the host to inspect, "
                               'e.g. host = "api.github.com"', line)
+        scan = table.get("scan", True)
+        if not isinstance(scan, bool):
+            raise ConfigError(path, "[[inspect]] scan", "must be true or false (false: request "
+                              "bodies to the host are not read for leaks)",
+                              locate.key(where, "scan"))
         try:
-            mark = Rule.parse("inspect", host, layer, path)
+            mark = Rule.parse("inspect", host if scan else f"{host} unscanned", layer, path)
         except RuleError as exc:
             raise ConfigError(path, "[[inspect]] host", str(exc), locate.key(where, "host")
                               ) from None

@@ -108,6 +108,12 @@ class Inspection:
         """Whether a request needs an allow pattern (some covering table has `allow`)."""
         return self.rules.allows is not None
 
+    @property
+    def scanned(self) -> bool:
+        """Are request bodies to the host read for leaks? Yes unless a table covering it
+        says `scan = false`."""
+        return not any(mark.unscanned for mark in self.rules.marks)
+
     def decide(self, method: str, target: str) -> Decision:
         """May this request (method, origin-form target as sent upstream) go to the host?"""
         rules, host = self.rules, self.host

@@ -105,6 +105,9 @@ class Rule:
     """The requests a `request` rule covers (and whether it denies them); None otherwise."""
     git: GitSpec | None = None
     """The repository and refs of a `git` rule; None otherwise."""
+    unscanned: bool = False
+    """An `inspect` rule written `HOST unscanned` (`scan = false`): request bodies to the
+    host are not read for leaks."""
     text: str = field(init=False, compare=False, repr=False)
     """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
 
@@ -118,6 +121,8 @@ class Rule:
                 text = f"{'!' if self.request.deny else ''}{host} {self.request.text}"
             elif self.git is not None:
                 text = f"{host} {self.git.text}"
+            elif self.unscanned:
+                text = f"{host} unscanned"
         object.__setattr__(self, "text", text)
 
     @property
@@ -187,6 +192,9 @@ class Rule:
         if len(words) > 1 and (words[1] == "*" or words[1].isupper()):
             raise RuleError(f"inspect rule {text!r} names a host only; a method and path make "
                             "a request rule ('HOST METHOD /path')")
+        if len(words) == 2 and words[1] == "unscanned":
+            return cls("inspect", _inspected_host(words[0]), PortSpec("", None), layer, source,
+                       unscanned=True)
         return cls("inspect", _inspected_host(text), PortSpec("", None), layer, source)
 
     @classmethod

@@ -27,6 +27,7 @@ from urllib.parse import unquote
 from appliance.policy import PLACEHOLDER_MARK, Host
 
 from ..secrets import Secret
+from .leaks import Leaks
 
 DIGEST_HEX = 32
 
@@ -52,6 +53,7 @@ class Credentials:
 
     def __init__(self, key: bytes, secrets: Mapping[str, Secret]):
         self.key, self.secrets = key, dict(secrets)
+        self._leaks: dict[str | None, Leaks] = {}
 
     def placeholder(self, session: str, name: str) -> str:
         """The secret's nonce is in it: a secret removed and set again under its name has
@@ -75,6 +77,22 @@ class Credentials:
             if secret.scheme == "basic":
                 out.append(base64.b64encode(f"{secret.user}:{secret.value}".encode()))
         return tuple(out)
+
+    def leaks(self, session: str | None) -> Leaks:
+        """What a request of `session` must not carry out (leaks.py): every secret's value
+        as it goes on the wire, and every placeholder but the session's own."""
+        cached = self._leaks.get(session)
+        if cached is None:
+            values = {}
+            for name in self.secrets:
+                for i, value in enumerate(self.values((name,))):
+                    values[f"{name}" if not i else f"{name} (basic auth)"] = value
+            own = frozenset(self.placeholder(session, n).encode() for n in self.secrets
+                            ) if session is not None else frozenset()
+            if len(self._leaks) > 4096:
+                self._leaks.clear()
+            cached = self._leaks[session] = Leaks(values, own)
+        return cached
 
     def bound(self, host: Host) -> list[str]:
         """The secrets that may go to `host` (its TLS must be ended to attach them)."""

@@ -234,6 +234,14 @@ class Forward:
             head = replace(head, headers=applied.headers)
             fields = {**fields, "secrets": list(applied.used)}
             attached = proxy.credentials.values(applied.used)
+        if inspection is not None and body is None:  # a git push was judged by its refs
+            leaked, body = await self._scan(client, head, inspection, session)
+            if leaked is not None:
+                decision = Decision(False, leaked.reason)
+                proxy.event(decision, client, session, "leak", where.host, where.port,
+                            **fields, detector=leaked.detector)
+                return await self._refuse(client, head, Denied(decision, where.target),
+                                          read=body is not None), kept
         key = (str(where.host), where.port)
         if isinstance(mode, InTunnel) or (
                 kept is not None and kept.key == key and not kept.reader.at_eof()):
@@ -317,10 +325,38 @@ class Forward:
         await drain(client.writer, self.config.idle_timeout)
         return keep, None
 
-    async def _refuse(self, client: Client, head, denied: Denied) -> bool:
+    async def _scan(self, client: Client, head, inspection, session: str | None):
+        """Read what a request to an inspected host carries out for leaks (leaks.py): (the
+        finding or None, the body when it was read whole to be read for them). Raises
+        HttpError for a body too large to hold."""
+        leaks = self.proxy.credentials.leaks(session)
+        found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
+        if found is not None or not inspection.scanned or not (
+                head.chunked or head.content_length):
+            return found, None
+        inspector = self.proxy.inspector
+        limit = inspector.config.scan_bytes if inspector is not None else 1 << 20
+        if (head.get("expect") or "").lower() == "100-continue":
+            client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            body = await read_body(head, client.reader, limit, self.config.idle_timeout)
+        except HttpError as exc:
+            if exc.status == 413:
+                raise HttpError(413, f"{exc} for leaks; a host that takes bulk uploads says "
+                                "scan = false in its [[inspect]] table") from None
+            raise
+        return leaks.scan(body, "the body"), body
+
+    async def _refuse(self, client: Client, head, denied: Denied, read: bool = False) -> bool:
         """Answer a request its host's request rules refuse; whether the connection goes on.
         It does when HTTP allows: not closing, no body waiting on 100 Continue, and a body
-        (if any) small enough to read and drop. Nothing of it reached the upstream."""
+        (if any) small enough to read and drop (or `read` already). Nothing of it reached
+        the upstream."""
+        if read:
+            keep = not wants_close(head, head.start[2])
+            client.writer.write(deny_response(denied, keep))
+            await drain(client.writer, self.config.idle_timeout)
+            return keep
         keep = keeps_after_refusal(head)
         if keep:
             left, idle = head.content_length or 0, self.config.idle_timeout

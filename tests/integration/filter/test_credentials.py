@@ -20,11 +20,13 @@ from .test_inspect import (
     get,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
+    read_response,
     tls_through,
 )
 
 VALUE = "sk-live-0123456789abcdefABCDEF"
 GH_VALUE = "ghp_0123456789abcdefghijklmnopqrstuvwxyz"
+SCAN_BYTES = 65536
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,7 @@ def holding(origins, interception, tmp_path_factory):  # noqa: F811
 ca_cert = "{interception / 'intercept-ca.crt'}"
 ca_key = "{interception / 'intercept-ca.key'}"
 upstream_ca = "{origins.ca.ca_path}"
+scan_bytes = {SCAN_BYTES}
 """
     process = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
     socket = directory / "filter.sock"
@@ -200,3 +203,64 @@ def test_trace_never_carries_a_secret(holding, origins, interception):  # noqa: 
         assert status == 403 and "TRACE sends the request back" in headers["x-corral-deny"]
         assert get(tls, f"plain.test:{port}", "/trace", method="TRACE")[0] == 200  # no secret
     assert [r["method"] for r in origins["good"].requests[before:]] == ["TRACE"]
+
+
+# -- leaks in what a request carries out (proxy/leaks.py) ---------------------------------------
+
+
+def chunked(tls, host: str, path: str, body: bytes, size: int = 1):
+    """A POST whose body is sent in chunks of `size` bytes (a token split across them)."""
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                      for i in range(0, len(body), size))
+    tls.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+                "\r\n".encode() + chunks + b"0\r\n\r\n")
+    return read_response(tls)
+
+
+@pytest.mark.parametrize(("case", "detector"), [
+    ("token", "a GitHub token"), ("value", "the secret API_TOKEN"),
+    ("theirs", "a placeholder that is not this session's"), ("split", "a private key"),
+    ("query", "a GitHub token")])
+def test_a_body_or_target_carrying_a_secret_out_is_refused_before_any_of_it_is_sent(
+        holding, origins, interception, case, detector):  # noqa: F811
+    port = origins["good"].port
+    host = f"inspected.test:{port}"
+    body = {"token": f"token={'ghp_' + 'Ab1' * 12}".encode(), "value": VALUE.encode(),
+            "theirs": placeholders(holding, "s2")["API_TOKEN"].encode(),
+            "split": b"-----BEGIN RSA PRIVATE KEY-----\nMIIE", "query": b""}[case]
+    before, seen = len(origins["good"].requests), {e["id"] for e in holding.events()}
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        if case == "split":
+            status, headers, _ = chunked(tls, host, "/upload", body)
+        elif case == "query":
+            status, headers, _ = get(tls, host, "/search?q=ghp_" + "Ab1" * 12)
+        else:
+            status, headers, _ = get(tls, host, "/upload", "POST", body=body)
+        assert status == 403 and detector in headers["x-corral-deny"], headers
+        assert get(tls, host, "/after")[0] == 200  # the connection goes on
+    assert [r["path"] for r in origins["good"].requests[before:]] == ["/after"]
+    event = holding.wait_event(lambda e: e["id"] not in seen and e.get("kind") == "leak")
+    assert event["verdict"] == "deny" and event["detector"] == detector
+    assert VALUE not in json.dumps(event) and "Ab1Ab1" not in json.dumps(event)
+
+
+def test_a_clean_body_is_sent_whole_and_the_sessions_own_placeholder_is_no_leak(
+        holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")["API_TOKEN"]
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, _, body = chunked(tls, f"inspected.test:{port}", "/notes",
+                                  f"a note naming {mine}".encode(), size=5)
+    assert status == 200
+    assert json.loads(body)["body"] == f"a note naming {mine}"
+
+
+def test_a_body_too_large_to_read_is_refused_and_says_how_to_let_it_pass(
+        holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/bulk", "POST",
+                                 body=b"x" * (SCAN_BYTES + 1))
+    assert status == 413 and "scan = false" in headers["x-corral-error"], headers
+    assert len(origins["good"].requests) == before

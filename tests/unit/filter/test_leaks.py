@@ -1,0 +1,67 @@
+"""What a request to an inspected host may not carry out, without sockets: the appliance's
+secret values, placeholders not the session's own, and token formats (shaped as the real
+ones are); a finding names the detector, never the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.filter.proxy.credentials import Credentials
+from appliance.filter.proxy.leaks import Leaks
+from appliance.filter.secrets import Secret
+from appliance.policy import parse_host
+from appliance.policy.config import parse_policy
+from appliance.policy.decide import Policy
+
+TOKENS = {
+    "private key": b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEA\n",
+    "AWS access key": b"aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n",
+    "GitHub token": b'{"token": "ghp_' + b"a1B2" * 9 + b'"}',
+    "GitLab token": b"glpat-" + b"x1Y2z3" * 3 + b"ab",
+    "Slack token": b"xoxb-1234567890-abcdefghijklmnop",
+    "Anthropic API key": b"sk-ant-api03-" + b"A1b2C3d4" * 6,
+    "JSON Web Token": b"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+                      b"dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+}
+
+
+@pytest.mark.parametrize("detector", TOKENS)
+def test_each_token_format_is_found_and_named(detector):
+    found = Leaks({}).scan(b"prefix " + TOKENS[detector] + b" suffix", "the body")
+    assert found is not None and found.detector == f"a {detector}"
+    assert TOKENS[detector].decode() not in found.reason
+
+
+@pytest.mark.parametrize("text", [
+    b"ghp_short", b"AKIA1234", b"xyzghp_" + b"a" * 36, b"eyJhbGciOi.eyJzdWIi.sig",
+    b"def main():\n    return 'private key handling'\n", b"-----BEGIN PUBLIC KEY-----",
+    b"glpat-short",
+])
+def test_text_that_only_looks_alike_passes(text):
+    assert Leaks({}).scan(text, "the body") is None
+
+
+def test_secret_values_and_foreign_placeholders_are_found_percent_decoded_too():
+    secret = Secret("API_TOKEN", "sk-live-0123456789abcdef", ("api.test",), "header",
+                    "x-api-key", nonce="n1")
+    credentials = Credentials(b"k" * 32, {"API_TOKEN": secret})
+    mine = credentials.placeholder("s1", "API_TOKEN").encode()
+    theirs = credentials.placeholder("s2", "API_TOKEN").encode()
+    leaks = credentials.leaks("s1")
+    assert leaks.scan(b"note=" + mine, "the body") is None  # worthless: passes
+    found = leaks.scan(b"note=" + theirs, "the body")
+    assert found.detector == "a placeholder that is not this session's"
+    found = leaks.scan(b"v=sk-live-0123456789abcdef", "the body")
+    assert found.detector == "the secret API_TOKEN" and "sk-live" not in found.reason
+    found = leaks.scan(b"v=sk%2Dlive%2D0123456789abcdef", "the target")
+    assert found.where == "the target (percent-decoded)"
+    assert credentials.leaks("s1") is leaks  # built once per session and snapshot
+
+
+def test_scan_false_turns_body_reading_off_for_its_host_only():
+    document = parse_policy('[[inspect]]\nhost = "bulk.test"\nscan = false\n'
+                            '[[inspect]]\nhost = "api.test"\n', "corral.toml", "project")
+    assert [r.text for r in document.rules] == ["bulk.test unscanned", "api.test"]
+    policy = Policy(document.rules)
+    assert not policy.inspection(parse_host("bulk.test")).scanned
+    assert policy.inspection(parse_host("api.test")).scanned
