@@ -143,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--name", metavar="N", help="the session's name (default: from the "
                      "project's)")
     run.add_argument("--detach", action="store_true", help="start it, do not attach")
+    run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
+                     "files in it look like secrets (they are read first; see [workspace] "
+                     "exclude in corral.toml)")
     run.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
     shell = appliance_command("shell", "another terminal in a running session (re-attach)",
                               sessions.cmd_shell, session=False)

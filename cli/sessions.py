@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from appliance import workspace
+from appliance.policy.config import ConfigError, parse_policy
 
-from . import exitcodes, output
+from . import exitcodes, output, scan
 from .client import Client, CliError, load_appliance
 from .control import client_for, pick_session
 
@@ -39,8 +40,22 @@ def _session_name(project: Path) -> str:
     return f"{project_id(project).rsplit('-', 1)[0][:26]}-{secrets.token_hex(2)}"
 
 
-def _archive(project: Path) -> tuple[tempfile.SpooledTemporaryFile, int, int]:
-    """The project as a gzipped tar, without the top-level `.corral/` (its credentials)."""
+def _excludes(project: Path) -> tuple[str, ...]:
+    """`[workspace] exclude` of the project's corral.toml (none without one)."""
+    path = project / "corral.toml"
+    if not path.is_file():
+        return ()
+    try:
+        return parse_policy(path.read_text(), str(path), "project").exclude
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        raise CliError(str(exc), "fix corral.toml (`corral check` prints what it says)",
+                       code=exitcodes.USAGE) from None
+
+
+def _archive(project: Path, exclude: tuple[str, ...] = ()
+             ) -> tuple[tempfile.SpooledTemporaryFile, int, int]:
+    """The project as a gzipped tar, without the top-level `.corral/` (its credentials) and
+    what `[workspace] exclude` names."""
     excluded = {project / name for name in workspace.EXCLUDED}
     count = 0
 
@@ -48,6 +63,9 @@ def _archive(project: Path) -> tuple[tempfile.SpooledTemporaryFile, int, int]:
         nonlocal count
         if project / info.name in excluded or any(
                 (project / info.name).is_relative_to(e) for e in excluded):
+            return None
+        relative = (project / info.name).relative_to(project).as_posix()
+        if relative != "." and scan.excluded(relative, exclude):
             return None
         count += 1
         info.uid = info.gid = 0
@@ -60,6 +78,30 @@ def _archive(project: Path) -> tuple[tempfile.SpooledTemporaryFile, int, int]:
     size = spool.tell()
     spool.seek(0)
     return spool, size, count
+
+
+def _check_secrets(project: Path, exclude: tuple[str, ...], as_json: bool) -> None:
+    """Refuse to copy a project holding secrets (cli/scan.py), naming each finding."""
+    started = time.monotonic()
+    try:
+        report = scan.scan(project, exclude, workspace.EXCLUDED)
+    except scan.ScanUnavailable as exc:
+        raise CliError(f"{exc}, which is not installed", "pip install detect-secrets (it comes "
+                       "with corral[host]), or pass --allow-secrets to copy unread") from None
+    large = f", {report.too_large} too large to read" if report.too_large else ""
+    output.notice(f"read {report.files} files for secrets in {time.monotonic() - started:.1f}s"
+                  f"{large}")
+    if not report.findings:
+        return
+    if as_json:
+        output.data({"findings": [f.to_json() for f in report.findings]})
+    else:
+        for finding in report.findings:
+            output.line(f"  {finding.path}:{finding.line}  {finding.detector}")
+    raise CliError(f"{len(report.findings)} possible secret(s) in what would be copied into the "
+                   "session (above: path, line, detector)", "leave them out with [workspace] "
+                   'exclude = ["PATH", ...] in corral.toml, or pass --allow-secrets to copy '
+                   "them anyway")
 
 
 def _terminal(client: Client, container: str, command: list[str]) -> int:
@@ -75,15 +117,18 @@ def _terminal(client: Client, container: str, command: list[str]) -> int:
 
 
 def cmd_run(args) -> int:
-    client = client_for(args)
     project = Path(args.project or os.getcwd()).resolve()
     if not project.is_dir():
         raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
+    exclude = _excludes(project)
+    if not args.allow_secrets:  # before anything reaches the appliance
+        _check_secrets(project, exclude, args.json)
+    client = client_for(args)
     name = args.name or _session_name(project)
     uid = int(os.environ.get("SUDO_UID", os.getuid())) or 1000
     gid = int(os.environ.get("SUDO_GID", os.getgid())) or 1000
     started = time.monotonic()
-    spool, size, count = _archive(project)
+    spool, size, count = _archive(project, exclude)
     with spool:
         output.notice(f"copying {project} ({count} entries, {size / 1e6:.1f} MB packed) and "
                       f"starting session {name} ...")

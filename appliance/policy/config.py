@@ -25,6 +25,8 @@ SECTIONS = {
     ("deny", "names"): "deny",
 }
 TOP_LEVEL = ("presets", "description", "version")
+WORKSPACE = "workspace"
+"""`[workspace] exclude = [...]`: what `corral run` leaves out of the copy (no rules)."""
 INSPECT = "inspect"
 """The array of tables `[[inspect]]`: one host each, with optional allow and deny lists of
 request patterns (patterns.py). A table becomes an `inspect` rule for its host and a
@@ -54,6 +56,9 @@ class PolicyDocument:
     """The file's own rules, each tagged with the layer and the file as its source."""
     presets: tuple[str, ...]
     """Preset names the file references, in order."""
+    exclude: tuple[str, ...] = ()
+    """`[workspace] exclude`: paths of the project `corral run` does not copy into a session
+    (globs relative to the project; the CLI reads them, cli/scan.py)."""
 
 
 def parse_toml(text: str, path: str) -> dict:
@@ -71,7 +76,11 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
     locate = Locator(text)
     rules: list[Rule] = []
     presets: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
     for key, value in data.items():
+        if key == WORKSPACE:
+            exclude = _workspace(value, path, locate)
+            continue
         if key == INSPECT:
             rules.extend(_inspect_tables(value, path, layer, locate))
             continue
@@ -112,7 +121,7 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
                     rules.append(Rule.parse(kind, str(item), layer, path))
                 except RuleError as exc:
                     raise ConfigError(path, full, str(exc), locate.value(key, item)) from None
-    return PolicyDocument(tuple(rules), presets)
+    return PolicyDocument(tuple(rules), presets, exclude)
 
 
 def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
@@ -169,6 +178,23 @@ def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule
     return rules
 
 
+def _workspace(table, path: str, locate: Locator) -> tuple[str, ...]:
+    if not isinstance(table, dict):
+        raise ConfigError(path, WORKSPACE, "must be a table: [workspace] exclude = [...]",
+                          locate.key("", WORKSPACE))
+    for key in table:
+        if key != "exclude":
+            raise ConfigError(path, f"[workspace] {key}", "unknown key; expected exclude",
+                              locate.key(WORKSPACE, key))
+    items = table.get("exclude", [])
+    if not isinstance(items, list) or not all(isinstance(i, str) and i.strip("/") and
+                                              "\0" not in i for i in items):
+        raise ConfigError(path, "[workspace] exclude", "must be a list of paths or globs "
+                          'relative to the project, e.g. ["secrets/", "*.pem"]',
+                          locate.key(WORKSPACE, "exclude"))
+    return tuple(items)
+
+
 def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(path, GIT, "write [[git]] tables, one per host, e.g. [[git]] host = "
@@ -207,7 +233,8 @@ def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
 
 
 def _tables() -> str:
-    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]", "[[git]]"])
+    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]", "[[git]]",
+                      "[workspace]"])
 
 
 def _string_list(value, path: str, key: str, line: int | None) -> list[str]:
