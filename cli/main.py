@@ -228,6 +228,10 @@ def parser() -> argparse.ArgumentParser:
     form.add_argument("--header", metavar="FIELD", help="sent as `FIELD: VALUE`, e.g. x-api-key")
     form.add_argument("--basic", metavar="USER", help="sent as basic auth USER:VALUE (git "
                       "over HTTPS)")
+    store.add_argument("--only", action="append", metavar="'METHOD /path'",
+                       help="attach it only to these requests (repeatable; patterns as in "
+                       "[[inspect]] allow lists, e.g. 'POST /v1/messages'); any other request "
+                       "carrying its placeholder is refused")
     secret_command("ls", "the secrets: name, hosts and how each is sent (never values)",
                    secrets.cmd_ls)
     forget = secret_command("rm", "remove a secret", secrets.cmd_rm)

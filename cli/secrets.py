@@ -41,6 +41,8 @@ def cmd_set(args) -> int:
         body.update(scheme="basic", user=args.basic)
     else:
         body["scheme"] = "bearer"
+    if args.only:
+        body["requests"] = args.only
     answer = client_for(args).request("PUT", f"/secrets/{args.name}", body)
     secret = answer["secret"]
     if args.json:
@@ -54,10 +56,13 @@ def cmd_set(args) -> int:
 
 def _form(secret: dict) -> str:
     if secret["scheme"] == "header":
-        return f"header {secret['header']}"
-    if secret["scheme"] == "basic":
-        return f"basic auth as {secret['user']}"
-    return "Authorization: Bearer"
+        form = f"header {secret['header']}"
+    elif secret["scheme"] == "basic":
+        form = f"basic auth as {secret['user']}"
+    else:
+        form = "Authorization: Bearer"
+    only = secret.get("requests") or []
+    return f"{form}, only with {' | '.join(only)}" if only else form
 
 
 def cmd_ls(args) -> int:

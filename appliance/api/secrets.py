@@ -18,7 +18,7 @@ def listing():
 @blueprint.put("/secrets/<name>")
 def store(name: str):
     data = body({"value": str, "hosts": list},
-                {"scheme": str, "header": str, "user": str})
+                {"scheme": str, "header": str, "user": str, "requests": list})
     answer = call({"op": "secret-set", "name": name, **data})
     return jsonify(secret=answer["secret"]), 201 if answer["added"] else 200
 

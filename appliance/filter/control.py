@@ -20,7 +20,7 @@ the client hangs up. Requests:
   {"op": "inspect-ca"}                                the interception CA's certificate, or null
   {"op": "inspect-rotate"}                            a new interception CA, in use at once
   {"op": "secret-set", "name": N, "value": V, "hosts": [H], "scheme": S?, "header": F?,
-   "user": U?}                                       store a secret (answers never hold values)
+   "user": U?, "requests": ["METHOD /path", ...]?}   store a secret (answers never hold values)
   {"op": "secret-list"}       {"op": "secret-remove", "name": N}
   {"op": "secret-environment", "session": S}         the session's placeholders, by variable
 

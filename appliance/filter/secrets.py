@@ -17,10 +17,13 @@ import re
 import secrets as random
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 from appliance.atomic import write_atomic
 from appliance.policy import ConfigError, HostNameError, normalise_name
+from appliance.policy.patterns import PatternError, RequestSpec
+from appliance.policy.targets import Ambiguous, query_pairs, read_target
 
 FILE = "secrets.json"
 NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
@@ -29,6 +32,7 @@ FIELD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 SCHEMES = ("bearer", "basic", "header")
 MAX_VALUE = 8192
 MAX_HOSTS = 32
+MAX_REQUESTS = 32
 RESERVED_FIELDS = frozenset({
     "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
     "trailer", "keep-alive", "proxy-connection", "proxy-authorization", "expect"})
@@ -63,6 +67,24 @@ class Secret:
     nonce: str = ""
     """Random, made when the secret is first set, kept when it is replaced: in its
     placeholders (proxy/credentials.py), so a secret removed and set again has new ones."""
+    requests: tuple[str, ...] = ()
+    """Request patterns (`METHOD /path`, as in [[inspect]] allow lists) the value may go
+    with; none: any request to its hosts."""
+
+    def permits(self, method: str, target: str) -> bool:
+        """May the value go with this request (its method and origin-form target)? A target
+        servers read in different ways never gets it; an encoded slash must match both
+        readings, as an allow pattern must."""
+        if not self.requests:
+            return True
+        try:
+            parsed = read_target(target)
+        except Ambiguous:
+            return False
+        pairs = query_pairs(parsed.query) if parsed.query else ()
+        specs = [_spec(text) for text in self.requests]
+        return all(any(spec.matches(method, reading, pairs) for spec in specs)
+                   for reading in parsed.readings)
 
     def binds(self, host_name: str | None) -> bool:
         """May the value go to this host?"""
@@ -75,6 +97,7 @@ class Secret:
         """What may be shown of it: everything but the value."""
         shown = {k: v for k, v in asdict(self).items() if k not in ("value", "nonce")}
         shown["hosts"] = list(self.hosts)
+        shown["requests"] = list(self.requests)
         return shown
 
 
@@ -125,8 +148,27 @@ def parse(request: dict) -> Secret:
             raise SecretError(f"secret {name}: basic auth needs a 'user' (printable, no ':')")
     elif user is not None:
         raise SecretError(f"secret {name}: 'user' goes with scheme 'basic' only")
+    requests = request.get("requests") or []
+    if (not isinstance(requests, list) or len(requests) > MAX_REQUESTS
+            or not all(isinstance(r, str) for r in requests)):
+        raise SecretError(f"secret {name}: 'requests' must list at most {MAX_REQUESTS} request "
+                          "patterns such as 'POST /v1/messages'")
+    patterns = []
+    for text in requests:
+        try:
+            spec = RequestSpec.parse(text)
+        except PatternError as exc:
+            raise SecretError(f"secret {name}: request pattern {text!r}: {exc}") from None
+        if spec.runs is None:
+            raise SecretError(f"secret {name}: request pattern {text!r} matches nothing")
+        patterns.append(spec.text)
     return Secret(name, value, tuple(dict.fromkeys(normal)), scheme, header, user,
-                  round(time.time(), 3), random.token_hex(16))
+                  round(time.time(), 3), random.token_hex(16), tuple(dict.fromkeys(patterns)))
+
+
+@lru_cache(maxsize=1024)
+def _spec(text: str) -> RequestSpec:
+    return RequestSpec.parse(text)
 
 
 class SecretStore:
@@ -170,7 +212,8 @@ class SecretStore:
 
     def save(self) -> None:
         data = {"key": self.key.hex(),
-                "secrets": {n: {**asdict(s), "hosts": list(s.hosts)}
+                "secrets": {n: {**asdict(s), "hosts": list(s.hosts),
+                                "requests": list(s.requests)}
                             for n, s in sorted(self.secrets.items())}}
         write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
 

@@ -99,13 +99,16 @@ class Credentials:
         return [s.name for s in self.secrets.values() if s.binds(host.name)]
 
     def apply(self, session: str | None, host: Host, target: str,
-              headers: tuple[tuple[str, str], ...], tls: bool) -> Applied:
+              headers: tuple[tuple[str, str], ...], tls: bool, method: str = "GET"
+              ) -> Applied:
         """The request's fields with this session's placeholders replaced where their secret
-        goes to `host` (only inside TLS the filter ended: `tls`). Raises Leak if any
-        placeholder is left anywhere: the target (decoded too), a field's name or value, or
-        a basic-auth credential."""
+        goes to `host` (only inside TLS the filter ended: `tls`) with this method and target
+        (a secret limited to request patterns). Raises Leak if any placeholder is left
+        anywhere: the target (decoded too), a field's name or value, or a basic-auth
+        credential."""
         mine = {self.placeholder(session, s.name): s for s in self.secrets.values()
-                if s.binds(host.name)} if tls and session is not None else {}
+                if s.binds(host.name) and s.permits(method, target)
+                } if tls and session is not None else {}
         out, used = [], []
         for name, value in headers:
             if mine:

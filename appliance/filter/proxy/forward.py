@@ -219,7 +219,8 @@ class Forward:
                 return refused, kept
         try:
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              isinstance(mode, InTunnel) and mode.inspected)
+                                              isinstance(mode, InTunnel) and mode.inspected,
+                                              head.start[0])
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)

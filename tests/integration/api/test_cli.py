@@ -224,12 +224,15 @@ def test_a_secret_goes_in_on_stdin_and_never_comes_out(home):
     value = "sk-cli-0123456789abcdefVALUE"
     env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
     stored = subprocess.run([CORRAL, "secret", "set", "CLI_TOKEN", "--host", "api.example.com",
-                             "--header", "x-api-key", "--json"], input=value + "\n",
-                            capture_output=True, text=True, env=env, timeout=30)
+                             "--header", "x-api-key", "--only", "POST /v1/messages", "--json"],
+                            input=value + "\n", capture_output=True, text=True, env=env,
+                            timeout=30)
     assert stored.returncode == 0, stored.stderr
     assert json.loads(stored.stdout)["secret"]["header"] == "x-api-key"
+    assert json.loads(stored.stdout)["secret"]["requests"] == ["POST /v1/messages"]
     listed = corral(home, "secret", "ls")
     assert "CLI_TOKEN" in listed.stdout and "header x-api-key" in listed.stdout
+    assert "only with POST /v1/messages" in listed.stdout
     shown = [corral(home, "secret", "ls", "--json"), corral(home, "status", "--json"),
              corral(home, "audit", "--json")]
     assert all(value not in r.stdout + r.stderr for r in [stored, *shown])

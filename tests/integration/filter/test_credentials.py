@@ -264,3 +264,26 @@ def test_a_body_too_large_to_read_is_refused_and_says_how_to_let_it_pass(
                                  body=b"x" * (SCAN_BYTES + 1))
     assert status == 413 and "scan = false" in headers["x-corral-error"], headers
     assert len(origins["good"].requests) == before
+
+
+def test_a_secret_limited_to_requests_reaches_only_those(holding, origins, interception):  # noqa: F811
+    answer = control(holding.socket, {"op": "secret-set", "name": "LIMITED_TOKEN",
+                                      "value": "sk-limited-0123456789abcdef",
+                                      "hosts": ["inspected.test"], "scheme": "header",
+                                      "header": "x-limited", "requests": ["GET /v1/read/**"]})
+    assert answer["ok"] and answer["secret"]["requests"] == ["GET /v1/read/**"], answer
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")["LIMITED_TOKEN"]
+    before = len(origins["good"].requests)
+    try:
+        with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+            status, _, body = get(tls, f"inspected.test:{port}", "/v1/read/x",
+                                  extra=f"x-limited: {mine}\r\n")
+            assert status == 200
+            assert json.loads(body)["headers"]["x-limited"] == "sk-limited-0123456789abcdef"
+            status, headers, _ = get(tls, f"inspected.test:{port}", "/v1/write", "POST",
+                                     extra=f"x-limited: {mine}\r\n", body=b"{}")
+            assert status == 403 and "placeholder" in headers["x-corral-deny"], headers
+        assert [r["path"] for r in origins["good"].requests[before:]] == ["/v1/read/x"]
+    finally:
+        control(holding.socket, {"op": "secret-remove", "name": "LIMITED_TOKEN"})

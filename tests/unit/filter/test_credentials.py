@@ -222,3 +222,36 @@ def test_a_secrets_file_edited_by_hand_is_checked_as_if_set_anew(tmp_path):
     with pytest.raises(ConfigError, match="printable ASCII") as caught:
         secrets.SecretStore.load(tmp_path)
     assert "X-Injected" not in str(caught.value)
+
+
+def test_a_secret_limited_to_requests_goes_with_those_alone():
+    limited = secret(requests=["POST /v1/messages", "GET /v1/models/**"])
+    assert limited.requests == ("POST /v1/messages", "GET /v1/models/**")
+    creds = credentials(limited)
+    mine = creds.placeholder("s1", "API_TOKEN")
+    header = [("Authorization", f"Bearer {mine}")]
+    for method, target in (("POST", "/v1/messages"), ("GET", "/v1/models/x?y=1"),
+                           ("GET", "/v1/models")):
+        done = creds.apply("s1", API, target, tuple(header), True, method)
+        assert done.headers == (("Authorization", f"Bearer {VALUE}"),), (method, target)
+    for method, target in (("GET", "/v1/messages"), ("POST", "/v1/files"),
+                           ("POST", "/v1/messages/../files"), ("post", "/v1/messages"),
+                           ("POST", "/v1%2Fmessages")):
+        with pytest.raises(Leak):  # the placeholder stays, and goes nowhere
+            creds.apply("s1", API, target, tuple(header), True, method)
+    assert limited.describe()["requests"] == ["POST /v1/messages", "GET /v1/models/**"]
+
+
+@pytest.mark.parametrize(("requests", "message"), [
+    ("POST /x", "must list"), (["post /x"], "request pattern"), (["nothing"], "matches nothing"),
+    (["GET /x"] * 33, "at most 32")])
+def test_bad_request_limits_are_refused_naming_the_pattern(requests, message):
+    with pytest.raises(secrets.SecretError, match=message):
+        secret(requests=requests)
+
+
+def test_request_limits_survive_the_store(tmp_path):
+    store = secrets.SecretStore.load(tmp_path)
+    store.set(secret(requests=["POST /v1/messages"]))
+    again = secrets.SecretStore.load(tmp_path)
+    assert again.secrets["API_TOKEN"].requests == ("POST /v1/messages",)
