@@ -7,9 +7,11 @@ the file is excluded from the copy (`[workspace] exclude` in corral.toml) or the
 The detectors are detect-secrets' (Yelp's maintained library: one plugin per credential
 format, each with its own verification of the shape), limited to the formats that are
 secrets by their shape alone: the entropy and keyword plugins are left out, since every
-lock file and test fixture would stop a run. Two findings of our own: a `.env`-style file
-with an assignment in it (`.env`, `.env.local`, `prod.env`; not `.env.example`), and a
-file too large to read is not read (said so, not refused: binaries and data sets).
+lock file and test fixture would stop a run; its filters stay (`# pragma: allowlist
+secret` marks a line as known). One finding of our own: a `.env`-style file with an
+assignment in it (`.env`, `.env.local`, `prod.env`, `.envrc`; not `.env.example`). Not
+read: files over MAX_FILE (counted and said), what detect-secrets cannot read as text
+(binaries, other encodings), `.git/objects` (compressed: history is copied unread).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MAX_FILE = 2 << 20
 SKIPPED_DIRS = (".git/objects", ".git/lfs")
 """Compressed or content-addressed: nothing readable (`.git/config` is read: a remote URL
 with a token in it is a classic leak)."""
-_DOTENV = re.compile(r"(?:^\.env(?:\..+)?|.+\.env)$")
+_DOTENV = re.compile(r"(?:^\.env(?:\..+|rc)?|.+\.env)$")
 _DOTENV_SAMPLE = re.compile(r"\.(?:example|sample|template|dist|defaults?)$")
 _ASSIGNMENT = re.compile(r"^\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*\s*=\s*\S")
 
@@ -108,13 +110,19 @@ def scan(project: Path, patterns: tuple[str, ...] = (), always: tuple[str, ...] 
         if any(relative.startswith(d + "/") for d in SKIPPED_DIRS):
             continue
         report.files += 1
-        if path.stat().st_size > MAX_FILE:
+        try:
+            size = path.stat().st_size
+        except OSError:  # gone meanwhile: nothing to copy either
+            continue
+        if size > MAX_FILE:
             report.too_large += 1
             continue
         readable.append((relative, path))
         if _DOTENV.match(path.name) and not _DOTENV_SAMPLE.search(path.name):
             report.findings += _dotenv(relative, path)
-    settings = {"plugins_used": [{"name": name} for name in PLUGINS], "filters_used": []}
+    # detect-secrets' own filters stay: `# pragma: allowlist secret` on a line, lock files,
+    # templated and indirect values
+    settings = {"plugins_used": [{"name": name} for name in PLUGINS]}
     with transient_settings(settings):
         collection = SecretsCollection(root=str(project))
         for relative, _ in readable:

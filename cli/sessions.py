@@ -46,10 +46,15 @@ def _excludes(project: Path) -> tuple[str, ...]:
     if not path.is_file():
         return ()
     try:
-        return parse_policy(path.read_text(), str(path), "project").exclude
+        exclude = parse_policy(path.read_text(encoding="utf-8"), str(path), "project").exclude
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         raise CliError(str(exc), "fix corral.toml (`corral check` prints what it says)",
                        code=exitcodes.USAGE) from None
+    if scan.excluded("corral.toml", exclude):
+        raise CliError(f"{path}: [workspace] exclude leaves out corral.toml itself, and with it "
+                       "the session's project policy", "exclude other paths",
+                       code=exitcodes.USAGE)
+    return exclude
 
 
 def _archive(project: Path, exclude: tuple[str, ...] = ()

@@ -213,43 +213,6 @@ class FakeHttp:
     def close(self):
         self.server.close()
 
-    @staticmethod
-    def seed(root: Path, repos: list[str]) -> str:
-        """Bare repositories `root/REPO.git`, each with branch main at one commit (the same
-        in each); returns that commit's id."""
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root),
-               "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "seed",
-               "GIT_AUTHOR_EMAIL": "seed@corral.test", "GIT_COMMITTER_NAME": "seed",
-               "GIT_COMMITTER_EMAIL": "seed@corral.test"}
-        work = root / ".seed"
-
-        def git(*args, cwd=None):
-            return subprocess.run(["git", *args], cwd=cwd, env=env, check=True,
-                                  capture_output=True, text=True).stdout.strip()
-
-        git("init", "-q", "-b", "main", str(work))
-        (work / "README").write_text("widget\n")
-        git("add", "README", cwd=work)
-        git("commit", "-q", "-m", "first", cwd=work)
-        for repo in repos:
-            bare = root / f"{repo}.git"
-            bare.parent.mkdir(parents=True, exist_ok=True)
-            git("init", "-q", "--bare", "-b", "main", str(bare))
-            git("push", "-q", str(bare), "main", cwd=work)
-        return git("rev-parse", "HEAD", cwd=work)
-
-    @staticmethod
-    def refs(bare: Path) -> dict[str, str]:
-        listed = subprocess.run(["git", "-C", str(bare), "for-each-ref",
-                                 "--format=%(refname) %(objectname)"], capture_output=True,
-                                text=True, check=True, env={
-                                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                    "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(bare),
-                                    "GIT_CONFIG_COUNT": "1",
-                                    "GIT_CONFIG_KEY_0": "safe.directory",
-                                    "GIT_CONFIG_VALUE_0": "*"}).stdout
-        return dict(line.split(" ") for line in listed.splitlines())
-
 
 class TestCA:
     """A throwaway CA and server certificates for names, minted with cryptography."""

@@ -117,6 +117,10 @@ def setting(default, check, key: str | None = None):
     return field(default=default, metadata={"check": check, "key": key})
 
 
+SCAN_BYTES = 1 << 20
+"""`[inspect] scan_bytes`' default: the largest request body read for leaks."""
+
+
 @dataclass(frozen=True)
 class DnsConfig:
     listen: tuple[Address, ...] = setting((), addresses)
@@ -225,7 +229,7 @@ class InspectConfig:
     event beyond this, rather than queued ahead of the other sessions' hosts."""
     mint_burst: int = setting(50, whole())
     """New leaf certificates one session may have made at once above `mint_rate`."""
-    scan_bytes: int = setting(1 << 20, whole())
+    scan_bytes: int = setting(SCAN_BYTES, whole())
     """The largest request body to an inspected host that is read for leaks (proxy/leaks.py):
     held whole, read, then sent. A larger one is refused (413) unless its host's [[inspect]]
     table says `scan = false`."""

@@ -371,45 +371,53 @@ async def copy_until_eof(reader, writer, counters: Counters, idle: float) -> Non
         await drain(writer, idle)
 
 
-class _Held:
-    """A writer that keeps what it is given, up to a limit (for read_body)."""
+async def read_body(head: Head, reader, limit: int, idle: float,
+                    max_trailer: int = 65536) -> bytes:
+    """A request body read whole (chunks joined, extensions and trailer dropped), at most
+    `limit` bytes of it: for the rare request that must be judged by its body before any
+    of it goes on. Raises HttpError (413 past the limit, 400 for a malformed one) or
+    ConnectionError."""
 
-    def __init__(self, limit: int):
-        self.data, self.limit = bytearray(), limit
+    def too_large() -> HttpError:
+        return HttpError(413, f"request body larger than {limit} bytes, the most the filter "
+                         "holds to judge it")
 
-    def write(self, data: bytes) -> None:
-        self.data += data
-        if len(self.data) > self.limit + 64:  # the framing's own bytes are not counted
-            raise HttpError(413, f"request body larger than {self.limit} bytes, the most "
-                            "the filter holds to judge it")
+    async def exactly(n: int) -> bytes:
+        try:
+            return await within(reader.readexactly(n), idle)
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("peer closed in the middle of a message body") from None
 
-    async def drain(self) -> None:
-        return None
+    async def line() -> bytes:
+        try:
+            data = await within(reader.readuntil(b"\r\n"), idle)
+        except asyncio.LimitOverrunError:
+            raise HttpError(400, "chunk line too long") from None
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("peer closed in the middle of a chunked body") from None
+        return data[:-2]
 
-
-async def read_body(head: Head, reader, limit: int, idle: float) -> bytes:
-    """A request body read whole (chunks joined, trailer dropped), at most `limit` bytes:
-    for the rare request that must be judged by its body before any of it goes on. Raises
-    HttpError (413 past the limit, 400 for a malformed one) or ConnectionError."""
-    held = _Held(2 * limit if head.chunked else limit)  # chunk lines: at most 2x on the wire
-    if head.chunked:
-        await copy_chunked(reader, held, Counters(), True, idle)
-        framed, body, pos = bytes(held.data), bytearray(), 0
-        while True:  # copy_chunked's own spelling: "%x\r\n" data "\r\n", then "0\r\n\r\n"
-            line_end = framed.index(b"\r\n", pos)
-            size = int(framed[pos:line_end], 16)
-            if size == 0:
-                break
-            body += framed[line_end + 2 : line_end + 2 + size]
-            pos = line_end + 4 + size
-        if len(body) > limit:
-            raise HttpError(413, f"request body larger than {limit} bytes, the most the "
-                            "filter holds to judge it")
-        return bytes(body)
-    length = head.content_length or 0
-    if length > limit:
-        raise HttpError(413, f"request body of {length} bytes; the filter holds at most "
-                        f"{limit} to judge it")
-    if length:
-        await copy_exact(reader, held, length, Counters(), True, idle)
-    return bytes(held.data)
+    if not head.chunked:
+        length = head.content_length or 0
+        if length > limit:
+            raise too_large()
+        return await exactly(length) if length else b""
+    body, chunks = bytearray(), 0
+    while True:
+        size = parse_chunk_size(await line())
+        chunks += 1
+        if chunks % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+        if size == 0:
+            trailer = 0
+            while (field := await line()) != b"":
+                check_trailer_line(field)
+                trailer += len(field)
+                if trailer > max_trailer:
+                    raise HttpError(400, f"chunked trailer larger than {max_trailer} bytes")
+            return bytes(body)
+        if len(body) + size > limit:
+            raise too_large()
+        body += await exactly(size)
+        if await line() != b"":
+            raise HttpError(400, "chunk data not followed by CRLF")

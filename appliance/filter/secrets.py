@@ -79,9 +79,9 @@ class Secret:
             return True
         try:
             parsed = read_target(target)
-        except Ambiguous:
+            pairs = query_pairs(parsed.query) if parsed.query else ()
+        except Ambiguous:  # what servers read in different ways never gets a value
             return False
-        pairs = query_pairs(parsed.query) if parsed.query else ()
         specs = [_spec(text) for text in self.requests]
         return all(any(spec.matches(method, reading, pairs) for spec in specs)
                    for reading in parsed.readings)

@@ -293,6 +293,9 @@ class PolicyStore:
             raise RuleError(f"kind {kind!r} cannot be added at run time; expected one of "
                             f"{', '.join(RUNTIME_KINDS)} (cidr and host ports go in corral.toml)")
         rule = Rule.parse(kind, text, "session", "api")
+        if rule.unscanned:  # at run time a session's layer only inspects more, never reads less
+            raise RuleError(f"inspect rule {text!r}: 'unscanned' (scan = false) goes in "
+                            "corral.toml, not at run time")
         if rule.request is not None and not rule.request.deny and rule.request.text != "nothing":
             _only_adds(session.policy, rule)  # `HOST nothing` restricts on purpose
         if any(r.key() == rule.key() for r in session.runtime):

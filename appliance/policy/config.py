@@ -79,6 +79,10 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
     exclude: tuple[str, ...] = ()
     for key, value in data.items():
         if key == WORKSPACE:
+            if layer != "project" or not allow_presets:
+                raise ConfigError(path, WORKSPACE, "[workspace] belongs in a project's "
+                                  "corral.toml (what `corral run` copies)",
+                                  locate.key("", WORKSPACE))
             exclude = _workspace(value, path, locate)
             continue
         if key == INSPECT:
@@ -222,6 +226,12 @@ def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
             raise ConfigError(path, "[[git]] repos", "name the repositories git may reach, "
                               'e.g. repos = ["acme/widget"]', locate.key(where, "repos")
                               or locate.array_table(GIT, index))
+        for field, items in lists.items():
+            for item in items:
+                if not item or any(c.isspace() for c in item):
+                    raise ConfigError(path, f"[[git]] {field}", f"{item!r}: one path or "
+                                      "pattern per string, without spaces",
+                                      locate.value(where, item))
         for repo in lists["repos"]:
             text = " ".join([host, repo, *lists["push"]])
             try:

@@ -77,7 +77,7 @@ class GitSpec:
 
     @classmethod
     def parse(cls, repo: str, pushes: tuple[str, ...] | None = None) -> GitSpec:
-        repo = repo.removesuffix(".git")
+        repo = repo[:-4] if repo.lower().endswith(".git") else repo
         _check(repo, "repository", _REPO_SEGMENT)
         if "**" in repo.split("/"):
             raise GitRuleError(f"repository {repo!r}: '**' is not allowed; name the owner")
@@ -132,11 +132,18 @@ class GitAccess:
     specs: tuple[GitSpec, ...]
 
     def repository(self, repo: str) -> GitSpec | None:
-        """The first spec covering `repo` (a path without `.git`), None if none does."""
-        for spec in self.specs:
-            if spec.covers(repo):
-                return spec
-        return None
+        """What may be done to `repo` (a path without `.git`): every covering spec's push
+        patterns together (tables add up, whatever their layer or order), None if no spec
+        covers it."""
+        covering = [spec for spec in self.specs if spec.covers(repo)]
+        if not covering:
+            return None
+        if len(covering) == 1:
+            return covering[0]
+        merged = GitSpec(covering[0].repo, tuple(dict.fromkeys(
+            p for spec in covering for p in spec.pushes)))
+        object.__setattr__(merged, "_repo", covering[0]._repo)
+        return merged
 
     def listed(self) -> str:
         return ", ".join(spec.repo for spec in self.specs)

@@ -107,15 +107,15 @@ class Credentials:
         anywhere: the target (decoded too), a field's name or value, or a basic-auth
         credential."""
         mine = {self.placeholder(session, s.name): s for s in self.secrets.values()
-                if s.binds(host.name) and s.permits(method, target)
-                } if tls and session is not None else {}
+                if s.binds(host.name)} if tls and session is not None else {}
         out, used = [], []
         for name, value in headers:
             if mine:
                 low = name.lower()
                 for placeholder, secret in mine.items():
                     swapped = _swap(secret, low, value, placeholder)
-                    if swapped is not None:
+                    # limited to requests: asked only of a placeholder actually found
+                    if swapped is not None and secret.permits(method, target):
                         value = swapped
                         used.append(secret.name)
                         break

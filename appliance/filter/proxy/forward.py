@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from appliance.policy import Decision
 from appliance.policy.targets import Ambiguous
 
+from ..config import SCAN_BYTES
 from ..http import (
     HttpError,
     check_request_line,
@@ -45,6 +46,17 @@ from .pipeline import (
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
+OFF_LOOP = 64 << 10
+"""Bodies larger than this are read for leaks on a worker thread."""
+
+
+def _git_call(where) -> bool:
+    """Is this one of git's smart-protocol requests (whatever the host)?"""
+    try:
+        call = git.classify(where.path)
+    except Ambiguous:
+        return False
+    return call is not None and call.service != git.OTHER
 
 if TYPE_CHECKING:
     from . import Client, Proxy
@@ -211,16 +223,10 @@ class Forward:
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
-        body: bytes | None = None
-        access = policy.git(where.host) if inspection is not None else None
-        if access is not None:
-            refused, body = await self._git(client, head, where, access, session, fields)
-            if refused is not None:
-                return refused, kept
+        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
         try:
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              isinstance(mode, InTunnel) and mode.inspected,
-                                              head.start[0])
+                                              ended, head.start[0])
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
@@ -235,8 +241,14 @@ class Forward:
             head = replace(head, headers=applied.headers)
             fields = {**fields, "secrets": list(applied.used)}
             attached = proxy.credentials.values(applied.used)
-        if inspection is not None and body is None:  # a git push was judged by its refs
-            leaked, body = await self._scan(client, head, inspection, session)
+        body: bytes | None = None  # read whole here when it must be judged before it goes
+        access = policy.git(where.host) if inspection is not None else None
+        if access is not None:
+            refused, body = await self._git(client, head, where, access, session, fields)
+            if refused is not None:
+                return refused, kept
+        if inspection is not None or ended:  # a secret's host is read without a table too
+            leaked, body = await self._scan(client, head, where, inspection, session, body)
             if leaked is not None:
                 decision = Decision(False, leaked.reason)
                 proxy.event(decision, client, session, "leak", where.host, where.port,
@@ -274,41 +286,55 @@ class Forward:
             kept = None
         return keep_client, kept
 
-    async def _git(self, client: Client, head, where, access, session: str, fields: dict):
+    async def _git(self, client: Client, head, where, access, session: str | None,
+                   fields: dict):
         """A request to a host a [[git]] table names: (None, None) when it is not git's or
         may go on as sent; (None, body) for a push that may go on (its body read here to be
         judged: send it); (keep the connection, None) when it was refused and answered."""
         proxy, host = self.proxy, where.host
+
+        async def refuse(reason: str, hint: str = "", kind: str = "http"):
+            decision = Decision(False, reason, hint=hint)
+            proxy.event(decision, client, session, kind, host, where.port, **fields)
+            return await self._refuse(client, head, Denied(decision, where.target)), None
+
         try:
             call = git.classify(where.path)
         except Ambiguous as exc:
-            decision = Decision(False, f"a git request to {host} that servers read in "
+            return await refuse(f"a request to {host} (a [[git]] host) that servers read in "
                                 f"different ways: {exc}")
-            proxy.event(decision, client, session, "http", host, where.port, **fields)
-            return await self._refuse(client, head, Denied(decision, where.target)), None
         if call is None:
             return None, None
         spec = access.repository(call.repo)
         if spec is None:
-            decision = Decision(False, f"git repository {call.repo[:100]!r} on {host} is not "
-                                f"listed (listed: {access.listed()})", hint=(
-                                    f'add "{call.repo[:100]}" to repos of the [[git]] table '
-                                    f"for {host} in corral.toml"))
-            proxy.event(decision, client, session, "http", host, where.port, **fields)
-            return await self._refuse(client, head, Denied(decision, where.target)), None
+            return await refuse(
+                f"git repository {call.repo[:100]!r} on {host} is not listed (listed: "
+                f"{access.listed()})", f'add "{call.repo[:100]}" to repos of the [[git]] '
+                f"table for {host} in corral.toml")
+        method = head.start[0]
+        if call.service == git.OTHER:  # dumb reads and LFS pass; WebDAV writes do not
+            if method in ("GET", "HEAD") or (method == "POST" and "/info/lfs/" in
+                                             where.path.lower()):
+                return None, None
+            return await refuse(f"{method[:20]} on git repository {call.repo[:100]!r}: corral "
+                                "confines git's smart protocol (git push over HTTPS), and "
+                                "refuses other writes (WebDAV, git http-push, LFS uploads)")
         if call.service != git.RECEIVE or call.discovery:
             return None, None
-        if head.start[0] != "POST":
-            decision = Decision(False, f"git-receive-pack by {head.start[0][:20]}: git pushes "
-                                "with POST")
-            proxy.event(decision, client, session, "http", host, where.port, **fields)
-            return await self._refuse(client, head, Denied(decision, where.target)), None
+        if method != "POST":
+            return await refuse(f"git-receive-pack by {method[:20]}: git pushes with POST")
+        if session is None:
+            return await refuse("a git push from an address no session holds")
+        if (head.content_length or 0) > git.MAX_PUSH:
+            raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
+                            f"most {git.MAX_PUSH} to judge one")
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
         try:
-            verdict = git.judge(git.decode_body(raw, head.get("content-encoding")), spec,
-                                session)
+            decoded = git.decode_body(raw, head.get_all("content-encoding"))
+            # off the loop: a pack is walked object by object, and an agent writes the pack
+            verdict = await asyncio.to_thread(git.judge, decoded, spec, session)
         except git.GitProtocolError as exc:
             verdict = git.Verdict((), frozenset(), (), str(exc))
         if verdict.allowed:
@@ -318,25 +344,35 @@ class Forward:
             f"the ref in push of the [[git]] table for {host}"))
         proxy.event(decision, client, session, "git", host, where.port, **fields)
         keep = not wants_close(head, head.start[2])
-        answer = git.report(verdict)
-        client.writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-pack-result\r\n"
-            b"Cache-Control: no-cache\r\nContent-Length: %d\r\n%s\r\n%s" % (
-                len(answer), b"" if keep else b"Connection: close\r\n", answer))
+        if verdict.commands and not verdict.reportable:  # it would read a 200 as success
+            client.writer.write(deny_response(Denied(decision, where.target), keep))
+        else:
+            answer = git.report(verdict)
+            client.writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-pack-result\r\n"
+                b"Cache-Control: no-cache\r\nContent-Length: %d\r\n%s\r\n%s" % (
+                    len(answer), b"" if keep else b"Connection: close\r\n", answer))
         await drain(client.writer, self.config.idle_timeout)
         return keep, None
 
-    async def _scan(self, client: Client, head, inspection, session: str | None):
+    async def _scan(self, client: Client, head, where, inspection, session: str | None,
+                    body: bytes | None):
         """Read what a request to an inspected host carries out for leaks (leaks.py): (the
-        finding or None, the body when it was read whole to be read for them). Raises
-        HttpError for a body too large to hold."""
+        finding or None, the body if it has been read whole). The target always; the body
+        unless the host says `scan = false`, or it is git's (a push's pack is compressed,
+        judged by its refs; fetches carry object ids). Raises HttpError for a body too large
+        to hold."""
         leaks = self.proxy.credentials.leaks(session)
         found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
-        if found is not None or not inspection.scanned or not (
-                head.chunked or head.content_length):
-            return found, None
+        if (found is not None or body is not None or not (head.chunked or head.content_length)
+                or (inspection is not None and not inspection.scanned) or _git_call(where)):
+            return found, body
         inspector = self.proxy.inspector
-        limit = inspector.config.scan_bytes if inspector is not None else 1 << 20
+        limit = inspector.config.scan_bytes if inspector is not None else SCAN_BYTES
+        if (head.content_length or 0) > limit:  # before a 100 Continue sends it on its way
+            raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
+                            f"reads at most {limit} for leaks, and a host that takes bulk "
+                            "uploads says scan = false in its [[inspect]] table")
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -346,6 +382,8 @@ class Forward:
                 raise HttpError(413, f"{exc} for leaks; a host that takes bulk uploads says "
                                 "scan = false in its [[inspect]] table") from None
             raise
+        if len(body) > OFF_LOOP:  # a regex pass over a MiB is milliseconds: not on the loop
+            return await asyncio.to_thread(leaks.scan, body, "the body"), body
         return leaks.scan(body, "the body"), body
 
     async def _refuse(self, client: Client, head, denied: Denied, read: bool = False) -> bool:

@@ -32,14 +32,19 @@ import zlib
 from dataclasses import dataclass
 
 from appliance.policy.git import GitSpec
-from appliance.policy.targets import Ambiguous, query_pairs, read_target
+from appliance.policy.targets import ENCODED_SLASH, Ambiguous, query_pairs, read_target
 
 SERVICES = ("git-upload-pack", "git-receive-pack")
 UPLOAD, RECEIVE = SERVICES
+OTHER = "other"
+"""A path of a git repository outside the smart protocol: dumb reads, WebDAV, LFS."""
 MAX_PUSH = 64 << 20
 """The largest push body (as decoded) the proxy holds to judge; a larger one is refused."""
 MAX_COMMANDS = 1000
 _OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
+_DUMB = re.compile(r"(?P<repo>/.+?)/(?:head|info/(?:packs|alternates|http-alternates|lfs/.*)"
+                   r"|objects/(?:info/.*|pack/.*|[0-9a-f]{2}/[0-9a-f]{38,62}))")
+"""The paths of git's dumb protocol and of LFS under a repository (lower-cased)."""
 _FORBIDDEN_IN_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|/\.|\.lock(?:/|$)")
 COMMIT, TREE, BLOB, TAG, OFS_DELTA, REF_DELTA = 1, 2, 3, 4, 6, 7
 
@@ -61,9 +66,14 @@ class GitCall:
 def classify(target: str) -> GitCall | None:
     """The git call an origin-form target makes, None for any other request. Raises
     Ambiguous for a target servers read in different ways. Known whatever the case of its
-    letters (a server that routes without case must not see a push the proxy missed)."""
+    letters (a server that routes without case must not see a push the proxy missed).
+    Besides the smart protocol, any path under a `NAME.git` segment (git's dumb protocol,
+    WebDAV pushes by `git http-push`, LFS) and any `.../info/lfs/...` path is git's too
+    (service OTHER): it must name a listed repository, and only reads pass."""
     parsed = read_target(target)
     path, folded = parsed.path, parsed.path.lower()
+    if ENCODED_SLASH in path:  # git never sends one; a server that decodes it routes anew
+        raise Ambiguous("an encoded slash (%2F) in a git host's path")
     if folded.endswith("/info/refs"):
         services = [v.lower() for k, v in query_pairs(parsed.query or "")
                     if k.lower() == "service"]
@@ -71,16 +81,23 @@ def classify(target: str) -> GitCall | None:
             raise Ambiguous("more than one service= in a git discovery request")
         service = services[0] if services else UPLOAD  # the dumb protocol only reads
         if service not in SERVICES:
-            raise Ambiguous(f"unknown git service {service[:40]!r}")
-        return GitCall(_repo(path, "/info/refs"), service, True)
+            raise Ambiguous("an unknown git service in a discovery request")
+        return GitCall(_repo(path, len("/info/refs")), service, True)
     for service in SERVICES:
         if folded.endswith("/" + service):
-            return GitCall(_repo(path, "/" + service), service, False)
+            return GitCall(_repo(path, len(service) + 1), service, False)
+    segments = path[1:].split("/")
+    for i, segment in enumerate(segments[:-1]):
+        if segment.lower().endswith(".git") and len(segment) > 4:
+            return GitCall(_repo("/" + "/".join(segments[: i + 1]), 0), OTHER, False)
+    dumb = _DUMB.fullmatch(folded)  # without `.git`: git http-backend tries REPO.git too
+    if dumb is not None:
+        return GitCall(_repo(path[: dumb.end("repo")], 0), OTHER, False)
     return None
 
 
-def _repo(path: str, suffix: str) -> str:
-    repo = path[1 : -len(suffix)]
+def _repo(path: str, suffix: int) -> str:
+    repo = path[1 : len(path) - suffix]
     return repo[:-4] if repo.lower().endswith(".git") else repo
 
 
@@ -180,11 +197,24 @@ def valid_ref(ref: str) -> bool:
 # -- the pack: commits and their parents -----------------------------------------------
 
 
-def _varint_header(data: bytes, pos: int) -> tuple[int, int, int]:
+MAX_OBJECTS = 1_000_000
+"""The most objects a push's pack may say it holds (each costs a few microseconds to walk
+past, on a worker thread)."""
+MAX_COMMIT = 1 << 20
+"""The largest commit object read (a real one is a few hundred bytes)."""
+MAX_INFLATED = 1 << 30
+"""The most a push's objects may inflate to, all together, before the push is refused (a
+zlib bomb costs CPU, never memory: what is not a commit is inflated and thrown away)."""
+STEP = 1 << 16
+
+
+def _varint_header(data, pos: int) -> tuple[int, int, int]:
     byte = data[pos]
     kind, size, shift = (byte >> 4) & 7, byte & 15, 4
     pos += 1
     while byte & 0x80:
+        if shift > 60:
+            raise GitProtocolError("an object header longer than git writes")
         byte = data[pos]
         size |= (byte & 0x7F) << shift
         shift += 7
@@ -192,28 +222,51 @@ def _varint_header(data: bytes, pos: int) -> tuple[int, int, int]:
     return kind, size, pos
 
 
-def _inflate(data: bytes, pos: int, size: int, keep: bool) -> tuple[bytes, int]:
-    """The object at `pos` inflated (b"" unless `keep`), and where its zlib stream ends."""
+class _Budget:
+    """What the objects of one push may still inflate to."""
+
+    def __init__(self, left: int = MAX_INFLATED):
+        self.left = left
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise GitProtocolError(f"the pack inflates to more than {MAX_INFLATED >> 20} MiB")
+
+
+def _inflate(data, pos: int, size: int, keep: bool, budget: _Budget) -> tuple[bytes, int]:
+    """The object at `pos` inflated (b"" unless `keep`), and where its zlib stream ends.
+    Output is taken a step at a time, never more than the object says it holds."""
+    if keep and size > MAX_COMMIT:
+        raise GitProtocolError(f"a commit of {size} bytes in the pack; git writes them small")
     inflater = zlib.decompressobj()
-    data = memoryview(data)  # slices without copies
-    out = bytearray()
-    step = max(1 << 16, size // 4)
-    at = pos
+    out, total, at = bytearray(), 0, pos
     while not inflater.eof:  # fed in steps: an object's compressed size is not written
         if at >= len(data):
             raise GitProtocolError("the pack ends inside an object")
-        piece = data[at : at + step]
-        chunk = inflater.decompress(piece)
+        piece = data[at : at + STEP]
         at += len(piece)
-        if keep:
-            out += chunk
-    end = at - len(inflater.unused_data)
-    return bytes(out), end
+        while piece:
+            chunk = inflater.decompress(piece, STEP)
+            total += len(chunk)
+            if total > size:
+                raise GitProtocolError("an object inflates past the size it declares")
+            budget.spend(len(chunk))
+            if keep:
+                out += chunk
+            piece = inflater.unconsumed_tail
+            if inflater.eof:
+                break
+    if total != size:
+        raise GitProtocolError("an object inflates to less than the size it declares")
+    return bytes(out), at - len(inflater.unused_data)
 
 
 def _delta_size(delta: bytes, pos: int) -> tuple[int, int]:
     size, shift = 0, 0
     while True:
+        if shift > 60:
+            raise GitProtocolError("a delta header longer than git writes")
         byte = delta[pos]
         pos += 1
         size |= (byte & 0x7F) << shift
@@ -223,12 +276,15 @@ def _delta_size(delta: bytes, pos: int) -> tuple[int, int]:
 
 
 def apply_delta(base: bytes, delta: bytes) -> bytes:
-    """A git delta applied to its base. Raises GitProtocolError."""
+    """A git delta applied to its base (a commit: never more than MAX_COMMIT). Raises
+    GitProtocolError."""
     try:
         source, pos = _delta_size(delta, 0)
         target, pos = _delta_size(delta, pos)
         if source != len(base):
             raise GitProtocolError("a delta's base is not the size it says")
+        if target > MAX_COMMIT:
+            raise GitProtocolError(f"a delta makes an object of {target} bytes from a commit")
         out = bytearray()
         while pos < len(delta):
             op = delta[pos]
@@ -246,12 +302,15 @@ def apply_delta(base: bytes, delta: bytes) -> bytes:
                 length = length or 0x10000
                 if offset + length > len(base):
                     raise GitProtocolError("a delta copies from past its base")
-                out += base[offset : offset + length]
+                piece = base[offset : offset + length]
             elif op:
-                out += delta[pos : pos + op]
+                piece = delta[pos : pos + op]
                 pos += op
             else:
                 raise GitProtocolError("a delta holds the reserved opcode 0")
+            if len(out) + len(piece) > target:
+                raise GitProtocolError("a delta's result is larger than it says")
+            out += piece
     except IndexError:
         raise GitProtocolError("a delta ends early") from None
     if len(out) != target:
@@ -259,18 +318,22 @@ def apply_delta(base: bytes, delta: bytes) -> bytes:
     return bytes(out)
 
 
-def pack_commits(pack: bytes, sha256: bool = False) -> dict[str, tuple[str, ...]]:
-    """Every commit a pack holds whole or as a delta of another commit in it: id ->
-    parents. Raises GitProtocolError for what is not a pack."""
+def iter_commits(pack, sha256: bool = False):
+    """(id, parents) of every commit a pack holds whole or as a delta of another commit in
+    it, in pack order (git writes commits first: a caller that has what it needs stops
+    early, and the blobs are never inflated). Raises GitProtocolError for what is not a
+    pack, or a pack that lies about its objects."""
+    pack = memoryview(pack)  # slices without copies
     if len(pack) < 12 or pack[:4] != b"PACK" or pack[4:8] not in (b"\0\0\0\2", b"\0\0\0\3"):
         raise GitProtocolError("the push's pack does not start with a pack header")
     count = int.from_bytes(pack[8:12], "big")
+    if count > MAX_OBJECTS:
+        raise GitProtocolError(f"a pack of {count} objects; corral reads at most {MAX_OBJECTS}")
     hash_len = 32 if sha256 else 20
     digest = hashlib.sha256 if sha256 else hashlib.sha1
-    commits: dict[str, tuple[str, ...]] = {}
     kept: dict[int, bytes] = {}  # offset -> commit body, for deltas against it
     by_id: dict[bytes, bytes] = {}  # binary id -> commit body
-    pos = 12
+    budget, pos = _Budget(), 12
     try:
         for _ in range(count):
             start = pos
@@ -280,10 +343,14 @@ def pack_commits(pack: bytes, sha256: bool = False) -> dict[str, tuple[str, ...]
                 byte = pack[pos]
                 pos += 1
                 back = byte & 0x7F
-                while byte & 0x80:
+                for _ in range(10):
+                    if not byte & 0x80:
+                        break
                     byte = pack[pos]
                     pos += 1
                     back = ((back + 1) << 7) | (byte & 0x7F)
+                else:
+                    raise GitProtocolError("a delta offset longer than git writes")
                 base = kept.get(start - back)
             elif kind == REF_DELTA:
                 base = by_id.get(bytes(pack[pos : pos + hash_len]))
@@ -291,25 +358,41 @@ def pack_commits(pack: bytes, sha256: bool = False) -> dict[str, tuple[str, ...]
             elif kind not in (COMMIT, TREE, BLOB, TAG):
                 raise GitProtocolError(f"an object of unknown type {kind} in the pack")
             want = kind == COMMIT or base is not None
-            data, pos = _inflate(pack, pos, size, want)
+            data, pos = _inflate(pack, pos, size, want, budget)
             if not want:
                 continue
             body = data if kind == COMMIT else apply_delta(base, data)
             oid = digest(b"commit %d\0" % len(body) + body)
             kept[start] = body
             by_id[oid.digest()] = body
-            commits[oid.hexdigest()] = _parents(body)
+            yield oid.hexdigest(), _parents(body, 2 * hash_len)
     except IndexError:
         raise GitProtocolError("the pack ends inside an object header") from None
     except zlib.error as exc:
         raise GitProtocolError(f"the pack holds data that does not inflate: {exc}") from None
-    return commits
 
 
-def _parents(body: bytes) -> tuple[str, ...]:
-    head = body.split(b"\n\n", 1)[0]
-    return tuple(line[7:].decode("ascii", "replace") for line in head.split(b"\n")
-                 if line.startswith(b"parent "))
+def pack_commits(pack, sha256: bool = False) -> dict[str, tuple[str, ...]]:
+    """Every commit of the pack (iter_commits): id -> parents."""
+    return dict(iter_commits(pack, sha256))
+
+
+def _parents(body: bytes, hex_len: int) -> tuple[str, ...]:
+    """The parents as git reads them: the `parent` lines right after the `tree` line. A
+    commit that says anything else in their place is refused, not read another way."""
+    lines = body.split(b"\n\n", 1)[0].split(b"\n")
+    if not lines[0].startswith(b"tree "):
+        raise GitProtocolError("a commit in the pack does not start with its tree")
+    parents: list[str] = []
+    rest = lines[1:]
+    while rest and rest[0].startswith(b"parent "):
+        oid = rest.pop(0)[7:]
+        if len(oid) != hex_len or not _OID.fullmatch(oid):
+            raise GitProtocolError("a commit in the pack names a parent that is not an id")
+        parents.append(oid.decode())
+    if any(line.startswith(b"parent ") for line in rest):
+        raise GitProtocolError("a commit in the pack has a parent line out of its place")
+    return tuple(parents)
 
 
 def fast_forward(commits: dict[str, tuple[str, ...]], old: str, new: str) -> bool:
@@ -343,6 +426,11 @@ class Verdict:
         return not self.refusals and self.error is None
 
     @property
+    def reportable(self) -> bool:
+        """Did the client ask for a per-ref report (every git since 1.6 does)?"""
+        return bool({"report-status", "report-status-v2"} & self.capabilities)
+
+    @property
     def reason(self) -> str:
         if self.error is not None:
             return f"git push refused: {self.error}"
@@ -351,12 +439,13 @@ class Verdict:
         return f"git push to {first[0].ref} refused: {first[1]}{more}"
 
 
-def decode_body(body: bytes, encoding: str | None) -> bytes:
-    """A request body as git wrote it, gzip undone (bounded by MAX_PUSH)."""
-    if not encoding or encoding.lower() == "identity":
+def decode_body(body: bytes, encodings: list[str]) -> bytes:
+    """A request body as git wrote it, gzip undone (bounded by MAX_PUSH). `encodings`: the
+    Content-Encoding fields, as sent."""
+    if not encodings or [e.lower().strip() for e in encodings] == ["identity"]:
         return body
-    if encoding.lower() not in ("gzip", "x-gzip"):
-        raise GitProtocolError(f"a push body in Content-Encoding {encoding[:40]!r}")
+    if len(encodings) > 1 or encodings[0].lower().strip() not in ("gzip", "x-gzip"):
+        raise GitProtocolError("a push body in a Content-Encoding other than gzip")
     inflater = zlib.decompressobj(wbits=31)
     try:
         data = inflater.decompress(body, MAX_PUSH + 1)
@@ -364,32 +453,50 @@ def decode_body(body: bytes, encoding: str | None) -> bytes:
         raise GitProtocolError(f"the gzip body does not inflate: {exc}") from None
     if len(data) > MAX_PUSH:
         raise GitProtocolError(f"the push is larger than {MAX_PUSH >> 20} MiB once inflated")
+    if not inflater.eof or inflater.unused_data:
+        raise GitProtocolError("the gzip body is cut short, or holds more than one member")
     return data
 
 
-def judge(body: bytes, spec: GitSpec, session: str) -> Verdict:
-    """The verdict on a receive-pack body (decoded) for `session` under `spec`."""
+def judge(body: bytes, spec: GitSpec, session: str | None) -> Verdict:
+    """The verdict on a receive-pack body (decoded) for `session` under `spec`. Reads the
+    pack only as far as it must to show each update is a fast-forward."""
+    if session is None:
+        return Verdict((), frozenset(), (), "a push from an address no session holds")
     try:
         push = read_push(body)
     except GitProtocolError as exc:
         return Verdict((), frozenset(), (), str(exc))
     refusals: list[tuple[Command, str]] = []
-    commits: dict[str, tuple[str, ...]] | None = None
+    updates: list[Command] = []
     for command in push.commands:
         why = _refusal(command, spec, session)
-        if why is None and not command.creates:
-            if commits is None:
-                try:
-                    commits = pack_commits(body[push.pack:], len(command.new) == 64)
-                except GitProtocolError as exc:
-                    return Verdict((), push.capabilities, push.commands, str(exc))
-            if not fast_forward(commits, command.old, command.new):
-                why = (f"{command.new[:12]} is not shown to descend from {command.old[:12]}: "
-                       "a push may only move a ref forward (no force-push, no rewritten "
-                       "history); push a new branch under the same prefix instead")
         if why is not None:
             refusals.append((command, why))
+        elif not command.creates:
+            updates.append(command)
+    if updates and not refusals:
+        try:
+            unproven = _fast_forwards(body[push.pack:], updates)
+        except GitProtocolError as exc:
+            return Verdict((), push.capabilities, push.commands, str(exc))
+        refusals += [(command, f"{command.new[:12]} is not shown to descend from "
+                      f"{command.old[:12]}: a push may only move a ref forward (no "
+                      "force-push, no rewritten history); push a new branch under the same "
+                      "prefix instead") for command in unproven]
     return Verdict(tuple(refusals), push.capabilities, push.commands)
+
+
+def _fast_forwards(pack: bytes, updates: list[Command]) -> list[Command]:
+    """The updates the pack does not show to be fast-forwards."""
+    left = list(updates)
+    commits: dict[str, tuple[str, ...]] = {}
+    for oid, parents in iter_commits(pack, len(updates[0].new) == 64):
+        commits[oid] = parents
+        left = [c for c in left if not fast_forward(commits, c.old, c.new)]
+        if not left:
+            break
+    return left
 
 
 def _refusal(command: Command, spec: GitSpec, session: str) -> str | None:
@@ -412,9 +519,11 @@ def report(verdict: Verdict) -> bytes:
     whose commands could not be read gets git's error packet (`remote error: ...`)."""
     caps = verdict.capabilities
     sideband = "side-band-64k" in caps or "side-band" in caps
-    limit = 65519 if "side-band-64k" in caps else 999
+    # data bytes per side-band packet: git's largest pkt-line (65520, or 1000 without -64k)
+    # less its 4 length bytes and its band byte
+    limit = 65515 if "side-band-64k" in caps else 995
     if not verdict.commands:
-        message = f"corral: {verdict.reason}".encode()[: limit - 1]
+        message = f"corral: {verdict.reason}".encode()[:limit]
         return pkt(b"\3" + message) + FLUSH if sideband else pkt(b"ERR " + message)
     refused = {c.ref: why for c, why in verdict.refusals}
     lines = [pkt(b"unpack ok\n")]
@@ -425,7 +534,7 @@ def report(verdict: Verdict) -> bytes:
     status = b"".join(lines)
     if not sideband:
         return status
-    out = [pkt(b"\2" + f"corral: {verdict.reason}\n".encode()[: limit - 1])]
-    out += [pkt(b"\1" + status[i : i + limit - 1]) for i in range(0, len(status), limit - 1)]
+    out = [pkt(b"\2" + f"corral: {verdict.reason}\n".encode()[:limit])]
+    out += [pkt(b"\1" + status[i : i + limit]) for i in range(0, len(status), limit)]
     out.append(FLUSH)
     return b"".join(out)

@@ -14,7 +14,15 @@ import pytest
 
 from tests import fakes
 
-from .test_inspect import InProcessFilter, World, interception, origins  # noqa: F401
+from .test_inspect import (  # noqa: F401  (fixtures)
+    InProcessFilter,
+    World,
+    client_context,
+    get,
+    interception,
+    origins,
+    tls_through,
+)
 
 POLICY = """
 [http]
@@ -30,6 +38,7 @@ class Git:
     """A git origin on the World's address, and a filter whose session s1 may reach it."""
 
     def __init__(self, origins: World, interception: Path, root: Path):  # noqa: F811
+        self.context = client_context(interception)
         self.root = root / "repos"
         self.root.mkdir()
         fakes.GitHttp.seed(self.root, ["acme/widget", "other/secret"])
@@ -101,8 +110,7 @@ def test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(s
     done = served.push("HEAD:refs/heads/corral/s1/work")
     assert done.returncode == 0, done.stderr
     assert served.refs()["refs/heads/corral/s1/work"] == second
-    fetched = served.run("fetch", "origin", cwd=served.work)
-    assert fetched.returncode == 0
+    served.run("fetch", "origin", cwd=served.work)  # raises if it fails
 
 
 @pytest.mark.parametrize("case", ["main", "force", "delete", "tag", "another session"])
@@ -142,3 +150,39 @@ def test_a_repository_not_listed_is_refused_with_the_reason(served, tmp_path):
     assert done.returncode != 0
     assert "not listed" in done.stderr and "acme/widget" in done.stderr, done.stderr
     assert not any("other/secret" in line for line in served.server.requests)
+
+
+def test_git_paths_outside_the_smart_protocol_name_listed_repositories_and_only_read(served):
+    port = served.server.port
+    with tls_through(served.filter, served.context, "git.test", port) as tls:
+        status, headers, _ = get(tls, f"git.test:{port}", "/other/secret.git/HEAD")
+        assert status == 403 and "not listed" in headers["x-corral-deny"]
+        status, _, body = get(tls, f"git.test:{port}", "/acme/widget.git/HEAD")
+        assert status == 200 and body.startswith(b"ref: refs/heads/")  # dumb reads pass
+        status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git/refs/heads/main",
+                                 "PUT", body=b"0" * 40 + b"\n")
+        assert status == 403 and "refuses other writes" in headers["x-corral-deny"]
+        status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git%2Fgit-receive-pack",
+                                 "POST", body=b"0000")
+        assert status == 403 and "encoded slash" in headers["x-corral-deny"]
+    assert not any("secret" in line or "%2F" in line for line in served.server.requests)
+
+
+def test_a_push_is_read_for_leaks_in_its_target_and_refused_at_once_by_its_headers(served):
+    port = served.server.port
+    token = "ghp_" + "Ab1" * 12
+    before = len(served.server.requests)
+    with tls_through(served.filter, served.context, "git.test", port) as tls:
+        status, headers, _ = get(tls, f"git.test:{port}",
+                                 f"/acme/widget.git/git-receive-pack?t={token}", "POST",
+                                 body=b"0000")
+        assert status == 403 and "GitHub token" in headers["x-corral-deny"]
+        # a placeholder in a header refuses the push before its body is read: the answer
+        # comes at once, and the connection goes on with the next request
+        status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git/git-receive-pack",
+                                 "POST", extra="X-Note: corral-secret-x-" + "0" * 32 + "\r\n",
+                                 body=b"0000")
+        assert status == 403 and "placeholder" in headers["x-corral-deny"]
+        status, _, _ = get(tls, f"git.test:{port}", "/acme/widget.git/HEAD")
+        assert status == 200
+    assert served.server.requests[before:] == ["GET /acme/widget.git/HEAD"]

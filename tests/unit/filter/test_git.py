@@ -5,8 +5,10 @@ the verdict with the answer `git push` prints."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import subprocess
+import zlib
 
 import pytest
 
@@ -137,7 +139,7 @@ def test_the_verdict_on_pushes(history):
     ref = "refs/heads/corral/s1/work"
     forward = body([(ids["base"], ids["two"], ref)], pack(ids["two"], ids["base"]))
     assert git.judge(forward, SPEC, "s1").allowed
-    assert git.judge(git.decode_body(gzip.compress(forward), "gzip"), SPEC, "s1").allowed
+    assert git.judge(git.decode_body(gzip.compress(forward), ["gzip"]), SPEC, "s1").allowed
     assert git.judge(body([(ZERO, ids["two"], ref)], pack(ids["two"], ids["base"])), SPEC,
                      "s1").allowed  # a new ref: nothing to descend from
     assert git.judge(git.FLUSH, SPEC, "s1").allowed  # git's probe before a large push
@@ -173,3 +175,118 @@ def test_a_pack_that_lies_is_refused_not_trusted(history):
     for broken in (b"PACK\0\0\0\2\0\0\0\5", good[:40], b"JUNK" + good[4:]):
         verdict = git.judge(body([(ids["base"], ids["two"], ref)], broken), SPEC, "s1")
         assert not verdict.allowed, broken[:20]
+
+
+# -- what an agent writes to get past the reading ------------------------------------------
+
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+
+
+def whole(kind: int, data: bytes, declared: int | None = None) -> bytes:
+    """One whole object as a pack holds it: type and size header, then zlib data."""
+    size = len(data) if declared is None else declared
+    first, size = (kind << 4) | (size & 15), size >> 4
+    header = bytearray()
+    while size:
+        header.append(first | 0x80)
+        first, size = size & 0x7F, size >> 7
+    header.append(first)
+    return bytes(header) + zlib.compress(data)
+
+
+def make_pack(objects: list[bytes]) -> bytes:
+    return b"PACK\0\0\0\2" + len(objects).to_bytes(4, "big") + b"".join(objects)
+
+
+def commit_id(body: bytes) -> str:
+    return hashlib.sha1(b"commit %d\0" % len(body) + body).hexdigest()
+
+
+def test_a_parent_line_out_of_its_place_is_refused_not_read_as_a_parent():
+    old = "1" * 40
+    body = (f"tree {EMPTY_TREE}\nauthor a <a@b> 0 +0000\ncommitter a <a@b> 0 +0000\n"
+            f"parent {old}\n\nrewritten\n").encode()  # a root commit, as git reads it
+    verdict = git.judge(body_of([(old, commit_id(body), "refs/heads/corral/s1/work")],
+                                make_pack([whole(git.COMMIT, body)])), SPEC, "s1")
+    assert not verdict.allowed and "parent line out of its place" in verdict.reason
+
+
+def body_of(commands, pack: bytes) -> bytes:
+    return body(commands, pack)
+
+
+@pytest.mark.parametrize(("pack", "message"), [
+    (make_pack([whole(git.COMMIT, b"x" * (4 << 20), declared=10)]), "declares"),
+    (make_pack([whole(git.BLOB, b"x" * (4 << 20), declared=1 << 62)]), "declares"),
+    (make_pack([whole(git.COMMIT, b"x" * 10, declared=(2 << 20))]), "writes them small"),
+    (b"PACK\0\0\0\2\0\0\0\1" + b"\xbf" + b"\xff" * 20_000 + b"\0", "longer than git"),
+    (b"PACK\0\0\0\2\xff\xff\xff\xff", "at most"),
+])
+def test_hostile_packs_are_refused_within_bounds(pack, message):
+    verdict = git.judge(body_of([("1" * 40, "2" * 40, "refs/heads/corral/s1/w")], pack),
+                        SPEC, "s1")
+    assert not verdict.allowed and message in verdict.reason, verdict.reason
+
+
+def test_a_delta_that_grows_past_what_it_declares_is_refused():
+    base = (f"tree {EMPTY_TREE}\nauthor a <a@b> 0 +0000\ncommitter a <a@b> 0 +0000\n\n"
+            ).encode() + b"m" * 70_000
+    delta = bytes([len(base) & 0x7F | 0x80, (len(base) >> 7) & 0x7F | 0x80, len(base) >> 14,
+                   100]) + b"\x80" * 4000  # declares 100 bytes, copies 64 KiB 4000 times
+    with pytest.raises(git.GitProtocolError, match="larger than it says"):
+        git.apply_delta(base, delta)
+
+
+def test_a_push_without_a_session_is_refused():
+    assert not git.judge(git.FLUSH, SPEC, None).allowed
+
+
+def test_encoded_slashes_and_git_paths_outside_the_smart_protocol():
+    with pytest.raises(Ambiguous):
+        git.classify("/acme/widget.git%2Fgit-receive-pack")
+    for target, repo in (("/other/secret.git/HEAD", "other/secret"),
+                         ("/other/secret/objects/info/packs", "other/secret"),
+                         ("/acme/widget.git/refs/heads/main", "acme/widget"),
+                         ("/a/b/info/lfs/objects/batch", "a/b")):
+        call = git.classify(target)
+        assert (call.repo, call.service) == (repo, git.OTHER), target
+    assert git.classify("/acme/widget/blob/main/objects/x.py") is None
+
+
+def test_gzip_is_the_one_encoding_and_one_member():
+    data = git.FLUSH
+    assert git.decode_body(gzip.compress(data), ["gzip"]) == data
+    for encodings, payload in ((["gzip", "gzip"], gzip.compress(data)),
+                               (["br"], data),
+                               (["gzip"], gzip.compress(data) + gzip.compress(data))):
+        with pytest.raises(git.GitProtocolError):
+            git.decode_body(payload, encodings)
+
+
+def test_a_long_report_keeps_to_gits_packet_size():
+    commands = [(ZERO, "2" * 40, f"refs/heads/main-{i:04}-" + "x" * 80) for i in range(800)]
+    verdict = git.judge(body(commands), SPEC, "s1")
+    answer, pos = git.report(verdict), 0
+    while pos < len(answer):
+        length = int(answer[pos:pos + 4], 16)
+        assert length <= 65520
+        pos += length or 4
+
+
+def test_tables_for_one_repository_add_their_push_patterns():
+    document = parse_policy('[[git]]\nhost = "g.test"\nrepos = ["acme/*"]\n'
+                            '[[git]]\nhost = "g.test"\nrepos = ["acme/widget"]\n'
+                            'push = ["refs/heads/feature/**"]\n', "corral.toml", "project")
+    access = Policy(document.rules).git(parse_host("g.test"))
+    merged = access.repository("acme/widget")
+    assert merged.pushable("refs/heads/feature/x", "s1")
+    assert merged.pushable("refs/heads/corral/s1/x", "s1")
+    assert not access.repository("acme/other").pushable("refs/heads/feature/x", "s1")
+
+
+@pytest.mark.parametrize("text", [
+    '[[git]]\nhost = "g.test"\nrepos = ["acme/widget refs/heads/**"]\n',
+    '[workspace]\nexclude = ["x"]\n'])
+def test_what_a_table_may_not_smuggle(text):
+    with pytest.raises(ConfigError):
+        parse_policy(text, "appliance.toml", "appliance")
