@@ -10,9 +10,10 @@ reported — exact before wildcard, a narrower wildcard before
 a broader one, an inner layer (session) before an outer one (default) — so that `monitor`
 names the rule a person would point at.
 
-Inspected hosts (`[[inspect]]`, kinds `inspect` and `request`) are compiled here too, into
-`inspection.Inspections`: `Policy.inspection(host)` answers whether the filter terminates a
-host's TLS, and the Inspection it returns judges each request there.
+Inspected hosts (`[[inspect]]` and `[[git]]`, kinds `inspect`, `request` and `git`) are
+compiled here too, into `inspection.Inspections`: `Policy.inspection(host)` answers whether
+the filter terminates a host's TLS, and the Inspection it returns judges each request there;
+`Policy.git(host)` the repositories and refs git may reach there (git.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Inspected hosts and the requests they let through, compiled once per policy.
 
-A host is inspected when an `inspect` or `request` rule covers it (by exact name, IP
-literal or `*.suffix`, as other rules do). Inspection does not allow the host: the http
-policy still decides whether it is reached at all, and the filter asks `decide_http`
-first. For one host, every covering rule counts, from every table, layer and preset:
+A host is inspected when an `inspect`, `request` or `git` rule covers it (by exact name,
+IP literal or `*.suffix`, as other rules do; a git rule adds no request pattern).
+Inspection does not allow the host: the http policy still decides whether it is reached at
+all, and the filter asks `decide_http` first. For one host, every covering rule counts,
+from every table, layer and preset:
 
 - **Deny wins.** Any deny pattern that matches refuses the request, whatever allows it.
 - **Allows add up.** The host's allow list is the union of every covering table's `allow`.
