@@ -10,8 +10,9 @@ secrets by their shape alone: the entropy and keyword plugins are left out, sinc
 lock file and test fixture would stop a run; its filters stay (`# pragma: allowlist
 secret` marks a line as known). One finding of our own: a `.env`-style file with an
 assignment in it (`.env`, `.env.local`, `prod.env`, `.envrc`; not `.env.example`). Not
-read: files over MAX_FILE (counted and said), what detect-secrets cannot read as text
-(binaries, other encodings), `.git/objects` (compressed: history is copied unread).
+read: files over MAX_FILE and under dependency directories (UNREAD_NAMES; both counted and
+said), what detect-secrets cannot read as text (binaries, other encodings), `.git/objects`
+(compressed: history is copied unread).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ MAX_FILE = 2 << 20
 SKIPPED_DIRS = (".git/objects", ".git/lfs")
 """Compressed or content-addressed: nothing readable (`.git/config` is read: a remote URL
 with a token in it is a classic leak)."""
+UNREAD_NAMES = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".nox",
+                          ".mypy_cache", ".pytest_cache", ".ruff_cache"})
+"""Directories of installed dependencies and caches, at any depth: copied, not read (tens of
+thousands of files written by package managers, minutes of reading for nothing of the
+project's own; their count is reported)."""
 _DOTENV = re.compile(r"(?:^\.env(?:\..+|rc)?|.+\.env)$")
 _DOTENV_SAMPLE = re.compile(r"\.(?:example|sample|template|dist|defaults?)$")
 _ASSIGNMENT = re.compile(r"^\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*\s*=\s*\S")
@@ -61,6 +67,8 @@ class Report:
     findings: list[Finding]
     files: int = 0
     too_large: int = 0
+    unread: int = 0
+    """Files under dependency and cache directories (UNREAD_NAMES)."""
 
 
 def excluded(relative: str, patterns: tuple[str, ...]) -> bool:
@@ -110,6 +118,9 @@ def scan(project: Path, patterns: tuple[str, ...] = (), always: tuple[str, ...] 
         if any(relative.startswith(d + "/") for d in SKIPPED_DIRS):
             continue
         report.files += 1
+        if UNREAD_NAMES.intersection(relative.split("/")[:-1]):
+            report.unread += 1
+            continue
         try:
             size = path.stat().st_size
         except OSError:  # gone meanwhile: nothing to copy either
@@ -125,8 +136,8 @@ def scan(project: Path, patterns: tuple[str, ...] = (), always: tuple[str, ...] 
     settings = {"plugins_used": [{"name": name} for name in PLUGINS]}
     with transient_settings(settings):
         collection = SecretsCollection(root=str(project))
-        for relative, _ in readable:
-            collection.scan_file(relative)  # relative to root: the key it is found under
+        if readable:  # one process per core: detect-secrets reads line by line, in Python
+            collection.scan_files(*(relative for relative, _ in readable))
         for relative, secrets in collection.data.items():
             report.findings += [Finding(relative, s.line_number, s.type) for s in secrets]
     report.findings.sort(key=lambda f: (f.path, f.line, f.detector))

@@ -88,12 +88,15 @@ def _archive(project: Path, exclude: tuple[str, ...] = ()
 def _check_secrets(project: Path, exclude: tuple[str, ...], as_json: bool) -> None:
     """Refuse to copy a project holding secrets (cli/scan.py), naming each finding."""
     started = time.monotonic()
+    output.notice(f"reading {project} for secrets before copying it (--allow-secrets skips this)")
     try:
         report = scan.scan(project, exclude, workspace.EXCLUDED)
     except scan.ScanUnavailable as exc:
         raise CliError(f"{exc}, which is not installed", "pip install detect-secrets (it comes "
                        "with corral[host]), or pass --allow-secrets to copy unread") from None
     large = f", {report.too_large} too large to read" if report.too_large else ""
+    if report.unread:
+        large += f", {report.unread} under dependency and cache directories not read"
     output.notice(f"read {report.files} files for secrets in {time.monotonic() - started:.1f}s"
                   f"{large}")
     if not report.findings:

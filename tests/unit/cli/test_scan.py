@@ -33,6 +33,9 @@ def project(tmp_path):
     (root / ".corral").mkdir()
     (root / ".corral" / "client.key").write_text("-----BEGIN PRIVATE KEY-----\n")  # never copied
     (root / "README").write_text("nothing to see\n")
+    (root / "web" / "node_modules" / "dep").mkdir(parents=True)  # copied, not read
+    (root / "web" / "node_modules" / "dep" / "test.pem").write_text(
+        "-----BEGIN RSA PRIVATE KEY-----\n")
     return root
 
 
@@ -44,7 +47,8 @@ def test_findings_name_path_line_and_detector_never_the_value(project):
                      ("deploy/id_ed25519", 1, "Private Key"),
                      ("src/app.py", 2, "AWS Access Key")]
     assert AWS not in json.dumps([f.to_json() for f in report.findings])
-    assert report.files == 6  # .corral/ is never copied, so never read
+    assert report.files == 7  # .corral/ is never copied, so never read
+    assert report.unread == 1  # node_modules: copied, counted, not read
 
 
 def test_excluded_paths_are_neither_read_nor_copied(project):
@@ -53,7 +57,8 @@ def test_excluded_paths_are_neither_read_nor_copied(project):
     spool, _, _ = _archive(project, exclude)
     with spool, tarfile.open(fileobj=io.BytesIO(spool.read()), mode="r:gz") as archive:
         names = sorted(n.removeprefix("./") for n in archive.getnames())
-    assert names == [".", ".env.example", ".git", "README", "src"]
+    assert names == [".", ".env.example", ".git", "README", "src", "web", "web/node_modules",
+                     "web/node_modules/dep", "web/node_modules/dep/test.pem"]
 
 
 @pytest.mark.parametrize(("path", "patterns", "expected"), [
