@@ -99,13 +99,13 @@ class Credentials:
         return [s.name for s in self.secrets.values() if s.binds(host.name)]
 
     def apply(self, session: str | None, host: Host, target: str,
-              headers: tuple[tuple[str, str], ...], tls: bool, method: str = "GET"
-              ) -> Applied:
+              headers: tuple[tuple[str, str], ...], tls: bool, method: str = "GET",
+              overrides: tuple[str, ...] = ()) -> Applied:
         """The request's fields with this session's placeholders replaced where their secret
         goes to `host` (only inside TLS the filter ended: `tls`) with this method and target
-        (a secret limited to request patterns). Raises Leak if any placeholder is left
-        anywhere: the target (decoded too), a field's name or value, or a basic-auth
-        credential."""
+        (a secret limited to request patterns: for its own method and every method it asks
+        to be read as, `overrides`). Raises Leak if any placeholder is left anywhere: the
+        target (decoded too), a field's name or value, or a basic-auth credential."""
         mine = {self.placeholder(session, s.name): s for s in self.secrets.values()
                 if s.binds(host.name)} if tls and session is not None else {}
         out, used = [], []
@@ -115,7 +115,8 @@ class Credentials:
                 for placeholder, secret in mine.items():
                     swapped = _swap(secret, low, value, placeholder)
                     # limited to requests: asked only of a placeholder actually found
-                    if swapped is not None and secret.permits(method, target):
+                    if swapped is not None and all(
+                            secret.permits(m, target) for m in (method, *overrides)):
                         value = swapped
                         used.append(secret.name)
                         break

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from .pipeline import (
     judge_request,
     keeps_after_refusal,
     outgoing,
+    override_methods,
     request_fields,
     route,
     strip_empty_lines,
@@ -48,15 +50,28 @@ ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
 OFF_LOOP = 64 << 10
 """Bodies larger than this are read for leaks on a worker thread."""
+HELD_MAX = 256 << 20
+"""Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
+together; one session may hold half."""
+JUDGES = 2
+"""Pushes judged at once, each on a thread of the judges' own pool."""
+_POOL: list[ThreadPoolExecutor] = []
 
 
-def _git_call(where) -> bool:
-    """Is this one of git's smart-protocol requests (whatever the host)?"""
+def _judges() -> ThreadPoolExecutor:
+    """The pool pushes are judged on: its own, so that a hostile pack never queues ahead of
+    what the loop's default executor runs for every session (DNS learning)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(JUDGES, thread_name_prefix="corral-git"))
+    return _POOL[0]
+
+
+def _judge(raw: bytes, encodings: tuple[str, ...], spec, session: str) -> git.Verdict:
+    """Inflate (gzip) and judge a push, on a judge's thread."""
     try:
-        call = git.classify(where.path)
-    except Ambiguous:
-        return False
-    return call is not None and call.service != git.OTHER
+        return git.judge(git.decode_body(raw, list(encodings)), spec, session)
+    except git.GitProtocolError as exc:
+        return git.Verdict((), frozenset(), (), str(exc))
 
 if TYPE_CHECKING:
     from . import Client, Proxy
@@ -76,6 +91,28 @@ class Forward:
     def __init__(self, proxy: Proxy):
         self.proxy = proxy
         self.config = proxy.config
+        self.judging = asyncio.Semaphore(JUDGES)
+        self.held: dict[str | None, int] = {}
+        """Bytes of request bodies held to be judged, per session (None: all of them)."""
+
+    def _hold(self, session: str | None, n: int, holding: list) -> None:
+        """Count `n` bytes as held for `session` until the request ends (`holding`: what
+        the request holds, given back by _request); HttpError 503 past the budgets."""
+        total, mine = self.held.get(None, 0), self.held.get(session, 0)
+        if total + n > HELD_MAX or mine + n > HELD_MAX // 2:
+            raise HttpError(503, "the filter holds as many request bodies to judge as it may "
+                            "now; send this one again in a moment")
+        self.held[None], self.held[session] = total + n, mine + n
+        holding.append((session, n))
+
+    def _release(self, holding: list) -> None:
+        for session, n in holding:
+            self.held[None] -= n
+            left = self.held[session] - n
+            if left:
+                self.held[session] = left
+            else:
+                del self.held[session]
 
     async def serve(self, client: Client, mode: Mode, upstream: Upstream | None = None,
                     first: bytes = b"", tunnel_event: dict | None = None) -> None:
@@ -208,6 +245,14 @@ class Forward:
     async def _request(self, client: Client, head, mode: Mode, kept: Upstream | None):
         """Route, judge, forward one request and its response. Returns (keep the client
         connection, the upstream connection to keep). Raises Denied or HttpError."""
+        holding: list = []  # request bodies held to be judged, until the request is over
+        try:
+            return await self._judged(client, head, mode, kept, holding)
+        finally:
+            self._release(holding)
+
+    async def _judged(self, client: Client, head, mode: Mode, kept: Upstream | None,
+                      holding: list):
         proxy = self.proxy
         where = route(head, mode)
         session, policy, decision = proxy.decide(client.address, where.host, where.port)
@@ -225,8 +270,10 @@ class Forward:
             return await self._refuse(client, head, Denied(decision, target)), kept
         ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
         try:
+            overrides = tuple(m.upper() if m.isascii() else m for _, m in override_methods(
+                head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0])
+                                              ended, head.start[0], overrides)
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
@@ -244,11 +291,13 @@ class Forward:
         body: bytes | None = None  # read whole here when it must be judged before it goes
         access = policy.git(where.host) if inspection is not None else None
         if access is not None:
-            refused, body = await self._git(client, head, where, access, session, fields)
+            refused, body = await self._git(client, head, where, access, session, fields,
+                                            holding)
             if refused is not None:
                 return refused, kept
         if inspection is not None or ended:  # a secret's host is read without a table too
-            leaked, body = await self._scan(client, head, where, inspection, session, body)
+            leaked, body = await self._scan(client, head, where, inspection, session, body,
+                                            holding)
             if leaked is not None:
                 decision = Decision(False, leaked.reason)
                 proxy.event(decision, client, session, "leak", where.host, where.port,
@@ -287,10 +336,11 @@ class Forward:
         return keep_client, kept
 
     async def _git(self, client: Client, head, where, access, session: str | None,
-                   fields: dict):
+                   fields: dict, holding: list):
         """A request to a host a [[git]] table names: (None, None) when it is not git's or
         may go on as sent; (None, body) for a push that may go on (its body read here to be
-        judged: send it); (keep the connection, None) when it was refused and answered."""
+        judged: send it); (keep the connection, None) when it was refused and answered.
+        What it holds in memory is added to `holding` (the caller gives it back)."""
         proxy, host = self.proxy, where.host
 
         async def refuse(reason: str, hint: str = "", kind: str = "http"):
@@ -312,31 +362,27 @@ class Forward:
                 f"{access.listed()})", f'add "{call.repo[:100]}" to repos of the [[git]] '
                 f"table for {host} in corral.toml")
         method = head.start[0]
-        if call.service == git.OTHER:  # dumb reads and LFS pass; WebDAV writes do not
-            if method in ("GET", "HEAD") or (method == "POST" and "/info/lfs/" in
-                                             where.path.lower()):
-                return None, None
+        reads = ("GET", "HEAD") if call.discovery or call.service == git.OTHER else ("POST",)
+        if call.service == git.OTHER and method == "POST" and git.lfs_batch(where.path):
+            return None, None  # LFS asks what to fetch (or upload: refused where it goes)
+        if method not in reads:  # WebDAV on git's own paths would move refs unread
             return await refuse(f"{method[:20]} on git repository {call.repo[:100]!r}: corral "
-                                "confines git's smart protocol (git push over HTTPS), and "
+                                "confines git's smart protocol (git push over HTTPS) and "
                                 "refuses other writes (WebDAV, git http-push, LFS uploads)")
         if call.service != git.RECEIVE or call.discovery:
             return None, None
-        if method != "POST":
-            return await refuse(f"git-receive-pack by {method[:20]}: git pushes with POST")
         if session is None:
             return await refuse("a git push from an address no session holds")
         if (head.content_length or 0) > git.MAX_PUSH:
             raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
                             f"most {git.MAX_PUSH} to judge one")
+        self._hold(session, head.content_length or git.MAX_PUSH, holding)
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
-        try:
-            decoded = git.decode_body(raw, head.get_all("content-encoding"))
-            # off the loop: a pack is walked object by object, and an agent writes the pack
-            verdict = await asyncio.to_thread(git.judge, decoded, spec, session)
-        except git.GitProtocolError as exc:
-            verdict = git.Verdict((), frozenset(), (), str(exc))
+        async with self.judging:  # two at a time, on a pool of their own: an agent writes
+            verdict = await asyncio.get_running_loop().run_in_executor(  # the pack
+                _judges(), _judge, raw, tuple(head.get_all("content-encoding")), spec, session)
         if verdict.allowed:
             return None, raw
         decision = Decision(False, verdict.reason[:500], hint=(
@@ -356,16 +402,16 @@ class Forward:
         return keep, None
 
     async def _scan(self, client: Client, head, where, inspection, session: str | None,
-                    body: bytes | None):
+                    body: bytes | None, holding: list):
         """Read what a request to an inspected host carries out for leaks (leaks.py): (the
         finding or None, the body if it has been read whole). The target always; the body
-        unless the host says `scan = false`, or it is git's (a push's pack is compressed,
-        judged by its refs; fetches carry object ids). Raises HttpError for a body too large
-        to hold."""
+        unless the host says `scan = false` or it was read already (a push on a [[git]]
+        host: its pack is compressed, judged by its refs). Raises HttpError for a body too
+        large to hold."""
         leaks = self.proxy.credentials.leaks(session)
         found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
         if (found is not None or body is not None or not (head.chunked or head.content_length)
-                or (inspection is not None and not inspection.scanned) or _git_call(where)):
+                or (inspection is not None and not inspection.scanned)):
             return found, body
         inspector = self.proxy.inspector
         limit = inspector.config.scan_bytes if inspector is not None else SCAN_BYTES
@@ -373,6 +419,7 @@ class Forward:
             raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
                             f"reads at most {limit} for leaks, and a host that takes bulk "
                             "uploads says scan = false in its [[inspect]] table")
+        self._hold(session, head.content_length or limit, holding)
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:

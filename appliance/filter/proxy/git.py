@@ -28,19 +28,25 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 import zlib
 from dataclasses import dataclass
 
 from appliance.policy.git import GitSpec
 from appliance.policy.targets import ENCODED_SLASH, Ambiguous, query_pairs, read_target
 
-SERVICES = ("git-upload-pack", "git-receive-pack")
-UPLOAD, RECEIVE = SERVICES
+UPLOAD, RECEIVE, ARCHIVE = "git-upload-pack", "git-receive-pack", "git-upload-archive"
+SERVICES = (UPLOAD, RECEIVE, ARCHIVE)
 OTHER = "other"
 """A path of a git repository outside the smart protocol: dumb reads, WebDAV, LFS."""
 MAX_PUSH = 64 << 20
 """The largest push body (as decoded) the proxy holds to judge; a larger one is refused."""
 MAX_COMMANDS = 1000
+MAX_UPDATES = 32
+"""Refs a push may move (not create) at once: each is shown a fast-forward by a walk of the
+pushed commits."""
+JUDGE_SECONDS = 20.0
+"""How long judging one push may take (on a worker thread) before it is refused."""
 _OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
 _DUMB = re.compile(r"(?P<repo>/.+?)/(?:head|info/(?:packs|alternates|http-alternates|lfs/.*)"
                    r"|objects/(?:info/.*|pack/.*|[0-9a-f]{2}/[0-9a-f]{38,62}))")
@@ -94,6 +100,14 @@ def classify(target: str) -> GitCall | None:
     if dumb is not None:
         return GitCall(_repo(path[: dumb.end("repo")], 0), OTHER, False)
     return None
+
+
+def lfs_batch(target: str) -> bool:
+    """Is this LFS's batch request (POST: which objects to fetch or upload, and where)?"""
+    try:
+        return read_target(target).path.lower().endswith("/info/lfs/objects/batch")
+    except Ambiguous:
+        return False
 
 
 def _repo(path: str, suffix: int) -> str:
@@ -275,7 +289,7 @@ def _delta_size(delta: bytes, pos: int) -> tuple[int, int]:
             return size, pos
 
 
-def apply_delta(base: bytes, delta: bytes) -> bytes:
+def apply_delta(base: bytes, delta: bytes, deadline: float | None = None) -> bytes:
     """A git delta applied to its base (a commit: never more than MAX_COMMIT). Raises
     GitProtocolError."""
     try:
@@ -285,8 +299,11 @@ def apply_delta(base: bytes, delta: bytes) -> bytes:
             raise GitProtocolError("a delta's base is not the size it says")
         if target > MAX_COMMIT:
             raise GitProtocolError(f"a delta makes an object of {target} bytes from a commit")
-        out = bytearray()
+        out, ops = bytearray(), 0
         while pos < len(delta):
+            ops += 1
+            if ops % 65536 == 0:
+                _check(deadline)
             op = delta[pos]
             pos += 1
             if op & 0x80:
@@ -318,11 +335,17 @@ def apply_delta(base: bytes, delta: bytes) -> bytes:
     return bytes(out)
 
 
-def iter_commits(pack, sha256: bool = False):
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise GitProtocolError(f"the push took more than {JUDGE_SECONDS:g} s to read")
+
+
+def iter_commits(pack, sha256: bool = False, deadline: float | None = None):
     """(id, parents) of every commit a pack holds whole or as a delta of another commit in
-    it, in pack order (git writes commits first: a caller that has what it needs stops
-    early, and the blobs are never inflated). Raises GitProtocolError for what is not a
-    pack, or a pack that lies about its objects."""
+    it, in pack order, up to the first object that is neither: git writes commits first, so
+    trees and blobs are never inflated (a pack that puts a commit after them only has it
+    unread, and what it would have shown unshown). Raises GitProtocolError for what is not
+    a pack, a pack that lies about its objects, or past `deadline` (time.monotonic())."""
     pack = memoryview(pack)  # slices without copies
     if len(pack) < 12 or pack[:4] != b"PACK" or pack[4:8] not in (b"\0\0\0\2", b"\0\0\0\3"):
         raise GitProtocolError("the push's pack does not start with a pack header")
@@ -335,7 +358,9 @@ def iter_commits(pack, sha256: bool = False):
     by_id: dict[bytes, bytes] = {}  # binary id -> commit body
     budget, pos = _Budget(), 12
     try:
-        for _ in range(count):
+        for index in range(count):
+            if index % 256 == 0:
+                _check(deadline)
             start = pos
             kind, size, pos = _varint_header(pack, pos)
             base: bytes | None = None
@@ -357,11 +382,10 @@ def iter_commits(pack, sha256: bool = False):
                 pos += hash_len
             elif kind not in (COMMIT, TREE, BLOB, TAG):
                 raise GitProtocolError(f"an object of unknown type {kind} in the pack")
-            want = kind == COMMIT or base is not None
-            data, pos = _inflate(pack, pos, size, want, budget)
-            if not want:
-                continue
-            body = data if kind == COMMIT else apply_delta(base, data)
+            if kind != COMMIT and base is None:
+                return  # the commits are behind: nothing after this is read
+            data, pos = _inflate(pack, pos, size, True, budget)
+            body = data if kind == COMMIT else apply_delta(base, data, deadline)
             oid = digest(b"commit %d\0" % len(body) + body)
             kept[start] = body
             by_id[oid.digest()] = body
@@ -458,9 +482,10 @@ def decode_body(body: bytes, encodings: list[str]) -> bytes:
     return data
 
 
-def judge(body: bytes, spec: GitSpec, session: str | None) -> Verdict:
-    """The verdict on a receive-pack body (decoded) for `session` under `spec`. Reads the
-    pack only as far as it must to show each update is a fast-forward."""
+def judge(body: bytes, spec: GitSpec, session: str | None,
+          seconds: float = JUDGE_SECONDS) -> Verdict:
+    """The verdict on a receive-pack body (decoded) for `session` under `spec`, within
+    `seconds`. Reads the pack's commits only, and only for refs a push moves."""
     if session is None:
         return Verdict((), frozenset(), (), "a push from an address no session holds")
     try:
@@ -475,9 +500,13 @@ def judge(body: bytes, spec: GitSpec, session: str | None) -> Verdict:
             refusals.append((command, why))
         elif not command.creates:
             updates.append(command)
+    if len(updates) > MAX_UPDATES:
+        return Verdict((), push.capabilities, push.commands, f"a push that moves {len(updates)} "
+                       f"refs; corral shows at most {MAX_UPDATES} at once to be fast-forwards")
     if updates and not refusals:
         try:
-            unproven = _fast_forwards(body[push.pack:], updates)
+            unproven = _fast_forwards(body[push.pack:], updates,
+                                      time.monotonic() + seconds)
         except GitProtocolError as exc:
             return Verdict((), push.capabilities, push.commands, str(exc))
         refusals += [(command, f"{command.new[:12]} is not shown to descend from "
@@ -487,16 +516,25 @@ def judge(body: bytes, spec: GitSpec, session: str | None) -> Verdict:
     return Verdict(tuple(refusals), push.capabilities, push.commands)
 
 
-def _fast_forwards(pack: bytes, updates: list[Command]) -> list[Command]:
-    """The updates the pack does not show to be fast-forwards."""
-    left = list(updates)
-    commits: dict[str, tuple[str, ...]] = {}
-    for oid, parents in iter_commits(pack, len(updates[0].new) == 64):
-        commits[oid] = parents
-        left = [c for c in left if not fast_forward(commits, c.old, c.new)]
-        if not left:
-            break
-    return left
+def _fast_forwards(pack: bytes, updates: list[Command], deadline: float) -> list[Command]:
+    """The updates the pack does not show to be fast-forwards: each old commit's
+    descendants among the pushed commits, found once (a walk of the reversed parent links)."""
+    commits = dict(iter_commits(pack, len(updates[0].new) == 64, deadline))
+    children: dict[str, list[str]] = {}
+    for oid, parents in commits.items():
+        for parent in parents:
+            children.setdefault(parent, []).append(oid)
+    descendants: dict[str, set[str]] = {}
+    for old in {c.old for c in updates}:
+        _check(deadline)
+        seen, todo = set(), [old]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+        descendants[old] = seen
+    return [c for c in updates if c.new not in descendants[c.old]]
 
 
 def _refusal(command: Command, spec: GitSpec, session: str) -> str | None:

@@ -159,9 +159,13 @@ def test_git_paths_outside_the_smart_protocol_name_listed_repositories_and_only_
         assert status == 403 and "not listed" in headers["x-corral-deny"]
         status, _, body = get(tls, f"git.test:{port}", "/acme/widget.git/HEAD")
         assert status == 200 and body.startswith(b"ref: refs/heads/")  # dumb reads pass
-        status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git/refs/heads/main",
-                                 "PUT", body=b"0" * 40 + b"\n")
-        assert status == 403 and "refuses other writes" in headers["x-corral-deny"]
+        for method, path in (("PUT", "/acme/widget.git/refs/heads/main"),
+                             ("PUT", "/acme/widget.git/info/refs"),
+                             ("DELETE", "/acme/widget/git-upload-pack"),
+                             ("POST", "/acme/widget.git/objects/x?/info/lfs/objects/batch"),
+                             ("POST", "/acme/widget/info/refs?service=git-receive-pack")):
+            status, headers, _ = get(tls, f"git.test:{port}", path, method, body=b"x")
+            assert status == 403 and "refuses other writes" in headers["x-corral-deny"], path
         status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git%2Fgit-receive-pack",
                                  "POST", body=b"0000")
         assert status == 403 and "encoded slash" in headers["x-corral-deny"]

@@ -217,7 +217,8 @@ def body_of(commands, pack: bytes) -> bytes:
 
 @pytest.mark.parametrize(("pack", "message"), [
     (make_pack([whole(git.COMMIT, b"x" * (4 << 20), declared=10)]), "declares"),
-    (make_pack([whole(git.BLOB, b"x" * (4 << 20), declared=1 << 62)]), "declares"),
+    # a blob ends the reading before it is inflated: the commits come first
+    (make_pack([whole(git.BLOB, b"x" * (4 << 20), declared=1 << 62)]), "not shown to descend"),
     (make_pack([whole(git.COMMIT, b"x" * 10, declared=(2 << 20))]), "writes them small"),
     (b"PACK\0\0\0\2\0\0\0\1" + b"\xbf" + b"\xff" * 20_000 + b"\0", "longer than git"),
     (b"PACK\0\0\0\2\xff\xff\xff\xff", "at most"),
@@ -290,3 +291,49 @@ def test_tables_for_one_repository_add_their_push_patterns():
 def test_what_a_table_may_not_smuggle(text):
     with pytest.raises(ConfigError):
         parse_policy(text, "appliance.toml", "appliance")
+
+
+def test_a_push_that_moves_too_many_refs_or_takes_too_long_is_refused(history):
+    ids, pack = history
+    many = [(ids["base"], ids["two"], f"refs/heads/corral/s1/b{i}") for i in range(40)]
+    verdict = git.judge(body(many, pack(ids["two"], ids["base"])), SPEC, "s1")
+    assert "at most 32" in verdict.reason
+    slow = git.judge(body([(ids["base"], ids["two"], "refs/heads/corral/s1/w")],
+                          pack(ids["two"], ids["base"])), SPEC, "s1", seconds=-1)
+    assert "took more than" in slow.reason
+
+
+def test_limited_secrets_follow_method_overrides():
+    from appliance.filter import secrets as store
+    from appliance.filter.proxy.credentials import Credentials, Leak
+    from appliance.policy import Host
+
+    limited = store.parse({"name": "API_TOKEN", "value": "sk-live-0123456789abcdef",
+                           "hosts": ["api.test"], "requests": ["POST /v1/messages"]})
+    creds = Credentials(b"k" * 32, {"API_TOKEN": limited})
+    header = (("Authorization", f"Bearer {creds.placeholder('s1', 'API_TOKEN')}"),)
+    assert creds.apply("s1", Host(name="api.test"), "/v1/messages", header, True, "POST").used
+    with pytest.raises(Leak):
+        creds.apply("s1", Host(name="api.test"), "/v1/messages", header, True, "POST", ("PUT",))
+
+
+def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
+    from types import SimpleNamespace
+
+    from appliance.filter.http import HttpError
+    from appliance.filter.proxy import forward
+
+    held = forward.Forward(SimpleNamespace(config=None))
+    first, second, third = [], [], []
+    held._hold("s1", forward.HELD_MAX // 2, first)
+    with pytest.raises(HttpError) as refused:
+        held._hold("s1", 1, second)  # s1's half is full
+    assert refused.value.status == 503
+    held._hold("s2", forward.HELD_MAX // 2, second)
+    with pytest.raises(HttpError):
+        held._hold("s3", 1, third)  # everything is
+    held._release(first)
+    held._hold("s3", 1, third)
+    held._release(second)
+    held._release(third)
+    assert held.held == {None: 0}
