@@ -150,6 +150,14 @@ def perform(root: Path, op: tuple, sockets: list[socket.socket]) -> None:
     kind, parts = op[0], op[1]
     path = os.path.join(os.fsencode(root), *parts)
     parent = os.path.dirname(path)
+    # In a session a link out of /work leads elsewhere in the container; here it would lead
+    # out of the test's tree: the harness never writes through one (nor makes directories
+    # below one), so whatever lands outside was put there by diff or apply.
+    top = os.path.realpath(os.fsencode(root))
+    for where in (parent, path) if kind in ("deep", "many") else (parent,):
+        real = os.path.realpath(where)
+        if real != top and not real.startswith(top + b"/"):
+            return
     with contextlib.suppress(OSError, ValueError):
         if kind in ("write", "link", "fifo", "socket", "huge", "deep", "many"):
             os.makedirs(parent, exist_ok=True)
