@@ -345,7 +345,11 @@ class GitHttp:
             writer.close()
 
     def close(self):
-        self.server.close()
+        async def close():  # on the loop's own thread: asyncio servers are not thread-safe
+            self.server.close()
+            await self.server.wait_closed()
+
+        self.loop.run(close())
 
     @staticmethod
     def seed(root: Path, repos: list[str]) -> str:
