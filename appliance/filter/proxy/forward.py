@@ -92,22 +92,24 @@ class Forward:
         self.proxy = proxy
         self.config = proxy.config
         self.judging = asyncio.Semaphore(JUDGES)
+        self.held_total = 0
         self.held: dict[str | None, int] = {}
-        """Bytes of request bodies held to be judged, per session (None: all of them)."""
+        """Bytes of request bodies held to be judged, per session (None: no session's)."""
 
     def _hold(self, session: str | None, n: int, holding: list) -> None:
         """Count `n` bytes as held for `session` until the request ends (`holding`: what
         the request holds, given back by _request); HttpError 503 past the budgets."""
-        total, mine = self.held.get(None, 0), self.held.get(session, 0)
-        if total + n > HELD_MAX or mine + n > HELD_MAX // 2:
+        mine = self.held.get(session, 0)
+        if self.held_total + n > HELD_MAX or mine + n > HELD_MAX // 2:
             raise HttpError(503, "the filter holds as many request bodies to judge as it may "
                             "now; send this one again in a moment")
-        self.held[None], self.held[session] = total + n, mine + n
+        self.held_total += n
+        self.held[session] = mine + n
         holding.append((session, n))
 
     def _release(self, holding: list) -> None:
         for session, n in holding:
-            self.held[None] -= n
+            self.held_total -= n
             left = self.held[session] - n
             if left:
                 self.held[session] = left

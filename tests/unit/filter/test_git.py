@@ -334,6 +334,7 @@ def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
         held._hold("s3", 1, third)  # everything is
     held._release(first)
     held._hold("s3", 1, third)
+    held._hold(None, 5, third)  # no session's: a key of its own, not the total
     held._release(second)
     held._release(third)
-    assert held.held == {None: 0}
+    assert held.held == {} and held.held_total == 0
