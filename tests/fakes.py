@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import errno
 import ipaddress
 import json
 import os
@@ -77,9 +78,6 @@ class FakeDns:
                     asyncio.get_running_loop().call_later(
                         fake.slow.get(name, 0), self.transport.sendto, reply, addr)
 
-        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(self.host, self.port))
-        port = self.udp.get_extra_info("sockname")[1]
-
         async def tcp(reader, writer):
             try:
                 (n,) = struct.unpack("!H", await reader.readexactly(2))
@@ -91,8 +89,20 @@ class FakeDns:
                 pass
             writer.close()
 
-        self.tcp = await asyncio.start_server(tcp, self.host, port)
-        return (self.host, port)
+        # UDP and TCP on one port: a port free for UDP may be held for TCP (a connection
+        # of an earlier test still using it as its own end), so a random one is tried again
+        for attempt in range(1 if self.port else 20):
+            self.udp, _ = await loop.create_datagram_endpoint(
+                Udp, local_addr=(self.host, self.port))
+            port = self.udp.get_extra_info("sockname")[1]
+            try:
+                self.tcp = await asyncio.start_server(tcp, self.host, port)
+            except OSError as exc:
+                self.udp.close()
+                if exc.errno != errno.EADDRINUSE or self.port or attempt == 19:
+                    raise
+                continue
+            return (self.host, port)
 
     def answer(self, data: bytes, transport: str) -> bytes | None:
         request = DNSRecord.parse(data)
