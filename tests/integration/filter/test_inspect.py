@@ -100,6 +100,9 @@ class InProcessFilter:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # transports those tasks closed finish on the loop's next rounds: let them, or
+            # they are collected unclosed later and warn in another module's test
+            await asyncio.sleep(0.05)
             await self.loop.shutdown_asyncgens()
             await self.loop.shutdown_default_executor()
 
