@@ -616,6 +616,8 @@ upstream = ["{up}:53"]
 # sends more queries, names and tunnels than an agent would (the noisy part keeps them)
 rate = 1000000
 burst = 1000000
+denied_rate = 1000000
+denied_burst = 1000000
 exfil_names = 1000000000
 [proxy]
 max_connections_per_session = 1200   # the RSS row holds 1000 tunnels; within 20000

@@ -142,6 +142,16 @@ class DnsConfig:
     """Queries one session may send at once above `rate`. Beyond, a query is answered
     REFUSED at once, and an event (deny) says so at most once a second per session, with
     the count refused since the last one."""
+    denied_rate: float = setting(20.0, number())
+    """Names the policy denies that one session may have answered a second on average (a
+    bucket of its own, taken only by a name decided afresh: a denied name asked again is a
+    cached answer). Nothing legitimate asks many names it may not have, and a flood of them
+    is the exfiltration and starvation pattern: this limit is reached at a few dozen a
+    second, so it holds on a filter far slower than `rate` (a VM under emulation)."""
+    denied_burst: int = setting(200, whole())
+    """Denied names one session may have answered at once above `denied_rate`. Beyond,
+    REFUSED at once (no event per name: one a second with the count); the session's other
+    names are answered as before."""
     max_pending: int = setting(256, whole())
     """Queries of one session waiting for an upstream at once; more are answered REFUSED
     (the upstream timeout bounds how long each one waits)."""

@@ -74,7 +74,7 @@ class DnsFilter:
         config = config if config is not None else DnsConfig()
         self.wire = WireCache(WIRE_CACHE_MAX, config.cache_share)
         self.limits = SessionLimits(config.rate, config.burst, config.max_pending,
-                                    config.max_tcp)
+                                    config.max_tcp, config.denied_rate, config.denied_burst)
         self.exfil = ExfilGuard(config.exfil_length, config.exfil_entropy,
                                 config.exfil_entropy_length, config.exfil_names)
         self.policies: dict[str | None, Policy] = {}
@@ -151,11 +151,15 @@ class DnsFilter:
         decision = policy.decide_dns(host)
         if decision.allowed and query.qtype not in EMPTY_TYPES:
             return None
+        now = time.monotonic()
+        if not decision.allowed and not self.limits.admit_denied(session, now):
+            self._refused(session, client, "denied", now)
+            return refusal(query, RCODE.REFUSED)  # not cached: the name stays denied
         event = self._event(decision, session, client, host.name, QTYPE.get(query.qtype))
         wire = refusal(query, RCODE.NOERROR if decision.allowed else RCODE.NXDOMAIN)
         if query.edns is not None:  # one OPT record, as _pack adds: ARCOUNT 1
             wire = wire[:10] + b"\x00\x01" + wire[12:] + OPT_RECORD
-        self.wire.put(key, session, wire, time.monotonic() + POLICY_ONLY_SECONDS, event)
+        self.wire.put(key, session, wire, now + POLICY_ONLY_SECONDS, event)
         return wire
 
     @staticmethod
@@ -234,6 +238,7 @@ class DnsFilter:
                 "resolver_cache_entries": self.resolver.cache.owned(session),
                 "pending": self.limits.pending[session], "tcp": self.limits.tcp[session],
                 "rate_limited": refused[(session, "rate")],
+                "denied_limited": refused[(session, "denied")],
                 "pending_refused": refused[(session, "pending")],
                 "tcp_refused": refused[(session, "tcp")],
                 "exfil_denied": self.exfil.denied[session],
@@ -242,6 +247,7 @@ class DnsFilter:
             "wire_cache_hits": self.wire.hits, "wire_cache_entries": len(self.wire.entries),
             "wire_cache_evicted": self.wire.entries.evicted,
             "rate_limited": sum(n for (_, limit), n in refused.items() if limit == "rate"),
+            "denied_limited": sum(n for (_, lim), n in refused.items() if lim == "denied"),
             "pending_refused": sum(n for (_, lim), n in refused.items() if lim == "pending"),
             "tcp_refused": sum(n for (_, limit), n in refused.items() if limit == "tcp"),
             "exfil_denied": sum(self.exfil.denied.values()),

@@ -1,7 +1,8 @@
 """Per-session limits of the DNS filter, sans-IO: what one session may cost, and what a name
 allowed by a wildcard may carry.
 
-- `SessionLimits`: a token bucket per session for the query rate, counts of queries waiting
+- `SessionLimits`: token buckets per session for the query rate and for names the policy
+  denies, counts of queries waiting
   for an upstream and of DNS-over-TCP connections, and the once-a-second reports of what was
   refused (a flood gets one event a second, with the count, not one event per packet).
 - `ExfilGuard`: a wildcard rule (`*.example.com`) lets a client choose the rest of the
@@ -58,12 +59,15 @@ class SessionLimits:
 
     Sessions are names (None: clients outside every session, judged together)."""
 
-    LIMITS = ("rate", "pending", "tcp")
+    LIMITS = ("rate", "denied", "pending", "tcp")
 
-    def __init__(self, rate: float, burst: int, max_pending: int, max_tcp: int):
+    def __init__(self, rate: float, burst: int, max_pending: int, max_tcp: int,
+                 denied_rate: float = 20.0, denied_burst: int = 200):
         self.rate, self.burst = rate, burst
+        self.denied_rate, self.denied_burst = denied_rate, denied_burst
         self.max_pending, self.max_tcp = max_pending, max_tcp
         self.buckets: dict[str | None, TokenBucket] = {}
+        self.denied_buckets: dict[str | None, TokenBucket] = {}
         self.pending: Counter = Counter()
         """Queries per session between `begin` and `end` (waiting for an upstream)."""
         self.tcp: Counter = Counter()
@@ -78,6 +82,14 @@ class SessionLimits:
         bucket = self.buckets.get(session)
         if bucket is None:
             bucket = self.buckets[session] = TokenBucket(self.rate, self.burst, now)
+        return bucket.take(now)
+
+    def admit_denied(self, session: str | None, now: float) -> bool:
+        """May this session have one more denied name answered (its denied-names limit)?"""
+        bucket = self.denied_buckets.get(session)
+        if bucket is None:
+            bucket = self.denied_buckets[session] = TokenBucket(self.denied_rate,
+                                                                self.denied_burst, now)
         return bucket.take(now)
 
     def begin(self, session: str | None) -> bool:
@@ -120,6 +132,9 @@ class SessionLimits:
         return {
             "rate": f"DNS rate limit: more than {self.rate:g} queries a second "
                     f"(burst {self.burst}) from this session",
+            "denied": f"DNS rate limit on denied names: more than {self.denied_rate:g} names "
+                      f"the policy denies a second (burst {self.denied_burst}) from this "
+                      "session",
             "pending": f"DNS limit: more than {self.max_pending} queries of this session "
                        "waiting for an upstream",
             "tcp": f"DNS limit: more than {self.max_tcp} DNS-over-TCP connections from "
@@ -129,8 +144,9 @@ class SessionLimits:
     def forget(self, alive: set) -> None:
         """Drop the buckets and reports of sessions that have gone (counts of what is in
         flight stay until it ends)."""
-        for session in [s for s in self.buckets if s not in alive]:
-            del self.buckets[session]
+        for buckets in (self.buckets, self.denied_buckets):
+            for session in [s for s in buckets if s not in alive]:
+                del buckets[session]
         for key in [k for k in self._reported if k[0] not in alive]:
             self._reported.pop(key, None)
             self._unreported.pop(key, None)

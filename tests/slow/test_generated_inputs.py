@@ -62,6 +62,8 @@ listen = ["127.0.0.1:0"]
 upstream = ["127.0.0.1:9"]
 rate = 1000000  # one client sends them all: the parser is under test here, not the rate
 burst = 1000000
+denied_rate = 1000000
+denied_burst = 1000000
 [state]
 dir = "{tmp_path}"
 """, "test")

@@ -137,6 +137,41 @@ def test_over_the_rate_a_session_is_refused_at_once_and_told_once_a_report(dns):
     assert stats["sessions"]["s1"]["rate_limited"] == 0
 
 
+def test_past_its_denied_names_limit_a_session_gets_refused_for_new_denied_names_only(tmp_path):
+    (tmp_path / "s1.toml").write_text('[dns]\nallow = ["exact.example"]\n')
+    config = parse_config(f"""
+[dns]
+listen = ["127.0.0.1:0"]
+upstream = ["127.0.0.1:9"]
+denied_rate = 0.01
+denied_burst = 5
+[state]
+dir = "{tmp_path}/state"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+files = ["{tmp_path}/s1.toml"]
+""", "filter.toml")
+    dns = DnsFilter(PolicyStore(config), Resolver(config.dns.upstream, 0.05),
+                    EventBus(recent=1000), config=config.dns)
+    replies = [dns.first(query(f"n{i}.flood.example", i), S1, udp=True) for i in range(8)]
+    assert [rcode(r) for r in replies] == [RCODE.NXDOMAIN] * 5 + [RCODE.REFUSED] * 3
+    assert [DNSRecord.parse(r).header.id for r in replies[5:]] == [5, 6, 7]  # echoed
+    # a denied name answered before is a cached answer: no token, still NXDOMAIN
+    assert rcode(dns.first(query("n0.flood.example", 20), S1, udp=True)) == RCODE.NXDOMAIN
+    # a name the policy allows is not this limit's: on its way to the upstream
+    assert isinstance(dns.first(query("exact.example", 21), S1, udp=True), Pending)
+    reports = [e for e in dns.bus.recent if e.get("limit") == "denied"]
+    assert len(reports) == 1 and reports[0]["refused"] == 1 and reports[0]["session"] == "s1"
+    assert ("DNS rate limit on denied names: more than 0.01 names the policy denies a "
+            "second (burst 5)") in reports[0]["reason"]
+    events = [e for e in dns.bus.recent if (e.get("name") or "").startswith("n")]
+    assert len(events) == 6  # one per NXDOMAIN answer (the cached one too), none refused
+    stats = dns.stats()
+    assert stats["denied_limited"] == 3 and stats["sessions"]["s1"]["denied_limited"] == 3
+    assert stats["rate_limited"] == 0
+
+
 def test_a_session_has_a_bounded_number_of_queries_waiting_for_an_upstream(dns):
     waiting = [dns.first(query(f"n{i}.zone.example", i), S2, udp=True) for i in range(3)]
     assert all(isinstance(w, Pending) for w in waiting)

@@ -25,6 +25,16 @@ def test_sessions_have_a_bucket_each():
     assert limits.admit("s1", 0.0) and limits.admit(None, 0.0)
 
 
+def test_denied_names_have_a_bucket_of_their_own_per_session():
+    limits = SessionLimits(rate=1, burst=1, max_pending=1, max_tcp=1, denied_rate=1,
+                           denied_burst=2)
+    assert [limits.admit_denied("s2", 0.0) for _ in range(3)] == [True, True, False]
+    assert limits.admit("s2", 0.0)  # the general bucket is untouched
+    assert limits.admit_denied("s1", 0.0) and limits.admit_denied("s2", 1.0)
+    limits.forget({None, "s1"})
+    assert set(limits.denied_buckets) == {"s1"}
+
+
 def test_waiting_queries_and_tcp_connections_are_capped_per_session():
     limits = SessionLimits(rate=1, burst=1, max_pending=2, max_tcp=1)
     assert [limits.begin("s2") for _ in range(3)] == [True, True, False]
