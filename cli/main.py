@@ -188,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
                          ("v6-target", "an IPv6 address outside"),
                          ("private-name", "an allowed name that resolves to a private address"),
                          ("tcp-name", "NAME:PORT allowed by a tcp rule (expects a banner)"),
+                         ("inspected", "a host the policy allows and inspects, GET / "
+                          "allowed there"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import secrets
@@ -315,22 +316,30 @@ def cmd_apply(args) -> int:
     return exitcodes.FAILURE if result.refused else exitcodes.OK
 
 
-def _default_allowed(client: Client, session: str) -> str:
+def _default_allowed(client: Client, session: str, inspected: str | None = None) -> str:
     """An allowed name to prove the legitimate path works: the session's first exact http
-    rule (a wildcard names no host)."""
+    rule (a wildcard names no host), other than the inspected one (the other probes expect
+    a host whose TLS the filter does not end)."""
     for rule in client.request("GET", "/policy", session=session)["rules"]:
-        if rule["kind"] == "http" and not rule["rule"].startswith("*"):
-            return rule["rule"].split(":")[0]
+        name = rule["rule"].split(":")[0]
+        if rule["kind"] == "http" and not name.startswith("*") and name != inspected:
+            return name
     raise CliError(f"session {session} allows no http host to test the allowed path with",
                    "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
 
 
-def _empty_project() -> tuple[io.BytesIO, int]:
+def _empty_project(inspected: str | None = None) -> tuple[io.BytesIO, int]:
     """A project with nothing in it: the throwaway session gets a workspace, so the review
-    probe has a /work to write into and a diff to check."""
+    probe has a /work to write into and a diff to check. With `inspected`, a corral.toml
+    that allows that host and inspects it, for the inspection probes."""
     data = io.BytesIO()
-    with tarfile.open(fileobj=data, mode="w:gz"):
-        pass
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        if inspected:
+            host = json.dumps(inspected)  # a TOML basic string, quoted as JSON quotes it
+            text = f'[http]\nallow = [{host}]\n\n[[inspect]]\nhost = {host}\n'.encode()
+            info = tarfile.TarInfo("corral.toml")
+            info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(text))
     size = data.tell()
     data.seek(0)
     return data, size
@@ -345,14 +354,15 @@ def cmd_selftest(args) -> int:
     if args.session is None:
         throwaway = f"selftest-{secrets.token_hex(3)}"
         output.notice(f"starting throwaway session {throwaway} ...")
-        data, size = _empty_project()
+        data, size = _empty_project(args.inspected)
         client.request("POST", "/sessions", upload=(data, size, "application/gzip"),
                        timeout=SLOW, name=throwaway, preset=args.preset or [])
     session = args.session or throwaway
     try:
-        options = {"allowed": args.allowed or _default_allowed(client, session)}
+        options = {"allowed": args.allowed or _default_allowed(client, session,
+                                                               args.inspected)}
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
-                    "other_gateway", "silence", "connections", "only", "skip_group"):
+                    "inspected", "other_gateway", "silence", "connections", "only", "skip_group"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")

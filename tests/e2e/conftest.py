@@ -41,9 +41,11 @@ def _skip_reason() -> str | None:
 
 S1_POLICY = """
 [http]
-allow = ["allowed.test", "private.test"]
+allow = ["allowed.test", "private.test", "inspected.test"]
 [tcp]
 allow = ["ssh.test:22"]
+[[inspect]]
+host = "inspected.test"
 """
 S2_POLICY = """
 [http]

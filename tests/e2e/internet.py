@@ -33,6 +33,7 @@ WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 ZONE = {
     "allowed.test": [("A", WEB, 300), ("AAAA", WEB_V6, 300)],
     "other.test": [("A", WEB, 300)],
+    "inspected.test": [("A", WEB, 300)],
     "denied.test": [("A", WEB, 300)],
     "private.test": [("A", "10.0.0.5", 300)],
     "ssh.test": [("A", SSH_HOST, 300)],

@@ -44,6 +44,7 @@ def battery(world):
         world, 1, "--allowed", "allowed.test", "--denied", "denied.test",
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
+        "--inspected", "inspected.test",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--silence", "6",  # the e2e filter's header_timeout is 5
         "--connections", "2000")
@@ -57,7 +58,9 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 18, 20, 21} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 18, 20, 21, 24} <= classes
+    assert {"inspected-never-tunnelled", "inspected-host-differs",
+            "inspected-token-in-body"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit

@@ -174,6 +174,19 @@ def test_selftest_without_a_session_uses_a_throwaway_one(world, sandbox_image):
     assert not [n for n in names if n.startswith("selftest-")]  # removed again
 
 
+def test_selftest_inspected_on_a_throwaway_session_inspects_that_host(world, sandbox_image):
+    """`--inspected` without a session: the throwaway's project allows and inspects the host,
+    and the inspection probes pass in a real session (the CA in its trust store)."""
+    probes = ["inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body"]
+    result = corral(world, "selftest", "--allowed", "allowed.test", "--inspected",
+                    "inspected.test", *[a for p in probes for a in ("--only", p)], "--json",
+                    check=False)
+    answer = json.loads(result.stdout)
+    assert result.returncode == 0 and answer["passed"], json.dumps(answer["probes"])
+    assert [p["id"] for p in answer["probes"]] == probes
+    assert answer["tally"]["unrecorded"] == 0
+
+
 def test_diff_and_apply_on_the_host_with_a_refused_conflict(world, c1, project):
     corral(world, "shell", "c1", "--", "sh", "-c",
            "printf \"print('v2')\\n\" > app.py && echo new > added.txt "

@@ -1,0 +1,109 @@
+"""On a host the session inspects (`--inspected`: named in an [[inspect]] or [[git]] table,
+or bound to a secret; `GET /` allowed there): what TLS termination must still refuse. A
+client that does not trust the corral CA fails, however often it tries, and the host is
+never tunnelled instead (T13); inside the TLS the filter ends, a request for another host
+is refused (T13) and so is a body carrying a token (T24). Each sends nothing to the origin.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import ssl
+import string
+
+from .registry import NotRun, Outcome, probe
+from .wire import connect_via_proxy, first_line, from_corral, headers, read_head, status
+
+CA_NAME = b"corral interception CA"
+"""The common name the filter's interception CA carries (appliance/pki.py), in every leaf's
+issuer: how a probe tells the filter's certificate from the origin's without trusting it."""
+REFUSALS = 3
+"""Handshakes a distrusting client fails before the probe looks again: a proxy that falls
+back to a tunnel after a client refuses its certificate would do so by the second."""
+
+
+def _inspected_tunnel(args) -> socket.socket:
+    sock, head = connect_via_proxy(args, f"{args.inspected}:443")
+    if status(head) != 200:
+        sock.close()
+        raise NotRun(f"CONNECT {args.inspected}:443 was not opened: {first_line(head)}; is "
+                     "--inspected a host the session's policy allows and inspects?")
+    return sock
+
+
+def _distrusting_context(args) -> ssl.SSLContext:
+    """A careful client that has never heard of the corral CA: the origin's own CA when the
+    battery was given one (`--cafile`), else no CA at all."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, and checks the name
+    if args.cafile:
+        context.load_verify_locations(cafile=args.cafile)
+    return context
+
+
+def _inside(args, request: bytes) -> bytes:
+    """One request inside TLS the filter ends (the probe does not check the leaf: the
+    sandbox's trust store holds the corral CA, and the first probe checks the issuer)."""
+    context = ssl._create_unverified_context()  # noqa: S323
+    context.set_alpn_protocols(["http/1.1"])
+    with context.wrap_socket(_inspected_tunnel(args), server_hostname=args.inspected) as tls:
+        tls.sendall(request)
+        return read_head(tls)
+
+
+@probe("inspected-never-tunnelled", 13, needs="inspected",
+       records="connect event, reason 'handshake with the client failed'")
+def inspected_never_tunnelled(ctx):
+    a = ctx.args
+    for attempt in range(1, REFUSALS + 1):
+        with _inspected_tunnel(a) as sock:
+            try:
+                with _distrusting_context(a).wrap_socket(sock, server_hostname=a.inspected):
+                    return Outcome(False, f"attempt {attempt}: a client that does not trust "
+                                   "the corral CA completed TLS: the host was tunnelled")
+            except ssl.SSLCertVerificationError:
+                pass  # what must happen: the filter's leaf, refused
+    context = ssl._create_unverified_context()  # noqa: S323
+    with context.wrap_socket(_inspected_tunnel(a), server_hostname=a.inspected) as tls:
+        leaf = tls.getpeercert(binary_form=True) or b""
+    ours = CA_NAME in leaf
+    return Outcome(ours, f"{REFUSALS} handshakes refused the certificate; the next one was "
+                   + ("still the filter's (issued by the corral interception CA)" if ours
+                      else "not the filter's: the host was tunnelled after the refusals"),
+                   {"kind": "connect", "reason": "handshake with the client failed"})
+
+
+@probe("inspected-host-differs", 13, needs="inspected",
+       records="http event, reason 'differs from CONNECT host'")
+def inspected_host_differs(ctx):
+    """Domain fronting inside TLS the filter ends: the SNI and CONNECT name the inspected
+    host, the Host header a denied one (a splice cannot see this; inspection must)."""
+    a = ctx.args
+    head = _inside(a, f"GET /selftest HTTP/1.1\r\nHost: {a.denied}\r\n"
+                   "Connection: close\r\n\r\n".encode())
+    ok = from_corral(head, 403, "x-corral-deny")
+    return Outcome(ok, f"Host {a.denied} inside TLS to {a.inspected}: {first_line(head)}"
+                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+                   {"kind": "http", "reason": "differs from CONNECT host"})
+
+
+def _token_shape() -> str:
+    """A string shaped as a GitHub personal access token, made up here (it opens nothing)."""
+    alphabet = string.ascii_letters + string.digits
+    return "ghp_" + "".join(secrets.choice(alphabet) for _ in range(36))
+
+
+@probe("inspected-token-in-body", 24, needs="inspected",
+       records="leak event, reason 'GitHub token'")
+def inspected_token_in_body(ctx):
+    """A request body carrying a token to an inspected host: refused before a byte of it
+    leaves, naming the detector, never the value."""
+    a = ctx.args
+    body = f'{{"note": "deploy with {_token_shape()}"}}'.encode()
+    head = _inside(a, f"POST /selftest HTTP/1.1\r\nHost: {a.inspected}\r\nContent-Type: "
+                   f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
+                   "\r\n\r\n".encode() + body)
+    ok = from_corral(head, 403, "x-corral-deny")
+    return Outcome(ok, f"a token in a POST body to {a.inspected}: {first_line(head)}"
+                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+                   {"kind": "leak", "reason": "GitHub token"})
