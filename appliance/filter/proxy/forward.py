@@ -8,6 +8,7 @@ connection; every request on it is judged again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -92,6 +93,9 @@ class Forward:
         self.proxy = proxy
         self.config = proxy.config
         self.judging = asyncio.Semaphore(JUDGES)
+        self.judging_session: dict[str | None, list] = {}
+        """Per session, [its lock, pushes waiting or judged]: a session has one push judged
+        at a time, so it never holds both judges while another session's push waits."""
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
@@ -337,6 +341,20 @@ class Forward:
             kept = None
         return keep_client, kept
 
+    @contextlib.asynccontextmanager
+    async def _judge_slot(self, session: str | None):
+        """A judge for one push: one per session at a time, JUDGES in all, so that one
+        session's pushes never hold every judge while another session's push waits."""
+        share = self.judging_session.setdefault(session, [asyncio.Lock(), 0])
+        share[1] += 1
+        try:
+            async with share[0], self.judging:
+                yield
+        finally:
+            share[1] -= 1
+            if not share[1]:
+                del self.judging_session[session]
+
     async def _git(self, client: Client, head, where, access, session: str | None,
                    fields: dict, holding: list):
         """A request to a host a [[git]] table names: (None, None) when it is not git's or
@@ -355,15 +373,18 @@ class Forward:
         except Ambiguous as exc:
             return await refuse(f"a request to {host} (a [[git]] host) that servers read in "
                                 f"different ways: {exc}")
+        method = head.start[0]
         if call is None:
-            return None, None
+            repo = None if method in ("GET", "HEAD", "POST") else git.bare_file(where.path)
+            if repo is None:
+                return None, None
+            call = git.GitCall(repo, git.OTHER, False)  # a write to a repository's files
         spec = access.repository(call.repo)
         if spec is None:
             return await refuse(
                 f"git repository {call.repo[:100]!r} on {host} is not listed (listed: "
                 f"{access.listed()})", f'add "{call.repo[:100]}" to repos of the [[git]] '
                 f"table for {host} in corral.toml")
-        method = head.start[0]
         reads = ("GET", "HEAD") if call.discovery or call.service == git.OTHER else ("POST",)
         if call.service == git.OTHER and method == "POST" and git.lfs_batch(where.path):
             return None, None  # LFS asks what to fetch (or upload: refused where it goes)
@@ -382,8 +403,8 @@ class Forward:
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
-        async with self.judging:  # two at a time, on a pool of their own: an agent writes
-            verdict = await asyncio.get_running_loop().run_in_executor(  # the pack
+        async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
+            verdict = await asyncio.get_running_loop().run_in_executor(
                 _judges(), _judge, raw, tuple(head.get_all("content-encoding")), spec, session)
         if verdict.allowed:
             return None, raw

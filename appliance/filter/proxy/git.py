@@ -51,6 +51,11 @@ _OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
 _DUMB = re.compile(r"(?P<repo>/.+?)/(?:head|info/(?:packs|alternates|http-alternates|lfs/.*)"
                    r"|objects/(?:info/.*|pack/.*|[0-9a-f]{2}/[0-9a-f]{38,62}))")
 """The paths of git's dumb protocol and of LFS under a repository (lower-cased)."""
+_BARE = re.compile(r"(?P<repo>/.+?)/(?:head|refs(?:/.*)?|packed-refs|config|description"
+                   r"|info/.*|logs/.*|hooks/.*|objects/.*)")
+"""Files of a bare repository, which a WebDAV push (`git http-push`) writes: a server that
+serves them at `REPO/...` without `.git` would have refs moved unread. Only for writes: as
+reads they are also web pages of a forge (`/o/r/blob/main/config`)."""
 _FORBIDDEN_IN_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|/\.|\.lock(?:/|$)")
 COMMIT, TREE, BLOB, TAG, OFS_DELTA, REF_DELTA = 1, 2, 3, 4, 6, 7
 
@@ -100,6 +105,18 @@ def classify(target: str) -> GitCall | None:
     if dumb is not None:
         return GitCall(_repo(path[: dumb.end("repo")], 0), OTHER, False)
     return None
+
+
+def bare_file(target: str) -> str | None:
+    """The repository whose files an origin-form target names as a bare repository's
+    (refs, objects, config, ...; `classify` found no git call in it), else None. For a
+    write (a WebDAV method, PUT, DELETE), which is then never git's own."""
+    try:
+        path = read_target(target).path
+    except Ambiguous:
+        return None
+    found = _BARE.fullmatch(path.lower())
+    return _repo(path[: found.end("repo")], 0) if found is not None else None
 
 
 def lfs_batch(target: str) -> bool:
@@ -214,6 +231,10 @@ def valid_ref(ref: str) -> bool:
 MAX_OBJECTS = 1_000_000
 """The most objects a push's pack may say it holds (each costs a few microseconds to walk
 past, on a worker thread)."""
+MAX_COMMITS = 100_000
+"""The most commits of a push read (each is kept while the push is judged, a few hundred
+bytes: 200,000 cost 40 MiB and 11 s, measured). An agent pushes its own few commits; a
+push of more is refused with the reason."""
 MAX_COMMIT = 1 << 20
 """The largest commit object read (a real one is a few hundred bytes)."""
 MAX_INFLATED = 1 << 30
@@ -356,7 +377,7 @@ def iter_commits(pack, sha256: bool = False, deadline: float | None = None):
     digest = hashlib.sha256 if sha256 else hashlib.sha1
     kept: dict[int, bytes] = {}  # offset -> commit body, for deltas against it
     by_id: dict[bytes, bytes] = {}  # binary id -> commit body
-    budget, pos = _Budget(), 12
+    budget, pos, commits = _Budget(), 12, 0
     try:
         for index in range(count):
             if index % 256 == 0:
@@ -384,6 +405,10 @@ def iter_commits(pack, sha256: bool = False, deadline: float | None = None):
                 raise GitProtocolError(f"an object of unknown type {kind} in the pack")
             if kind != COMMIT and base is None:
                 return  # the commits are behind: nothing after this is read
+            commits += 1
+            if commits > MAX_COMMITS:
+                raise GitProtocolError(f"a push of more than {MAX_COMMITS} commits; corral "
+                                       "judges at most that many")
             data, pos = _inflate(pack, pos, size, True, budget)
             body = data if kind == COMMIT else apply_delta(base, data, deadline)
             oid = digest(b"commit %d\0" % len(body) + body)

@@ -15,7 +15,9 @@ finding means nothing of it left); a larger one is refused unless its host is `u
 there; credentials.py watches placeholders in them), encodings other than the raw bytes
 and percent-escapes (gzip, base64: an agent that encodes a secret on purpose is not stopped
 by this; it is a tripwire for the accidents and the careless, the firewall is the boundary),
-and git pushes (their packs are compressed; git.py judges them by ref).
+git pushes (their packs are compressed; git.py judges them by ref), and WebSocket frames
+after an upgrade (relayed, not read). JSON's escapes are read as far as the token's start
+(a token right after `\\n` is found), not inside the token (`\\u0067hp_...` is not).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from urllib.parse import unquote_to_bytes
 
 _WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _UPPER = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +47,26 @@ class Detector:
         for prefix in self.prefixes:
             at = data.find(prefix)
             while at >= 0:
-                if (not at or data[at - 1] not in self.boundary) and self.pattern.match(
-                        data, at):
+                if _starts_token(data, at, self.boundary) and self.pattern.match(data, at):
                     return True
                 at = data.find(prefix, at + 1)
         return False
 
 
+def _starts_token(data: bytes, at: int, boundary: frozenset[int]) -> bool:
+    """May a token start at `at`: nothing before it, a byte not of the token's alphabet, or
+    an escape a server decodes into one (JSON's `\\n`, `\\t`, `\\u000a`: what
+    `json.dumps` writes for a token at the start of a line; the `n` is not the token's)."""
+    if not at or data[at - 1] not in boundary:
+        return True
+    return (at >= 2 and data[at - 2] == 0x5C) or (
+        at >= 6 and data[at - 6:at - 4] == b"\\u" and _HEX.issuperset(data[at - 4:at]))
+
+
 DETECTORS: tuple[Detector, ...] = (
-    Detector("private key", (b"-----BEGIN ",), re.compile(
-        rb"-----BEGIN (?:[A-Z0-9]{1,20} ){0,4}PRIVATE KEY(?: BLOCK)?-----")),
+    # `+` for a space: a form body or query (`urlencode`, what `requests` sends as data=)
+    Detector("private key", (b"-----BEGIN ", b"-----BEGIN+"), re.compile(
+        rb"-----BEGIN[ +](?:[A-Z0-9]{1,20}[ +]){0,4}PRIVATE[ +]KEY(?:[ +]BLOCK)?-----")),
     Detector("AWS access key", (b"AKIA", b"ASIA"), re.compile(
         rb"(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"), _UPPER),
     Detector("GitHub token", (b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_", b"github_pat_"),

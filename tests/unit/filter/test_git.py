@@ -254,6 +254,26 @@ def test_encoded_slashes_and_git_paths_outside_the_smart_protocol():
     assert git.classify("/acme/widget/blob/main/objects/x.py") is None
 
 
+def test_the_files_of_a_bare_repository_name_it_for_writes_without_dot_git():
+    for target, repo in (("/acme/widget/refs/heads/main", "acme/widget"),
+                         ("/acme/widget/packed-refs", "acme/widget"),
+                         ("/other/secret/objects/ab/cdef", "other/secret"),
+                         ("/other/secret/HEAD", "other/secret"),
+                         ("/a/b/config", "a/b")):
+        assert git.bare_file(target) == repo, target
+    assert git.bare_file("/acme/widget/pulls") is None
+    assert git.bare_file("/acme") is None
+
+
+def test_a_push_of_more_commits_than_corral_reads_is_refused(monkeypatch):
+    monkeypatch.setattr(git, "MAX_COMMITS", 3)
+    bodies = [(f"tree {EMPTY_TREE}\nauthor a <a@b> {n} +0000\ncommitter a <a@b> 0 +0000\n\n"
+               ).encode() for n in range(4)]
+    verdict = git.judge(body_of([("1" * 40, commit_id(bodies[-1]), "refs/heads/corral/s1/w")],
+                                make_pack([whole(git.COMMIT, b) for b in bodies])), SPEC, "s1")
+    assert not verdict.allowed and "more than 3 commits" in verdict.reason
+
+
 def test_gzip_is_the_one_encoding_and_one_member():
     data = git.FLUSH
     assert git.decode_body(gzip.compress(data), ["gzip"]) == data
@@ -338,3 +358,34 @@ def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
     held._release(second)
     held._release(third)
     assert held.held == {} and held.held_total == 0
+
+
+def test_a_session_has_one_judge_at_a_time_and_never_holds_them_all():
+    """Two pushes of s1 and one of s2: s1's second waits for its first, s2's is judged."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from appliance.filter.proxy import forward
+
+    async def scenario():
+        judges = forward.Forward(SimpleNamespace(config=None))
+        order, release = [], asyncio.Event()
+
+        async def push(session, name):
+            async with judges._judge_slot(session):
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(push("s1", "s1-first")),
+                 asyncio.create_task(push("s1", "s1-second")),
+                 asyncio.create_task(push("s2", "s2"))]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        judged_at_once = list(order)
+        release.set()
+        await asyncio.gather(*tasks)
+        return judged_at_once, order, judges.judging_session
+
+    at_once, order, left = asyncio.run(scenario())
+    assert at_once == ["s1-first", "s2"]  # s1's second is not holding the other judge
+    assert order == ["s1-first", "s2", "s1-second"] and left == {}

@@ -41,6 +41,26 @@ def test_text_that_only_looks_alike_passes(text):
     assert Leaks({}).scan(text, "the body") is None
 
 
+@pytest.mark.parametrize("detector", [d for d in TOKENS if d != "private key"])
+@pytest.mark.parametrize("escape", [b"\\n", b"\\t", b"\\r", b"\\u000a", b"\\u00A0"])
+def test_a_token_right_after_a_json_escape_is_found(detector, escape):
+    """What `json.dumps` writes for a token at the start of a line: `\\n` then the token,
+    whose server-side first byte follows a newline, not the `n`."""
+    token = TOKENS[detector].split(b'"')[3] if detector == "GitHub token" else TOKENS[detector]
+    token = token.split(b" = ")[-1].rstrip(b"\n")
+    found = Leaks({}).scan(b'{"body": "my token:' + escape + token + b'"}', "the body")
+    assert found is not None and found.detector == f"a {detector}"
+
+
+def test_a_private_key_form_encoded_with_plus_for_spaces_is_found():
+    from urllib.parse import urlencode
+
+    body = urlencode({"key": TOKENS["private key"].decode()}).encode()
+    assert b"-----BEGIN+OPENSSH+PRIVATE+KEY-----" in body
+    found = Leaks({}).scan(body, "the body")
+    assert found is not None and found.detector == "a private key"
+
+
 def test_secret_values_and_foreign_placeholders_are_found_percent_decoded_too():
     secret = Secret("API_TOKEN", "sk-live-0123456789abcdef", ("api.test",), "header",
                     "x-api-key", nonce="n1")
