@@ -43,14 +43,40 @@ def cmd_allow(args) -> int:
     if kind == "request":  # HOST METHOD PATH, as three words; a deny starts with '!'
         rule = f"{'!' if args.command == 'deny-request' else ''}{args.rule} {args.method} " \
                f"{args.path}"
-    answer = client.request("POST", "/policy/rules",
-                            {"session": session, "kind": kind, "rule": rule})
+    request = {"session": session, "kind": kind, "rule": rule}
+    if args.duration is not None:
+        request["expires_in"] = parse_duration(args.duration)
+    answer = client.request("POST", "/policy/rules", request)
     if args.json:
         output.data(answer)
     else:
         verb = "added" if answer["added"] else "already there:"
-        output.line(f"{verb} {kind} {answer['rule']['rule']} (session {session})")
+        ends = answer.get("expires")
+        until = f", until {_clock(ends)}" if ends else (
+            ", for good (it was already)" if args.duration is not None else "")
+        output.line(f"{verb} {kind} {answer['rule']['rule']} (session {session}{until})")
     return exitcodes.OK
+
+
+def parse_duration(text: str) -> int:
+    """`90s`, `10m`, `1h30m`, `2d`: seconds (--for)."""
+    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text.strip())
+    if not text.strip() or parts is None:
+        raise CliError(f"--for {text!r} is not a duration", "write it as 90s, 10m, 1h30m or 2d",
+                       exitcodes.USAGE)
+    days, hours, minutes, seconds = (int(p or 0) for p in parts.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise CliError(f"--for {text!r} is no time at all", "give a duration above zero",
+                       exitcodes.USAGE)
+    return total
+
+
+def _clock(ts: float) -> str:
+    """A wall-clock time for a person: the time alone today, else the date too."""
+    moment = datetime.datetime.fromtimestamp(ts)
+    today = datetime.datetime.now().date() == moment.date()
+    return moment.strftime("%H:%M:%S" if today else "%Y-%m-%d %H:%M:%S")
 
 
 def cmd_revoke(args) -> int:
@@ -85,8 +111,9 @@ def cmd_rules(args) -> int:
     if args.json:
         output.data({"session": session, "rules": rules})
     else:
-        output.table([[r["rule"], r["kind"], r["layer"], r["source"]] for r in rules],
-                     ["RULE", "KIND", "LAYER", "SOURCE"])
+        output.table([[r["rule"], r["kind"], r["layer"], r["source"],
+                       _clock(r["expires"]) if r.get("expires") else ""] for r in rules],
+                     ["RULE", "KIND", "LAYER", "SOURCE", "UNTIL"])
     return exitcodes.OK
 
 

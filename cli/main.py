@@ -92,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
         command.set_defaults(run=run)
         return command
 
+    def granted(command):
+        command.add_argument("--for", dest="duration", metavar="DURATION",
+                             help="only for this long (90s, 10m, 1h30m, 2d): the appliance "
+                             "takes the rule back then, with an event")
+
     examples = {"allow-http": "HOST[:PORT]   e.g. api.example.com, *.example.org:8443",
                 "allow-dns": "NAME          e.g. example.com, *.example.org",
                 "allow-tcp": "HOST:PORT     e.g. github.com:22",
@@ -102,9 +107,11 @@ def parser() -> argparse.ArgumentParser:
             name, f"add a {control.KIND_OF_COMMAND[name]} rule to a session's runtime layer",
             control.cmd_allow)
         command.add_argument("rule", metavar=metavar.strip(), help=text.strip())
+        granted(command)
     inspect = appliance_command("inspect", "have the filter end TLS to a host and judge each "
                                 "request (a session's runtime layer)", control.cmd_allow)
     inspect.add_argument("rule", metavar="HOST", help="e.g. api.github.com, *.example.org")
+    granted(inspect)
     for name, verb in (("allow-request", "allow"), ("deny-request", "deny")):
         command = appliance_command(
             name, f"{verb} a method and path on an inspected host (a session's runtime layer)",
@@ -114,6 +121,7 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("rule", metavar="HOST")
         command.add_argument("method", metavar="METHOD", help="GET, POST, ... or *")
         command.add_argument("path", metavar="PATH", help="e.g. /repos/acme/widget/pulls/*")
+        granted(command)
     revoke = appliance_command("revoke", "remove a rule from a session's runtime layer",
                                control.cmd_revoke)
     revoke.add_argument("rule", nargs="+", metavar="[KIND] RULE",

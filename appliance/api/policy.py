@@ -1,4 +1,5 @@
-"""/v1/policy: a session's effective rules; runtime rules added and revoked; presets."""
+"""/v1/policy: a session's effective rules; runtime rules added (for good, or for
+`expires_in` seconds) and revoked; presets."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def effective():
 
 @blueprint.post("/policy/rules")
 def add():
-    data = body({"session": str, "kind": str, "rule": str})
+    data = body({"session": str, "kind": str, "rule": str}, {"expires_in": (int, float)})
     answer = call({"op": "add", **data})
     return jsonify(answer), 201 if answer["added"] else 200
 

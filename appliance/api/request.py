@@ -27,7 +27,9 @@ def body(required: dict[str, type], optional: dict[str, type] | None = None) -> 
                 raise ApiError(400, f"missing field {name!r}", field=name)
             continue
         if not isinstance(data[name], kind) or isinstance(data[name], bool):
-            raise ApiError(400, f"field {name!r} must be a {kind.__name__}", field=name)
+            names = (" or ".join(k.__name__ for k in kind) if isinstance(kind, tuple)
+                     else kind.__name__)
+            raise ApiError(400, f"field {name!r} must be a {names}", field=name)
     return data
 
 

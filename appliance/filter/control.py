@@ -9,7 +9,9 @@ the client hangs up. Requests:
   {"op": "status"}
   {"op": "sessions"}
   {"op": "policy", "session": S}                     effective rules with layers (S may be null)
-  {"op": "add", "session": S, "kind": K, "rule": R}   runtime layer; K: one of store.RUNTIME_KINDS
+  {"op": "add", "session": S, "kind": K, "rule": R, "expires_in": SECONDS?}
+                                                      runtime layer; K: one of store.RUNTIME_KINDS;
+                                                      with expires_in, taken back then (an event)
   {"op": "remove", "session": S, "kind": K, "rule": R}
   {"op": "events", "last": N, "session": S?, "verdict": V?}
   {"op": "subscribe", "session": S?, "verdict": V?}
@@ -48,6 +50,7 @@ from appliance.policy import ConfigError, RuleError
 from . import audit, secrets
 from .config import SessionError
 from .proxy.credentials import Credentials
+from .store import MAX_GRANT
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +257,22 @@ class ControlServer:
     async def _add(self, request: dict) -> dict:
         session, kind, text = (_field(request, "session"), _field(request, "kind"),
                                _field(request, "rule"))
+        seconds = _field(request, "expires_in", (int, float), required=False)
+        until = None
+        if seconds is not None:
+            if not 0 < seconds <= MAX_GRANT:
+                raise ControlError(f"'expires_in' must be more than 0 and at most "
+                                   f"{MAX_GRANT:.0f} seconds, got {seconds}")
+            until = time.time() + seconds
         store = self.service.store
-        change = await self.service.change(lambda: store.plan_add(session, kind, text))
+        change = await self.service.change(lambda: store.plan_add(session, kind, text, until))
         rule, added = change.result
-        log.info("control: %s %s rule %s in session %s", "added" if added else "kept", kind,
-                 rule.text, session)
-        return {"ok": True, "rule": rule.to_json(), "added": added}
+        ends = store.until(session, rule)
+        log.info("control: %s %s rule %s in session %s%s", "added" if added else "kept", kind,
+                 rule.text, session, f" until {ends:.0f}" if ends else "")
+        if added:
+            self.service.rule_event(session, rule, "granted" if ends else "added", ends)
+        return {"ok": True, "rule": rule.to_json(), "added": added, "expires": ends}
 
     @handles("remove")
     async def _remove(self, request: dict) -> dict:
@@ -268,6 +281,7 @@ class ControlServer:
         store = self.service.store
         rule = (await self.service.change(lambda: store.plan_remove(session, kind, text))).result
         log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
+        self.service.rule_event(session, rule, "revoked")
         return {"ok": True, "rule": rule.to_json()}
 
     @handles("events")

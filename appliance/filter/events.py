@@ -1,8 +1,10 @@
 """The event bus: every decision goes to live subscribers, the recent ring and the audit log.
 
 An event is a flat dict (it is JSON on the control socket and in the audit log):
-  ts, id, session, client, kind (dns|http|connect|tls), name, port, address,
+  ts, id, session, client, kind (dns|http|connect|tls|...), name, port, address,
   verdict (allow|deny|error), reason, rule, layer, up, down, duration, closed.
+A change to a session's runtime rules is kind `rule`, verdict `change`, with `action`
+(added|granted|revoked|expired), `rule_kind` and `expires`.
 A tunnel or proxied request produces its decision event at once (so `monitor` is live) and
 a second event with `closed: true` and the byte counts when it ends; both share `id`.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -154,6 +155,9 @@ class Service:
         self._revoking: asyncio.Task | None = None
         self._revoke_again = False
         self._start_cuts: list[Cut] = []
+        self._grants: asyncio.Task | None = None
+        """Takes back runtime rules granted for a while (`_end_grants`)."""
+        self._ending: asyncio.Event | None = None
         self.store.on_change(self._policy_changed)
 
     def audit_head(self) -> dict | None:
@@ -264,9 +268,54 @@ class Service:
             control = await ControlServer(self).start(self.config.control_socket,
                                                       self.config.control_group)
             self._servers.append(control)
+            self._ending = asyncio.Event()
+            self.store.on_change(self._ending.set)
+            self._grants = loop.create_task(self._end_grants(), name="corral-grants")
         except BaseException:
             await self.stop()
             raise
+
+    def rule_event(self, session: str, rule, action: str, until: float | None = None) -> None:
+        """A runtime rule added, granted for a while, revoked or expired: an event (and an
+        audit record) of kind `rule`, verdict `change`."""
+        text = f"{rule.kind} {rule.text}"
+        if until is not None:
+            text += " until " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(until))
+        self.bus.emit({"session": session, "client": None, "kind": "rule",
+                       "name": rule.host or None, "port": None, "address": None,
+                       "verdict": "change", "action": action, "rule": rule.text,
+                       "rule_kind": rule.kind, "layer": rule.layer, "expires": until,
+                       "reason": f"{action}: {text} (session runtime layer)"})
+
+    async def _end_grants(self) -> None:
+        """Take back each runtime rule granted for a while when its time comes (wall-clock:
+        the ends are kept on disk, and one already past at start is taken back at once).
+        Woken by every change; never sleeps more than a minute (the clock may be set)."""
+        while True:
+            self._ending.clear()
+            end = self.store.next_end()
+            if end is not None and end <= time.time():
+                try:
+                    change = await self.change(lambda: self.store.plan_expire(time.time()))
+                except Exception as exc:  # a disk or nftables error: the rule stays, say so
+                    log.error("grants: could not take back rules whose time came: %s", exc)
+                    self.bus.emit({"session": None, "client": None, "kind": "rule",
+                                   "name": None, "verdict": "error", "rule": None,
+                                   "layer": None, "reason": "runtime rules whose time came "
+                                   f"could not be taken back (trying again): {exc}"})
+                    await asyncio.sleep(REVOKE_RETRY)
+                    continue
+                for session, rule in change.result:
+                    log.info("grants: %s rule %s of session %s expired", rule.kind, rule.text,
+                             session)
+                    self.rule_event(session, rule, "expired")
+                continue
+            wait = 60.0 if end is None else min(60.0, max(0.0, end - time.time()))
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes
+            # as the event is set (a change, then stop at once): the filter would not stop
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._ending.wait()
 
     def _retired(self, names: list[str], kept: int | None) -> None:
         """Retention removed segments: a record says which, and where the log now starts
@@ -504,6 +553,11 @@ class Service:
         log.info("policy reloaded: %d sessions", len(self.store.sessions))
 
     async def stop(self) -> None:
+        if self._grants is not None:
+            self._grants.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._grants
+            self._grants = None
         if self._nflog is not None:
             asyncio.get_running_loop().remove_reader(self._nflog.fileno())
             self._nflog.close()

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny", "inspect", "request")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
 opening blocked ranges or host services is a change to a file a person reviews."""
+MAX_GRANT = 366 * 86400.0
+"""The longest a runtime rule may be granted for, in seconds (longer: grant it for good)."""
 CLIENTS_MAX = 65536
 """Client addresses remembered by `lookup` (parsing one is a third of a cached DNS answer)."""
 _UNKNOWN = object()
@@ -71,6 +73,9 @@ class Session:
     project: tuple[Rule, ...]
     runtime: tuple[Rule, ...]
     policy: Policy
+    expires: dict[tuple, float] = field(default_factory=dict)
+    """Runtime rules granted for a while (`rule.key()` -> when it ends, wall-clock seconds,
+    kept on disk with the rule): the filter takes each back when its time comes."""
 
 
 @dataclass
@@ -188,8 +193,9 @@ class PolicyStore:
 
     def _build(self, s: SessionConfig, base: tuple[Rule, ...]) -> Session:
         project = tuple(rule for path in s.files for rule in read_policy_file(path, "project"))
-        runtime = tuple(self._load_runtime(s.name))
-        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime, base))
+        runtime, expires = self._load_runtime(s.name)
+        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime, base),
+                       expires)
 
     def register(self, name: str, subnet: str, gateway: str | None = None,
                  files: list[str] | tuple[str, ...] = ()) -> tuple[SessionConfig, bool]:
@@ -283,11 +289,15 @@ class PolicyStore:
             known = ", ".join(sorted(self.sessions)) or "none"
             raise KeyError(f"no session {name!r}; sessions: {known}") from None
 
-    def add(self, name: str, kind: str, text: str) -> tuple[Rule, bool]:
-        """Add a rule to a session's runtime layer. Returns the rule and whether it is new."""
-        return self._now(self.plan_add(name, kind, text)).result
+    def add(self, name: str, kind: str, text: str, until: float | None = None
+            ) -> tuple[Rule, bool]:
+        """Add a rule to a session's runtime layer, for good or `until` a wall-clock time.
+        Returns the rule and whether the layer changed."""
+        return self._now(self.plan_add(name, kind, text, until)).result
 
-    def plan_add(self, name: str, kind: str, text: str) -> Change:
+    def plan_add(self, name: str, kind: str, text: str, until: float | None = None) -> Change:
+        """A rule already there for good stays so; one granted for a while gets the later
+        end, or none when this one is for good."""
         session = self.session(name)
         if kind not in RUNTIME_KINDS:
             raise RuleError(f"kind {kind!r} cannot be added at run time; expected one of "
@@ -298,9 +308,45 @@ class PolicyStore:
                             "corral.toml, not at run time")
         if rule.request is not None and not rule.request.deny and rule.request.text != "nothing":
             _only_adds(session.policy, rule)  # `HOST nothing` restricts on purpose
-        if any(r.key() == rule.key() for r in session.runtime):
-            return self._change(result=(rule, False), changed=False)
-        return self._replace(session, (*session.runtime, rule), (rule, True))
+        key = rule.key()
+        if any(r.key() == key for r in session.runtime):
+            ends = session.expires.get(key)
+            if ends is None or (until is not None and until <= ends):
+                return self._change(result=(rule, False), changed=False)
+            expires = {k: v for k, v in session.expires.items() if k != key}
+            if until is not None:
+                expires[key] = until
+            return self._replace(session, session.runtime, (rule, True), expires)
+        expires = {**session.expires, key: until} if until is not None else session.expires
+        return self._replace(session, (*session.runtime, rule), (rule, True), expires)
+
+    def until(self, name: str, rule: Rule) -> float | None:
+        """When a session's runtime rule ends (None: it is there for good, or not there)."""
+        return self.session(name).expires.get(rule.key())
+
+    def next_end(self) -> float | None:
+        """The earliest end of a rule granted for a while, in any session."""
+        return min((t for s in self.sessions.values() for t in s.expires.values()),
+                   default=None)
+
+    def plan_expire(self, now: float) -> Change:
+        """Take back every runtime rule whose time has come. The result: (session, rule)
+        for each one taken back."""
+        sessions, files, ended = dict(self.sessions), [], []
+        for name, session in self.sessions.items():
+            due = {k for k, t in session.expires.items() if t <= now}
+            if not due:
+                continue
+            runtime = tuple(r for r in session.runtime if r.key() not in due)
+            ended += [(name, r) for r in session.runtime if r.key() in due]
+            expires = {k: t for k, t in session.expires.items() if k not in due}
+            sessions[name] = dataclasses.replace(
+                session, runtime=runtime, expires=expires,
+                policy=self._compile(session.project, runtime))
+            files.append((self._runtime_path(name), _runtime_bytes(name, runtime, expires)))
+        if not ended:
+            return self._change(result=[], changed=False)
+        return self._change(sessions=sessions, files=tuple(files), result=ended)
 
     def remove(self, name: str, kind: str, text: str) -> Rule:
         """Remove a runtime rule, named by kind and text as `rules` shows it."""
@@ -312,7 +358,8 @@ class PolicyStore:
         for rule in session.runtime:
             if rule.key() == wanted:
                 return self._replace(
-                    session, tuple(r for r in session.runtime if r is not rule), rule)
+                    session, tuple(r for r in session.runtime if r is not rule), rule,
+                    {k: v for k, v in session.expires.items() if k != wanted})
         others = [r for r in session.policy.rules if r.key() == wanted]
         if others:
             r = others[0]
@@ -320,40 +367,61 @@ class PolicyStore:
                               "only session rules can be revoked at run time")
         raise LookupError(f"session {name} has no runtime {kind} rule {text}")
 
-    def _replace(self, session: Session, runtime: tuple[Rule, ...], result) -> Change:
-        replaced = dataclasses.replace(session, runtime=runtime,
+    def _replace(self, session: Session, runtime: tuple[Rule, ...], result,
+                 expires: dict[tuple, float]) -> Change:
+        replaced = dataclasses.replace(session, runtime=runtime, expires=expires,
                                        policy=self._compile(session.project, runtime))
         return self._change(sessions={**self.sessions, session.name: replaced}, result=result,
                             files=((self._runtime_path(session.name),
-                                    _runtime_bytes(session.name, runtime)),))
+                                    _runtime_bytes(session.name, runtime, expires)),))
 
     def _runtime_path(self, name: str) -> Path:
         return self.runtime_dir / f"{name}.json"
 
-    def _load_runtime(self, name: str) -> list[Rule]:
+    def _load_runtime(self, name: str) -> tuple[tuple[Rule, ...], dict[tuple, float]]:
+        """A session's runtime rules from disk, and when those granted for a while end (an
+        end already past is kept: the filter takes the rule back, with an event, at once)."""
         path = self._runtime_path(name)
         try:
             document = json.loads(path.read_text("utf-8"))
         except FileNotFoundError:
-            return []
+            return (), {}
         except (OSError, ValueError) as exc:
             raise ConfigError(str(path), "", f"runtime rules unreadable: {exc}") from None
-        rules = []
+        rules, expires = [], {}
         items = document.get("rules") if isinstance(document, dict) else None
         if not isinstance(items, list):
             raise ConfigError(str(path), "rules", "missing or not a list")
         for index, item in enumerate(items):
             try:
-                rules.append(Rule.parse(item["kind"], item["rule"], "session", "api"))
+                rule = Rule.parse(item["kind"], item["rule"], "session", "api")
             except (KeyError, TypeError):
                 raise ConfigError(str(path), f"rules[{index}]", "needs kind and rule") from None
             except RuleError as exc:
                 raise ConfigError(str(path), f"rules[{index}]", str(exc)) from None
-        return rules
+            ends = item.get("expires")
+            if ends is not None:
+                if not isinstance(ends, (int, float)) or isinstance(ends, bool):
+                    raise ConfigError(str(path), f"rules[{index}].expires",
+                                      "must be a time in seconds since the epoch")
+                expires[rule.key()] = float(ends)
+            rules.append(rule)
+        return tuple(rules), expires
 
     def effective(self, name: str | None) -> list[dict]:
-        policy = self.outside if name is None else self.session(name).policy
-        return policy.to_json()
+        """Every rule in force, with its layer and source; a runtime rule granted for a
+        while says when it ends (`expires`, seconds since the epoch)."""
+        if name is None:
+            return self.outside.to_json()
+        session = self.session(name)
+        rules = session.policy.to_json()
+        if session.expires:
+            ends = {(r.kind, r.text): session.expires[r.key()] for r in session.runtime
+                    if r.key() in session.expires}
+            for rule in rules:
+                if rule.get("layer") == "session" and (rule["kind"], rule["rule"]) in ends:
+                    rule["expires"] = ends[(rule["kind"], rule["rule"])]
+        return rules
 
 
 def _registered_bytes(registered: tuple[SessionConfig, ...]) -> bytes:
@@ -378,7 +446,8 @@ def _only_adds(policy, rule: Rule) -> None:
                         "refuses is allowed by removing that deny where it is written")
 
 
-def _runtime_bytes(name: str, runtime: tuple[Rule, ...]) -> bytes:
-    document = {"version": 1, "session": name,
-                "rules": [{"kind": r.kind, "rule": r.text} for r in runtime]}
+def _runtime_bytes(name: str, runtime: tuple[Rule, ...], expires: dict[tuple, float]) -> bytes:
+    document = {"version": 1, "session": name, "rules": [
+        {"kind": r.kind, "rule": r.text, **({"expires": expires[r.key()]}
+                                            if r.key() in expires else {})} for r in runtime]}
     return json.dumps(document, indent=1).encode() + b"\n"

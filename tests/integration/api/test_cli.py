@@ -73,6 +73,21 @@ def test_a_rule_added_with_the_cli_changes_the_filters_decisions(home, corral_fi
     assert connect_status(corral_filter.proxy_port, "cli-added.test:443") == 403
 
 
+def test_a_rule_granted_for_a_while_shows_its_end_and_goes_by_itself(home, corral_filter):
+    added = corral(home, "allow-http", "for-a-while.test", "--session", "s1", "--for", "2s")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.startswith("added http for-a-while.test (session s1, until ")
+    assert connect_status(corral_filter.proxy_port, "for-a-while.test:443") != 403
+    table = corral(home, "rules", "--session", "s1").stdout
+    (line,) = [x for x in table.splitlines() if "for-a-while.test" in x]
+    assert "UNTIL" in table and line.rstrip().endswith(added.stdout.split("until ")[1][:8])
+    corral_filter.wait_event(lambda e: e.get("action") == "expired"
+                             and e.get("rule") == "for-a-while.test", timeout=10)
+    assert connect_status(corral_filter.proxy_port, "for-a-while.test:443") == 403
+    wrong = corral(home, "allow-http", "x.test", "--session", "s1", "--for", "soon")
+    assert wrong.returncode == 2 and "90s, 10m, 1h30m or 2d" in wrong.stderr
+
+
 def test_allow_dns_tcp_and_deny(home):
     for command, rule in (("allow-dns", "*.docs.test"), ("allow-tcp", "git.test:22"),
                           ("deny", "bad.docs.test")):

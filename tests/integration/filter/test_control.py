@@ -15,7 +15,7 @@ import pytest
 from dnslib import RCODE
 
 from appliance.filter import audit
-from tests.integration.conftest import FilterProcess, connect, recv_all
+from tests.integration.conftest import ORIGIN, FilterProcess, connect, recv_all
 from tests.integration.filter.test_dns import addresses, ask
 
 
@@ -57,7 +57,7 @@ def test_rule_added_at_runtime_takes_effect_and_survives_restart(fresh_filter, i
     assert connect_status(f.proxy_port, "other.test:443") == 403
 
     answer = f.control({"op": "add", "session": "s1", "kind": "http", "rule": "Other.Test"})
-    assert answer == {"ok": True, "added": True, "rule": {
+    assert answer == {"ok": True, "added": True, "expires": None, "rule": {
         "kind": "http", "rule": "other.test", "layer": "session", "source": "api"}}
     assert addresses(ask(f.dns_port, "other.test")) == ["127.31.0.2"]
     assert connect_status(f.proxy_port, "other.test:443") == 200
@@ -381,6 +381,62 @@ def test_concurrent_adds_all_land(fresh_filter):
     assert runtime_rules() == set(names)
     f.restart()
     assert runtime_rules() == set(names)  # every one written, none overwritten by another
+
+
+# -- rules granted for a while ---------------------------------------------------------------
+
+
+def test_a_rule_granted_for_a_second_is_taken_back_with_an_event_and_dns_denies_again(
+        fresh_filter, internet):
+    f = fresh_filter
+    internet.dns.zone["granted.test"] = [("A", ORIGIN, 300)]
+    answer = f.control({"op": "add", "session": "s1", "kind": "dns", "rule": "granted.test",
+                        "expires_in": 1})
+    assert answer["added"] and answer["expires"] > time.time()
+    granted = f.wait_event(lambda e: e.get("kind") == "rule" and e.get("action") == "granted")
+    assert granted["session"] == "s1" and granted["rule"] == "granted.test"
+    assert "until" in granted["reason"] and granted["verdict"] == "change"
+    assert addresses(ask(f.dns_port, "granted.test")) == [ORIGIN]
+    expired = f.wait_event(lambda e: e.get("action") == "expired", timeout=10)
+    assert expired["session"] == "s1" and expired["rule"] == "granted.test"
+    assert expired["rule_kind"] == "dns" and expired["layer"] == "session"
+    rules = f.control({"op": "policy", "session": "s1"})["rules"]
+    assert "granted.test" not in [r["rule"] for r in rules]
+    assert ask(f.dns_port, "granted.test").header.rcode == RCODE.NXDOMAIN
+    deadline = time.monotonic() + 5  # the audit log commits in groups
+    while True:
+        records = f.control({"op": "audit", "limit": 1000})["records"]
+        actions = [r["action"] for r in records if r["kind"] == "rule"]
+        if actions == ["granted", "expired"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert actions == ["granted", "expired"]
+
+
+def test_a_grant_survives_a_restart_and_one_that_ended_meanwhile_is_taken_back_at_start(
+        fresh_filter):
+    f = fresh_filter
+    f.control({"op": "add", "session": "s1", "kind": "http", "rule": "long.test",
+               "expires_in": 3600})
+    f.control({"op": "add", "session": "s1", "kind": "http", "rule": "short.test",
+               "expires_in": 0.5})
+    f.stop()
+    time.sleep(1)  # short.test's end passes while the filter is down
+    f.start()
+    rules = {r["rule"]: r for r in f.control({"op": "policy", "session": "s1"})["rules"]}
+    assert rules["long.test"]["expires"] > time.time() + 3000
+    f.wait_event(lambda e: e.get("action") == "expired" and e["rule"] == "short.test")
+    rules = {r["rule"] for r in f.control({"op": "policy", "session": "s1"})["rules"]}
+    assert "short.test" not in rules and "long.test" in rules
+
+
+@pytest.mark.parametrize("seconds", [0, -5, 10**9, "soon", True])
+def test_a_grant_for_no_time_or_too_long_is_refused_naming_the_field(fresh_filter, seconds):
+    answer = fresh_filter.control({"op": "add", "session": "s1", "kind": "http",
+                                   "rule": "x.test", "expires_in": seconds})
+    assert answer["ok"] is False and "expires_in" in answer["error"]
+    rules = fresh_filter.control({"op": "policy", "session": "s1"})["rules"]
+    assert "x.test" not in [r["rule"] for r in rules]
 
 
 # -- the audit log in segments, through the real filter --------------------------------------

@@ -6,6 +6,8 @@ import ast
 import json
 from pathlib import Path
 
+import pytest
+
 from cli import exitcodes
 from cli.main import main
 
@@ -101,3 +103,21 @@ def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_l
         "1/1 probes passed in s1")
     assert selftest_summary({"probes": [probe("passed")], "summary": None}, "s1").endswith(
         "; the battery did not finish")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("90s", 90), ("10m", 600), ("1h30m", 5400), ("2d", 172800), ("1d2h3m4s", 93784)])
+def test_for_takes_a_duration(text, seconds):
+    from cli.control import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "10", "10x", "m", "0s", "1m1h", "-5m"])
+def test_for_refuses_what_is_not_a_duration_with_the_fix(text):
+    from cli.client import CliError
+    from cli.control import parse_duration
+
+    with pytest.raises(CliError) as refused:
+        parse_duration(text)
+    assert refused.value.code == 2 and "--for" in str(refused.value)

@@ -274,3 +274,51 @@ def test_hosts_are_inspected_and_requests_ruled_at_run_time_and_that_survives(co
     assert not again.sessions["s1"].policy.inspection(api).decide("GET", "/y").allowed
     again.remove("s1", "request", "!api.project.test DELETE /**")
     assert "!api.project.test DELETE /**" not in runtime_rules(again)
+
+
+# -- rules granted for a while -----------------------------------------------------------------
+
+
+def test_a_rule_granted_for_a_while_ends_on_disk_and_is_taken_back_when_due(config):
+    store = PolicyStore(config)
+    rule, added = store.add("s1", "http", "grant.test", until=1000.0)
+    assert added and store.until("s1", rule) == 1000.0 and store.next_end() == 1000.0
+    assert json.loads((store.runtime_dir / "s1.json").read_text())["rules"] == [
+        {"kind": "http", "rule": "grant.test", "expires": 1000.0}]
+    (shown,) = [r for r in store.effective("s1") if r["rule"] == "grant.test"]
+    assert shown["layer"] == "session" and shown["expires"] == 1000.0
+    assert store.sessions["s1"].policy.decide_http(parse_host("grant.test"), 443).allowed
+
+    again = PolicyStore(config)  # a restart: the end comes back from the disk
+    assert again.until("s1", rule) == 1000.0
+    assert again.plan_expire(999.0).changed is False
+    change = again.plan_expire(1000.0)
+    assert [(s, r.text) for s, r in change.result] == [("s1", "grant.test")]
+    again._now(change)
+    assert runtime_rules(again) == [] and again.next_end() is None
+    assert not again.sessions["s1"].policy.decide_http(parse_host("grant.test"), 443).allowed
+    assert json.loads((again.runtime_dir / "s1.json").read_text())["rules"] == []
+
+
+def test_granting_again_keeps_the_later_end_and_a_rule_for_good_stays_for_good(config):
+    store = PolicyStore(config)
+    rule, _ = store.add("s1", "http", "grant.test", until=1000.0)
+    assert store.add("s1", "http", "grant.test", until=500.0)[1] is False  # earlier: kept
+    assert store.until("s1", rule) == 1000.0
+    assert store.add("s1", "http", "grant.test", until=2000.0)[1] is True  # later: extended
+    assert store.until("s1", rule) == 2000.0
+    assert store.add("s1", "http", "grant.test")[1] is True  # for good now
+    assert store.until("s1", rule) is None and store.next_end() is None
+    assert store.add("s1", "http", "grant.test", until=3000.0)[1] is False  # stays for good
+    store.add("s1", "dns", "other.test", until=10.0)
+    store.remove("s1", "dns", "other.test")  # revoked: its end goes with it
+    assert store.next_end() is None
+
+
+def test_a_bad_end_on_disk_is_an_error_naming_the_rule(config):
+    store = PolicyStore(config)
+    store.add("s1", "http", "grant.test", until=1000.0)
+    path = store.runtime_dir / "s1.json"
+    path.write_text(path.read_text().replace("1000.0", '"soon"'))
+    with pytest.raises(ConfigError, match=r"rules\[0\]\.expires"):
+        PolicyStore(config)
