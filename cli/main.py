@@ -95,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
     def granted(command):
         command.add_argument("--for", dest="duration", metavar="DURATION",
                              help="only for this long (90s, 10m, 1h30m, 2d): the appliance "
-                             "takes the rule back then, with an event")
+                             "takes the rule back then, with an event (a deny or inspect "
+                             "rule that ends loosens the policy)")
 
     examples = {"allow-http": "HOST[:PORT]   e.g. api.example.com, *.example.org:8443",
                 "allow-dns": "NAME          e.g. example.com, *.example.org",
@@ -196,8 +197,8 @@ def parser() -> argparse.ArgumentParser:
                          ("v6-target", "an IPv6 address outside"),
                          ("private-name", "an allowed name that resolves to a private address"),
                          ("tcp-name", "NAME:PORT allowed by a tcp rule (expects a banner)"),
-                         ("inspected", "a host the policy allows and inspects, GET / "
-                          "allowed there"),
+                         ("inspected", "a host the policy allows and inspects, its body "
+                          "scan on, no request rule refusing GET or POST /selftest"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

@@ -271,7 +271,7 @@ class ControlServer:
         log.info("control: %s %s rule %s in session %s%s", "added" if added else "kept", kind,
                  rule.text, session, f" until {ends:.0f}" if ends else "")
         if added:
-            self.service.rule_event(session, rule, "granted" if ends else "added", ends)
+            self.service.rule_event(session, rule, "added", ends)
         return {"ok": True, "rule": rule.to_json(), "added": added, "expires": ends}
 
     @handles("remove")

@@ -1,16 +1,18 @@
 """The DNS filter: answers every query, forwards only names the client's policy allows.
 
 Denied -> NXDOMAIN, and the name never leaves the appliance (no exfiltration through
-queries). Upstream broken -> SERVFAIL (never NXDOMAIN: that would be cached as "does not
-exist"). Addresses in blocked ranges are removed from answers (rebinding) unless a cidr
-rule covers them. Malformed -> FORMERR, unsupported -> NOTIMP/REFUSED; a packet too short to
-carry an ID, or one that is itself a response, is dropped. `answer()` never raises: every
-failure becomes an rcode.
+queries); past the session's limit on denied names, REFUSED. Upstream broken -> SERVFAIL
+(never NXDOMAIN: that would be cached as "does not exist"). Addresses in blocked ranges are
+removed from answers (rebinding) unless a cidr rule covers them. Malformed -> FORMERR,
+unsupported -> NOTIMP/REFUSED; a packet too short to carry an ID, or one that is itself a
+response, is dropped. `answer()` never raises: every failure becomes an rcode.
 
 Client bytes are read only by `dnswire.parse_query` (bounded: no packet can hold the loop);
 dnslib only builds replies. Each session is held to its share (`dnsguard`): a query rate
-(over it: REFUSED at once), queries waiting for an upstream, DNS-over-TCP connections, its
-share of the caches, and for names a wildcard allows, the exfiltration limits (NXDOMAIN).
+(over it: REFUSED at once), names it may not have (a bucket of their own, which names that
+are no host names and types no policy answers also take from), queries waiting for an
+upstream, DNS-over-TCP connections, its share of the caches, and for names a wildcard
+allows, the exfiltration limits (NXDOMAIN).
 """
 
 from __future__ import annotations
@@ -136,31 +138,40 @@ class DnsFilter:
         """The reply to a query the policy answers by itself (a denied name, a type answered
         empty), built here without a task or dnslib: a flood of random denied names (the
         exfiltration pattern) costs the loop a few microseconds a query. None for the rest,
-        which `_answer` handles: a refused type or class, a name that is not a host name,
-        host.corral, and what the policy allows."""
-        if query.qclass != 1 or query.qtype in REFUSED_TYPES:
-            return None
-        if query.name is None:
-            return None
+        which `_answer` handles: a refused type or class, a name that is not a host name
+        (both taken from the denied-names limit first), host.corral, and what the policy
+        allows."""
+        now = time.monotonic()
+        if query.qclass != 1 or query.qtype in REFUSED_TYPES or query.name is None:
+            return self._over_denied(query, session, client, now)
         try:
             host = parse_host(query.name)
-        except HostNameError:
-            return None
+        except HostNameError:  # never answered: as a denied name (`-x.flood.example`)
+            return self._over_denied(query, session, client, now)
         if host.name is None or host.name == HOST_NAME:
             return None
         decision = policy.decide_dns(host)
         if decision.allowed and query.qtype not in EMPTY_TYPES:
             return None
-        now = time.monotonic()
-        if not decision.allowed and not self.limits.admit_denied(session, now):
-            self._refused(session, client, "denied", now)
-            return refusal(query, RCODE.REFUSED)  # not cached: the name stays denied
+        if not decision.allowed:
+            over = self._over_denied(query, session, client, now)
+            if over is not None:
+                return over
         event = self._event(decision, session, client, host.name, QTYPE.get(query.qtype))
         wire = refusal(query, RCODE.NOERROR if decision.allowed else RCODE.NXDOMAIN)
         if query.edns is not None:  # one OPT record, as _pack adds: ARCOUNT 1
             wire = wire[:10] + b"\x00\x01" + wire[12:] + OPT_RECORD
         self.wire.put(key, session, wire, now + POLICY_ONLY_SECONDS, event)
         return wire
+
+    def _over_denied(self, query: Query, session: str | None, client: str, now: float
+                     ) -> bytes | None:
+        """REFUSED when the session is past its limit on denied names (the answer to a
+        name, type or class no policy answers counts as one), else None: answer it."""
+        if self.limits.admit_denied(session, now):
+            return None
+        self._refused(session, client, "denied", now)
+        return refusal(query, RCODE.REFUSED)  # not cached: the name stays denied
 
     @staticmethod
     def _refusal(data: bytes) -> bytes:

@@ -4,7 +4,7 @@ An event is a flat dict (it is JSON on the control socket and in the audit log):
   ts, id, session, client, kind (dns|http|connect|tls|...), name, port, address,
   verdict (allow|deny|error), reason, rule, layer, up, down, duration, closed.
 A change to a session's runtime rules is kind `rule`, verdict `change`, with `action`
-(added|granted|revoked|expired), `rule_kind` and `expires`.
+(added|revoked|expired), `rule_kind` and `expires` (when one added for a while ends).
 A tunnel or proxied request produces its decision event at once (so `monitor` is live) and
 a second event with `closed: true` and the byte counts when it ends; both share `id`.
 
@@ -95,8 +95,12 @@ class EventBus:
         second (a burst of `audit_burst`), a session's events reach subscribers but the log
         gets one summary record a second saying how many it did not get. A session that
         floods denials cannot push every other session's history out of the log's
-        retention, nor its own earlier records."""
+        retention, nor its own earlier records. A change to the rules (kind `rule`) is the
+        operator's, not the session's: always recorded, never charged to its budget."""
         session = event.get("session")
+        if event.get("kind") == "rule":
+            self.audit.append(event)
+            return
         now = time.monotonic()
         bucket = self._buckets.get(session)
         if bucket is None:

@@ -276,8 +276,9 @@ class Service:
             raise
 
     def rule_event(self, session: str, rule, action: str, until: float | None = None) -> None:
-        """A runtime rule added, granted for a while, revoked or expired: an event (and an
-        audit record) of kind `rule`, verdict `change`."""
+        """A runtime rule added (for good, or `until` a time), revoked or expired: an event
+        (and an audit record, never charged to the session's budget) of kind `rule`, verdict
+        `change`."""
         text = f"{rule.kind} {rule.text}"
         if until is not None:
             text += " until " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(until))
@@ -292,30 +293,42 @@ class Service:
         the ends are kept on disk, and one already past at start is taken back at once).
         Woken by every change; never sleeps more than a minute (the clock may be set)."""
         while True:
-            self._ending.clear()
-            end = self.store.next_end()
-            if end is not None and end <= time.time():
-                try:
-                    change = await self.change(lambda: self.store.plan_expire(time.time()))
-                except Exception as exc:  # a disk or nftables error: the rule stays, say so
-                    log.error("grants: could not take back rules whose time came: %s", exc)
-                    self.bus.emit({"session": None, "client": None, "kind": "rule",
-                                   "name": None, "verdict": "error", "rule": None,
-                                   "layer": None, "reason": "runtime rules whose time came "
-                                   f"could not be taken back (trying again): {exc}"})
-                    await asyncio.sleep(REVOKE_RETRY)
-                    continue
-                for session, rule in change.result:
-                    log.info("grants: %s rule %s of session %s expired", rule.kind, rule.text,
-                             session)
-                    self.rule_event(session, rule, "expired")
-                continue
-            wait = 60.0 if end is None else min(60.0, max(0.0, end - time.time()))
-            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes
-            # as the event is set (a change, then stop at once): the filter would not stop
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._ending.wait()
+            try:
+                await self._end_due_grants()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not leave every later grant in force
+                log.exception("grants: taking back rules whose time came failed")
+                await asyncio.sleep(REVOKE_RETRY)
+
+    async def _end_due_grants(self) -> None:
+        """Take back what is due, then wait for the next end or a change."""
+        self._ending.clear()
+        end = self.store.next_end()
+        if end is not None and end <= time.time():
+            try:
+                change = await self.change(lambda: self.store.plan_expire(time.time()))
+            except Exception as exc:  # disk or nftables: the rule goes from memory anyway
+                change = self.store.plan_expire(time.time())
+                self.store.commit(change)  # fail closed: the filter no longer grants it
+                log.error("grants: rules whose time came are taken back in the filter, but "
+                          "not on disk or in the firewall: %s", exc)
+                self.bus.emit({"session": None, "client": None, "kind": "rule", "name": None,
+                               "verdict": "error", "rule": None, "layer": None,
+                               "reason": "runtime rules whose time came are taken back in the "
+                               "filter but could not be on disk or in the firewall (a "
+                               f"restart takes them back there): {exc}"})
+            for session, rule in change.result:
+                log.info("grants: %s rule %s of session %s expired", rule.kind, rule.text,
+                         session)
+                self.rule_event(session, rule, "expired")
+            return
+        wait = 60.0 if end is None else min(60.0, max(0.0, end - time.time()))
+        # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes as
+        # the event is set (a change, then stop at once): the filter would not stop
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._ending.wait()
 
     def _retired(self, names: list[str], kept: int | None) -> None:
         """Retention removed segments: a record says which, and where the log now starts

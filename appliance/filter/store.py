@@ -18,6 +18,8 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +196,9 @@ class PolicyStore:
     def _build(self, s: SessionConfig, base: tuple[Rule, ...]) -> Session:
         project = tuple(rule for path in s.files for rule in read_policy_file(path, "project"))
         runtime, expires = self._load_runtime(s.name)
-        return Session(s.name, s.subnet, project, runtime, self._compile(project, runtime, base),
+        now = time.time()  # a rule whose end passed while the filter was down is not in force
+        live = tuple(r for r in runtime if expires.get(r.key(), math.inf) > now)
+        return Session(s.name, s.subnet, project, runtime, self._compile(project, live, base),
                        expires)
 
     def register(self, name: str, subnet: str, gateway: str | None = None,
@@ -401,7 +405,8 @@ class PolicyStore:
                 raise ConfigError(str(path), f"rules[{index}]", str(exc)) from None
             ends = item.get("expires")
             if ends is not None:
-                if not isinstance(ends, (int, float)) or isinstance(ends, bool):
+                if not isinstance(ends, (int, float)) or isinstance(ends, bool) or \
+                        not math.isfinite(ends):
                     raise ConfigError(str(path), f"rules[{index}].expires",
                                       "must be a time in seconds since the epoch")
                 expires[rule.key()] = float(ends)

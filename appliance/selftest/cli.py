@@ -60,7 +60,8 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
     parser.add_argument("--private-name", help="an allowed name that resolves to a private address")
     parser.add_argument("--tcp-name", help="NAME:PORT allowed by a tcp rule; expects a banner")
     parser.add_argument("--inspected", help="a host the session's policy allows and inspects "
-                        "(an [[inspect]] or [[git]] table), where GET / is allowed")
+                        "(an [[inspect]] or [[git]] table), its body scan on, no request "
+                        "rule refusing GET or POST /selftest")
     parser.add_argument("--other-gateway", help="another session's gateway")
     parser.add_argument("--api-port", type=int, default=7443)
     parser.add_argument("--cafile", help="verify TLS on the allowed flows with this CA")

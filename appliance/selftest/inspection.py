@@ -1,8 +1,9 @@
 """On a host the session inspects (`--inspected`: named in an [[inspect]] or [[git]] table,
-or bound to a secret; `GET /` allowed there): what TLS termination must still refuse. A
-client that does not trust the corral CA fails, however often it tries, and the host is
-never tunnelled instead (T13); inside the TLS the filter ends, a request for another host
-is refused (T13) and so is a body carrying a token (T24). Each sends nothing to the origin.
+or bound to a secret; its body scan on, and no request rule refusing GET or POST
+/selftest): what TLS termination must still refuse. A client that does not trust the
+corral CA fails, however often it tries, and the host is never tunnelled instead (T13);
+inside the TLS the filter ends, a request for another host is refused (T13) and so is a
+body carrying a token (T24). Each sends nothing to the origin.
 """
 
 from __future__ import annotations

@@ -374,11 +374,17 @@ class Forward:
             return await refuse(f"a request to {host} (a [[git]] host) that servers read in "
                                 f"different ways: {exc}")
         method = head.start[0]
+        if method in git.WEBDAV:  # MOVE and COPY write where a header says, not the target
+            return await refuse(f"{method} on {host} (a [[git]] host): WebDAV, which git "
+                                "http-push uses to move refs unread; corral confines git's "
+                                "smart protocol (git push over HTTPS)")
         if call is None:
-            repo = None if method in ("GET", "HEAD", "POST") else git.bare_file(where.path)
+            repo = git.bare_file(where.path) if method in ("PUT", "DELETE") else None
             if repo is None:
                 return None, None
-            call = git.GitCall(repo, git.OTHER, False)  # a write to a repository's files
+            return await refuse(f"{method} on {where.path[:100]!r}: the files of a bare "
+                                f"repository ({repo[:100]!r}) on {host}, a [[git]] host, are "
+                                "written only by git push over the smart protocol")
         spec = access.repository(call.repo)
         if spec is None:
             return await refuse(

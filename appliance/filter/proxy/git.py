@@ -51,11 +51,15 @@ _OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
 _DUMB = re.compile(r"(?P<repo>/.+?)/(?:head|info/(?:packs|alternates|http-alternates|lfs/.*)"
                    r"|objects/(?:info/.*|pack/.*|[0-9a-f]{2}/[0-9a-f]{38,62}))")
 """The paths of git's dumb protocol and of LFS under a repository (lower-cased)."""
-_BARE = re.compile(r"(?P<repo>/.+?)/(?:head|refs(?:/.*)?|packed-refs|config|description"
-                   r"|info/.*|logs/.*|hooks/.*|objects/.*)")
-"""Files of a bare repository, which a WebDAV push (`git http-push`) writes: a server that
-serves them at `REPO/...` without `.git` would have refs moved unread. Only for writes: as
-reads they are also web pages of a forge (`/o/r/blob/main/config`)."""
+_BARE = re.compile(r"(?P<repo>/.+?)/(?:head|refs/.+|packed-refs|info/refs"
+                   r"|objects/(?:info/packs|[0-9a-f]{2}/.+))")
+"""The files of a bare repository a WebDAV push (`git http-push`) writes: a server that
+serves them at `REPO/...` without `.git` would have refs moved unread. Only for PUT and
+DELETE (other WebDAV methods are refused on a git host whatever the path): as reads they
+are also a forge's web pages and API (`/o/r/blob/main/refs/x`)."""
+WEBDAV = frozenset({"MOVE", "COPY", "LOCK", "UNLOCK", "MKCOL", "PROPFIND", "PROPPATCH"})
+"""Methods git's own protocols never send to a git host; `git http-push` does (MOVE and COPY
+name where to write in a header, `Destination`, not in the target)."""
 _FORBIDDEN_IN_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|/\.|\.lock(?:/|$)")
 COMMIT, TREE, BLOB, TAG, OFS_DELTA, REF_DELTA = 1, 2, 3, 4, 6, 7
 
@@ -109,8 +113,8 @@ def classify(target: str) -> GitCall | None:
 
 def bare_file(target: str) -> str | None:
     """The repository whose files an origin-form target names as a bare repository's
-    (refs, objects, config, ...; `classify` found no git call in it), else None. For a
-    write (a WebDAV method, PUT, DELETE), which is then never git's own."""
+    (refs, packed-refs, objects; `classify` found no git call in it), else None. Asked for
+    PUT and DELETE, which git's own protocols never send there."""
     try:
         path = read_target(target).path
     except Ambiguous:

@@ -393,9 +393,10 @@ def test_a_rule_granted_for_a_second_is_taken_back_with_an_event_and_dns_denies_
     answer = f.control({"op": "add", "session": "s1", "kind": "dns", "rule": "granted.test",
                         "expires_in": 1})
     assert answer["added"] and answer["expires"] > time.time()
-    granted = f.wait_event(lambda e: e.get("kind") == "rule" and e.get("action") == "granted")
+    granted = f.wait_event(lambda e: e.get("kind") == "rule" and e.get("action") == "added")
     assert granted["session"] == "s1" and granted["rule"] == "granted.test"
     assert "until" in granted["reason"] and granted["verdict"] == "change"
+    assert granted["expires"] == answer["expires"]
     assert addresses(ask(f.dns_port, "granted.test")) == [ORIGIN]
     expired = f.wait_event(lambda e: e.get("action") == "expired", timeout=10)
     assert expired["session"] == "s1" and expired["rule"] == "granted.test"
@@ -407,10 +408,10 @@ def test_a_rule_granted_for_a_second_is_taken_back_with_an_event_and_dns_denies_
     while True:
         records = f.control({"op": "audit", "limit": 1000})["records"]
         actions = [r["action"] for r in records if r["kind"] == "rule"]
-        if actions == ["granted", "expired"] or time.monotonic() > deadline:
+        if actions == ["added", "expired"] or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert actions == ["granted", "expired"]
+    assert actions == ["added", "expired"]
 
 
 def test_a_grant_survives_a_restart_and_one_that_ended_meanwhile_is_taken_back_at_start(

@@ -163,16 +163,22 @@ def test_git_paths_outside_the_smart_protocol_name_listed_repositories_and_only_
                              ("PUT", "/acme/widget.git/info/refs"),
                              ("DELETE", "/acme/widget/git-upload-pack"),
                              ("POST", "/acme/widget.git/objects/x?/info/lfs/objects/batch"),
-                             ("POST", "/acme/widget/info/refs?service=git-receive-pack"),
-                             # a bare repository's files without `.git` (git http-push)
-                             ("PUT", "/acme/widget/refs/heads/main"),
-                             ("DELETE", "/acme/widget/refs/heads/main"),
-                             ("LOCK", "/acme/widget/packed-refs")):
+                             ("POST", "/acme/widget/info/refs?service=git-receive-pack")):
             status, headers, _ = get(tls, f"git.test:{port}", path, method, body=b"x")
             assert status == 403 and "refuses other writes" in headers["x-corral-deny"], path
-        status, headers, _ = get(tls, f"git.test:{port}", "/other/secret/refs/heads/main",
-                                 "PUT", body=b"x")
-        assert status == 403 and "not listed" in headers["x-corral-deny"]
+        # a bare repository's files without `.git` (git http-push), listed or not
+        for method, path in (("PUT", "/acme/widget/refs/heads/main"),
+                             ("DELETE", "/acme/widget/refs/heads/main"),
+                             ("PUT", "/other/secret/packed-refs")):
+            status, headers, _ = get(tls, f"git.test:{port}", path, method, body=b"x")
+            assert status == 403 and "written only by git push" in headers["x-corral-deny"]
+        # WebDAV anywhere on the host: MOVE writes where its Destination header says
+        for method, path in (("MOVE", "/acme/widget/tmp"), ("LOCK", "/acme/widget/x"),
+                             ("PROPFIND", "/")):
+            status, headers, _ = get(tls, f"git.test:{port}", path, method, body=b"x",
+                                     extra="Destination: https://git.test/acme/widget/refs/"
+                                           "heads/main\r\n")
+            assert status == 403 and "WebDAV" in headers["x-corral-deny"], method
         status, headers, _ = get(tls, f"git.test:{port}", "/acme/widget.git%2Fgit-receive-pack",
                                  "POST", body=b"0000")
         assert status == 403 and "encoded slash" in headers["x-corral-deny"]

@@ -315,10 +315,25 @@ def test_granting_again_keeps_the_later_end_and_a_rule_for_good_stays_for_good(c
     assert store.next_end() is None
 
 
-def test_a_bad_end_on_disk_is_an_error_naming_the_rule(config):
+@pytest.mark.parametrize("bad", ['"soon"', "NaN", "Infinity", "true"])
+def test_a_bad_end_on_disk_is_an_error_naming_the_rule(config, bad):
     store = PolicyStore(config)
     store.add("s1", "http", "grant.test", until=1000.0)
     path = store.runtime_dir / "s1.json"
-    path.write_text(path.read_text().replace("1000.0", '"soon"'))
+    path.write_text(path.read_text().replace("1000.0", bad))
     with pytest.raises(ConfigError, match=r"rules\[0\]\.expires"):
         PolicyStore(config)
+
+
+def test_a_rule_whose_end_passed_while_the_filter_was_down_is_not_in_force_at_load(config):
+    import time
+
+    store = PolicyStore(config)
+    store.add("s1", "http", "past.test", until=time.time() - 1)
+    store.add("s1", "http", "future.test", until=time.time() + 3600)
+    again = PolicyStore(config)
+    policy = again.sessions["s1"].policy
+    assert not policy.decide_http(parse_host("past.test"), 443).allowed
+    assert policy.decide_http(parse_host("future.test"), 443).allowed
+    due = again.plan_expire(time.time()).result  # still to take back, with its event
+    assert [(session, rule.text) for session, rule in due] == [("s1", "past.test")]

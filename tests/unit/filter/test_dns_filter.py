@@ -172,6 +172,28 @@ files = ["{tmp_path}/s1.toml"]
     assert stats["rate_limited"] == 0
 
 
+def test_names_that_are_no_host_names_and_refused_types_take_from_the_denied_limit(tmp_path):
+    """A leading hyphen (`-n1.flood.example`) is no host name: never answered but NXDOMAIN,
+    and counted as a denied name, so a flood of them meets the same limit."""
+    config = parse_config(f"""
+[dns]
+listen = ["127.0.0.1:0"]
+upstream = ["127.0.0.1:9"]
+denied_rate = 0.01
+denied_burst = 3
+[state]
+dir = "{tmp_path}/state"
+""", "filter.toml")
+    dns = DnsFilter(PolicyStore(config), Resolver(config.dns.upstream, 0.05),
+                    EventBus(recent=1000), config=config.dns)
+    replies = [answer(dns, query(f"-n{i}.flood.example", i), S1) for i in range(3)]
+    assert RCODE.REFUSED not in [rcode(r) for r in replies]  # the burst: answered
+    over = dns.first(query("-n9.flood.example", 9), S1, udp=True)
+    assert rcode(over) == RCODE.REFUSED and dns.stats()["denied_limited"] == 1
+    assert rcode(dns.first(query("x.flood.example", 10, "ANY"), S1, udp=True)) == RCODE.REFUSED
+    assert dns.stats()["denied_limited"] == 2
+
+
 def test_a_session_has_a_bounded_number_of_queries_waiting_for_an_upstream(dns):
     waiting = [dns.first(query(f"n{i}.zone.example", i), S2, udp=True) for i in range(3)]
     assert all(isinstance(w, Pending) for w in waiting)

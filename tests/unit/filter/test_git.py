@@ -259,10 +259,13 @@ def test_the_files_of_a_bare_repository_name_it_for_writes_without_dot_git():
                          ("/acme/widget/packed-refs", "acme/widget"),
                          ("/other/secret/objects/ab/cdef", "other/secret"),
                          ("/other/secret/HEAD", "other/secret"),
-                         ("/a/b/config", "a/b")):
+                         ("/a/b/info/refs", "a/b")):
         assert git.bare_file(target) == repo, target
-    assert git.bare_file("/acme/widget/pulls") is None
-    assert git.bare_file("/acme") is None
+    # a forge's own API and pages are not a bare repository's files
+    for target in ("/acme/widget/pulls", "/acme", "/api/v4/projects/12/hooks/3",
+                   "/api/v1/repos/o/r/hooks/1", "/api/v3/repos/o/r/contents/config",
+                   "/acme/widget/refs"):
+        assert git.bare_file(target) is None, target
 
 
 def test_a_push_of_more_commits_than_corral_reads_is_refused(monkeypatch):
