@@ -137,14 +137,16 @@ def test_over_the_rate_a_session_is_refused_at_once_and_told_once_a_report(dns):
     assert stats["sessions"]["s1"]["rate_limited"] == 0
 
 
-def test_past_its_denied_names_limit_a_session_gets_refused_for_new_denied_names_only(tmp_path):
+def denied_limited(tmp_path, burst: int) -> DnsFilter:
+    """A filter whose session s1 (allowed: exact.example) may have `burst` denied names
+    answered, and next to none more."""
     (tmp_path / "s1.toml").write_text('[dns]\nallow = ["exact.example"]\n')
     config = parse_config(f"""
 [dns]
 listen = ["127.0.0.1:0"]
 upstream = ["127.0.0.1:9"]
 denied_rate = 0.01
-denied_burst = 5
+denied_burst = {burst}
 [state]
 dir = "{tmp_path}/state"
 [[session]]
@@ -152,8 +154,12 @@ name = "s1"
 subnet = "10.213.1.0/24"
 files = ["{tmp_path}/s1.toml"]
 """, "filter.toml")
-    dns = DnsFilter(PolicyStore(config), Resolver(config.dns.upstream, 0.05),
-                    EventBus(recent=1000), config=config.dns)
+    return DnsFilter(PolicyStore(config), Resolver(config.dns.upstream, 0.05),
+                     EventBus(recent=1000), config=config.dns)
+
+
+def test_past_its_denied_names_limit_a_session_gets_refused_for_new_denied_names_only(tmp_path):
+    dns = denied_limited(tmp_path, 5)
     replies = [dns.first(query(f"n{i}.flood.example", i), S1, udp=True) for i in range(8)]
     assert [rcode(r) for r in replies] == [RCODE.NXDOMAIN] * 5 + [RCODE.REFUSED] * 3
     assert [DNSRecord.parse(r).header.id for r in replies[5:]] == [5, 6, 7]  # echoed
@@ -175,17 +181,7 @@ files = ["{tmp_path}/s1.toml"]
 def test_names_that_are_no_host_names_and_refused_types_take_from_the_denied_limit(tmp_path):
     """A leading hyphen (`-n1.flood.example`) is no host name: never answered but NXDOMAIN,
     and counted as a denied name, so a flood of them meets the same limit."""
-    config = parse_config(f"""
-[dns]
-listen = ["127.0.0.1:0"]
-upstream = ["127.0.0.1:9"]
-denied_rate = 0.01
-denied_burst = 3
-[state]
-dir = "{tmp_path}/state"
-""", "filter.toml")
-    dns = DnsFilter(PolicyStore(config), Resolver(config.dns.upstream, 0.05),
-                    EventBus(recent=1000), config=config.dns)
+    dns = denied_limited(tmp_path, 3)
     replies = [answer(dns, query(f"-n{i}.flood.example", i), S1) for i in range(3)]
     assert RCODE.REFUSED not in [rcode(r) for r in replies]  # the burst: answered
     over = dns.first(query("-n9.flood.example", 9), S1, udp=True)
