@@ -266,6 +266,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--name", default="default", help="the appliance's name for --appliance")
     up.add_argument("--api-port", type=int, default=8443, metavar="PORT",
                     help="vm: the host's 127.0.0.1 port the API is forwarded to")
+    up.add_argument("--trust-ca", action="append", metavar="FILE",
+                    help="vm: a CA certificate (PEM) the appliance trusts besides Debian's "
+                    "store, for a network that ends TLS with its own CA (the filter verifies "
+                    "inspected hosts against it); repeatable, recorded for `corral provision`")
     up.add_argument("--state-dir", default=str(local.DEFAULT_STATE), metavar="DIR",
                     help="local: where config, state and logs live")
     up.add_argument("--upstream", action="append", metavar="IP:PORT",

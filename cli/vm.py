@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -109,6 +110,39 @@ def _quiet(argv: list[str]) -> str:
         return ""
 
 
+def recorded_trust(name: str) -> list[str]:
+    """The CA files `corral up --trust-ca` recorded for this appliance (appliance.toml)."""
+    settings = config_home() / "appliances" / name / "appliance.toml"
+    with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
+        found = tomllib.loads(settings.read_text()).get("trust_ca", [])
+        if isinstance(found, list):
+            return [str(f) for f in found]
+    return []
+
+
+def trusted_cas(files: list[str]) -> list[str]:
+    """--trust-ca's files, absolute, each checked to hold PEM certificates (the role copies
+    them into the appliance's store, where a wrong file would silently trust nothing)."""
+    from cryptography import x509
+
+    checked = []
+    for name in files:
+        path = Path(name).expanduser().absolute()
+        try:
+            certificates = x509.load_pem_x509_certificates(path.read_bytes())
+        except OSError as exc:
+            raise CliError(f"--trust-ca {name}: {exc.strerror}", "name a CA certificate file "
+                           "(PEM)", exitcodes.USAGE) from None
+        except ValueError:
+            raise CliError(f"--trust-ca {name}: no PEM certificate in it",
+                           "name a CA certificate file (PEM, -----BEGIN CERTIFICATE-----)",
+                           exitcodes.USAGE) from None
+        if not certificates:
+            raise CliError(f"--trust-ca {name}: no PEM certificate in it", "", exitcodes.USAGE)
+        checked.append(str(path))
+    return checked
+
+
 def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
     directory = config_home() / "appliances" / name
     env = {**os.environ,
@@ -120,7 +154,8 @@ def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
            "ANSIBLE_FORCE_COLOR": "0",
            "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
            "CORRAL_NAME": name,
-           "CORRAL_LIBVIRT_DRIVER": driver()[0]}
+           "CORRAL_LIBVIRT_DRIVER": driver()[0],
+           "CORRAL_EXTRA_CA_FILES": ":".join(recorded_trust(name))}
     if api_port is not None:
         env["CORRAL_API_PORT"] = str(api_port)
     return env
@@ -189,6 +224,8 @@ def _stop_group(process: subprocess.Popen, first: int = signal.SIGTERM,
 
 def up(args) -> int:
     started = time.monotonic()
+    # given again, or else what an earlier `corral up` recorded (a provision keeps using it)
+    trust = trusted_cas(args.trust_ca) if args.trust_ca else recorded_trust(args.name)
     missing = prerequisites()
     if missing:
         raise CliError("cannot bring up the VM:\n  " + "\n  ".join(missing),
@@ -207,7 +244,8 @@ def up(args) -> int:
     write_appliance(args.name, f"127.0.0.1:{args.api_port}", backend="vm",
                     podman=[*through, "env", "CONTAINERS_CONF=/etc/corral/containers.conf",
                             "podman"],
-                    sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"])
+                    sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"],
+                    **({"trust_ca": trust} if trust else {}))
     _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "

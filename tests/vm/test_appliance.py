@@ -1,52 +1,142 @@
-"""Tier (a): the real playbooks build the appliance in a real VM, twice (the second run
-changes nothing), then verify.yml proves it: services active, the full ruleset loaded, the
-API answering only with the client certificate, and the bypass battery passing in a real
-session inside the VM (real systemd, podman and nftables)."""
+"""The VM tier: one appliance, made as a user makes it, then proven.
+
+`corral box build`, then `corral up` with the real Vagrantfile (vagrant-libvirt, QEMU/TCG),
+which provisions it with playbooks/site.yml. Then, on that one VM:
+- site.yml again, the way any Debian 12 host is provisioned (ansible-playbook and an
+  inventory, outside Vagrant): it must change nothing, so the two paths make one appliance;
+- `corral verify`: services active, the full ruleset loaded, the API answering only with the
+  client certificate, the bypass battery passing in a real session inside the VM;
+- the units' hardening as systemd reports it, the boot ruleset, nothing of the appliance on
+  this host;
+- the CLI over the forwarded API: a session, a rule, a denial seen live in `corral monitor`,
+  an inspected flow verified upstream, `corral destroy`.
+One VM, because each boot and provisioning costs a quarter of an hour under TCG.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
 import re
 import shlex
+import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from . import host
-from .conftest import BIN, playbook, recap, timed
+from .conftest import BIN, CACHE, free_port, playbook, recap, timed
 
 pytestmark = pytest.mark.vm
+NAME = "vmtest"
 
 EXTRA_CAS = sorted(str(p) for p in Path("/usr/local/share/ca-certificates").glob("*.crt"))
 """What this host trusts besides Debian's store: on these machines, the CA their egress ends
-TLS with. The appliance is given them as a deployment behind such a network would be."""
+TLS with. The appliance is given them (`corral up --trust-ca`) as a deployment behind such a
+network would be."""
 
 
 @pytest.fixture(scope="module")
-def provisioned(vm, tmp_path_factory):
-    config_home = tmp_path_factory.mktemp("config")
-    extra = {"corral_pki_appliance": "vmtest", "corral_pki_endpoint": f"127.0.0.1:{vm.api_port}",
-             "corral_base_extra_ca_files": EXTRA_CAS}
-    first = playbook("site.yml", vm, config_home, timeout=1800, **extra)
-    assert first.returncode == 0, first.stdout[-6000:] + first.stderr[-2000:]
-    counts = recap(first.stdout)
-    assert counts["failed"] == 0 and counts["changed"] > 0, counts
-    return vm, config_home, extra
+def libvirtd():
+    """libvirt's daemons; started by hand where PID 1 is not systemd (and stopped after)."""
+    if shutil.which("vagrant") is None or shutil.which("libvirtd") is None:
+        pytest.skip("vagrant and libvirt are missing: scripts/setup installs them")
+    started = []
+    for daemon in ("virtlogd", "virtlockd", "libvirtd"):
+        if subprocess.run(["pgrep", "-x", daemon], capture_output=True).returncode != 0:
+            Path("/run/libvirt").mkdir(exist_ok=True)
+            subprocess.run([f"/usr/sbin/{daemon}", "-d"], check=True)
+            started.append(daemon)
+    for _ in range(60):
+        if subprocess.run(["virsh", "-c", "qemu:///system", "version"],
+                          capture_output=True).returncode == 0:
+            break
+        time.sleep(0.5)
+    yield
+    for daemon in reversed(started):
+        subprocess.run(["pkill", "-x", daemon], check=False)
 
 
-def test_a_second_site_run_changes_nothing(provisioned):
-    vm, config_home, extra = provisioned
-    second = playbook("site.yml", vm, config_home, timeout=1200, **extra)
+class Appliance:
+    """The appliance `corral up` made: its environment, port and Vagrant state."""
+
+    def __init__(self, env: dict[str, str], api_port: int):
+        self.env, self.api_port = env, api_port
+        self.config_home = Path(env["XDG_CONFIG_HOME"])
+        self.directory = self.config_home / "corral" / "appliances" / NAME
+        self.logs = self.directory
+
+    def corral(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return timed(f"corral {' '.join(args)[:50]}", [str(BIN / "corral"), *args], timeout,
+                     env=self.env, **kwargs)
+
+    def ssh(self, command: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """A command on the VM, through `corral ssh` (vagrant ssh)."""
+        return self.corral("ssh", "--appliance", NAME, "--", "sh", "-c", command,
+                           timeout=timeout)
+
+    @property
+    def inventory(self) -> Path:
+        """The inventory Vagrant wrote: a plain ansible inventory (address, user, key)."""
+        return (self.directory / "vagrant" / "provisioners" / "ansible" / "inventory" /
+                "vagrant_ansible_inventory")
+
+    @property
+    def extra_vars(self) -> dict:
+        """What the Vagrantfile hands site.yml, as an inventory user would give it."""
+        return {"corral_pki_appliance": NAME, "corral_pki_endpoint": f"127.0.0.1:{self.api_port}",
+                "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS}
+
+
+@pytest.fixture(scope="module")
+def appliance(tmp_path_factory, vm_image, libvirtd):
+    home = tmp_path_factory.mktemp("vagrant-home")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home / "config"),
+           "XDG_CACHE_HOME": str(CACHE / "xdg-cache"),
+           "VAGRANT_HOME": str(CACHE / "vagrant.d"),
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    # the box from the image the tier already built (`corral box build` keeps an image that
+    # is there and only packages and adds it)
+    box_dir = CACHE / "xdg-cache" / "corral" / "box"
+    box_dir.mkdir(parents=True, exist_ok=True)
+    if not (box_dir / "debian12.qcow2").exists():
+        os.link(vm_image, box_dir / "debian12.qcow2")
+    made = Appliance(env, free_port())
+    built = made.corral("box", "build", timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    trust = [word for ca in EXTRA_CAS for word in ("--trust-ca", ca)]
+    try:
+        up = made.corral("up", "--name", NAME, "--api-port", str(made.api_port), *trust,
+                         timeout=2700)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-5000:]
+        phases = [line for line in up.stderr.splitlines() if line.startswith("corral: [")]
+        print("\n".join(phases))
+        assert any("provisioning with playbooks/site.yml" in p for p in phases), phases
+        assert "next:" in up.stdout
+        yield made
+    finally:
+        down = made.corral("destroy", "--appliance", NAME, timeout=600)
+        print(down.stdout, down.stderr)
+
+
+def test_site_from_an_inventory_changes_nothing_after_corral_up(appliance):
+    """The second provisioning, the way a team provisions any Debian 12 host: the appliance
+    Vagrant provisioned is already exactly what the inventory path makes."""
+    second = playbook("site.yml", appliance.inventory, appliance.config_home, appliance.logs,
+                      timeout=1200, **appliance.extra_vars)
     assert second.returncode == 0, second.stdout[-6000:]
     changed = [line for line in second.stdout.splitlines() if line.startswith("changed:")]
     assert recap(second.stdout)["changed"] == 0, changed
 
 
-def test_verify_passes_with_the_battery_in_a_real_session(provisioned):
-    vm, config_home, extra = provisioned
-    result = playbook("verify.yml", vm, config_home, timeout=900, **extra)
-    assert result.returncode == 0, result.stdout[-8000:]
+def test_verify_passes_with_the_battery_in_a_real_session(appliance):
+    result = appliance.corral("verify", "--appliance", NAME, timeout=900)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
     assert recap(result.stdout)["failed"] == 0
     passed = re.findall(r"(\d+)/(\d+) probes passed in", result.stdout)
     assert passed, result.stdout[-4000:]
@@ -54,12 +144,12 @@ def test_verify_passes_with_the_battery_in_a_real_session(provisioned):
     assert done == total and int(total) > 20, passed
 
 
-def test_the_units_are_hardened_as_designed(provisioned):
-    vm, _, _ = provisioned
-    result = vm.ssh("systemctl show -p User -p CapabilityBoundingSet -p ProtectSystem "
-                    "-p NoNewPrivileges corral-filter corral-api; "
-                    "ps -o user= -C corral-filter; sudo stat -c '%a %U %G' "
-                    "/run/corral-filter/control.sock /etc/corral/api/server.key")
+def test_the_units_are_hardened_as_designed(appliance):
+    result = appliance.ssh(
+        "systemctl show -p User -p CapabilityBoundingSet -p ProtectSystem "
+        "-p NoNewPrivileges corral-filter corral-api; "
+        "ps -o user= -C corral-filter; sudo stat -c '%a %U %G' "
+        "/run/corral-filter/control.sock /etc/corral/api/server.key")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "User=corral-filter" in out and "User=corral-api" in out
@@ -68,15 +158,74 @@ def test_the_units_are_hardened_as_designed(provisioned):
     assert "660 corral-filter corral" in out and "640 root corral-api" in out
 
 
-def test_the_cli_reaches_the_forwarded_api(provisioned):
-    _, config_home, _ = provisioned
-    result = timed("corral status", [str(BIN / "corral"), "status", "--appliance", "vmtest",
-                                     "--json"], 60,
-                   env={"XDG_CONFIG_HOME": str(config_home), "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr
-    status = json.loads(result.stdout)
-    assert status["filter"]["healthy"] and status["firewall"]["loaded"], status
-    assert status["sandbox"]["healthy"] and status["sandbox"]["image_present"], status
+def test_the_boot_ruleset_is_loaded_before_networking(appliance):
+    result = appliance.ssh("systemctl show -p Before -p WantedBy corral-firewall; "
+                           "sudo nft -c -f /etc/corral/base.nft && echo base-valid")
+    assert "network-pre.target" in result.stdout and "base-valid" in result.stdout, (
+        result.stdout + result.stderr)
+
+
+def test_no_corral_process_is_left_on_the_host(appliance):
+    """The VM is the appliance: the CLI's port on this host is Vagrant's forwarding to the VM
+    (vagrant-libvirt's ssh -L, whose pid it records), and no corral service runs here as an
+    installed appliance would (a play that ran with a local connection). The e2e tier's
+    services, alive in this session, are neither."""
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True)
+    table = host.processes()
+    owners = host.port_owners(listening.stdout, appliance.api_port)
+    recorded = appliance.directory / "vagrant" / "machines" / "default" / "libvirt" / "pids"
+    forwarder = int((recorded / f"ssh_{appliance.api_port}.pid").read_text())
+    assert set(owners) == {forwarder}, host.describe(table, owners)
+    assert Path(table[forwarder][0]).name == "ssh", table[forwarder]
+    services = host.appliance_services(table)
+    assert not services, host.describe(table, services)
+
+
+def test_cli_against_the_forwarded_api(appliance, tmp_path):
+    (tmp_path / "README").write_text("a small project\n")
+    status = appliance.corral("status", "--appliance", NAME, "--json")
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["vm"]["state"] == "running" and state["filter"]["healthy"], state
+    assert state["firewall"]["loaded"], state
+    assert state["sandbox"]["healthy"] and state["sandbox"]["image_present"], state
+
+    run = appliance.corral("run", "--appliance", NAME, "--name", "smoke", "--detach",
+                           timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    allow = appliance.corral("allow-http", "--appliance", NAME, "--session", "smoke",
+                             "api.example.org")
+    assert allow.returncode == 0, allow.stderr
+    rules = appliance.corral("rules", "--appliance", NAME, "--session", "smoke", "--json")
+    assert any(r["rule"] == "api.example.org" for r in json.loads(rules.stdout)["rules"]), (
+        rules.stdout)
+
+    monitor = subprocess.Popen([str(BIN / "corral"), "monitor", "--appliance", NAME, "--json"],
+                               env=appliance.env, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    # a thread reads, so the wait ends at its deadline even when monitor prints nothing
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in monitor.stdout],
+                              daemon=True)
+    reader.start()
+    try:
+        time.sleep(3)
+        # a denied name looked up inside the session, through `corral shell` (ssh to the VM)
+        lookup = appliance.corral("shell", "--appliance", NAME, "smoke", "--", "getent",
+                                  "hosts", "denied.example.net", timeout=300)
+        assert lookup.returncode != 0  # refused: no address
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("denied.example.net" in s for s in seen):
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        assert any("denied.example.net" in line for line in seen), seen[-5:]
+    finally:
+        monitor.terminate()
+        monitor.wait(10)
+        reader.join(10)  # it ends at EOF; then the pipe can be closed
+        monitor.stdout.close()
+    assert appliance.corral("rm", "--appliance", NAME, "smoke", timeout=300).returncode == 0
 
 
 INSPECTED_PROJECT = """
@@ -89,19 +238,15 @@ deny = ["* /forbidden/**"]
 """
 
 
-def test_an_inspected_flow_in_a_real_session_inside_the_appliance(provisioned, tmp_path):
+def test_an_inspected_flow_in_a_real_session_inside_the_appliance(appliance, tmp_path):
     """The filter's own interception CA (made when the playbooks started it), a session
     that trusts it without being told, a request to the real deb.debian.org judged inside
     the TLS and verified upstream against the appliance's trust store (passed on, or, behind
     a network that intercepts TLS, refused with the reason), and a request the project's
     rules deny answered by the filter."""
-    vm, config_home, _ = provisioned
-    env = {"XDG_CONFIG_HOME": str(config_home), "PATH": "/usr/bin:/bin"}
-    corral = [str(BIN / "corral")]
     (tmp_path / "corral.toml").write_text(INSPECTED_PROJECT)
-    started = timed("corral run (inspected)", [*corral, "run", "--appliance", "vmtest",
-                                               "--project", str(tmp_path), "--name",
-                                               "inspected", "--detach"], 600, env=env)
+    started = appliance.corral("run", "--appliance", NAME, "--project", str(tmp_path),
+                               "--name", "inspected", "--detach", timeout=600)
     assert started.returncode == 0, started.stderr
     try:
         script = ("curl -sS -o /dev/null -D /tmp/head -w 'allowed %{http_code}\\n' "
@@ -110,10 +255,11 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(provisioned, t
                   "curl -sS -o /dev/null -w 'denied %{http_code}\\n' "
                   "https://deb.debian.org/forbidden/x; "
                   "curl -sS -v -o /dev/null https://deb.debian.org/debian/ 2>&1 | grep issuer:")
-        result = vm.ssh("sudo env CONTAINERS_CONF=/etc/corral/containers.conf podman exec "
-                        f"corral-inspected sh -c {shlex.quote(script)}; sudo stat -c '%a %U' "
-                        "/var/lib/corral-filter/intercept "
-                        "/var/lib/corral-filter/intercept/current/intercept-ca.key", 300)
+        result = appliance.ssh(
+            "sudo env CONTAINERS_CONF=/etc/corral/containers.conf podman exec "
+            f"corral-inspected sh -c {shlex.quote(script)}; sudo stat -c '%a %U' "
+            "/var/lib/corral-filter/intercept "
+            "/var/lib/corral-filter/intercept/current/intercept-ca.key")
         out = result.stdout
         # The test machines' own egress ends TLS with a CA of its own, which this host
         # trusts (EXTRA_CAS) and the appliance is given: with it, the real upstream verifies.
@@ -123,33 +269,18 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(provisioned, t
                        "chain") in out
         if intercepted and not EXTRA_CAS:  # and this host told us of no CA to give it
             print("vm: this network intercepts TLS; the filter refused the upstream, as it must")
-        else:  # the CAs given (corral_base_extra_ca_files) are what it verifies against
+        else:  # the CAs given (`corral up --trust-ca`) are what it verifies against
             assert "allowed 200" in out, out
         assert "denied 403" in out, out + result.stderr
         assert "CN=corral interception CA" in out, out
         assert "700 corral-filter\n600 corral-filter" in out, out
     finally:
-        timed("corral rm (inspected)", [*corral, "rm", "--appliance", "vmtest", "inspected"],
-              300, env=env)
+        appliance.corral("rm", "--appliance", NAME, "inspected", timeout=300)
 
 
-def test_the_boot_ruleset_is_loaded_before_networking(provisioned):
-    vm, _, _ = provisioned
-    result = vm.ssh("systemctl show -p Before -p WantedBy corral-firewall; "
-                    "sudo nft -c -f /etc/corral/base.nft && echo base-valid")
-    assert "network-pre.target" in result.stdout and "base-valid" in result.stdout, (
-        result.stdout + result.stderr)
-
-
-def test_no_corral_process_is_left_on_the_host(provisioned):
-    """The VM is the appliance: the CLI's port on this host is the VM's (qemu forwards it),
-    and no corral service runs here as an installed appliance would (a play that ran with a
-    local connection). The e2e tier's services, alive in this session, are neither."""
-    vm, _, _ = provisioned
-    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True)
-    table = host.processes()
-    owners = host.port_owners(listening.stdout, vm.api_port)
-    assert set(owners) == {vm.process.pid}, host.describe(table, owners)
-    assert not host.is_corral_service(table[vm.process.pid]), table[vm.process.pid]
-    services = host.appliance_services(table)
-    assert not services, host.describe(table, services)
+def test_destroy_removes_the_domain(appliance):
+    destroyed = appliance.corral("destroy", "--appliance", NAME, timeout=600)
+    assert destroyed.returncode == 0, destroyed.stderr
+    status = appliance.corral("status", "--appliance", NAME, "--json")
+    assert status.returncode != 0
+    assert json.loads(status.stdout)["vm"]["state"] == "not created"

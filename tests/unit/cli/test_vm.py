@@ -133,3 +133,40 @@ def test_vagrant_that_fails_reports_its_exit_and_output(monkeypatch, tmp_path):
     monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
     with pytest.raises(CliError, match=r"failed \(exit 3\):\n  boom: no such box"):
         vm._vagrant("x", "up", started=time.monotonic())
+
+
+def test_trust_ca_is_checked_before_anything_starts(monkeypatch, tmp_path, capsys):
+    """A file that is missing or holds no certificate is refused with its name: the role
+    would copy it into the appliance's store, where it would silently trust nothing."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(vm, "prerequisites", lambda: pytest.fail("started"))
+    (tmp_path / "notes.txt").write_text("not a certificate\n")
+    assert main(["up", "--trust-ca", str(tmp_path / "missing.pem")]) == 2
+    assert "--trust-ca" in (err := capsys.readouterr().err) and "missing.pem" in err
+    assert main(["up", "--trust-ca", str(tmp_path / "notes.txt")]) == 2
+    assert "notes.txt: no PEM certificate in it" in capsys.readouterr().err
+
+
+def test_trusted_cas_are_recorded_and_handed_to_vagrant(monkeypatch, tmp_path):
+    """`corral up --trust-ca` records the files; every later vagrant run (provision too) gets
+    them in CORRAL_EXTRA_CA_FILES, which the Vagrantfile hands to corral_base."""
+    from appliance import pki
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    bundle = pki.issue()
+    ca = tmp_path / "proxy-ca.pem"
+    ca.write_bytes(bundle.ca_cert)
+    assert vm.trusted_cas([str(ca)]) == [str(ca)]
+    vagrant_runs = []
+    monkeypatch.setattr(vm, "prerequisites", lambda: [])
+    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
+    monkeypatch.setattr(vm, "_wait_for_api", lambda name: None)
+    monkeypatch.setattr(vm, "_vagrant", lambda name, *args, **kw: vagrant_runs.append(
+        vm.vagrant_env(name)["CORRAL_EXTRA_CA_FILES"]))
+    assert main(["up", "--name", "lab", "--trust-ca", str(ca)]) == 0
+    assert main(["up", "--name", "lab"]) == 0  # not given again: the record stands
+    assert vagrant_runs == [str(ca), str(ca)]
+    assert vm.vagrant_env("other")["CORRAL_EXTRA_CA_FILES"] == ""
+    vagrantfile = (vm.ROOT / "Vagrantfile").read_text()
+    assert 'corral_base_extra_ca_files: ENV.fetch("CORRAL_EXTRA_CA_FILES"' in vagrantfile
