@@ -21,7 +21,7 @@ from appliance.policy import (
     preset_names,
 )
 
-from . import box, control, exitcodes, local, output, secrets, sessions, vm
+from . import approvals, box, control, exitcodes, local, output, secrets, sessions, vm
 from .client import CliError, load_appliance
 
 
@@ -142,6 +142,31 @@ def parser() -> argparse.ArgumentParser:
     appliance_command("status", "the appliance's health: API, filter, firewall",
                       control.cmd_status, session=False)
 
+    asks = appliance_command(
+        "ask", "ask mode for a session: a request the policy does not name waits for "
+        "`corral approve`", approvals.cmd_ask, description="Ask mode for a running session "
+        "(a runtime rule that wins over corral.toml's [approval]): a request or name the "
+        "policy does not name is held (DNS: answered NXDOMAIN) while an approval is open; "
+        "deny rules and blocked ranges are never held.")
+    asks.add_argument("--hold", type=int, metavar="SECONDS",
+                      help="how long a request waits for a decision (default 60)")
+    asks.add_argument("--off", action="store_true", help="deny at once again")
+    appliance_command("approvals", "what sessions in ask mode wait for", approvals.cmd_approvals)
+    approve = appliance_command("approve", "grant an open approval", approvals.cmd_approve,
+                                session=False)
+    approve.add_argument("id", metavar="ID", help="as `corral approvals` shows it")
+    how = approve.add_mutually_exclusive_group()
+    how.add_argument("--once", action="store_true",
+                     help="the requests waiting now go on, no rule is added (the default)")
+    how.add_argument("--for", dest="duration", metavar="DURATION",
+                     help="a runtime rule for this long (90s, 10m, 1h30m, 2d)")
+    how.add_argument("--session", dest="session_grant", action="store_true",
+                     help="a runtime rule for the session's life")
+    refuse = appliance_command("refuse", "refuse an open approval: the requests waiting get "
+                               "the usual denial", approvals.cmd_refuse, session=False)
+    refuse.add_argument("id", metavar="ID")
+    refuse.add_argument("--reason", metavar="TEXT", help="recorded with the decision")
+
     run = appliance_command("run", "start a session for a project and attach to it",
                             sessions.cmd_run, session=False,
                             description="Copy the project (without .corral/) into a new "
@@ -152,6 +177,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--name", metavar="N", help="the session's name (default: from the "
                      "project's)")
     run.add_argument("--detach", action="store_true", help="start it, do not attach")
+    run.add_argument("--ask", action="store_true", help="ask mode: a request the policy does "
+                     "not name waits for `corral approve` (see `corral ask`)")
     run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
                      "files in it look like secrets (they are read first; see [workspace] "
                      "exclude in corral.toml)")

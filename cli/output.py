@@ -39,7 +39,8 @@ def notice(text: str) -> None:
     sys.stderr.flush()
 
 
-_COLORS = {"allow": "\033[32m", "deny": "\033[31m", "error": "\033[33m"}
+_COLORS = {"allow": "\033[32m", "deny": "\033[31m", "error": "\033[33m",
+           "pending": "\033[1;35m"}
 
 
 def event(e: dict, color: bool = False) -> None:
@@ -49,7 +50,7 @@ def event(e: dict, color: bool = False) -> None:
     when = datetime.datetime.fromtimestamp(e.get("ts", 0)).strftime("%H:%M:%S")
     verdict = e.get("verdict", "?")
     verdict_text = "done" if e.get("closed") else verdict.upper()
-    target = e.get("name") or "-"
+    target = e.get("name") or e.get("target") or "-"  # an approval's: what a grant allows
     if e.get("port"):
         target = f"{target}:{e['port']}"
     detail = e.get("reason") or ""

@@ -146,6 +146,11 @@ def cmd_run(args) -> int:
                                  project_id=project_id(project), uid=uid, gid=gid)
     output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
                   f"{session['subnet']}")
+    if args.ask:  # the session's runtime layer: it wins over the project's [approval]
+        client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
+                                                 "rule": "ask"})
+        output.notice("ask mode: a request the policy does not name waits for `corral "
+                      "approvals` / `corral approve` (from another terminal)")
     if args.json:
         output.data(session)
     if args.detach:

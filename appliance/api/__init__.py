@@ -34,9 +34,9 @@ def create_app(config: ApiConfig) -> Flask:
         config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
         else None
 
-    from . import audit, certs, events, policy, secrets, sessions, status
+    from . import approvals, audit, certs, events, policy, secrets, sessions, status
 
-    for module in (policy, events, audit, sessions, status, certs, secrets):
+    for module in (policy, events, audit, sessions, status, certs, secrets, approvals):
         app.register_blueprint(module.blueprint, url_prefix="/v1")
 
     @app.errorhandler(ApiError)

@@ -6,7 +6,7 @@ from flask import current_app, request
 
 from . import ApiError
 
-VERDICTS = ("allow", "deny", "error", "change")
+VERDICTS = ("allow", "deny", "error", "change", "pending")
 
 
 def body(required: dict[str, type], optional: dict[str, type] | None = None) -> dict:
@@ -49,6 +49,21 @@ def arg_verdict() -> str | None:
     return verdict
 
 
+def who() -> str:
+    """Who is asking: the client certificate's common name and serial (gunicorn hands the
+    TLS socket to the view); "api" where no certificate can be read (a test client)."""
+    sock = request.environ.get("gunicorn.socket")
+    try:
+        cert = sock.getpeercert()
+    except (AttributeError, ValueError, OSError):
+        return "api"
+    names = [value for rdn in cert.get("subject", ()) for key, value in rdn
+             if key == "commonName"]
+    serial = cert.get("serialNumber", "")[-8:].lower()
+    return f"{names[0] if names else 'client'}#{serial}" if serial else (
+        names[0] if names else "api")
+
+
 def call(message: dict, service: str = "filter", **options) -> dict:
     """Ask the filter (or the sandbox service); its refusals become 400 (or 404 for an
     unknown session). `options` go to the client: a payload, a timeout."""
@@ -59,5 +74,6 @@ def call(message: dict, service: str = "filter", **options) -> dict:
     answer = client.request(message, **options)
     if not answer.pop("ok", False):
         error = answer.get("error", "the filter refused the request")
-        raise ApiError(404 if error.startswith(("no session", "no secret")) else 400, error)
+        missing = error.startswith(("no session", "no secret", "no pending approval"))
+        raise ApiError(404 if missing else 400, error)
     return answer

@@ -25,6 +25,10 @@ the client hangs up. Requests:
    "user": U?, "requests": ["METHOD /path", ...]?}   store a secret (answers never hold values)
   {"op": "secret-list"}       {"op": "secret-remove", "name": N}
   {"op": "secret-environment", "session": S}         the session's placeholders, by variable
+  {"op": "approvals", "session": S?}                 open approvals (ask mode)
+  {"op": "approval-decide", "id": ID, "grant": G, "duration": SECONDS?, "by": WHO?,
+   "note": TEXT?}    G: once | for (with duration) | session | refuse; a grant's rule is in
+                     force before the held requests go on
 
 The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
 waits on a disk or on nftables on it: audit pages and the firewall check run on the
@@ -47,7 +51,7 @@ from pathlib import Path
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
 
-from . import audit, secrets
+from . import approvals, audit, secrets
 from .config import SessionError
 from .proxy.credentials import Credentials
 from .store import MAX_GRANT
@@ -111,7 +115,7 @@ def _prepare(socket_path: Path) -> None:
 
 
 BAD_REQUEST = (ControlError, RuleError, ConfigError, SessionError, LookupError,
-               secrets.SecretError)
+               secrets.SecretError, approvals.ApprovalError)
 """What a request can be refused with: its message says what is wrong with it."""
 
 
@@ -359,6 +363,47 @@ class ControlServer:
         if session not in self.service.store.sessions:
             raise LookupError(f"no session {session!r}")
         return {"ok": True, "environment": self.service.proxy.credentials.environment(session)}
+
+    @handles("approvals")
+    async def _approvals(self, request: dict) -> dict:
+        holds = self.service.holds
+        holds.expire()
+        return {"ok": True, "approvals": holds.book.listing(
+            _field(request, "session", required=False))}
+
+    @handles("approval-decide")
+    async def _approval_decide(self, request: dict) -> dict:
+        approval_id, grant = _field(request, "id"), _field(request, "grant")
+        by = approvals.clean(_field(request, "by", required=False) or "the control socket")
+        note = _field(request, "note", required=False) or ""
+        seconds = _field(request, "duration", (int, float), required=False)
+        if grant not in (*approvals.GRANTS, "refuse"):
+            raise ControlError(f"'grant' must be one of {', '.join(approvals.GRANTS)} or "
+                               f"refuse, got {grant!r}")
+        if (grant == "for") != (seconds is not None):
+            raise ControlError("'duration' (seconds) goes with grant 'for', and only with it")
+        if seconds is not None and not 0 < seconds <= MAX_GRANT:
+            raise ControlError(f"'duration' must be more than 0 and at most {MAX_GRANT:.0f} "
+                               f"seconds, got {seconds}")
+        holds, store = self.service.holds, self.service.store
+        pending = holds.book.check(approval_id, None if grant == "refuse" else grant)
+        detail = ""
+        if grant in ("for", "session"):
+            until = time.time() + seconds if seconds is not None else None
+            change = await self.service.change(
+                lambda: store.plan_add(pending.session, pending.kind, pending.target, until))
+            rule, added = change.result
+            ends = store.until(pending.session, rule)
+            if added:
+                self.service.rule_event(pending.session, rule, "added", ends)
+            detail = f", {pending.kind} {rule.text}" + (
+                f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
+        # the rule is in force (or none is needed): the held requests may learn of it
+        pending = holds.decide(approval_id, None if grant == "refuse" else grant, by, note,
+                               detail)
+        log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
+                 by, pending.kind, pending.target, pending.session)
+        return {"ok": True, "approval": pending.to_json(), "grant": grant}
 
     def _secrets_changed(self, reason: str) -> None:
         store = self.service.secrets

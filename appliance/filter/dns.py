@@ -29,6 +29,7 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion,
 from appliance.firewall.learned import Teaching
 from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
 
+from .approvals import Holds, approvable
 from .config import DnsConfig
 from .dnscache import WIRE_CACHE_MAX, WireCache
 from .dnsguard import ExfilGuard, Report, SessionLimits
@@ -68,8 +69,11 @@ class Pending:
 
 class DnsFilter:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
-                 learner=None, learn_ttl_min: int = 60, config: DnsConfig | None = None):
+                 learner=None, learn_ttl_min: int = 60, config: DnsConfig | None = None,
+                 holds: Holds | None = None):
         self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
+        self.holds = holds
+        """Approvals a session in ask mode opens for the names it is denied (approvals.py)."""
         self.learner = learner
         """The firewall's learned set (firewall.learned.LearnedSet): learn([Teaching])."""
         self.learn_ttl_min = learn_ttl_min
@@ -157,6 +161,13 @@ class DnsFilter:
             over = self._over_denied(query, session, client, now)
             if over is not None:
                 return over
+            if self.holds is not None and session is not None and policy.hold and (
+                    approvable(decision)):
+                # never held (resolvers retry and time out): NXDOMAIN now, and an approval
+                # for the name as an http grant, which answers DNS too (what a client that
+                # resolves a name goes on to ask the proxy for)
+                self.holds.ask(session, decision._replace(hint=f"corral allow-http {host}"),
+                               "dns", client, host.name)
         event = self._event(decision, session, client, host.name, QTYPE.get(query.qtype))
         wire = refusal(query, RCODE.NOERROR if decision.allowed else RCODE.NXDOMAIN)
         if query.edns is not None:  # one OPT record, as _pack adds: ARCOUNT 1

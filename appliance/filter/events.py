@@ -5,6 +5,9 @@ An event is a flat dict (it is JSON on the control socket and in the audit log):
   verdict (allow|deny|error), reason, rule, layer, up, down, duration, closed.
 A change to a session's runtime rules is kind `rule`, verdict `change`, with `action`
 (added|revoked|expired), `rule_kind` and `expires` (when one added for a while ends).
+An approval (ask mode, approvals.py) is kind `approval`: verdict `pending` when it opens,
+then `change` with `action` approved|refused|expired, `approval` (its id), `grant_kind` and
+`target` (the rule a grant adds), `grant` and `by` (who decided).
 A tunnel or proxied request produces its decision event at once (so `monitor` is live) and
 a second event with `closed: true` and the byte counts when it ends; both share `id`.
 
@@ -96,9 +99,11 @@ class EventBus:
         gets one summary record a second saying how many it did not get. A session that
         floods denials cannot push every other session's history out of the log's
         retention, nor its own earlier records. A change to the rules (kind `rule`) is the
-        operator's, not the session's: always recorded, never charged to its budget."""
+        operator's, not the session's: always recorded, never charged to its budget; so is an
+        approval (kind `approval`: a session has at most a few open, and each decision is a
+        person's)."""
         session = event.get("session")
-        if event.get("kind") == "rule":
+        if event.get("kind") in ("rule", "approval"):
             self.audit.append(event)
             return
         now = time.monotonic()

@@ -32,6 +32,7 @@ from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError, Decision, Host
 
 from . import relay
+from .approvals import Holds
 from .audit import AuditLog
 from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
@@ -119,8 +120,11 @@ class Service:
         self.learned = LearnedSet(self.learner, self._may_reach) if self.learner else None
         """The learned set, with who taught each element: a policy change takes back what
         it no longer allows (`_revoke`)."""
+        self.holds = Holds(self.bus.emit)
+        """Approvals in ask mode: requests held for a person, names asked for (DNS)."""
+        self.store.on_change(self._forget_approvals)
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
-                             config.firewall.learn_ttl_min, config.dns)
+                             config.firewall.learn_ttl_min, config.dns, self.holds)
         self.secrets = SecretStore.load(config.state_dir)
         self.inspect_error: str | None = None
         """Why the filter's own CA (`ca_dir`) could not be had: it runs without inspection
@@ -137,7 +141,7 @@ class Service:
                         "rotate --interception`", inspector.days_left())
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
                            self.dns.exfil, inspector,
-                           Credentials(self.secrets.key, self.secrets.secrets))
+                           Credentials(self.secrets.key, self.secrets.secrets), self.holds)
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
@@ -436,6 +440,12 @@ class Service:
         log.info("session %s %s: %s", name, "registered" if added else "unchanged",
                  session.subnet)
         return session, added
+
+    def _forget_approvals(self) -> None:
+        """A session that is gone takes its approvals (and the requests held for them)."""
+        for session in {p.session for p in self.holds.book.pending.values()}:
+            if session not in self.store.sessions:
+                self.holds.forget(session)
 
     async def unregister_session(self, name: str, forget_rules: bool) -> None:
         try:

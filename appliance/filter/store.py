@@ -38,7 +38,7 @@ from appliance.policy import (
 from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
 
 log = logging.getLogger(__name__)
-RUNTIME_KINDS = ("dns", "http", "tcp", "deny", "inspect", "request")
+RUNTIME_KINDS = ("dns", "http", "tcp", "deny", "inspect", "request", "approval")
 """What the control socket may add to a session's runtime layer. Not cidr or host ports:
 opening blocked ranges or host services is a change to a file a person reviews."""
 MAX_GRANT = 366 * 86400.0
@@ -313,16 +313,21 @@ class PolicyStore:
         if rule.request is not None and not rule.request.deny and rule.request.text != "nothing":
             _only_adds(session.policy, rule)  # `HOST nothing` restricts on purpose
         key = rule.key()
-        if any(r.key() == key for r in session.runtime):
-            ends = session.expires.get(key)
-            if ends is None or (until is not None and until <= ends):
+        runtime, expires = session.runtime, session.expires
+        if rule.kind == "approval":  # one setting per layer: a new one replaces the one before
+            runtime = tuple(r for r in runtime if r.kind != "approval" or r.key() == key)
+            expires = {k: v for k, v in expires.items() if k[0] != "approval" or k == key}
+        replaced = len(runtime) != len(session.runtime)
+        if any(r.key() == key for r in runtime):
+            ends = expires.get(key)
+            if not replaced and (ends is None or (until is not None and until <= ends)):
                 return self._change(result=(rule, False), changed=False)
-            expires = {k: v for k, v in session.expires.items() if k != key}
+            expires = {k: v for k, v in expires.items() if k != key}
             if until is not None:
                 expires[key] = until
-            return self._replace(session, session.runtime, (rule, True), expires)
-        expires = {**session.expires, key: until} if until is not None else session.expires
-        return self._replace(session, (*session.runtime, rule), (rule, True), expires)
+            return self._replace(session, runtime, (rule, True), expires)
+        expires = {**expires, key: until} if until is not None else expires
+        return self._replace(session, (*runtime, rule), (rule, True), expires)
 
     def until(self, name: str, rule: Rule) -> float | None:
         """When a session's runtime rule ends (None: it is there for good, or not there)."""

@@ -37,6 +37,9 @@ GIT = "git"
 """The array of tables `[[git]]`: one host each, the repositories git may reach there and
 the refs a push may write (git.py); each repository becomes a `git` rule."""
 GIT_KEYS = ("host", "repos", "push")
+APPROVAL = "approval"
+"""`[approval] mode = "ask" | "deny"`, `hold = SECONDS`: whether a request the policy does not
+name waits for a person's decision (approvals.py); becomes one `approval` rule."""
 
 
 class ConfigError(ValueError):
@@ -90,6 +93,9 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
             continue
         if key == GIT:
             rules.extend(_git_tables(value, path, layer, locate))
+            continue
+        if key == APPROVAL:
+            rules.append(_approval(value, path, layer, locate))
             continue
         if key in TOP_LEVEL:
             if key == "presets":
@@ -182,6 +188,29 @@ def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule
     return rules
 
 
+def _approval(table, path: str, layer: str, locate: Locator) -> Rule:
+    if not isinstance(table, dict):
+        raise ConfigError(path, APPROVAL, 'must be a table: [approval] mode = "ask"',
+                          locate.key("", APPROVAL))
+    for key in table:
+        if key not in ("mode", "hold"):
+            raise ConfigError(path, f"[approval] {key}", "unknown key; expected mode, hold",
+                              locate.key(APPROVAL, key))
+    mode, hold = table.get("mode", "deny"), table.get("hold")
+    if mode not in ("ask", "deny"):
+        raise ConfigError(path, "[approval] mode", f"{mode!r}: expected \"ask\" (a denied "
+                          "request waits for a person) or \"deny\"", locate.key(APPROVAL, "mode"))
+    if hold is not None and (mode != "ask" or not isinstance(hold, int)
+                             or isinstance(hold, bool)):
+        raise ConfigError(path, "[approval] hold", "a whole number of seconds, with mode = "
+                          '"ask"', locate.key(APPROVAL, "hold"))
+    try:
+        return Rule.parse("approval", f"ask {hold}" if hold is not None else mode, layer, path)
+    except RuleError as exc:
+        raise ConfigError(path, "[approval] hold", str(exc), locate.key(APPROVAL, "hold")
+                          ) from None
+
+
 def _workspace(table, path: str, locate: Locator) -> tuple[str, ...]:
     if not isinstance(table, dict):
         raise ConfigError(path, WORKSPACE, "must be a table: [workspace] exclude = [...]",
@@ -243,7 +272,8 @@ def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
 
 
 def _tables() -> str:
-    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS}), "[[inspect]]", "[[git]]",
+    return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS} | {f"[{APPROVAL}]"}),
+                      "[[inspect]]", "[[git]]",
                       "[workspace]"])
 
 

@@ -94,8 +94,8 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_memo", "_tcp", "cidrs",
-                 "host_ports", "rules")
+    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_memo", "_tcp", "approval",
+                 "cidrs", "host_ports", "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
@@ -115,6 +115,13 @@ class Policy:
         self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
             (ipaddress.ip_network(r.host), r) for r in by_kind["cidr"]
         )
+        self.approval: Rule | None = max(
+            by_kind["approval"], key=lambda r: LAYERS.index(r.layer), default=None)
+        """The approval rule in force: the most specific layer's (the last one written in
+        it); None, like `deny`, denies at once."""
+        if self.approval is not None:
+            last = [r for r in by_kind["approval"] if r.layer == self.approval.layer][-1]
+            self.approval = last
         self.host_ports: dict[int, Rule] = {}
         for rule in sorted(by_kind["host"], key=lambda r: -LAYERS.index(r.layer)):
             for port in rule.port.ports or ():
@@ -122,6 +129,12 @@ class Policy:
 
     def __len__(self) -> int:
         return len(self.rules)
+
+    @property
+    def hold(self) -> float | None:
+        """Seconds a request denied by the default waits for a person (ask mode); None:
+        denied at once."""
+        return self.approval.hold if self.approval is not None else None
 
     # -- decisions ---------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from .git import GitRuleError, GitSpec, parse_rule_text
 from .names import Host, HostNameError, normalise_name, parse_address, parse_host, split_host_port
 from .patterns import PatternError, RequestSpec
 
-KINDS = ("dns", "http", "tcp", "cidr", "host", "deny", "inspect", "request", "git")
+KINDS = ("dns", "http", "tcp", "cidr", "host", "deny", "inspect", "request", "git", "approval")
 """dns: a name DNS answers. http: host[:port] the proxy reaches. tcp: host:port reached
 directly (nftables set filled from DNS answers). cidr: a blocked range made reachable.
 host: a port of the VM host reachable as host.corral. deny: a name (and its subdomains),
@@ -38,6 +38,9 @@ enforces would be a silent hole); the `inspect` rule says so for a table with no
 and heads the table's rules in `corral rules`."""
 
 LAYERS = ("default", "appliance", "project", "session")
+HOLD_DEFAULT = 60
+"""Seconds a request denied in ask mode waits for a person's decision."""
+HOLD_MAX = 600
 """From the outside in: built-in defaults, appliance-wide (Ansible), project file
 (corral.toml), session runtime additions (CLI/API)."""
 
@@ -108,12 +111,17 @@ class Rule:
     unscanned: bool = False
     """An `inspect` rule written `HOST unscanned` (`scan = false`): request bodies to the
     host are not read for leaks."""
+    setting: str = ""
+    """An `approval` rule's text: `ask` (hold denied requests for a person, HOLD_DEFAULT
+    seconds), `ask SECONDS`, or `deny` (deny at once, the default)."""
     text: str = field(init=False, compare=False, repr=False)
     """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
 
     def __post_init__(self):
         if self.kind == "host":
             text = self.port.text
+        elif self.kind == "approval":
+            text = self.setting
         else:
             host = f"[{self.host}]" if ":" in self.host and self.kind != "cidr" else self.host
             text = f"{host}:{self.port.text}" if self.port.text else host
@@ -155,6 +163,27 @@ class Rule:
             return getattr(cls, f"_parse_{kind}")(text, layer, source)
         except HostNameError as exc:
             raise RuleError(str(exc)) from None
+
+    @property
+    def hold(self) -> float | None:
+        """An `approval` rule's hold in seconds; None for `deny`."""
+        words = self.setting.split()
+        if words[:1] != ["ask"]:
+            return None
+        return float(words[1]) if len(words) > 1 else HOLD_DEFAULT
+
+    @classmethod
+    def _parse_approval(cls, text: str, layer: str, source: str) -> Rule:
+        words = text.split()
+        if words == ["deny"] or words == ["ask"]:
+            return cls("approval", "", layer=layer, source=source, setting=words[0])
+        if len(words) == 2 and words[0] == "ask" and words[1].removesuffix("s").isdigit():
+            seconds = int(words[1].removesuffix("s"))
+            if 1 <= seconds <= HOLD_MAX:
+                return cls("approval", "", layer=layer, source=source,
+                           setting=f"ask {seconds}")
+        raise RuleError(f"approval rule {text!r}: expected 'deny', 'ask' or 'ask SECONDS' "
+                        f"(1-{HOLD_MAX}: how long a denied request waits for a person)")
 
     @classmethod
     def _parse_dns(cls, text: str, layer: str, source: str) -> Rule:

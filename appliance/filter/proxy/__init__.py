@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from appliance.policy import HOST_NAME, Decision, Host, Policy
 
+from ..approvals import Holds, approvable
 from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard
 from ..events import EventBus
@@ -58,6 +59,9 @@ class Client:
     task: asyncio.Task | None = field(default=None, repr=False)
     cut: bool = False
     """Set when a policy change ended it (its task is cancelled: not an error)."""
+    once: set[tuple[str, int]] = field(default_factory=set)
+    """host:port approved once for this connection (ask mode): what it carries there (a
+    tunnel's requests, a kept upstream) is let through; no rule was added."""
 
     @property
     def label(self) -> str:
@@ -74,8 +78,11 @@ class Client:
 class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
                  config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
-                 inspector: Inspector | None = None, credentials: Credentials | None = None):
+                 inspector: Inspector | None = None, credentials: Credentials | None = None,
+                 holds: Holds | None = None):
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
+        self.holds = holds or Holds(bus.emit)
+        """Requests held in ask mode for a person's decision (approvals.py)."""
         self.gateway = gateway
         self.exfil = exfil
         """The DNS filter's exfiltration limits: a name under a wildcard that the proxy
@@ -220,7 +227,7 @@ class Proxy:
         emit the decision event (with `extra` fields). Returns (up_r, up_w, event, flow): the
         caller untracks the flow when it ends. Raises Denied, recorded, with nothing left
         registered."""
-        session, policy, decision = self.decide(client.address, host, port)
+        session, policy, decision = await self.judge(client, host, port)
         rule = decision.rule
         if decision.allowed and self.exfil is not None and rule is not None and rule.wildcard:
             breach = self.exfil.check(session, host.name, rule.suffix, time.monotonic())
@@ -248,6 +255,42 @@ class Proxy:
         return up_r, up_w, self.event(decision, client, session, kind, host, port, address,
                                       event_id=flow.id, **extra), flow
 
+    async def judge(self, client: Client, host: Host, port: int
+                    ) -> tuple[str | None, Policy, Decision]:
+        """decide(), and in ask mode, for what the default alone denies: let through what
+        this connection was granted once, or hold it for a person (approvals.py)."""
+        session, policy, decision = self.decide(client.address, host, port)
+        if decision.allowed or session is None or not approvable(decision):
+            return session, policy, decision
+        if (str(host), port) in client.once:
+            return session, policy, Decision(True, f"{host}:{port} approved once for this "
+                                             "connection")
+        if not policy.hold:
+            return session, policy, decision
+        return await self._held(client, session, policy, decision, host, port)
+
+    async def _held(self, client: Client, session: str, policy: Policy, decision: Decision,
+                    host: Host, port: int) -> tuple[str | None, Policy, Decision]:
+        """Ask mode: hold the request (before any answer to the client: no 200 to CONNECT,
+        no ServerHello) until a person decides or the session's hold runs out. Returns what
+        it is judged by then: (session, policy, decision)."""
+        pending = self.holds.ask(session, decision, "proxy", client.label, str(host), port)
+        if pending is None:
+            return session, policy, decision._replace(
+                reason=f"{decision.reason}; session {session} has "
+                       f"{self.holds.book.max_pending} approvals open already")
+        verdict = await self.holds.wait(pending, policy.hold)
+        if verdict.grant is None:
+            return session, policy, decision._replace(
+                reason=f"{decision.reason}; {verdict.reason}")
+        now_session, now_policy, now = self.decide(client.address, host, port)
+        if verdict.grant == "once" and now_session == session and approvable(now):
+            # still denied by the default alone (a deny rule since then wins)
+            client.once.add((str(host), port))
+            return session, now_policy, Decision(True, f"{host}:{port} {verdict.reason} "
+                                                 f"({pending.id})")
+        return now_session, now_policy, now
+
     def event(self, decision, client: Client, session, kind, host, port, address=None,
               **extra) -> dict:
         return self.bus.decision(decision, session=session, client=client.label, kind=kind,
@@ -272,7 +315,7 @@ class Proxy:
         """Register an allowed flow (until `untrack`): a policy that stops allowing it, its
         name or the address it reached, cuts it. Its id is its decision event's."""
         flow = Flow(self.bus.next_id(), session, client.address, client.label, kind, host,
-                    port, client.end, address)
+                    port, client.end, address, once=(str(host), port) in client.once)
         self.flows.add(flow)
         return flow
 
@@ -300,6 +343,8 @@ class Proxy:
         tunnel's host has come to be inspected, then the address it reached (a cidr rule
         that let a blocked address through may be gone)."""
         _, policy, decision = self.decide(flow.client, flow.host, flow.port)
+        if flow.once and approvable(decision):  # let through once; only a deny rule cuts it
+            decision = Decision(True, "approved once")
         if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
             return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
                             "could carry any request")

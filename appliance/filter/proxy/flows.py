@@ -35,6 +35,9 @@ class Flow:
     """The address it reached; None while it is still dialling."""
     spliced: bool = False
     """A TLS tunnel passed on uninspected: cut if the policy comes to inspect its host."""
+    once: bool = False
+    """Let through by an approval granted once: the default deny does not cut it (a deny
+    rule, a blocked address or inspection still do)."""
 
 
 class Cap:

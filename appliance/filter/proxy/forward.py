@@ -261,7 +261,7 @@ class Forward:
                       holding: list):
         proxy = self.proxy
         where = route(head, mode)
-        session, policy, decision = proxy.decide(client.address, where.host, where.port)
+        session, policy, decision = await proxy.judge(client, where.host, where.port)
         if decision.allowed and where.conflict is not None:
             decision = Decision(False, where.conflict)
         if not decision.allowed:

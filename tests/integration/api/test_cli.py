@@ -279,3 +279,56 @@ def test_inspection_and_request_rules_at_run_time(home):
     revoked = run("revoke", "request", "!api.docs.test", "DELETE", "/**")
     assert revoked.returncode == 0, revoked.stderr
     assert run("revoke", "api.docs.test").returncode == 0
+
+
+def test_ask_mode_approve_and_refuse_from_the_cli(home, corral_filter):
+    """A held CONNECT from session s2 in ask mode, seen in `corral approvals` and let through
+    by `corral approve`; the decision is recorded with the client certificate that took it.
+    Another, refused with a reason, gets the denial with it."""
+    import threading
+
+    from tests.integration.conftest import S2_CLIENT
+
+    asked = corral(home, "ask", "--session", "s2", "--hold", "20")
+    assert asked.returncode == 0 and "waits 20s for `corral approve`" in asked.stdout, asked
+
+    def held(answers: list):
+        with connect(corral_filter.proxy_port, source=S2_CLIENT, timeout=30) as sock:
+            sock.sendall(b"CONNECT allowed.test:8080 HTTP/1.1\r\n\r\n")
+            answers.append(recv_all(sock, 12))
+
+    try:
+        for grant, expected in ((["--once"], b"HTTP/1.1 200"), (None, b"HTTP/1.1 403")):
+            answers: list[bytes] = []
+            thread = threading.Thread(target=held, args=(answers,), daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while True:
+                listed = json.loads(corral(home, "approvals", "--json").stdout)["approvals"]
+                if any(a["waiting"] for a in listed):
+                    break
+                assert time.monotonic() < deadline, listed
+                time.sleep(0.1)
+            (approval,) = listed
+            assert approval["target"] == "allowed.test:8080" and approval["session"] == "s2"
+            table = corral(home, "approvals").stdout
+            assert approval["id"] in table and "http allowed.test:8080" in table
+            if grant:
+                decided = corral(home, "approve", approval["id"], *grant)
+                assert decided.stdout.startswith("approved once: http allowed.test:8080"), (
+                    decided)
+            else:
+                decided = corral(home, "refuse", approval["id"], "--reason", "not now")
+                assert decided.stdout == ("refused http allowed.test:8080 in session s2\n"), (
+                    decided)
+            thread.join(10)
+            assert answers and answers[0].startswith(expected), answers
+        events = corral_filter.events(session="s2")
+        approved, refused = [e for e in events if e.get("action") in ("approved", "refused")]
+        assert approved["by"].startswith("corral-cli#") and approved["grant"] == "once"
+        assert refused["reason"] == f"refused by {approved['by']}: not now"
+        gone = corral(home, "approve", approval["id"], "--for", "10m")
+        assert gone.returncode == 1 and "no pending approval" in gone.stderr, gone
+    finally:
+        off = corral(home, "ask", "--session", "s2", "--off")
+        assert off.returncode == 0 and "ask mode off" in off.stdout

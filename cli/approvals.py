@@ -1,0 +1,101 @@
+"""Ask mode from the host: `corral approvals`, `corral approve`, `corral refuse`, `corral ask`.
+
+A session in ask mode holds a request the policy does not name while a person decides (the
+appliance's approvals.py); these commands list what waits and decide it over mTLS. Nothing
+inside a sandbox can reach them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
+
+from . import exitcodes, output
+from .client import CliError
+from .control import _clock, client_for, parse_duration, pick_session
+
+
+def cmd_approvals(args) -> int:
+    client = client_for(args)
+    answer = client.request("GET", "/approvals", **({"session": args.session}
+                                                    if args.session else {}))
+    if args.json:
+        output.data(answer)
+        return exitcodes.OK
+    rows = [[a["id"], a["session"], f"{a['kind']} {a['target']}", str(a["asked"]),
+             "yes" if a["waiting"] else "", _ago(a["created"]), a["origin"]]
+            for a in answer["approvals"]]
+    if not rows:
+        output.line("no approvals are open (a session in ask mode opens one for each host "
+                    "the policy does not name)")
+        return exitcodes.OK
+    output.table(rows, ["ID", "SESSION", "WOULD ALLOW", "ASKED", "WAITING", "AGE", "FROM"])
+    output.line("decide: corral approve ID [--once | --for 10m | --session]; corral refuse ID")
+    return exitcodes.OK
+
+
+def cmd_approve(args) -> int:
+    client = client_for(args)
+    if args.duration is not None:
+        request = {"grant": "for", "duration": parse_duration(args.duration)}
+    else:
+        request = {"grant": "session" if args.session_grant else "once"}
+    answer = client.request("POST", f"/approvals/{args.id}", request)
+    if args.json:
+        output.data(answer)
+        return exitcodes.OK
+    approval = answer["approval"]
+    what = f"{approval['kind']} {approval['target']} in session {approval['session']}"
+    if request["grant"] == "once":
+        output.line(f"approved once: {what} (the {approval['waiting']} request(s) waiting; "
+                    "no rule added)")
+    elif request["grant"] == "for":
+        ends = time.time() + request["duration"]
+        output.line(f"approved {what} until about {_clock(ends)} (a runtime rule, taken back "
+                    "then)")
+    else:
+        output.line(f"approved {what} for the session (a runtime rule: `corral revoke` takes "
+                    "it back)")
+    return exitcodes.OK
+
+
+def cmd_refuse(args) -> int:
+    client = client_for(args)
+    request = {"grant": "refuse", **({"note": args.reason} if args.reason else {})}
+    answer = client.request("POST", f"/approvals/{args.id}", request)
+    if args.json:
+        output.data(answer)
+    else:
+        approval = answer["approval"]
+        output.line(f"refused {approval['kind']} {approval['target']} in session "
+                    f"{approval['session']}")
+    return exitcodes.OK
+
+
+def cmd_ask(args) -> int:
+    """Turn ask mode on (or off) for a running session: an approval rule in its runtime
+    layer, which wins over corral.toml's [approval]."""
+    client = client_for(args)
+    session = pick_session(client, args.session)
+    if args.off and args.hold is not None:
+        raise CliError("--off and --hold do not go together", code=exitcodes.USAGE)
+    if args.hold is not None and not 1 <= args.hold <= HOLD_MAX:
+        raise CliError(f"--hold {args.hold}: give 1 to {HOLD_MAX} seconds", code=exitcodes.USAGE)
+    text = "deny" if args.off else f"ask {args.hold}" if args.hold is not None else "ask"
+    answer = client.request("POST", "/policy/rules",
+                            {"session": session, "kind": "approval", "rule": text})
+    if args.json:
+        output.data(answer)
+    elif args.off:
+        output.line(f"session {session}: denied requests are refused at once (ask mode off)")
+    else:
+        output.line(f"session {session}: a request the policy does not name waits "
+                    f"{args.hold or HOLD_DEFAULT}s for `corral approve` (`corral approvals` "
+                    "lists them)")
+    return exitcodes.OK
+
+
+def _ago(ts: float) -> str:
+    seconds = max(0, time.time() - ts)
+    return f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"

@@ -1,0 +1,236 @@
+"""Ask mode against the real filter: a request the policy does not name is held while an
+approval is open, and goes on, or is denied, as the control socket decides.
+
+The held requests are CONNECTs to other.test:8080 (s1 does not name it; the fake internet's
+plain HTTP origin answers there, so no root is needed): once a tunnel is granted, a request
+goes through it to the origin.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from dnslib import RCODE
+
+from tests.integration.conftest import FilterProcess, connect, recv_all
+from tests.integration.filter.test_dns import ask
+
+
+@pytest.fixture
+def asking(internet, tmp_path):
+    """A filter of its own, with session s1 in ask mode (a runtime approval rule)."""
+    process = FilterProcess(tmp_path, internet.dns.address)
+    assert process.control({"op": "add", "session": "s1", "kind": "approval",
+                            "rule": "ask 20"})["added"]
+    yield process
+    process.stop()
+    while Held.opened:
+        Held.opened.pop().sock.close()
+
+
+class Held:
+    """A CONNECT sent in a thread; its answer (status line and all) when it comes."""
+
+    opened: list[Held] = []
+    """Closed when the test's filter stops."""
+
+    def __init__(self, port: int, target: str = "other.test:8080"):
+        self.sock = connect(port, timeout=30)
+        Held.opened.append(self)
+        self.sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        self.head = b""
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        while b"\r\n\r\n" not in self.head:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                return
+            self.head += chunk
+
+    def answered(self, timeout: float) -> bytes:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "no answer in time"
+        return self.head
+
+    def status(self, timeout: float = 10) -> int:
+        return int(self.answered(timeout).split(b" ")[1])
+
+
+def open_approvals(f: FilterProcess, **match) -> list[dict]:
+    return [a for a in f.control({"op": "approvals"})["approvals"]
+            if all(a.get(k) == v for k, v in match.items())]
+
+
+def wait_approval(f: FilterProcess, timeout: float = 10, **match) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = open_approvals(f, **match)
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no approval {match}: {f.control({'op': 'approvals'})}")
+
+
+def decide(f: FilterProcess, approval: dict, grant: str, **extra) -> dict:
+    return f.control({"op": "approval-decide", "id": approval["id"], "grant": grant,
+                      "by": "tester", **extra})
+
+
+def test_a_held_tunnel_goes_on_when_approved_once_and_no_rule_is_added(asking, internet):
+    f = asking
+    seen = len(internet.http8080.requests)
+    held = Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    assert approval["session"] == "s1" and approval["kind"] == "http"
+    assert approval["origin"] == "proxy" and "not in the http policy" in approval["why"]
+    time.sleep(0.3)  # held: no answer to the client, nothing dialled upstream
+    assert held.head == b"" and len(internet.http8080.requests) == seen
+    answer = decide(f, approval, "once")
+    assert answer["ok"] and answer["grant"] == "once", answer
+    assert held.status() == 200
+    held.sock.sendall(b"GET /through HTTP/1.1\r\nHost: other.test:8080\r\nConnection: close"
+                      b"\r\n\r\n")
+    assert recv_all(held.sock).startswith(b"HTTP/1.1 200")
+    held.sock.close()
+    assert not [r for r in f.control({"op": "policy", "session": "s1"})["rules"]
+                if r["rule"].startswith("other.test")]
+    events = f.events()
+    pending = [e for e in events if e["kind"] == "approval" and e["verdict"] == "pending"]
+    assert pending and pending[-1]["approval"] == approval["id"]
+    approved = [e for e in events if e.get("action") == "approved"][-1]
+    assert approved["by"] == "tester" and approved["grant"] == "once"
+    allowed = [e for e in events if e["kind"] == "connect" and e["verdict"] == "allow"][-1]
+    assert "approved by tester: once" in allowed["reason"], allowed
+    # once is once: the next tunnel waits again, for a new approval
+    again = Held(f.proxy_port)
+    second = wait_approval(f, target="other.test:8080")
+    assert second["id"] != approval["id"]
+    decide(f, second, "refuse")
+    assert again.status() == 403
+
+
+def test_a_refused_request_gets_the_denial_with_the_reason(asking):
+    f = asking
+    held = Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    decide(f, approval, "refuse", note="not\x1b[31m today")
+    head = held.answered(10).decode()
+    assert head.startswith("HTTP/1.1 403"), head
+    assert "refused by tester: not?[31m today" in head
+    assert not open_approvals(f)
+    assert f.control({"op": "approval-decide", "id": approval["id"], "grant": "once"}) == {
+        "ok": False, "error": f"no pending approval {approval['id']!r} (decided already, or "
+        "expired: `corral approvals` lists the open ones)"}
+
+
+def test_no_decision_in_time_is_a_denial_and_the_approval_stays_open(asking):
+    f = asking
+    f.control({"op": "add", "session": "s1", "kind": "approval", "rule": "ask 1"})
+    started = time.monotonic()
+    held = Held(f.proxy_port)
+    head = held.answered(10).decode()
+    assert head.startswith("HTTP/1.1 403") and "no decision within 1s" in head, head
+    assert time.monotonic() - started >= 0.9
+    approval = wait_approval(f, target="other.test:8080")
+    assert approval["waiting"] == 0
+    # once needs a request waiting; a grant for a while lets the next attempt straight in
+    refused = decide(f, approval, "once")
+    assert not refused["ok"] and "no request is waiting" in refused["error"]
+    granted = decide(f, approval, "for", duration=120)
+    assert granted["ok"], granted
+    rules = {r["rule"]: r for r in f.control({"op": "policy", "session": "s1"})["rules"]}
+    assert rules["other.test:8080"]["layer"] == "session"
+    assert 100 < rules["other.test:8080"]["expires"] - time.time() <= 120
+    assert Held(f.proxy_port).status(5) == 200
+
+
+def test_requests_for_one_target_share_one_approval_and_a_session_grant_adds_the_rule(asking):
+    f = asking
+    first, second = Held(f.proxy_port), Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080", waiting=2)
+    assert approval["asked"] == 2 and len(open_approvals(f)) == 1
+    decide(f, approval, "session")
+    assert first.status() == 200 and second.status() == 200
+    rules = {r["rule"]: r for r in f.control({"op": "policy", "session": "s1"})["rules"]}
+    assert rules["other.test:8080"].get("expires") is None
+    added = [e for e in f.events() if e["kind"] == "rule" and e.get("action") == "added"]
+    assert added[-1]["rule"] == "other.test:8080"
+
+
+def test_deny_rules_and_other_sessions_are_never_held(asking):
+    f = asking
+    started = time.monotonic()
+    with connect(f.proxy_port) as sock:  # s1's [deny] names no.wild.test
+        sock.sendall(b"CONNECT no.wild.test:443 HTTP/1.1\r\n\r\n")
+        assert recv_all(sock, 12).startswith(b"HTTP/1.1 403")
+    from tests.integration.conftest import S2_CLIENT
+
+    with connect(f.proxy_port, source=S2_CLIENT) as sock:  # s2 is not in ask mode
+        sock.sendall(b"CONNECT other2.test:8080 HTTP/1.1\r\n\r\n")
+        assert recv_all(sock, 12).startswith(b"HTTP/1.1 403")
+    assert time.monotonic() - started < 5
+    assert not open_approvals(f)
+
+
+def test_a_denied_name_in_dns_is_answered_at_once_and_opens_an_approval(asking):
+    f = asking
+    assert ask(f.dns_port, "other.test").header.rcode == RCODE.NXDOMAIN
+    approval = wait_approval(f, target="other.test")
+    assert approval["origin"] == "dns" and approval["kind"] == "http"
+    decide(f, approval, "for", duration=60)
+    deadline = time.monotonic() + 5
+    while ask(f.dns_port, "other.test").header.rcode != RCODE.NOERROR:
+        assert time.monotonic() < deadline, "the grant did not answer the name"
+        time.sleep(0.05)
+
+
+def test_a_session_has_a_bounded_number_of_open_approvals(asking):
+    f = asking
+    for i in range(40):
+        assert ask(f.dns_port, f"n{i}.flood.test").header.rcode == RCODE.NXDOMAIN
+    assert len(open_approvals(f, session="s1")) == 32
+    started = time.monotonic()
+    with connect(f.proxy_port) as sock:  # past the bound: denied at once, not held
+        sock.sendall(b"CONNECT other.test:8080 HTTP/1.1\r\n\r\n")
+        head = recv_all(sock, 4096)
+    assert head.startswith(b"HTTP/1.1 403") and b"32 approvals open" in head
+    assert time.monotonic() - started < 5
+
+
+def test_bad_decisions_are_refused_with_the_reason(asking):
+    f = asking
+    Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080")
+    for request, error in [
+        ({"grant": "always"}, "'grant' must be one of once, for, session or refuse"),
+        ({"grant": "for"}, "'duration' (seconds) goes with grant 'for'"),
+        ({"grant": "session", "duration": 5}, "'duration' (seconds) goes with grant 'for'"),
+        ({"grant": "for", "duration": -1}, "'duration' must be more than 0"),
+        ({"grant": "for", "duration": 10**9}, "'duration' must be more than 0"),
+    ]:
+        answer = f.control({"op": "approval-decide", "id": approval["id"], **request})
+        assert not answer["ok"] and error in answer["error"], (request, answer)
+    assert open_approvals(f, id=approval["id"])
+    assert json.dumps(f.control({"op": "approvals", "session": "s2"})) == (
+        '{"ok": true, "approvals": []}')
+
+
+def test_a_held_request_ends_when_its_session_is_removed(asking):
+    f = asking
+    added = f.control({"op": "session-add", "name": "s3", "subnet": "127.0.3.0/24",
+                       "files": [str(f.dir / "s1.toml")]})
+    assert added["ok"], added
+    f.control({"op": "add", "session": "s3", "kind": "approval", "rule": "ask 30"})
+    sock = connect(f.proxy_port, source="127.0.3.1", timeout=10)
+    with sock:
+        sock.sendall(b"CONNECT other.test:8080 HTTP/1.1\r\n\r\n")
+        wait_approval(f, session="s3", waiting=1)
+        assert f.control({"op": "session-remove", "name": "s3"})["ok"]
+        head = recv_all(sock)  # its policy is gone: refused at once, not after 30 s
+    assert head.startswith(b"HTTP/1.1 403") and b"session s3 ended" in head, head
+    assert not open_approvals(f, session="s3")

@@ -1,0 +1,175 @@
+"""Approvals without sockets: the book (coalescing, bounds, decisions, expiry), the holds
+(a future per approval, a hold that runs out, a session that ends), the approval rule in
+policies and in the store's runtime layer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.filter.approvals import (
+    ApprovalError,
+    Approvals,
+    Holds,
+    approvable,
+    clean,
+    grant_of,
+)
+from appliance.filter.store import PolicyStore
+from appliance.policy import (
+    ConfigError,
+    Decision,
+    Policy,
+    Rule,
+    RuleError,
+    parse_host,
+    parse_policy,
+)
+from tests.unit.filter.test_changes import config  # noqa: F401  (a fixture)
+
+DEFAULT_DENY = Policy([Rule.parse("http", "a.test")]).decide_http(parse_host("b.test"), 443)
+
+
+def test_only_what_the_default_alone_denies_can_be_approved():
+    policy = Policy([Rule.parse("http", "a.test"), Rule.parse("deny", "bad.test"),
+                     Rule.parse("host", "8080")])
+    assert approvable(DEFAULT_DENY) and grant_of(DEFAULT_DENY) == ("http", "b.test:443")
+    assert approvable(policy.decide_dns(parse_host("c.test")))
+    assert grant_of(policy.decide_dns(parse_host("c.test"))) == ("dns", "c.test")
+    assert not approvable(policy.decide_http(parse_host("a.test"), 443))  # allowed
+    assert not approvable(policy.decide_http(parse_host("bad.test"), 443))  # a deny rule
+    assert not approvable(policy.decide_host_port(9))  # the VM host's ports
+    placeholder = policy.decide_http(parse_host("corral-secret-x-abc.test"), 443)
+    assert not placeholder.allowed and not approvable(placeholder)
+
+
+def test_asks_for_one_target_coalesce_and_a_session_has_a_bound():
+    book = Approvals(max_pending=2, keep=10)
+    first, new = book.ask("s1", "http", "b.test:443", "why", "proxy", now=0)
+    again, new_again = book.ask("s1", "http", "b.test:443", "why", "proxy", now=1)
+    assert new and not new_again and again is first and first.asked == 2
+    other, _ = book.ask("s2", "http", "b.test:443", "why", "proxy", now=1)  # another session
+    assert other.id != first.id
+    book.ask("s1", "http", "c.test:443", "why", "dns", now=1)
+    assert book.ask("s1", "http", "d.test:443", "why", "proxy", now=1) == (None, False)
+    assert [a["target"] for a in book.listing("s1")] == ["b.test:443", "c.test:443"]
+
+
+def test_decisions_are_checked_and_take_the_approval():
+    book = Approvals()
+    pending, _ = book.ask("s1", "http", "b.test:443", "why", "proxy")
+    with pytest.raises(ApprovalError, match="no request is waiting"):
+        book.take(pending.id, "once")
+    with pytest.raises(ApprovalError, match="grant 'always'"):
+        book.take(pending.id, "always")
+    pending.waiting = 1
+    assert book.take(pending.id, "once") is pending
+    with pytest.raises(ApprovalError, match=f"no pending approval '{pending.id}'"):
+        book.take(pending.id, None)
+    fresh, new = book.ask("s1", "http", "b.test:443", "why", "proxy")
+    assert new and fresh.id != pending.id  # decided: the next ask is a new approval
+
+
+def test_an_approval_nobody_waits_for_expires_and_a_session_takes_its_own():
+    book = Approvals(keep=10)
+    old, _ = book.ask("s1", "http", "b.test:443", "why", "proxy", now=0)
+    held, _ = book.ask("s1", "http", "c.test:443", "why", "proxy", now=0)
+    held.waiting = 1
+    book.ask("s2", "http", "b.test:443", "why", "proxy", now=5)
+    assert book.expire(now=10) == [old]
+    assert {p.session for p in book.forget("s1")} == {"s1"}
+    assert [a["session"] for a in book.listing()] == ["s2"]
+
+
+def test_untrusted_text_is_one_printable_ascii_line_and_bounded():
+    assert clean("ok\x1b[31m\nnext\u202e") == "ok?[31m?next?"
+    assert len(clean("x" * 5000)) == 300
+
+
+def test_a_held_request_learns_the_decision_or_runs_out():
+    async def scenario():
+        events = []
+        holds = Holds(events.append)
+        pending = holds.ask("s1", DEFAULT_DENY, "proxy", "10.0.0.2:5000", "b.test", 443)
+        assert holds.ask("s1", DEFAULT_DENY, "proxy") is pending
+        waiting = [asyncio.create_task(holds.wait(pending, 5)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert pending.waiting == 2
+        holds.decide(pending.id, "once", "tester")
+        verdicts = await asyncio.gather(*waiting)
+        assert {v.grant for v in verdicts} == {"once"} and pending.waiting == 0
+        assert verdicts[0].reason == "approved by tester: once"
+        assert [e["action"] for e in events] == ["pending", "approved"]
+        assert events[0]["verdict"] == "pending" and events[1]["by"] == "tester"
+
+        late = holds.ask("s1", DEFAULT_DENY, "proxy")
+        verdict = await holds.wait(late, 0.05)
+        assert verdict.grant is None and "no decision within 0.05s" in verdict.reason
+        assert late.waiting == 0 and holds.book.pending[late.id] is late
+
+        cancelled = asyncio.create_task(holds.wait(late, 5))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # the connection ended (or the filter stops): it must propagate
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert late.waiting == 0
+
+        ended = asyncio.create_task(holds.wait(late, 5))
+        await asyncio.sleep(0)
+        holds.forget("s1")
+        assert (await ended).reason == "session s1 ended" and not holds.book.pending
+    asyncio.run(scenario())
+
+
+def test_the_approval_rule_parses_and_the_most_specific_layer_wins():
+    assert Rule.parse("approval", "ask").hold == 60
+    assert Rule.parse("approval", "ask 5s").text == "ask 5"
+    assert Rule.parse("approval", "deny").hold is None
+    for bad in ("maybe", "ask 0", "ask 601", "ask soon", "ask 5 6"):
+        with pytest.raises(RuleError, match="expected 'deny', 'ask' or 'ask SECONDS'"):
+            Rule.parse("approval", bad)
+    policy = Policy([Rule.parse("approval", "ask 30", "appliance"),
+                     Rule.parse("approval", "deny", "project"),
+                     Rule.parse("approval", "ask 9", "appliance")])
+    assert policy.hold is None  # the project's deny wins over the appliance's ask
+    assert Policy([Rule.parse("approval", "deny", "project"),
+                   Rule.parse("approval", "ask 9", "session")]).hold == 9
+    assert Policy([]).hold is None
+
+
+def test_corral_toml_approval_table():
+    rules = parse_policy('[approval]\nmode = "ask"\nhold = 20\n', "c.toml", "project").rules
+    assert [(r.kind, r.text, r.layer) for r in rules] == [("approval", "ask 20", "project")]
+    assert parse_policy('[approval]\nmode = "deny"\n', "c.toml", "project").rules[0].hold is None
+    for text, message in [
+        ('[approval]\nmode = "yes"\n', "c.toml:2: [approval] mode: 'yes': expected \"ask\""),
+        ('[approval]\nmode = "deny"\nhold = 5\n', "[approval] hold: a whole number"),
+        ('[approval]\nmode = "ask"\nhold = 9000\n', "[approval] hold: approval rule 'ask 9000'"),
+        ('[approval]\nwait = 5\n', "c.toml:2: [approval] wait: unknown key"),
+        ('approval = "ask"\n', "[approval] mode = \"ask\""),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            parse_policy(text, "c.toml", "project")
+        assert message in str(raised.value), str(raised.value)
+
+
+def test_a_runtime_approval_rule_replaces_the_one_before(config):  # noqa: F811
+    store = PolicyStore(config)
+    store.add("s1", "approval", "ask 30")
+    _, added = store.add("s1", "approval", "ask 30")
+    assert not added
+    store.add("s1", "approval", "deny", until=None)
+    store.add("s1", "http", "kept.test")
+    assert [r.text for r in store.sessions["s1"].runtime] == ["deny", "kept.test"]
+    assert store.sessions["s1"].policy.hold is None
+    store.add("s1", "approval", "ask", until=4102444800.0)
+    session = store.sessions["s1"]
+    assert [r.text for r in session.runtime] == ["kept.test", "ask"]
+    assert session.policy.hold == 60 and list(session.expires) == [("approval", "ask")]
+
+
+def test_a_decision_carries_its_hint_for_the_grant():
+    decision = Decision(False, "b.test is not in the tcp policy", None,
+                        "corral allow-tcp b.test:22")
+    assert approvable(decision) and grant_of(decision) == ("tcp", "b.test:22")
