@@ -24,13 +24,14 @@ def cmd_approvals(args) -> int:
         output.data(answer)
         return exitcodes.OK
     rows = [[a["id"], a["session"], f"{a['kind']} {a['target']}", str(a["asked"]),
-             "yes" if a["waiting"] else "", _ago(a["created"]), a["origin"]]
-            for a in answer["approvals"]]
+             "yes" if a["waiting"] else "", _ago(a["created"]), a["origin"],
+             _shown(a.get("note") or "")] for a in answer["approvals"]]
     if not rows:
         output.line("no approvals are open (a session in ask mode opens one for each host "
                     "the policy does not name)")
         return exitcodes.OK
-    output.table(rows, ["ID", "SESSION", "WOULD ALLOW", "ASKED", "WAITING", "AGE", "FROM"])
+    output.table(rows, ["ID", "SESSION", "WOULD ALLOW", "ASKED", "WAITING", "AGE", "FROM",
+                        "AGENT'S REASON"])
     output.line("decide: corral approve ID [--once | --for 10m | --session]; corral refuse ID")
     return exitcodes.OK
 
@@ -94,6 +95,13 @@ def cmd_ask(args) -> int:
                     f"{args.hold or HOLD_DEFAULT}s for `corral approve` (`corral approvals` "
                     "lists them)")
     return exitcodes.OK
+
+
+def _shown(text: str, width: int = 60) -> str:
+    """The agent's words, as untrusted text: printable ASCII only (the appliance cleaned
+    them already; a terminal must not act on anything whatever the appliance sent)."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _ago(ts: float) -> str:

@@ -24,8 +24,9 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, quote, urlsplit
 
-from appliance.policy import Decision
+from appliance.policy import Decision, Host, HostNameError, parse_host, split_host_port
 
 GRANTS = ("once", "for", "session")
 """once: the requests waiting now go on, no rule is added; for: a runtime rule that ends
@@ -39,14 +40,92 @@ KEEP = 600.0
 (a person may still grant it; the agent retries)."""
 MAX_NOTE = 300
 """Characters of a reason or a refusal's note kept (untrusted text, shown escaped)."""
+REQUEST_NAME = "request.corral"
+"""Where an agent asks, through its session's proxy: `http://request.corral/?host=...`."""
+ASK_KINDS = ("http", "dns", "tcp")
+MAX_WAIT = 600
+"""Seconds an agent's request may wait for the decision (`wait=`)."""
 
 
 def approvable(decision: Decision) -> bool:
     """Denied by the default alone: no deny rule, no placeholder, no host port, and a
-    command that would allow it (`corral allow-http|dns|tcp TARGET`)."""
-    return (not decision.allowed and decision.rule is None
-            and decision.hint.startswith(("corral allow-http ", "corral allow-dns ",
-                                          "corral allow-tcp ")))
+    command that would allow it (`corral allow-http|dns|tcp TARGET`); never a name of the
+    appliance's own (`*.corral`)."""
+    if decision.allowed or decision.rule is not None or not decision.hint.startswith(
+            ("corral allow-http ", "corral allow-dns ", "corral allow-tcp ")):
+        return False
+    name = grant_of(decision)[1].rpartition(":")[0] or grant_of(decision)[1]
+    return not name.rstrip(".").lower().endswith(".corral")
+
+
+def request_hint(decision: Decision) -> str | None:
+    """What a 403 tells an agent about asking a person for it (one line), or None."""
+    if not approvable(decision):
+        return None
+    kind, target = grant_of(decision)
+    suffix = "" if kind == "http" else f"&kind={kind}"
+    return (f"curl -sS 'http://{REQUEST_NAME}/?host={quote(target, safe=':[]')}{suffix}"
+            "&reason=WHY+YOU+NEED+IT&wait=60'")
+
+
+@dataclass(frozen=True)
+class AgentAsk:
+    """What an agent asked for at request.corral."""
+
+    host: Host
+    port: int | None
+    kind: str
+    reason: str
+    wait: int
+
+
+def parse_agent_ask(path: str) -> AgentAsk:
+    """`/?host=H[:PORT]&reason=TEXT[&kind=http|dns|tcp][&wait=SECONDS]`, as the proxy
+    routed it (origin-form); ApprovalError says what is wrong."""
+    parts = urlsplit(path)
+    if parts.path not in ("", "/"):
+        raise ApprovalError(f"ask at http://{REQUEST_NAME}/?host=HOST[:PORT]&reason=WHY "
+                            "(kind=http|dns|tcp, wait=SECONDS optional)")
+    try:
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query),
+                          max_num_fields=8)
+    except ValueError as exc:
+        raise ApprovalError(f"the query does not parse: {exc}") from None
+    fields: dict[str, str] = {}
+    for key, value in pairs:
+        if key not in ("host", "reason", "kind", "wait"):
+            raise ApprovalError(f"unknown field {clean(key)[:40]!r}; expected host, reason, "
+                                "kind, wait")
+        if key in fields:
+            raise ApprovalError(f"field {key!r} given twice")
+        fields[key] = value
+    if not fields.get("host"):
+        raise ApprovalError("name the host: ?host=HOST[:PORT]&reason=WHY")
+    if not fields.get("reason", "").strip():
+        raise ApprovalError("say why: a person reads the reason (&reason=...)")
+    kind = fields.get("kind", "http")
+    if kind not in ASK_KINDS:
+        raise ApprovalError(f"kind {clean(kind)[:20]!r}: expected one of {', '.join(ASK_KINDS)}")
+    wait = fields.get("wait", "0")
+    if not wait.isdigit() or int(wait) > MAX_WAIT:
+        raise ApprovalError(f"wait: a whole number of seconds, 0 to {MAX_WAIT}")
+    try:
+        name, port_text = split_host_port(fields["host"])
+        host = parse_host(name)
+        if port_text is not None and not (port_text.isascii() and port_text.isdigit()):
+            raise ValueError(f"port {clean(port_text)[:20]!r} is not a number")
+        port = int(port_text) if port_text is not None else None
+    except (HostNameError, ValueError) as exc:
+        raise ApprovalError(f"host {clean(fields['host'])[:80]!r}: {exc}") from None
+    if host.name is None and host.address is None:
+        raise ApprovalError(f"host {clean(fields['host'])[:80]!r} is no host")
+    if port is not None and not 0 < port < 65536:
+        raise ApprovalError(f"port {port} is out of range")
+    if kind == "tcp" and port is None:
+        raise ApprovalError("a tcp request names its port: ?host=HOST:PORT&kind=tcp")
+    if kind == "dns" and port is not None:
+        raise ApprovalError("a dns request names a host without a port")
+    return AgentAsk(host, port, kind, clean(fields["reason"].strip()), int(wait))
 
 
 def grant_of(decision: Decision) -> tuple[str, str]:
@@ -73,7 +152,10 @@ class Pending:
     why: str
     """Why the policy denied it (the policy's reason)."""
     origin: str
-    """Who asked: proxy (a held request), dns (a query answered NXDOMAIN)."""
+    """Who asked: proxy (a held request), dns (a query answered NXDOMAIN), agent (at
+    request.corral, with a reason)."""
+    note: str = ""
+    """The agent's reason (untrusted: cleaned, bounded), when it asked."""
     created: float = field(default_factory=time.time)
     last: float = field(default_factory=time.monotonic)
     asked: int = 1
@@ -83,6 +165,7 @@ class Pending:
     def to_json(self) -> dict:
         return {"id": self.id, "session": self.session, "kind": self.kind,
                 "target": self.target, "why": self.why, "origin": self.origin,
+                "note": self.note,
                 "created": round(self.created, 3), "asked": self.asked,
                 "waiting": self.waiting}
 
@@ -108,7 +191,7 @@ class Approvals:
         self._by_target: dict[tuple[str, str, str], str] = {}
 
     def ask(self, session: str, kind: str, target: str, why: str, origin: str,
-            now: float | None = None) -> tuple[Pending | None, bool]:
+            now: float | None = None, note: str = "") -> tuple[Pending | None, bool]:
         """The approval for (session, kind, target), made if new: (pending, new). (None,
         False) when the session already has max_pending others: deny at once."""
         now = time.monotonic() if now is None else now
@@ -118,11 +201,12 @@ class Approvals:
             pending = self.pending[found]
             pending.asked += 1
             pending.last = now
+            pending.note = pending.note or note  # the first reason given stands
             return pending, False
         if sum(1 for p in self.pending.values() if p.session == session) >= self.max_pending:
             return None, False
         pending = Pending(f"ap-{secrets.token_hex(4)}", session, kind, target, why, origin,
-                          last=now)
+                          note, last=now)
         while pending.id in self.pending:  # 32 bits: a clash is rare, never a merge
             pending.id = f"ap-{secrets.token_hex(4)}"
         self.pending[pending.id] = pending
@@ -188,16 +272,19 @@ class Holds:
         self._decided: dict[str, asyncio.Future[Verdict]] = {}
 
     def ask(self, session: str, decision: Decision, origin: str, client: str | None = None,
-            name: str | None = None, port: int | None = None) -> Pending | None:
+            name: str | None = None, port: int | None = None, note: str = ""
+            ) -> Pending | None:
         """Open (or join) the approval for what `decision` denied; None: the session has
         too many open, deny at once."""
         self.expire()
         kind, target = grant_of(decision)
-        pending, new = self.book.ask(session, kind, target, decision.reason, origin)
+        pending, new = self.book.ask(session, kind, target, decision.reason, origin,
+                                     note=clean(note))
         if new:
+            said = f"; the agent says: {pending.note}" if pending.note else ""
             self._event(pending, "pending", f"waiting for a person: corral approve {pending.id}"
-                        f" (allows {kind} {target}) or corral refuse {pending.id}",
-                        client=client, name=name, port=port)
+                        f" (allows {kind} {target}) or corral refuse {pending.id}{said}",
+                        client=client, name=name, port=port, note=pending.note)
         return pending
 
     async def wait(self, pending: Pending, hold: float) -> Verdict:

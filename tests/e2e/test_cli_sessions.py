@@ -317,6 +317,73 @@ def test_run_with_a_command_attaches_runs_it_and_keeps_the_session(world, projec
     corral(world, "rm", "c5")
 
 
+def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c1):
+    """A request from inside a real session to a host the policy does not name waits while
+    `corral approvals` shows it; `corral approve --once` lets it through, `corral refuse`
+    gives the usual denial, and a grant `--for 2s` lets the next one straight in until it
+    ends: then a request is held again."""
+
+    def fetch():  # curl inside the session, through the session's proxy settings
+        return subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{netns.APPLIANCE}", str(BIN / "corral"), "shell",
+             "--appliance", APPLIANCE_NAME, "c1", "--", "curl", "-sS", "-o", "/dev/null",
+             "-w", "%{http_code}", "--max-time", "90", "http://other.test/"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=world.cli_env)
+
+    def waiting() -> dict:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            listed = json.loads(corral(world, "approvals", "--session", "c1",
+                                       "--json").stdout)["approvals"]
+            held = [a for a in listed if a["waiting"]]
+            if held:
+                return held[0]
+            time.sleep(0.5)
+        raise AssertionError(f"no request held: {listed}")
+
+    corral(world, "ask", "--session", "c1", "--hold", "90")
+    try:
+        first = fetch()
+        approval = waiting()
+        assert approval["target"] == "other.test:80" and approval["origin"] == "proxy"
+        assert first.poll() is None  # still waiting for the decision
+        corral(world, "approve", approval["id"], "--once")
+        out, err = first.communicate(timeout=60)
+        assert out == "200", (out, err)
+
+        second = fetch()
+        corral(world, "refuse", waiting()["id"], "--reason", "not in this session")
+        out, _ = second.communicate(timeout=60)
+        assert out == "403"
+
+        third = fetch()
+        corral(world, "approve", waiting()["id"], "--for", "2s")
+        assert third.communicate(timeout=60)[0] == "200"
+        time.sleep(3)  # the grant ends: the next request is held again
+        fourth = fetch()
+        approval = waiting()
+        corral(world, "refuse", approval["id"])
+        assert fourth.communicate(timeout=60)[0] == "403"
+        records = world.control({"op": "events", "last": 2000, "session": "c1"})["events"]
+        actions = [e["action"] for e in records if e.get("kind") == "approval"]
+        assert actions.count("approved") == 2 and actions.count("refused") == 2, actions
+        assert any(e.get("action") == "expired" and e.get("rule") == "other.test:80"
+                   for e in records)
+        # the agent may ask, with its reason, by the line a denial gives it
+        corral(world, "ask", "--session", "c1", "--off")
+        denied = corral(world, "shell", "c1", "--", "curl", "-sS", "-i",
+                        "http://denied.test/").stdout
+        (line,) = [x for x in denied.splitlines() if x.startswith("X-Corral-Request: ")]
+        command = line.split(": ", 1)[1].replace("WHY+YOU+NEED+IT", "to+read+the+docs")
+        command = command.replace("&wait=60", "")
+        asked = corral(world, "shell", "c1", "--", "sh", "-c", command).stdout
+        assert json.loads(asked)["status"] == "pending", asked
+        listed = corral(world, "approvals", "--session", "c1").stdout
+        assert "to read the docs" in listed and "agent" in listed, listed
+    finally:
+        corral(world, "ask", "--session", "c1", "--off")
+
+
 def test_stop_then_rm_leave_nothing_behind(world, c1):
     corral(world, "shell", "c1", "--", "sh", "-c", "echo kept > left-before-stop.txt")
     corral(world, "stop", "c1")
@@ -347,3 +414,4 @@ def test_down_stops_everything_and_up_brings_it_back(world, c1):
     assert "appliance going down" in listed["c3"]["reason"]
     assert json.loads(corral(world, "audit", "--verify", "--json").stdout)["intact"]
     corral(world, "rm", "c3")
+

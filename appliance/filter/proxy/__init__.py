@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from appliance.policy import HOST_NAME, Decision, Host, Policy
 
-from ..approvals import Holds, approvable
+from ..approvals import ApprovalError, Holds, approvable, parse_agent_ask
 from ..config import ProxyConfig
-from ..dnsguard import ExfilGuard
+from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
 from ..http import HttpError
 from ..relay import Counters, original_port, within
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 _EVENT_KEYS = ("id", "session", "client", "kind", "name", "port", "address", "verdict",
                "reason", "rule", "layer")
+
+
+ASK_RATE, ASK_BURST = 1.0, 5
+"""Requests an agent may make at request.corral: a second, and saved up."""
 
 
 @dataclass(eq=False)
@@ -83,6 +87,8 @@ class Proxy:
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
         self.holds = holds or Holds(bus.emit)
         """Requests held in ask mode for a person's decision (approvals.py)."""
+        self.asking: dict[str, TokenBucket] = {}
+        """Each session's allowance of requests at request.corral (ASK_RATE, ASK_BURST)."""
         self.gateway = gateway
         self.exfil = exfil
         """The DNS filter's exfiltration limits: a name under a wildcard that the proxy
@@ -100,6 +106,8 @@ class Proxy:
         self.forward = Forward(self)
         self.tunnels = Tunnels(self)
         store.on_change(self.rejudge)
+        store.on_change(lambda: [self.asking.pop(s, None) for s in set(self.asking)
+                                 if s not in store.sessions])
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
 
@@ -290,6 +298,53 @@ class Proxy:
             return session, now_policy, Decision(True, f"{host}:{port} {verdict.reason} "
                                                  f"({pending.id})")
         return now_session, now_policy, now
+
+    async def agent_ask(self, client: Client, path: str) -> tuple[int, dict]:
+        """An agent asking for a host at request.corral, with a reason: the approval it
+        opens (or joins), and with `wait` the decision. Answered in any approval mode (the
+        agent may always ask; only a person grants); rate-limited per session. Returns
+        (HTTP status, JSON answer)."""
+        session, policy = self.store.lookup(client.address)
+        if session is None:
+            return 403, {"error": "outside every session: nothing to ask for"}
+        bucket = self.asking.get(session)
+        now = time.monotonic()
+        if bucket is None:
+            bucket = self.asking[session] = TokenBucket(ASK_RATE, ASK_BURST, now)
+        if not bucket.take(now):
+            return 429, {"error": f"at most {ASK_RATE:g} request a second (a burst of "
+                                  f"{ASK_BURST}) per session: try again later"}
+        try:
+            ask = parse_agent_ask(path)
+        except ApprovalError as exc:
+            return 400, {"error": str(exc)}
+        port = ask.port if ask.port is not None else 443
+        if ask.kind == "dns":
+            decision = policy.decide_dns(ask.host)
+        elif ask.kind == "tcp":
+            decision = policy.decide_tcp(ask.host, port)
+        else:
+            decision = policy.decide_http(ask.host, port)
+        if decision.allowed:
+            return 200, {"status": "allowed", "reason": decision.reason}
+        if not approvable(decision):
+            return 403, {"status": "refused", "reason": f"{decision.reason}: not something a "
+                         "person can approve (a deny rule, a placeholder, the VM host's "
+                         "ports or the appliance's own names)"}
+        pending = self.holds.ask(session, decision, "agent", client.label, str(ask.host),
+                                 ask.port, note=ask.reason)
+        if pending is None:
+            return 429, {"error": f"session {session} has {self.holds.book.max_pending} "
+                                  "approvals open already"}
+        answer = {"id": pending.id, "kind": pending.kind, "target": pending.target}
+        if not ask.wait:
+            return 202, {"status": "pending", **answer}
+        verdict = await self.holds.wait(pending, ask.wait)
+        if verdict.grant is None and pending.id in self.holds.book.pending:
+            return 202, {"status": "pending", **answer, "reason": verdict.reason}
+        return (200, {"status": "approved", "grant": verdict.grant, **answer,
+                      "reason": verdict.reason}) if verdict.grant else (
+            403, {"status": "refused", **answer, "reason": verdict.reason})
 
     def event(self, decision, client: Client, session, kind, host, port, address=None,
               **extra) -> dict:

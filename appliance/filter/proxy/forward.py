@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from appliance.policy import Decision
 from appliance.policy.targets import Ambiguous
 
+from ..approvals import REQUEST_NAME
 from ..config import SCAN_BYTES
 from ..http import (
     HttpError,
@@ -41,6 +43,7 @@ from .pipeline import (
     outgoing,
     override_methods,
     request_fields,
+    response,
     route,
     strip_empty_lines,
     wants_close,
@@ -261,6 +264,8 @@ class Forward:
                       holding: list):
         proxy = self.proxy
         where = route(head, mode)
+        if where.host.name == REQUEST_NAME and not isinstance(mode, InTunnel):
+            return await self._agent_ask(client, head, where), kept
         session, policy, decision = await proxy.judge(client, where.host, where.port)
         if decision.allowed and where.conflict is not None:
             decision = Decision(False, where.conflict)
@@ -461,6 +466,18 @@ class Forward:
         if len(body) > OFF_LOOP:  # a regex pass over a MiB is milliseconds: not on the loop
             return await asyncio.to_thread(leaks.scan, body, "the body"), body
         return leaks.scan(body, "the body"), body
+
+    async def _agent_ask(self, client: Client, head, where) -> bool:
+        """An agent asking a person for a host (request.corral): answered here, in JSON, and
+        the connection closed (it is never dialled, nor its body read)."""
+        if head.start[0] not in ("GET", "POST"):
+            status, answer = 405, {"error": "ask with GET (or POST) and a query"}
+        else:
+            status, answer = await self.proxy.agent_ask(client, where.path)
+        client.writer.write(response(status, json.dumps(answer) + "\n",
+                                     content_type="application/json"))
+        await drain(client.writer, self.config.idle_timeout)
+        return False
 
     async def _refuse(self, client: Client, head, denied: Denied, read: bool = False) -> bool:
         """Answer a request its host's request rules refuse; whether the connection goes on.

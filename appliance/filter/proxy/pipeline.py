@@ -26,6 +26,7 @@ from urllib.parse import unquote
 from appliance.policy import Decision, Host, HostNameError, parse_host
 from appliance.policy.targets import Ambiguous, query_pairs
 
+from ..approvals import request_hint
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
 
 OWN = frozenset({"host", "content-length", "transfer-encoding"})
@@ -279,11 +280,11 @@ def wants_close(head: Head, version: str) -> bool:
 # -- the proxy's own answers ------------------------------------------------------------------
 
 
-def response(status: int, body: str, extra: dict[str, str] | None = None, keep: bool = False
-             ) -> bytes:
+def response(status: int, body: str, extra: dict[str, str] | None = None, keep: bool = False,
+             content_type: str = "text/plain; charset=utf-8") -> bytes:
     """A complete response of the proxy's own, which closes the connection unless `keep`."""
     payload = body.encode()
-    lines = [f"HTTP/1.1 {status} {_phrase(status)}", "Content-Type: text/plain; charset=utf-8",
+    lines = [f"HTTP/1.1 {status} {_phrase(status)}", f"Content-Type: {content_type}",
              f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
     lines += [f"{k}: {printable(v)}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
@@ -295,7 +296,12 @@ def deny_response(denied: Denied, keep: bool = False) -> bytes:
     if d.hint:
         body += f" To allow it: {d.hint}"
     header = "X-Corral-Deny" if denied.status == 403 else "X-Corral-Error"
-    return response(denied.status, body + "\n", {header: d.reason}, keep)
+    extra = {header: d.reason}
+    ask = request_hint(d) if denied.status == 403 else None
+    if ask is not None:  # an agent reads this: ask a person instead of working around it
+        body += f"\nTo ask a person for it from inside the session: {ask}"
+        extra["X-Corral-Request"] = ask
+    return response(denied.status, body + "\n", extra, keep)
 
 
 def error_response(status: int, message: str) -> bytes:

@@ -234,3 +234,75 @@ def test_a_held_request_ends_when_its_session_is_removed(asking):
         head = recv_all(sock)  # its policy is gone: refused at once, not after 30 s
     assert head.startswith(b"HTTP/1.1 403") and b"session s3 ended" in head, head
     assert not open_approvals(f, session="s3")
+
+
+def agent_asks(f: FilterProcess, query: str, source: str | None = None) -> tuple[int, dict]:
+    """GET http://request.corral/?QUERY through the proxy, as curl in a session would."""
+    from tests.integration.conftest import S1_CLIENT
+
+    with connect(f.proxy_port, source=source or S1_CLIENT, timeout=30) as sock:
+        sock.sendall(f"GET http://request.corral/?{query} HTTP/1.1\r\nHost: request.corral"
+                     "\r\n\r\n".encode())
+        answer = recv_all(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Content-Type: application/json" in head, answer
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def test_an_agent_asks_with_a_reason_and_learns_the_decision(asking):
+    f = asking
+    status, answer = agent_asks(f, "host=other.test:8080&reason=the+docs+%1b[31m")
+    assert status == 202 and answer["status"] == "pending", answer
+    (approval,) = open_approvals(f, id=answer["id"])
+    assert approval["origin"] == "agent" and approval["note"] == "the docs ?[31m"
+    assert approval["target"] == "other.test:8080"
+    pending = next(e for e in f.events() if e.get("approval") == answer["id"])
+    assert "the agent says: the docs ?[31m" in pending["reason"]
+    # asking again with wait= joins the same approval and learns the decision
+    waiter = threading.Thread(target=lambda: results.append(agent_asks(
+        f, "host=other.test:8080&reason=still+needed&wait=20")), daemon=True)
+    results: list = []
+    waiter.start()
+    wait_approval(f, id=answer["id"], waiting=1)
+    decide(f, approval, "for", duration=60)
+    waiter.join(10)
+    (status, decided), = results
+    assert status == 200 and decided["status"] == "approved" and decided["grant"] == "for"
+    assert agent_asks(f, "host=other.test:8080&reason=again")[1]["status"] == "allowed"
+    assert open_approvals(f) == []
+
+
+def test_what_no_person_can_grant_is_answered_at_once(asking):
+    f = asking
+    status, answer = agent_asks(f, "host=no.wild.test&reason=please")  # s1 denies it
+    assert status == 403 and "not something a person can approve" in answer["reason"]
+    status, answer = agent_asks(f, "host=request.corral&reason=loop")
+    assert status == 403
+    status, answer = agent_asks(f, "host=a.test&reason=x&grant=session")
+    assert status == 400 and "unknown field 'grant'" in answer["error"]
+    from tests.integration.conftest import OUTSIDE_CLIENT
+
+    status, answer = agent_asks(f, "host=a.test&reason=x", source=OUTSIDE_CLIENT)
+    assert status == 403 and "outside every session" in answer["error"]
+    assert open_approvals(f) == []
+
+
+def test_asking_is_rate_limited_per_session(asking):
+    f = asking
+    statuses = [agent_asks(f, f"host=n{i}.test&reason=x")[0] for i in range(8)]
+    assert statuses[:5] == [202] * 5 and 429 in statuses[5:], statuses
+    from tests.integration.conftest import S2_CLIENT
+
+    assert agent_asks(f, "host=n0.test&reason=x", source=S2_CLIENT)[0] == 202  # its own
+
+
+def test_a_denial_tells_the_agent_how_to_ask(asking):
+    f = asking
+    f.control({"op": "add", "session": "s1", "kind": "approval", "rule": "deny"})
+    with connect(f.proxy_port) as sock:
+        sock.sendall(b"GET http://other.test:8080/x HTTP/1.1\r\nHost: other.test:8080\r\n\r\n")
+        head = recv_all(sock).decode()
+    assert head.startswith("HTTP/1.1 403")
+    hint = ("curl -sS 'http://request.corral/?host=other.test:8080&reason=WHY+YOU+NEED+IT"
+            "&wait=60'")
+    assert f"X-Corral-Request: {hint}" in head and f"from inside the session: {hint}" in head

@@ -5,6 +5,7 @@ policies and in the store's runtime layer."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -173,3 +174,44 @@ def test_a_decision_carries_its_hint_for_the_grant():
     decision = Decision(False, "b.test is not in the tcp policy", None,
                         "corral allow-tcp b.test:22")
     assert approvable(decision) and grant_of(decision) == ("tcp", "b.test:22")
+
+
+def test_an_agents_ask_parses_or_says_what_is_wrong():
+    from appliance.filter.approvals import parse_agent_ask
+
+    ask = parse_agent_ask("/?host=Docs.Example.org:8443&reason=the+API+docs%0a%1b[2J&wait=30")
+    assert (str(ask.host), ask.port, ask.kind, ask.wait) == ("docs.example.org", 8443, "http", 30)
+    assert ask.reason == "the API docs??[2J"
+    assert parse_agent_ask("/?host=git.test:22&kind=tcp&reason=ssh").kind == "tcp"
+    assert parse_agent_ask("?host=[2001:db8::1]:443&reason=x").port == 443
+    for path, message in [
+        ("/other?host=a.test&reason=x", "ask at http://request.corral/?host="),
+        ("/?host=a.test", "say why"),
+        ("/?reason=x", "name the host"),
+        ("/?host=a.test&reason=x&host=b.test", "field 'host' given twice"),
+        ("/?host=a.test&reason=x&grant=session", "unknown field 'grant'"),
+        ("/?host=a.test&reason=x&kind=udp", "kind 'udp'"),
+        ("/?host=a.test&reason=x&wait=9999", "wait: a whole number of seconds"),
+        ("/?host=a.test&reason=x&wait=-1", "wait: a whole number of seconds"),
+        ("/?host=a.test:+5&reason=x", "is not a number"),
+        ("/?host=a.test:99999&reason=x", "out of range"),
+        ("/?host=-bad-.test&reason=x", "host '-bad-.test'"),
+        ("/?host=a.test&kind=tcp&reason=x", "a tcp request names its port"),
+        ("/?host=a.test:53&kind=dns&reason=x", "a dns request names a host without a port"),
+        ("/?" + "&".join(f"f{i}=1" for i in range(20)), "does not parse"),
+    ]:
+        with pytest.raises(ApprovalError, match=re.escape(message)):
+            parse_agent_ask(path)
+
+
+def test_a_403_tells_the_agent_how_to_ask_only_when_a_person_could_grant_it():
+    from appliance.filter.approvals import request_hint
+
+    assert request_hint(DEFAULT_DENY) == ("curl -sS 'http://request.corral/?host=b.test:443"
+                                          "&reason=WHY+YOU+NEED+IT&wait=60'")
+    tcp = Policy([]).decide_tcp(parse_host("git.test"), 22)
+    assert "host=git.test:22&kind=tcp&" in request_hint(tcp)
+    denied = Policy([Rule.parse("deny", "bad.test")]).decide_http(parse_host("bad.test"), 443)
+    assert request_hint(denied) is None
+    own = Policy([]).decide_http(parse_host("request.corral"), 443)
+    assert not approvable(own) and request_hint(own) is None
