@@ -8,12 +8,13 @@ inside a sandbox can reach them.
 from __future__ import annotations
 
 import time
+from urllib.parse import quote
 
 from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
 
 from . import exitcodes, output
 from .client import CliError
-from .control import _clock, client_for, parse_duration, pick_session
+from .control import client_for, clock, parse_duration, pick_session
 
 
 def cmd_approvals(args) -> int:
@@ -42,19 +43,18 @@ def cmd_approve(args) -> int:
         request = {"grant": "for", "duration": parse_duration(args.duration)}
     else:
         request = {"grant": "session" if args.session_grant else "once"}
-    answer = client.request("POST", f"/approvals/{args.id}", request)
+    answer = client.request("POST", f"/approvals/{quote(args.id, safe='')}", request)
     if args.json:
         output.data(answer)
         return exitcodes.OK
     approval = answer["approval"]
     what = f"{approval['kind']} {approval['target']} in session {approval['session']}"
     if request["grant"] == "once":
-        output.line(f"approved once: {what} (the {approval['waiting']} request(s) waiting; "
-                    "no rule added)")
-    elif request["grant"] == "for":
-        ends = time.time() + request["duration"]
-        output.line(f"approved {what} until about {_clock(ends)} (a runtime rule, taken back "
-                    "then)")
+        output.line(f"approved once: {what} (the {approval['waiting']} request(s) waiting: a "
+                    "tunnel for its life, a plain HTTP request alone; no rule added)")
+    elif answer.get("expires"):
+        output.line(f"approved {what} until {clock(answer['expires'])} (a runtime rule, taken "
+                    "back then)")
     else:
         output.line(f"approved {what} for the session (a runtime rule: `corral revoke` takes "
                     "it back)")
@@ -64,7 +64,7 @@ def cmd_approve(args) -> int:
 def cmd_refuse(args) -> int:
     client = client_for(args)
     request = {"grant": "refuse", **({"note": args.reason} if args.reason else {})}
-    answer = client.request("POST", f"/approvals/{args.id}", request)
+    answer = client.request("POST", f"/approvals/{quote(args.id, safe='')}", request)
     if args.json:
         output.data(answer)
     else:

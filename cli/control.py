@@ -52,7 +52,7 @@ def cmd_allow(args) -> int:
     else:
         verb = "added" if answer["added"] else "already there:"
         ends = answer.get("expires")
-        until = f", until {_clock(ends)}" if ends else (
+        until = f", until {clock(ends)}" if ends else (
             ", for good (it was already)" if args.duration is not None else "")
         output.line(f"{verb} {kind} {answer['rule']['rule']} (session {session}{until})")
     return exitcodes.OK
@@ -72,7 +72,7 @@ def parse_duration(text: str) -> int:
     return total
 
 
-def _clock(ts: float) -> str:
+def clock(ts: float) -> str:
     """A wall-clock time for a person: the time alone today, else the date too."""
     moment = datetime.datetime.fromtimestamp(ts)
     today = datetime.datetime.now().date() == moment.date()
@@ -112,7 +112,7 @@ def cmd_rules(args) -> int:
         output.data({"session": session, "rules": rules})
     else:
         output.table([[r["rule"], r["kind"], r["layer"], r["source"],
-                       _clock(r["expires"]) if r.get("expires") else ""] for r in rules],
+                       clock(r["expires"]) if r.get("expires") else ""] for r in rules],
                      ["RULE", "KIND", "LAYER", "SOURCE", "UNTIL"])
     return exitcodes.OK
 

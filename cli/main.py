@@ -20,6 +20,7 @@ from appliance.policy import (
     preset_description,
     preset_names,
 )
+from appliance.policy.rules import HOLD_DEFAULT
 
 from . import approvals, box, control, exitcodes, local, output, secrets, sessions, vm
 from .client import CliError, load_appliance
@@ -53,6 +54,10 @@ def cmd_presets(args) -> int:
 
 def cmd_up(args) -> int:
     if args.backend == "local":
+        if args.trust_ca:
+            raise CliError("--trust-ca is for a VM: a local appliance trusts this host's store",
+                           "add the CA to this host's store (update-ca-certificates)",
+                           exitcodes.USAGE)
         return local.up(args)
     return vm.up(args)
 
@@ -147,9 +152,9 @@ def parser() -> argparse.ArgumentParser:
         "`corral approve`", approvals.cmd_ask, description="Ask mode for a running session "
         "(a runtime rule that wins over corral.toml's [approval]): a request or name the "
         "policy does not name is held (DNS: answered NXDOMAIN) while an approval is open; "
-        "deny rules and blocked ranges are never held.")
+        "deny rules, IP literals and the appliance's own names are never held.")
     asks.add_argument("--hold", type=int, metavar="SECONDS",
-                      help="how long a request waits for a decision (default 60)")
+                      help=f"how long a request waits for a decision (default {HOLD_DEFAULT})")
     asks.add_argument("--off", action="store_true", help="deny at once again")
     appliance_command("approvals", "what sessions in ask mode wait for", approvals.cmd_approvals)
     approve = appliance_command("approve", "grant an open approval", approvals.cmd_approve,
@@ -157,7 +162,8 @@ def parser() -> argparse.ArgumentParser:
     approve.add_argument("id", metavar="ID", help="as `corral approvals` shows it")
     how = approve.add_mutually_exclusive_group()
     how.add_argument("--once", action="store_true",
-                     help="the requests waiting now go on, no rule is added (the default)")
+                     help="the requests waiting now go on (a tunnel for its life, a plain HTTP "
+                     "request alone), no rule is added (the default)")
     how.add_argument("--for", dest="duration", metavar="DURATION",
                      help="a runtime rule for this long (90s, 10m, 1h30m, 2d)")
     how.add_argument("--session", dest="session_grant", action="store_true",

@@ -125,11 +125,16 @@ def trusted_cas(files: list[str]) -> list[str]:
     them into the appliance's store, where a wrong file would silently trust nothing)."""
     from cryptography import x509
 
-    checked = []
+    checked, stems = [], {}
     for name in files:
         path = Path(name).expanduser().absolute()
+        if os.pathsep in str(path):
+            raise CliError(f"--trust-ca {name}: a path with {os.pathsep!r} in it cannot be "
+                           "handed to Vagrant (CORRAL_EXTRA_CA_FILES)", "copy it elsewhere",
+                           exitcodes.USAGE)
         try:
-            certificates = x509.load_pem_x509_certificates(path.read_bytes())
+            data = path.read_bytes()
+            x509.load_pem_x509_certificates(data)
         except OSError as exc:
             raise CliError(f"--trust-ca {name}: {exc.strerror}", "name a CA certificate file "
                            "(PEM)", exitcodes.USAGE) from None
@@ -137,8 +142,16 @@ def trusted_cas(files: list[str]) -> list[str]:
             raise CliError(f"--trust-ca {name}: no PEM certificate in it",
                            "name a CA certificate file (PEM, -----BEGIN CERTIFICATE-----)",
                            exitcodes.USAGE) from None
-        if not certificates:
-            raise CliError(f"--trust-ca {name}: no PEM certificate in it", "", exitcodes.USAGE)
+        if b"PRIVATE KEY" in data:  # e.g. mitmproxy-ca.pem: the role would copy it, 0644
+            raise CliError(f"--trust-ca {name}: it holds a private key too",
+                           "give a file with the certificate alone (e.g. mitmproxy-ca-cert.pem)",
+                           exitcodes.USAGE)
+        stem = re.sub(r"\.(crt|pem)$", "", path.name)  # the role's name in the store
+        if stem in stems:
+            raise CliError(f"--trust-ca {name} and {stems[stem]} would be one file in the "
+                           f"appliance's store (corral-{stem}.crt)", "rename one of them",
+                           exitcodes.USAGE)
+        stems[stem] = name
         checked.append(str(path))
     return checked
 
@@ -224,8 +237,9 @@ def _stop_group(process: subprocess.Popen, first: int = signal.SIGTERM,
 
 def up(args) -> int:
     started = time.monotonic()
-    # given again, or else what an earlier `corral up` recorded (a provision keeps using it)
-    trust = trusted_cas(args.trust_ca) if args.trust_ca else recorded_trust(args.name)
+    # given again, or else what an earlier `corral up` recorded (a provision keeps using it);
+    # checked again either way: a recorded file may have gone
+    trust = trusted_cas(args.trust_ca or recorded_trust(args.name))
     missing = prerequisites()
     if missing:
         raise CliError("cannot bring up the VM:\n  " + "\n  ".join(missing),

@@ -22,11 +22,19 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from appliance.policy import Decision, Host, HostNameError, parse_host, split_host_port
+from appliance.policy import (
+    Decision,
+    Host,
+    HostNameError,
+    parse_address,
+    parse_host,
+    split_host_port,
+)
 
 GRANTS = ("once", "for", "session")
 """once: the requests waiting now go on, no rule is added; for: a runtime rule that ends
@@ -49,12 +57,19 @@ MAX_WAIT = 600
 
 def approvable(decision: Decision) -> bool:
     """Denied by the default alone: no deny rule, no placeholder, no host port, and a
-    command that would allow it (`corral allow-http|dns|tcp TARGET`); never a name of the
-    appliance's own (`*.corral`)."""
+    command that would allow it (`corral allow-http|dns|tcp TARGET`) for a *name*. Never
+    an IP literal: a rule naming a literal opens it even in a blocked range (the metadata
+    service, the LAN, the VM host), which only `corral allow-*` typed by a person may do;
+    never a name of the appliance's own (`*.corral`)."""
     if decision.allowed or decision.rule is not None or not decision.hint.startswith(
             ("corral allow-http ", "corral allow-dns ", "corral allow-tcp ")):
         return False
-    name = grant_of(decision)[1].rpartition(":")[0] or grant_of(decision)[1]
+    try:
+        name, _ = split_host_port(grant_of(decision)[1])
+    except HostNameError:
+        return False
+    if parse_address(name) is not None:
+        return False
     return not name.rstrip(".").lower().endswith(".corral")
 
 
@@ -161,6 +176,8 @@ class Pending:
     asked: int = 1
     waiting: int = 0
     """Requests held for it right now (the edge counts them)."""
+    deciding: bool = False
+    """A decision has claimed it (its rule is being written)."""
 
     def to_json(self) -> dict:
         return {"id": self.id, "session": self.session, "kind": self.kind,
@@ -172,12 +189,11 @@ class Pending:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a held request learns: a grant (and whether it needs a rule to pass) or not."""
+    """What a held request learns: a grant, or None (refused, no decision in time)."""
 
     grant: str | None
-    """One of GRANTS, or None: refused or no decision in time."""
+    """One of GRANTS, "policy" (a rule allows it now), or None."""
     reason: str
-    by: str | None = None
 
 
 class ApprovalError(ValueError):
@@ -189,13 +205,15 @@ class Approvals:
         self.max_pending, self.keep = max_pending, keep
         self.pending: dict[str, Pending] = {}
         self._by_target: dict[tuple[str, str, str], str] = {}
+        self._open: Counter[str] = Counter()
+        """Open approvals by session: the bound is checked without a scan."""
+        self._scanned = float("-inf")
 
     def ask(self, session: str, kind: str, target: str, why: str, origin: str,
             now: float | None = None, note: str = "") -> tuple[Pending | None, bool]:
         """The approval for (session, kind, target), made if new: (pending, new). (None,
         False) when the session already has max_pending others: deny at once."""
         now = time.monotonic() if now is None else now
-        self.expire(now)
         found = self._by_target.get((session, kind, target))
         if found is not None:
             pending = self.pending[found]
@@ -203,7 +221,7 @@ class Approvals:
             pending.last = now
             pending.note = pending.note or note  # the first reason given stands
             return pending, False
-        if sum(1 for p in self.pending.values() if p.session == session) >= self.max_pending:
+        if self._open[session] >= self.max_pending:
             return None, False
         pending = Pending(f"ap-{secrets.token_hex(4)}", session, kind, target, why, origin,
                           note, last=now)
@@ -211,38 +229,63 @@ class Approvals:
             pending.id = f"ap-{secrets.token_hex(4)}"
         self.pending[pending.id] = pending
         self._by_target[(session, kind, target)] = pending.id
+        self._open[session] += 1
         return pending, True
 
-    def take(self, approval_id: str, grant: str | None) -> Pending:
-        """Remove the approval a person decided (grant None: refused); raises ApprovalError
-        as check() does."""
+    def claim(self, approval_id: str, grant: str | None) -> Pending:
+        """Reserve the approval for a decision that takes a while (a grant's rule is written
+        first): until take() or release(), no other decision and no expiry touches it.
+        Raises ApprovalError as check() does."""
         pending = self.check(approval_id, grant)
+        pending.deciding = True
+        return pending
+
+    def release(self, pending: Pending) -> None:
+        """A claimed decision that failed: the approval is open again."""
+        pending.deciding = False
+
+    def take(self, approval_id: str, grant: str | None, claimed: bool = False) -> Pending:
+        """Remove the approval a person decided (grant None: refused); raises ApprovalError
+        as check() does (a claimed one is the claimer's to take)."""
+        pending = self.pending.get(approval_id)
+        if not (claimed and pending is not None and pending.deciding):
+            pending = self.check(approval_id, grant)
         self._drop(pending)
         return pending
 
     def check(self, approval_id: str, grant: str | None) -> Pending:
         """The approval, if this decision can be taken: ApprovalError for an unknown id or
-        grant, and for `once` when no request is waiting for it."""
+        grant, one another decision is taking, and for `once` when no request is waiting."""
         pending = self.pending.get(approval_id)
         if pending is None:
             raise ApprovalError(f"no pending approval {approval_id!r} (decided already, or "
                                 "expired: `corral approvals` lists the open ones)")
+        if pending.deciding:
+            raise ApprovalError(f"{approval_id} is being decided by another request")
         if grant is not None and grant not in GRANTS:
             raise ApprovalError(f"grant {grant!r}: expected one of {', '.join(GRANTS)}")
         if grant == "once" and not pending.waiting:
             raise ApprovalError(f"{approval_id}: no request is waiting for it, so there is "
-                                "nothing to let through once; grant it for a while or for "
-                                "the session")
+                                "nothing to let through once; grant it for a while "
+                                "(--for 10m) or for the session (--session)")
         return pending
 
-    def expire(self, now: float | None = None) -> list[Pending]:
-        """Approvals nobody waits for and nobody asked again for `keep` seconds: dropped."""
+    def expire(self, now: float | None = None, every: float = 0.0) -> list[Pending]:
+        """Approvals nobody waits for and nobody asked again for `keep` seconds: dropped.
+        With `every`, at most one scan in that many seconds (asks on a hot path)."""
         now = time.monotonic() if now is None else now
+        if now - self._scanned < every:
+            return []
+        self._scanned = now
         stale = [p for p in self.pending.values()
-                 if not p.waiting and now - p.last >= self.keep]
+                 if not p.waiting and not p.deciding and now - p.last >= self.keep]
         for pending in stale:
             self._drop(pending)
         return stale
+
+    def drop(self, pending: Pending) -> None:
+        """Close an approval the policy settled (see Holds.settle)."""
+        self._drop(pending)
 
     def forget(self, session: str) -> list[Pending]:
         """A session that ended: its approvals go with it."""
@@ -256,7 +299,10 @@ class Approvals:
                 if session is None or p.session == session]
 
     def _drop(self, pending: Pending) -> None:
-        self.pending.pop(pending.id, None)
+        if self.pending.pop(pending.id, None) is not None:
+            self._open[pending.session] -= 1
+            if not self._open[pending.session]:
+                del self._open[pending.session]
         self._by_target.pop((pending.session, pending.kind, pending.target), None)
 
 
@@ -264,7 +310,9 @@ class Holds:
     """The requests waiting on approvals (a future per approval), and the approval events.
 
     `emit` publishes an event (kind `approval`): `pending` when an approval opens, then
-    `approved`, `refused` or `expired`. Nothing here decides: the control socket does."""
+    `approved`, `refused`, `settled` (the policy decided it: a rule allows it now, or a deny
+    rule covers it), `expired` or `ended` (its session). Nothing here decides: the control
+    socket does, and the policy (settle)."""
 
     def __init__(self, emit: Callable[[dict], None], book: Approvals | None = None):
         self.book = book or Approvals()
@@ -276,7 +324,7 @@ class Holds:
             ) -> Pending | None:
         """Open (or join) the approval for what `decision` denied; None: the session has
         too many open, deny at once."""
-        self.expire()
+        self.expire(every=1.0)
         kind, target = grant_of(decision)
         pending, new = self.book.ask(session, kind, target, decision.reason, origin,
                                      note=clean(note))
@@ -287,12 +335,13 @@ class Holds:
                         client=client, name=name, port=port, note=pending.note)
         return pending
 
-    async def wait(self, pending: Pending, hold: float) -> Verdict:
-        """Hold the caller until the approval is decided, or for `hold` seconds."""
+    async def wait(self, pending: Pending, hold: float, counted: bool = True) -> Verdict:
+        """Hold the caller until the approval is decided, or for `hold` seconds. `counted`:
+        a request that goes on if granted once (an agent only asking is not one)."""
         future = self._decided.get(pending.id)
         if future is None:
             future = self._decided[pending.id] = asyncio.get_running_loop().create_future()
-        pending.waiting += 1
+        pending.waiting += counted
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel
             async with asyncio.timeout(hold):
@@ -302,36 +351,55 @@ class Holds:
                            f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "
                            "the next attempt through")
         finally:
-            pending.waiting -= 1
-            if not pending.waiting and (future.done() or pending.id not in self.book.pending):
-                self._decided.pop(pending.id, None)
+            pending.waiting -= counted
 
     def decide(self, approval_id: str, grant: str | None, by: str, note: str = "",
-               detail: str = "") -> Pending:
+               detail: str = "", claimed: bool = False) -> Pending:
         """Close the approval and tell the requests held for it (a grant's rule must be in
         force already). Raises ApprovalError as Approvals.check does."""
-        pending = self.book.take(approval_id, grant)
+        pending = self.book.take(approval_id, grant, claimed)
         if grant is None:
             reason = f"refused by {by}" + (f": {clean(note)}" if note else "")
         else:
             reason = f"approved by {by}: {grant}{detail}"
-        future = self._decided.pop(pending.id, None)
-        if future is not None and not future.done():
-            future.set_result(Verdict(grant, reason, by))
+        self._resolve(pending, Verdict(grant, reason))
         self._event(pending, "approved" if grant else "refused", reason, grant=grant, by=by)
         return pending
 
-    def expire(self) -> None:
+    def settle(self, judge: Callable[[Pending], tuple[bool | None, str]]) -> None:
+        """The policy changed: each open approval is judged again. `judge` answers (True,
+        why) when the policy allows its target now, (False, why) when no person may grant it
+        any more (a deny rule covers it, its session ended), (None, why) when its waiting
+        requests must stop waiting but it stays open (ask mode turned off), else (None, "")."""
+        for pending in list(self.book.pending.values()):
+            if pending.deciding:
+                continue  # its decision is on its way
+            verdict, why = judge(pending)
+            if verdict is None:
+                if why:  # the approval stays; its requests get the denial now
+                    self._resolve(pending, Verdict(None, why))
+                continue
+            self.book.drop(pending)
+            self._resolve(pending, Verdict("policy" if verdict else None, why))
+            self._event(pending, "settled", why)
+
+    def expire(self, every: float = 0.0) -> None:
         """Drop the approvals nobody waits for or asked again for a while, each an event."""
-        for stale in self.book.expire():
+        for stale in self.book.expire(every=every):
+            self._resolve(stale, Verdict(None, "expired"))
             self._event(stale, "expired", f"no decision within {self.book.keep:.0f}s of the "
                         "last request for it")
 
     def forget(self, session: str) -> None:
         for pending in self.book.forget(session):
-            future = self._decided.pop(pending.id, None)
-            if future is not None and not future.done():
-                future.set_result(Verdict(None, f"session {session} ended"))
+            self._resolve(pending, Verdict(None, f"session {session} ended"))
+            self._event(pending, "ended", f"session {session} ended")
+
+    def _resolve(self, pending: Pending, verdict: Verdict) -> None:
+        """Tell the requests waiting for `pending` (if any) the verdict."""
+        future = self._decided.pop(pending.id, None)
+        if future is not None and not future.done():
+            future.set_result(verdict)
 
     def _event(self, pending: Pending, action: str, reason: str, client: str | None = None,
                name: str | None = None, port: int | None = None, **extra) -> None:

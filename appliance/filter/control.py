@@ -386,24 +386,30 @@ class ControlServer:
             raise ControlError(f"'duration' must be more than 0 and at most {MAX_GRANT:.0f} "
                                f"seconds, got {seconds}")
         holds, store = self.service.holds, self.service.store
-        pending = holds.book.check(approval_id, None if grant == "refuse" else grant)
-        detail = ""
-        if grant in ("for", "session"):
-            until = time.time() + seconds if seconds is not None else None
-            change = await self.service.change(
-                lambda: store.plan_add(pending.session, pending.kind, pending.target, until))
-            rule, added = change.result
-            ends = store.until(pending.session, rule)
-            if added:
-                self.service.rule_event(pending.session, rule, "added", ends)
-            detail = f", {pending.kind} {rule.text}" + (
-                f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
+        # claimed while its rule is written: no other decision, expiry or settling meanwhile
+        pending = holds.book.claim(approval_id, None if grant == "refuse" else grant)
+        detail, ends = "", None
+        try:
+            if grant in ("for", "session"):
+                until = time.time() + seconds if seconds is not None else None
+                change = await self.service.change(
+                    lambda: store.plan_add(pending.session, pending.kind, pending.target,
+                                           until))
+                rule, added = change.result
+                ends = store.until(pending.session, rule)
+                if added:
+                    self.service.rule_event(pending.session, rule, "added", ends)
+                detail = f", {pending.kind} {rule.text}" + (
+                    f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
+        except BaseException:
+            holds.book.release(pending)
+            raise
         # the rule is in force (or none is needed): the held requests may learn of it
-        pending = holds.decide(approval_id, None if grant == "refuse" else grant, by, note,
-                               detail)
+        holds.decide(approval_id, None if grant == "refuse" else grant, by, note, detail,
+                     claimed=True)
         log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
                  by, pending.kind, pending.target, pending.session)
-        return {"ok": True, "approval": pending.to_json(), "grant": grant}
+        return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends}
 
     def _secrets_changed(self, reason: str) -> None:
         store = self.service.secrets

@@ -29,10 +29,10 @@ from appliance.firewall import nflog, ruleset
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.ledger import Key
 from appliance.firewall.nft import Nft, NftError
-from appliance.policy import ConfigError, Decision, Host
+from appliance.policy import ConfigError, Decision, Host, parse_host, split_host_port
 
 from . import relay
-from .approvals import Holds
+from .approvals import Holds, approvable
 from .audit import AuditLog
 from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
@@ -442,10 +442,31 @@ class Service:
         return session, added
 
     def _forget_approvals(self) -> None:
-        """A session that is gone takes its approvals (and the requests held for them)."""
+        """The policy changed: a session that is gone takes its approvals (and the requests
+        held for them); every other open approval is judged again (Holds.settle)."""
         for session in {p.session for p in self.holds.book.pending.values()}:
             if session not in self.store.sessions:
                 self.holds.forget(session)
+        self.holds.settle(self._still_open)
+
+    def _still_open(self, pending) -> tuple[bool | None, str]:
+        """An open approval under the policy in force now (see Holds.settle)."""
+        policy = self.store.sessions[pending.session].policy
+        name, port = split_host_port(pending.target)
+        host = parse_host(name)
+        if pending.kind == "dns":
+            decision = policy.decide_dns(host)
+        elif pending.kind == "tcp":
+            decision = policy.decide_tcp(host, int(port))
+        else:  # an http target without a port is the rule's default ports: 443 stands in
+            decision = policy.decide_http(host, int(port) if port else 443)
+        if decision.allowed:
+            return True, f"the policy allows it now: {decision.reason}"
+        if not approvable(decision):
+            return False, f"{decision.reason}: no longer something a person can approve"
+        if not policy.hold and pending.waiting:
+            return None, "ask mode was turned off"
+        return None, ""
 
     async def unregister_session(self, name: str, forget_rules: bool) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -38,11 +39,12 @@ enforces would be a silent hole); the `inspect` rule says so for a table with no
 and heads the table's rules in `corral rules`."""
 
 LAYERS = ("default", "appliance", "project", "session")
+"""From the outside in: built-in defaults, appliance-wide (Ansible), project file
+(corral.toml), session runtime additions (CLI/API)."""
 HOLD_DEFAULT = 60
 """Seconds a request denied in ask mode waits for a person's decision."""
 HOLD_MAX = 600
-"""From the outside in: built-in defaults, appliance-wide (Ansible), project file
-(corral.toml), session runtime additions (CLI/API)."""
+"""The longest hold an approval rule may ask for."""
 
 HTTP_DEFAULT_PORTS = frozenset({80, 443})
 MAX_TCP_PORTS = 256
@@ -177,7 +179,7 @@ class Rule:
         words = text.split()
         if words == ["deny"] or words == ["ask"]:
             return cls("approval", "", layer=layer, source=source, setting=words[0])
-        if len(words) == 2 and words[0] == "ask" and words[1].removesuffix("s").isdigit():
+        if len(words) == 2 and words[0] == "ask" and re.fullmatch(r"[0-9]+s?", words[1]):
             seconds = int(words[1].removesuffix("s"))
             if 1 <= seconds <= HOLD_MAX:
                 return cls("approval", "", layer=layer, source=source,

@@ -69,7 +69,7 @@ class Appliance:
         self.env, self.api_port = env, api_port
         self.config_home = Path(env["XDG_CONFIG_HOME"])
         self.directory = self.config_home / "corral" / "appliances" / NAME
-        self.logs = self.directory
+        self.logs = self.config_home.parent  # the playbooks' output, not among the credentials
 
     def corral(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
         return timed(f"corral {' '.join(args)[:50]}", [str(BIN / "corral"), *args], timeout,
@@ -96,7 +96,9 @@ class Appliance:
 @pytest.fixture(scope="module")
 def appliance(tmp_path_factory, vm_image, libvirtd):
     home = tmp_path_factory.mktemp("vagrant-home")
-    env = {**os.environ, "XDG_CONFIG_HOME": str(home / "config"),
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_SANDBOX_IMAGE")}
+    # (extra_vars below must be what the Vagrantfile hands site.yml: no archive)
+    env = {**env, "XDG_CONFIG_HOME": str(home / "config"),
            "XDG_CACHE_HOME": str(CACHE / "xdg-cache"),
            "VAGRANT_HOME": str(CACHE / "vagrant.d"),
            "PATH": f"{BIN}:{os.environ['PATH']}"}

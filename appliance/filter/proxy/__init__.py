@@ -339,12 +339,14 @@ class Proxy:
         answer = {"id": pending.id, "kind": pending.kind, "target": pending.target}
         if not ask.wait:
             return 202, {"status": "pending", **answer}
-        verdict = await self.holds.wait(pending, ask.wait)
+        # not counted as waiting: asking is no request that a grant `once` could let through
+        verdict = await self.holds.wait(pending, ask.wait, counted=False)
         if verdict.grant is None and pending.id in self.holds.book.pending:
             return 202, {"status": "pending", **answer, "reason": verdict.reason}
-        return (200, {"status": "approved", "grant": verdict.grant, **answer,
-                      "reason": verdict.reason}) if verdict.grant else (
-            403, {"status": "refused", **answer, "reason": verdict.reason})
+        if verdict.grant is None:
+            return 403, {"status": "refused", **answer, "reason": verdict.reason}
+        return 200, {"status": "approved" if verdict.grant != "policy" else "allowed",
+                     "grant": verdict.grant, **answer, "reason": verdict.reason}
 
     def event(self, decision, client: Client, session, kind, host, port, address=None,
               **extra) -> dict:
@@ -397,9 +399,9 @@ class Proxy:
         """The flow under the policy in force now: its name and port, whether a spliced
         tunnel's host has come to be inspected, then the address it reached (a cidr rule
         that let a blocked address through may be gone)."""
-        _, policy, decision = self.decide(flow.client, flow.host, flow.port)
-        if flow.once and approvable(decision):  # let through once; only a deny rule cuts it
-            decision = Decision(True, "approved once")
+        session, policy, decision = self.decide(flow.client, flow.host, flow.port)
+        if flow.once and session == flow.session and approvable(decision):
+            decision = Decision(True, "approved once")  # a deny rule, or its session's end, cut it
         if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
             return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
                             "could carry any request")

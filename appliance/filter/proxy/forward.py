@@ -266,7 +266,24 @@ class Forward:
         where = route(head, mode)
         if where.host.name == REQUEST_NAME and not isinstance(mode, InTunnel):
             return await self._agent_ask(client, head, where), kept
-        session, policy, decision = await proxy.judge(client, where.host, where.port)
+        if where.conflict is None:
+            session, policy, decision = await proxy.judge(client, where.host, where.port)
+        else:  # refused whatever a person says: never held, never a prompt
+            session, policy, decision = proxy.decide(client.address, where.host, where.port)
+        # granted once on this connection: this request alone (a tunnel's grant is for the
+        # tunnel's life), so the next one, to any host, is judged and held again
+        key = (str(where.host), where.port)
+        once_here = not isinstance(mode, InTunnel) and key in client.once
+        try:
+            return await self._judged_as(client, head, mode, kept, holding, where, session,
+                                         policy, decision)
+        finally:
+            if once_here:
+                client.once.discard(key)
+
+    async def _judged_as(self, client: Client, head, mode: Mode, kept: Upstream | None,
+                         holding: list, where, session, policy, decision):
+        proxy = self.proxy
         if decision.allowed and where.conflict is not None:
             decision = Decision(False, where.conflict)
         if not decision.allowed:

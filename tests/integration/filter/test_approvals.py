@@ -263,7 +263,7 @@ def test_an_agent_asks_with_a_reason_and_learns_the_decision(asking):
         f, "host=other.test:8080&reason=still+needed&wait=20")), daemon=True)
     results: list = []
     waiter.start()
-    wait_approval(f, id=answer["id"], waiting=1)
+    wait_approval(f, id=answer["id"], asked=2)  # an agent asking is not a request waiting
     decide(f, approval, "for", duration=60)
     waiter.join(10)
     (status, decided), = results
@@ -306,3 +306,61 @@ def test_a_denial_tells_the_agent_how_to_ask(asking):
     hint = ("curl -sS 'http://request.corral/?host=other.test:8080&reason=WHY+YOU+NEED+IT"
             "&wait=60'")
     assert f"X-Corral-Request: {hint}" in head and f"from inside the session: {hint}" in head
+
+
+def test_the_policy_changing_settles_what_waits(asking):
+    """A rule added by hand while a request waits lets it go on at once; a deny rule added
+    refuses it; ask mode turned off ends the wait (the approval stays for a person)."""
+    f = asking
+    held = Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    started = time.monotonic()
+    f.control({"op": "add", "session": "s1", "kind": "http", "rule": "other.test:8080"})
+    assert held.status(10) == 200 and time.monotonic() - started < 5
+    assert not open_approvals(f, id=approval["id"])
+    settled = [e for e in f.events() if e.get("action") == "settled"]
+    assert settled[-1]["approval"] == approval["id"]
+
+    f.control({"op": "remove", "session": "s1", "kind": "http", "rule": "other.test:8080"})
+    held = Held(f.proxy_port)
+    wait_approval(f, target="other.test:8080", waiting=1)
+    f.control({"op": "add", "session": "s1", "kind": "deny", "rule": "other.test"})
+    assert held.status(10) == 403
+    assert not open_approvals(f, target="other.test:8080")
+
+    f.control({"op": "remove", "session": "s1", "kind": "deny", "rule": "other.test"})
+    held = Held(f.proxy_port)
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    f.control({"op": "add", "session": "s1", "kind": "approval", "rule": "deny"})
+    head = held.answered(10).decode()
+    assert head.startswith("HTTP/1.1 403") and "ask mode was turned off" in head, head
+    assert open_approvals(f, id=approval["id"])
+
+
+def test_an_ip_literal_is_refused_at_once_never_held(asking):
+    f = asking
+    started = time.monotonic()
+    for target in ("169.254.169.254:80", "10.0.0.1:8080", "[2001:db8::1]:443"):
+        with connect(f.proxy_port) as sock:
+            sock.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+            assert recv_all(sock, 12).startswith(b"HTTP/1.1 403"), target
+    assert time.monotonic() - started < 5 and not open_approvals(f)
+    status, answer = agent_asks(f, "host=169.254.169.254:80&kind=tcp&reason=metadata")
+    assert status == 403 and "not something a person can approve" in answer["reason"]
+
+
+def test_once_on_a_plain_http_connection_is_that_request_alone(asking, internet):
+    f = asking
+    with connect(f.proxy_port, timeout=30) as sock:
+        request = (b"GET http://other.test:8080/one HTTP/1.1\r\nHost: other.test:8080\r\n"
+                   b"\r\n")
+        sock.sendall(request)
+        approval = wait_approval(f, target="other.test:8080", waiting=1)
+        decide(f, approval, "once")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        sock.sendall(request.replace(b"/one", b"/two"))  # the same connection: asked again
+        again = wait_approval(f, target="other.test:8080", waiting=1)
+        assert again["id"] != approval["id"]
+        decide(f, again, "refuse")
+        assert recv_all(sock).startswith(b"HTTP/1.1 403")

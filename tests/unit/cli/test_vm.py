@@ -145,6 +145,20 @@ def test_trust_ca_is_checked_before_anything_starts(monkeypatch, tmp_path, capsy
     assert "--trust-ca" in (err := capsys.readouterr().err) and "missing.pem" in err
     assert main(["up", "--trust-ca", str(tmp_path / "notes.txt")]) == 2
     assert "notes.txt: no PEM certificate in it" in capsys.readouterr().err
+    from appliance import pki
+
+    bundle = pki.issue()
+    (tmp_path / "with-key.pem").write_bytes(bundle.client_key + bundle.ca_cert)
+    assert main(["up", "--trust-ca", str(tmp_path / "with-key.pem")]) == 2
+    assert "it holds a private key too" in capsys.readouterr().err
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "proxy.crt").write_bytes(bundle.ca_cert)
+    (tmp_path / "proxy.pem").write_bytes(bundle.ca_cert)
+    assert main(["up", "--trust-ca", str(tmp_path / "a" / "proxy.crt"), "--trust-ca",
+                 str(tmp_path / "proxy.pem")]) == 2
+    assert "would be one file in the appliance's store" in capsys.readouterr().err
+    assert main(["up", "--backend", "local", "--trust-ca", str(tmp_path / "proxy.pem")]) == 2
+    assert "--trust-ca is for a VM" in capsys.readouterr().err
 
 
 def test_trusted_cas_are_recorded_and_handed_to_vagrant(monkeypatch, tmp_path):

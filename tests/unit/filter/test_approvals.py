@@ -215,3 +215,64 @@ def test_a_403_tells_the_agent_how_to_ask_only_when_a_person_could_grant_it():
     assert request_hint(denied) is None
     own = Policy([]).decide_http(parse_host("request.corral"), 443)
     assert not approvable(own) and request_hint(own) is None
+
+
+def test_an_ip_literal_is_never_approvable():
+    """A rule naming a literal opens it even in a blocked range (metadata, LAN, the VM
+    host): only a person typing `corral allow-*` may write one."""
+    policy = Policy([])
+    for host, port in (("169.254.169.254", 80), ("10.0.0.1", 443), ("2001:db8::1", 443),
+                       ("93.184.216.34", 443)):
+        decision = policy.decide_http(parse_host(host), port)
+        assert not decision.allowed and decision.hint.startswith("corral allow-http")
+        assert not approvable(decision), host
+    assert not approvable(policy.decide_tcp(parse_host("10.1.2.3"), 22))
+    assert not approvable(policy.decide_dns(parse_host("1.2.3.4")))
+    assert Rule.parse("approval", "ask 7s").hold == 7
+    with pytest.raises(RuleError):
+        Rule.parse("approval", "ask \N{SUPERSCRIPT TWO}")  # a digit to isdigit(), not to int()
+
+
+def test_a_claimed_approval_is_the_claimers_and_expiry_leaves_no_future_behind():
+    async def scenario():
+        holds = Holds(lambda e: None, Approvals(keep=0.0))
+        pending = holds.ask("s1", DEFAULT_DENY, "proxy")
+        claimed = holds.book.claim(pending.id, "session")
+        with pytest.raises(ApprovalError, match="being decided by another request"):
+            holds.book.check(pending.id, None)
+        assert holds.book.expire() == []  # a claimed one does not expire meanwhile
+        holds.book.release(claimed)
+        holds.book.claim(pending.id, "session")
+        holds.decide(pending.id, "session", "tester", claimed=True)
+        assert not holds.book.pending
+
+        for i in range(20):  # each times out, then expires: its future goes with it
+            late = holds.ask("s1", DEFAULT_DENY._replace(hint=f"corral allow-http n{i}.test"),
+                             "proxy")
+            assert (await holds.wait(late, 0.001)).grant is None
+            holds.expire()
+        assert not holds.book.pending and not holds._decided
+    asyncio.run(scenario())
+
+
+def test_settling_releases_held_requests_when_the_policy_decides_for_the_person():
+    async def scenario():
+        events = []
+        holds = Holds(events.append)
+        allowed, denied, off, stays = (
+            holds.ask("s1", DEFAULT_DENY._replace(hint=f"corral allow-http {n}.test:443"),
+                      "proxy") for n in ("allowed", "denied", "off", "stays"))
+        waits = {p.id: asyncio.create_task(holds.wait(p, 5)) for p in (allowed, denied, off)}
+        await asyncio.sleep(0)
+        holds.settle(lambda p: {allowed.id: (True, "a rule allows it now"),
+                                denied.id: (False, "a deny rule covers it"),
+                                off.id: (None, "ask mode was turned off")}.get(p.id,
+                                                                              (None, "")))
+        results = {k: await t for k, t in waits.items()}
+        assert results[allowed.id].grant == "policy"
+        assert results[denied.id].grant is None and "deny rule" in results[denied.id].reason
+        assert results[off.id].reason == "ask mode was turned off"
+        assert set(holds.book.pending) == {off.id, stays.id}  # still for a person to grant
+        settled = [e for e in events if e.get("action") == "settled"]
+        assert {e["approval"] for e in settled} == {allowed.id, denied.id}
+    asyncio.run(scenario())
