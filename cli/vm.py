@@ -126,8 +126,8 @@ def trusted_cas(files: list[str]) -> list[str]:
     from cryptography import x509
 
     checked, stems = [], {}
-    for name in files:
-        path = Path(name).expanduser().absolute()
+    for name in dict.fromkeys(os.path.normpath(Path(f).expanduser().absolute()) for f in files):
+        path = Path(name)
         if os.pathsep in str(path):
             raise CliError(f"--trust-ca {name}: a path with {os.pathsep!r} in it cannot be "
                            "handed to Vagrant (CORRAL_EXTRA_CA_FILES)", "copy it elsewhere",
@@ -239,7 +239,16 @@ def up(args) -> int:
     started = time.monotonic()
     # given again, or else what an earlier `corral up` recorded (a provision keeps using it);
     # checked again either way: a recorded file may have gone
-    trust = trusted_cas(args.trust_ca or recorded_trust(args.name))
+    if args.trust_ca:
+        trust = trusted_cas(args.trust_ca)
+    else:
+        try:
+            trust = trusted_cas(recorded_trust(args.name))
+        except CliError as exc:
+            settings = config_home() / "appliances" / args.name / "appliance.toml"
+            raise CliError(f"{exc} (recorded in {settings} by an earlier `corral up "
+                           "--trust-ca`)", "give --trust-ca again with the file where it is "
+                           "now, or remove trust_ca from that file", exc.code) from None
     missing = prerequisites()
     if missing:
         raise CliError("cannot bring up the VM:\n  " + "\n  ".join(missing),

@@ -20,6 +20,7 @@ of its reach).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections import Counter
@@ -35,6 +36,8 @@ from appliance.policy import (
     parse_host,
     split_host_port,
 )
+
+log = logging.getLogger(__name__)
 
 GRANTS = ("once", "for", "session")
 """once: the requests waiting now go on, no rule is added; for: a runtime rule that ends
@@ -70,7 +73,8 @@ def approvable(decision: Decision) -> bool:
         return False
     if parse_address(name) is not None:
         return False
-    return not name.rstrip(".").lower().endswith(".corral")
+    name = name.rstrip(".").lower()
+    return name != "corral" and not name.endswith(".corral")
 
 
 def request_hint(decision: Decision) -> str | None:
@@ -175,7 +179,10 @@ class Pending:
     last: float = field(default_factory=time.monotonic)
     asked: int = 1
     waiting: int = 0
-    """Requests held for it right now (the edge counts them)."""
+    """Requests held for it right now (the edge counts them): what a grant `once` lets go."""
+    held: int = 0
+    """Everything waiting for its decision (agents asking with `wait` too): it does not
+    expire meanwhile."""
     deciding: bool = False
     """A decision has claimed it (its rule is being written)."""
 
@@ -274,11 +281,11 @@ class Approvals:
         """Approvals nobody waits for and nobody asked again for `keep` seconds: dropped.
         With `every`, at most one scan in that many seconds (asks on a hot path)."""
         now = time.monotonic() if now is None else now
-        if now - self._scanned < every:
+        if every and now - self._scanned < every:
             return []
         self._scanned = now
         stale = [p for p in self.pending.values()
-                 if not p.waiting and not p.deciding and now - p.last >= self.keep]
+                 if not p.held and not p.deciding and now - p.last >= self.keep]
         for pending in stale:
             self._drop(pending)
         return stale
@@ -342,6 +349,7 @@ class Holds:
         if future is None:
             future = self._decided[pending.id] = asyncio.get_running_loop().create_future()
         pending.waiting += counted
+        pending.held += 1
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel
             async with asyncio.timeout(hold):
@@ -352,6 +360,7 @@ class Holds:
                            "the next attempt through")
         finally:
             pending.waiting -= counted
+            pending.held -= 1
 
     def decide(self, approval_id: str, grant: str | None, by: str, note: str = "",
                detail: str = "", claimed: bool = False) -> Pending:
@@ -374,7 +383,11 @@ class Holds:
         for pending in list(self.book.pending.values()):
             if pending.deciding:
                 continue  # its decision is on its way
-            verdict, why = judge(pending)
+            try:
+                verdict, why = judge(pending)
+            except Exception:  # one approval's trouble must not keep the others waiting
+                log.exception("approvals: judging %s again failed", pending.id)
+                continue
             if verdict is None:
                 if why:  # the approval stays; its requests get the denial now
                     self._resolve(pending, Verdict(None, why))

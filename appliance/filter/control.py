@@ -392,9 +392,19 @@ class ControlServer:
         try:
             if grant in ("for", "session"):
                 until = time.time() + seconds if seconds is not None else None
+
+                def still() -> None:  # its turn has come: what it waited behind may matter
+                    if holds.book.pending.get(approval_id) is not pending:
+                        raise approvals.ApprovalError(f"{approval_id} ended meanwhile (its "
+                                                      "session went): nothing was granted")
+                    open_now, why = self.service.still_open(pending)
+                    if open_now is False:
+                        raise approvals.ApprovalError(f"{approval_id}: {why}; nothing was "
+                                                      "granted")
+
                 change = await self.service.change(
                     lambda: store.plan_add(pending.session, pending.kind, pending.target,
-                                           until))
+                                           until), first=still)
                 rule, added = change.result
                 ends = store.until(pending.session, rule)
                 if added:

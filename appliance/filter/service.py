@@ -384,16 +384,20 @@ class Service:
         self.listeners.setdefault(key, []).append(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
-    async def change(self, plan: Callable[[], Change]) -> Change:
+    async def change(self, plan: Callable[[], Change],
+                     first: Callable[[], None] | None = None) -> Change:
         """One change to the policy store: `plan()` works it out, it is written and (with
         `[firewall] manage`, when the ruleset depends on it) the firewall follows, all on a
         worker thread; then it is swapped in on the loop. One change at a time, so that two
         never start from the same state (the second would lose the first's rule). All or
         nothing: a file that cannot be written or a ruleset nftables refuses leaves the
-        disk and the store as they were, and raises."""
+        disk and the store as they were, and raises. `first` runs on the loop once the
+        change's turn has come, before `plan`: it may refuse (raise) what waited meanwhile."""
         if self._changing is None:
             self._changing = asyncio.Lock()
         async with self._changing:
+            if first is not None:
+                first()
             change = await self.off_loop(self._prepare, plan)
             self.store.commit(change)
             return change
@@ -447,9 +451,9 @@ class Service:
         for session in {p.session for p in self.holds.book.pending.values()}:
             if session not in self.store.sessions:
                 self.holds.forget(session)
-        self.holds.settle(self._still_open)
+        self.holds.settle(self.still_open)
 
-    def _still_open(self, pending) -> tuple[bool | None, str]:
+    def still_open(self, pending) -> tuple[bool | None, str]:
         """An open approval under the policy in force now (see Holds.settle)."""
         policy = self.store.sessions[pending.session].policy
         name, port = split_host_port(pending.target)

@@ -64,8 +64,8 @@ class Client:
     cut: bool = False
     """Set when a policy change ended it (its task is cancelled: not an error)."""
     once: set[tuple[str, int]] = field(default_factory=set)
-    """host:port approved once for this connection (ask mode): what it carries there (a
-    tunnel's requests, a kept upstream) is let through; no rule was added."""
+    """host:port approved once on this connection (ask mode), no rule added: a tunnel's
+    requests for its life; a plain HTTP request's entry is dropped when it ends."""
 
     @property
     def label(self) -> str:
@@ -288,10 +288,13 @@ class Proxy:
                 reason=f"{decision.reason}; session {session} has "
                        f"{self.holds.book.max_pending} approvals open already")
         verdict = await self.holds.wait(pending, policy.hold)
+        now_session, now_policy, now = self.decide(client.address, host, port)
         if verdict.grant is None:
+            if not now.allowed and not approvable(now):  # a deny rule since: its reason
+                return now_session, now_policy, now._replace(
+                    reason=f"{now.reason}; {verdict.reason}")
             return session, policy, decision._replace(
                 reason=f"{decision.reason}; {verdict.reason}")
-        now_session, now_policy, now = self.decide(client.address, host, port)
         if verdict.grant == "once" and now_session == session and approvable(now):
             # still denied by the default alone (a deny rule since then wins)
             client.once.add((str(host), port))
@@ -330,7 +333,7 @@ class Proxy:
         if not approvable(decision):
             return 403, {"status": "refused", "reason": f"{decision.reason}: not something a "
                          "person can approve (a deny rule, a placeholder, the VM host's "
-                         "ports or the appliance's own names)"}
+                         "ports, an IP literal or the appliance's own names)"}
         pending = self.holds.ask(session, decision, "agent", client.label, str(ask.host),
                                  ask.port, note=ask.reason)
         if pending is None:

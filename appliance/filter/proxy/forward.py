@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from appliance.policy import Decision
 from appliance.policy.targets import Ambiguous
 
-from ..approvals import REQUEST_NAME
+from ..approvals import REQUEST_NAME, approvable
 from ..config import SCAN_BYTES
 from ..http import (
     HttpError,
@@ -268,8 +268,10 @@ class Forward:
             return await self._agent_ask(client, head, where), kept
         if where.conflict is None:
             session, policy, decision = await proxy.judge(client, where.host, where.port)
-        else:  # refused whatever a person says: never held, never a prompt
+        else:  # refused whatever a person says: never held, never a prompt, no advice to ask
             session, policy, decision = proxy.decide(client.address, where.host, where.port)
+            if approvable(decision):  # no grant would let it through: no command to offer
+                decision = decision._replace(hint="")
         # granted once on this connection: this request alone (a tunnel's grant is for the
         # tunnel's life), so the next one, to any host, is judged and held again
         key = (str(where.host), where.port)

@@ -325,7 +325,9 @@ def test_the_policy_changing_settles_what_waits(asking):
     held = Held(f.proxy_port)
     wait_approval(f, target="other.test:8080", waiting=1)
     f.control({"op": "add", "session": "s1", "kind": "deny", "rule": "other.test"})
-    assert held.status(10) == 403
+    head = held.answered(10).decode()
+    assert head.startswith("HTTP/1.1 403") and "denied by deny rule other.test" in head, head
+    assert "X-Corral-Request" not in head  # nothing to ask for any more
     assert not open_approvals(f, target="other.test:8080")
 
     f.control({"op": "remove", "session": "s1", "kind": "deny", "rule": "other.test"})
@@ -364,3 +366,13 @@ def test_once_on_a_plain_http_connection_is_that_request_alone(asking, internet)
         assert again["id"] != approval["id"]
         decide(f, again, "refuse")
         assert recv_all(sock).startswith(b"HTTP/1.1 403")
+
+
+def test_a_request_naming_two_hosts_is_refused_at_once_without_advice_to_ask(asking):
+    f = asking
+    started = time.monotonic()
+    with connect(f.proxy_port) as sock:
+        sock.sendall(b"GET http://other.test:8080/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        head = recv_all(sock).decode()
+    assert head.startswith("HTTP/1.1 403") and time.monotonic() - started < 5, head
+    assert "X-Corral-Request" not in head and not open_approvals(f)

@@ -118,6 +118,9 @@ wait
     assert "did not finish within 2s" in message and "process group" in message
     assert "Starting domain" in message  # the tail of what it printed
     vagrant_pid, child_pid = (int(p) for p in pids.read_text().split())
+    deadline = time.monotonic() + 10  # SIGKILL is sent; dying takes a moment on a busy host
+    while (_alive(vagrant_pid) or _alive(child_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _alive(vagrant_pid) and not _alive(child_pid)
     log = tmp_path / "config" / "corral" / "appliances" / "x" / "vagrant.log"
     assert "Starting domain" in log.read_text()
@@ -184,3 +187,23 @@ def test_trusted_cas_are_recorded_and_handed_to_vagrant(monkeypatch, tmp_path):
     assert vm.vagrant_env("other")["CORRAL_EXTRA_CA_FILES"] == ""
     vagrantfile = (vm.ROOT / "Vagrantfile").read_text()
     assert 'corral_base_extra_ca_files: ENV.fetch("CORRAL_EXTRA_CA_FILES"' in vagrantfile
+
+
+def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch, tmp_path,
+                                                                     capsys):
+    from appliance import pki
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    monkeypatch.setattr(vm, "prerequisites", lambda: [])
+    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
+    monkeypatch.setattr(vm, "_wait_for_api", lambda name: None)
+    monkeypatch.setattr(vm, "_vagrant", lambda name, *args, **kw: None)
+    ca = tmp_path / "proxy.crt"
+    ca.write_bytes(pki.issue().ca_cert)
+    assert vm.trusted_cas([str(ca), str(tmp_path / "." / "proxy.crt")]) == [str(ca)]
+    assert main(["up", "--name", "lab", "--trust-ca", str(ca)]) == 0
+    ca.unlink()
+    assert main(["up", "--name", "lab"]) == 2
+    err = capsys.readouterr().err
+    assert "proxy.crt" in err and "recorded in" in err and "appliance.toml" in err

@@ -76,7 +76,7 @@ def test_an_approval_nobody_waits_for_expires_and_a_session_takes_its_own():
     book = Approvals(keep=10)
     old, _ = book.ask("s1", "http", "b.test:443", "why", "proxy", now=0)
     held, _ = book.ask("s1", "http", "c.test:443", "why", "proxy", now=0)
-    held.waiting = 1
+    held.held = 1  # something waits for its decision: it does not expire
     book.ask("s2", "http", "b.test:443", "why", "proxy", now=5)
     assert book.expire(now=10) == [old]
     assert {p.session for p in book.forget("s1")} == {"s1"}
@@ -275,4 +275,21 @@ def test_settling_releases_held_requests_when_the_policy_decides_for_the_person(
         assert set(holds.book.pending) == {off.id, stays.id}  # still for a person to grant
         settled = [e for e in events if e.get("action") == "settled"]
         assert {e["approval"] for e in settled} == {allowed.id, denied.id}
+    asyncio.run(scenario())
+
+
+def test_an_agent_waiting_keeps_its_approval_open_but_is_no_request_to_let_through():
+    async def scenario():
+        holds = Holds(lambda e: None, Approvals(keep=0.0))
+        pending = holds.ask("s1", DEFAULT_DENY, "agent")
+        waiting = asyncio.create_task(holds.wait(pending, 5, counted=False))
+        await asyncio.sleep(0)
+        assert pending.held == 1 and pending.waiting == 0
+        holds.expire()
+        assert pending.id in holds.book.pending  # not expired under the agent
+        with pytest.raises(ApprovalError, match="no request is waiting"):
+            holds.book.check(pending.id, "once")
+        holds.decide(pending.id, None, "tester")
+        assert (await waiting).reason == "refused by tester"
+        assert not approvable(Policy([]).decide_http(parse_host("corral"), 443))
     asyncio.run(scenario())
