@@ -32,6 +32,7 @@ from appliance.policy import (
     Decision,
     Host,
     HostNameError,
+    Policy,
     parse_address,
     parse_host,
     split_host_port,
@@ -75,6 +76,16 @@ def approvable(decision: Decision) -> bool:
         return False
     name = name.rstrip(".").lower()
     return name != "corral" and not name.endswith(".corral")
+
+
+def decide_kind(policy: Policy, kind: str, host: Host, port: int | None) -> Decision:
+    """What the policy says of a target as a grant of `kind` would name it (an http target
+    without a port stands for its default ports: 443 is asked)."""
+    if kind == "dns":
+        return policy.decide_dns(host)
+    if kind == "tcp":
+        return policy.decide_tcp(host, port)
+    return policy.decide_http(host, port if port is not None else 443)
 
 
 def request_hint(decision: Decision) -> str | None:
@@ -257,7 +268,7 @@ class Approvals:
         pending = self.pending.get(approval_id)
         if not (claimed and pending is not None and pending.deciding):
             pending = self.check(approval_id, grant)
-        self._drop(pending)
+        self.drop(pending)
         return pending
 
     def check(self, approval_id: str, grant: str | None) -> Pending:
@@ -287,25 +298,22 @@ class Approvals:
         stale = [p for p in self.pending.values()
                  if not p.held and not p.deciding and now - p.last >= self.keep]
         for pending in stale:
-            self._drop(pending)
+            self.drop(pending)
         return stale
-
-    def drop(self, pending: Pending) -> None:
-        """Close an approval the policy settled (see Holds.settle)."""
-        self._drop(pending)
 
     def forget(self, session: str) -> list[Pending]:
         """A session that ended: its approvals go with it."""
         gone = [p for p in self.pending.values() if p.session == session]
         for pending in gone:
-            self._drop(pending)
+            self.drop(pending)
         return gone
 
     def listing(self, session: str | None = None) -> list[dict]:
         return [p.to_json() for p in sorted(self.pending.values(), key=lambda p: p.created)
                 if session is None or p.session == session]
 
-    def _drop(self, pending: Pending) -> None:
+    def drop(self, pending: Pending) -> None:
+        """Close an approval (decided, settled, expired, or its session's end)."""
         if self.pending.pop(pending.id, None) is not None:
             self._open[pending.session] -= 1
             if not self._open[pending.session]:

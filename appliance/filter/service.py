@@ -32,7 +32,7 @@ from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError, Decision, Host, parse_host, split_host_port
 
 from . import relay
-from .approvals import Holds, approvable
+from .approvals import Holds, approvable, decide_kind
 from .audit import AuditLog
 from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
@@ -457,13 +457,8 @@ class Service:
         """An open approval under the policy in force now (see Holds.settle)."""
         policy = self.store.sessions[pending.session].policy
         name, port = split_host_port(pending.target)
-        host = parse_host(name)
-        if pending.kind == "dns":
-            decision = policy.decide_dns(host)
-        elif pending.kind == "tcp":
-            decision = policy.decide_tcp(host, int(port))
-        else:  # an http target without a port is the rule's default ports: 443 stands in
-            decision = policy.decide_http(host, int(port) if port else 443)
+        decision = decide_kind(policy, pending.kind, parse_host(name),
+                               int(port) if port else None)
         if decision.allowed:
             return True, f"the policy allows it now: {decision.reason}"
         if not approvable(decision):

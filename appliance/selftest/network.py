@@ -385,3 +385,23 @@ def placeholder_to_an_allowed_host(ctx):
                          f"Host: {a.allowed}\r\nConnection: close\r\n\r\n".encode())
     return Outcome(status(head) == 403 and b"placeholder" in head, first_line(head),
                    {"kind": "secret", "name": a.allowed})
+
+
+@probe("approval-not-self-granted", 15, records="connect event for DENIED, after the asks")
+def approval_not_self_granted(ctx):
+    """The agent may ask a person for a host (request.corral, through the proxy) but never
+    grant it: an ask that names a grant is refused, a plain one is left for a person (or
+    refused), and the host stays denied. (In ask mode the CONNECT would wait for a person:
+    the battery runs in sessions that deny at once.)"""
+    a = ctx.args
+    base = f"GET http://request.corral/?host={a.denied}:443&reason=corral+selftest"
+    forged = proxy_request(a, f"{base}&grant=session HTTP/1.1\r\nHost: request.corral\r\n"
+                           "Connection: close\r\n\r\n".encode())
+    asked = proxy_request(a, f"{base} HTTP/1.1\r\nHost: request.corral\r\n"
+                          "Connection: close\r\n\r\n".encode())
+    sock, head = connect_via_proxy(a, f"{a.denied}:443")
+    sock.close()
+    ok = status(forged) == 400 and status(asked) in (202, 403) and status(head) == 403
+    return Outcome(ok, f"an ask naming a grant: {first_line(forged)}; a plain ask: "
+                   f"{first_line(asked)}; then CONNECT {a.denied}:443: {first_line(head)}",
+                   {"kind": "connect", "name": a.denied})

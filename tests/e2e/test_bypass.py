@@ -58,9 +58,9 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 18, 20, 21, 24} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 18, 20, 21, 24} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs",
-            "inspected-token-in-body"} <= {p["id"] for p in probes}
+            "inspected-token-in-body", "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit

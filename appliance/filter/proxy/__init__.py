@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from appliance.policy import HOST_NAME, Decision, Host, Policy
 
-from ..approvals import ApprovalError, Holds, approvable, parse_agent_ask
+from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_agent_ask
 from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
@@ -321,13 +321,7 @@ class Proxy:
             ask = parse_agent_ask(path)
         except ApprovalError as exc:
             return 400, {"error": str(exc)}
-        port = ask.port if ask.port is not None else 443
-        if ask.kind == "dns":
-            decision = policy.decide_dns(ask.host)
-        elif ask.kind == "tcp":
-            decision = policy.decide_tcp(ask.host, port)
-        else:
-            decision = policy.decide_http(ask.host, port)
+        decision = decide_kind(policy, ask.kind, ask.host, ask.port)
         if decision.allowed:
             return 200, {"status": "allowed", "reason": decision.reason}
         if not approvable(decision):
