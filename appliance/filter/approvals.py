@@ -50,6 +50,8 @@ names must not become a flood of prompts, nor memory)."""
 KEEP = 600.0
 """Seconds an approval nobody waits for any more stays listed after it was last asked for
 (a person may still grant it; the agent retries)."""
+GONE_POLL = 0.5
+"""Seconds between looks at whether a held request's client is still there."""
 MAX_NOTE = 300
 """Characters of a reason or a refusal's note kept (untrusted text, shown escaped)."""
 REQUEST_NAME = "request.corral"
@@ -350,9 +352,12 @@ class Holds:
                         client=client, name=name, port=port, note=pending.note)
         return pending
 
-    async def wait(self, pending: Pending, hold: float, counted: bool = True) -> Verdict:
+    async def wait(self, pending: Pending, hold: float, counted: bool = True,
+                   gone: Callable[[], bool] | None = None) -> Verdict:
         """Hold the caller until the approval is decided, or for `hold` seconds. `counted`:
-        a request that goes on if granted once (an agent only asking is not one)."""
+        a request that goes on if granted once (an agent only asking is not one). `gone`,
+        asked every GONE_POLL seconds: the caller's client has left, so nothing waits any
+        more (a person must not grant a request that no longer exists)."""
         future = self._decided.get(pending.id)
         if future is None:
             future = self._decided[pending.id] = asyncio.get_running_loop().create_future()
@@ -361,7 +366,13 @@ class Holds:
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel
             async with asyncio.timeout(hold):
-                return await asyncio.shield(future)
+                while not future.done():
+                    # asyncio.wait never cancels the future it watches (other requests share it)
+                    await asyncio.wait([future], timeout=GONE_POLL if gone else None)
+                    if gone is not None and not future.done() and gone():
+                        return Verdict(None, "the client left while it waited; the approval "
+                                       f"{pending.id} stays open")
+                return future.result()
         except TimeoutError:
             return Verdict(None, f"no decision within {hold:g}s (ask mode); the approval "
                            f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "

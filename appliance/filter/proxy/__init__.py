@@ -79,6 +79,13 @@ class Client:
             self.task.cancel()
 
 
+def _gone(client: Client) -> bool:
+    """The client closed or reset its connection. Its end of the stream (a FIN) may come
+    with bytes still unread (a ClientHello sent early, a body), so the reader's own flag is
+    looked at: StreamReader has no public one for that."""
+    return client.writer.transport.is_closing() or client.reader._eof
+
+
 class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
                  config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
@@ -287,7 +294,7 @@ class Proxy:
             return session, policy, decision._replace(
                 reason=f"{decision.reason}; session {session} has "
                        f"{self.holds.book.max_pending} approvals open already")
-        verdict = await self.holds.wait(pending, policy.hold)
+        verdict = await self.holds.wait(pending, policy.hold, gone=lambda: _gone(client))
         now_session, now_policy, now = self.decide(client.address, host, port)
         if verdict.grant is None:
             if not now.allowed and not approvable(now):  # a deny rule since: its reason
@@ -337,7 +344,8 @@ class Proxy:
         if not ask.wait:
             return 202, {"status": "pending", **answer}
         # not counted as waiting: asking is no request that a grant `once` could let through
-        verdict = await self.holds.wait(pending, ask.wait, counted=False)
+        verdict = await self.holds.wait(pending, ask.wait, counted=False,
+                                        gone=lambda: _gone(client))
         if verdict.grant is None and pending.id in self.holds.book.pending:
             return 202, {"status": "pending", **answer, "reason": verdict.reason}
         if verdict.grant is None:

@@ -236,6 +236,23 @@ def test_a_held_request_ends_when_its_session_is_removed(asking):
     assert not open_approvals(f, session="s3")
 
 
+def test_a_held_request_whose_client_left_is_not_counted_nor_sent_on_a_grant(asking,
+                                                                              internet):
+    f = asking
+    seen = len(internet.http8080.requests)
+    sock = connect(f.proxy_port, timeout=10)
+    sock.sendall(b"GET http://other.test:8080/left HTTP/1.1\r\nHost: other.test:8080\r\n"
+                 b"Content-Length: 5\r\n\r\nbytes")
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    sock.close()  # the client goes while its request is held (its body unread)
+    wait_approval(f, target="other.test:8080", waiting=0)
+    refused = decide(f, approval, "once")  # a person is told nothing waits any more
+    assert not refused["ok"] and "no request is waiting for it" in refused["error"], refused
+    assert len(internet.http8080.requests) == seen  # nothing was sent for it
+    left = [e for e in f.events() if e["kind"] == "http" and e["name"] == "other.test"][-1]
+    assert left["verdict"] == "deny" and "the client left" in left["reason"], left
+
+
 def agent_asks(f: FilterProcess, query: str, source: str | None = None) -> tuple[int, dict]:
     """GET http://request.corral/?QUERY through the proxy, as curl in a session would."""
     from tests.integration.conftest import S1_CLIENT

@@ -123,6 +123,26 @@ def test_a_held_request_learns_the_decision_or_runs_out():
     asyncio.run(scenario())
 
 
+def test_a_request_whose_client_left_stops_waiting_and_the_approval_stays(monkeypatch):
+    monkeypatch.setattr("appliance.filter.approvals.GONE_POLL", 0.01)
+
+    async def scenario():
+        holds = Holds(lambda event: None)
+        pending = holds.ask("s1", DEFAULT_DENY, "proxy")
+        left = {"now": False}
+        staying = asyncio.create_task(holds.wait(pending, 5, gone=lambda: False))
+        leaving = asyncio.create_task(holds.wait(pending, 5, gone=lambda: left["now"]))
+        await asyncio.sleep(0.05)
+        assert pending.waiting == 2
+        left["now"] = True
+        verdict = await asyncio.wait_for(leaving, 1)
+        assert verdict.grant is None and verdict.reason.startswith("the client left")
+        assert pending.waiting == 1 and holds.book.pending[pending.id] is pending
+        holds.decide(pending.id, "once", "tester")  # the one still there is let through
+        assert (await staying).grant == "once"
+    asyncio.run(scenario())
+
+
 def test_the_approval_rule_parses_and_the_most_specific_layer_wins():
     assert Rule.parse("approval", "ask").hold == 60
     assert Rule.parse("approval", "ask 5s").text == "ask 5"
