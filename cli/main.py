@@ -239,6 +239,10 @@ def parser() -> argparse.ArgumentParser:
                           "header_timeout; default 11)")
     selftest.add_argument("--connections", type=int, metavar="N",
                           help="most connections the connection-cap probe holds (default 2000)")
+    selftest.add_argument("--ask-hold", type=int, metavar="SECONDS",
+                          help="the session is in ask mode with this hold (`corral ask`): run "
+                          "the approval probes, apart (--only held-request-sends-nothing "
+                          "--only approval-flood-bounded); nobody must decide meanwhile")
     selftest.add_argument("--only", action="append", metavar="PROBE",
                           help="run only this probe (repeatable)")
     selftest.add_argument("--skip-group", action="append", metavar="GROUP",

@@ -367,7 +367,8 @@ def cmd_selftest(args) -> int:
         options = {"allowed": args.allowed or _default_allowed(client, session,
                                                                args.inspected)}
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
-                    "inspected", "other_gateway", "silence", "connections", "only", "skip_group"):
+                    "inspected", "other_gateway", "silence", "connections", "ask_hold", "only",
+                    "skip_group"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")

@@ -150,8 +150,12 @@ class FakeHttp:
     """
 
     def __init__(self, loop: Loop, ssl_context: ssl.SSLContext | None = None, port: int = 0,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", log: Path | None = None):
         self.requests: list[dict] = []
+        self._log = None if log is None else os.open(log, os.O_WRONLY | os.O_APPEND
+                                                      | os.O_CREAT, 0o644)
+        """Where each request's method, Host and path are appended, one line each (when the
+        origin runs in a process of its own, as the e2e tier's fake internet)."""
         self.loop = loop
         self.ssl_context = ssl_context
         self.port = loop.run(self._start(host, port))
@@ -188,6 +192,9 @@ class FakeHttp:
                         "tls_sni": SNI_SEEN.get(tls) if (tls := writer.get_extra_info(
                             "ssl_object")) else None}
                 self.requests.append(info)
+                if self._log is not None:
+                    os.write(self._log, f"{method} {headers.get('host', '-')} {path}\n"
+                             .encode("latin-1"))
                 payload = json.dumps(info).encode()
                 if path == "/upgrade":
                     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\n"
@@ -222,6 +229,9 @@ class FakeHttp:
 
     def close(self):
         self.server.close()
+        if self._log is not None:
+            os.close(self._log)
+            self._log = None
 
 
 class TestCA:

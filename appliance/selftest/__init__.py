@@ -25,6 +25,7 @@ verify.yml and the e2e suite all go through that check.
   network     legitimate flows, then T1-T11, T13, T18
   smuggling   T20: request smuggling on a shared IP
   inspection  T13, T24 on a host the session inspects (--inspected)
+  approvals   T15, T21 in a session in ask mode (--ask-hold; run apart, with --only)
   starvation  T21: starving the neighbours (runs last of the network group)
   kernel      T22: system calls refused, each tried in a child process
   review      T23: files the diff must survive
@@ -33,7 +34,8 @@ verify.yml and the e2e suite all go through that check.
 
 import importlib
 
-PROBE_MODULES = ("network", "smuggling", "inspection", "starvation", "kernel", "review")
+PROBE_MODULES = ("network", "smuggling", "inspection", "approvals", "starvation", "kernel",
+                 "review")
 """Imported in this order, which is the order the probes register in, run in and are listed
 in (`--list`, the --json lines)."""
 

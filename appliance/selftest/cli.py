@@ -63,6 +63,9 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
                         "(an [[inspect]] or [[git]] table), its body scan on, no request "
                         "rule refusing GET or POST /selftest")
     parser.add_argument("--other-gateway", help="another session's gateway")
+    parser.add_argument("--ask-hold", type=float, metavar="SECONDS",
+                        help="the session is in ask mode with this hold: the approval probes "
+                        "run (the others expect denials at once: run these apart, with --only)")
     parser.add_argument("--api-port", type=int, default=7443)
     parser.add_argument("--cafile", help="verify TLS on the allowed flows with this CA")
     parser.add_argument("--silence", type=float, default=11.0, metavar="SECONDS",

@@ -161,6 +161,11 @@ files = ["{directory}/s2.toml"]
         path = self.dir / "dns-queries.log"
         return path.read_text() if path.exists() else ""
 
+    def origin_requests(self) -> str:
+        """Every request the fake internet's HTTP(S) origins got: METHOD HOST PATH lines."""
+        path = self.dir / "http-requests.log"
+        return path.read_text() if path.exists() else ""
+
     def in_sandbox(self, index: int, *args: str, timeout: float = 120):
         import subprocess
 

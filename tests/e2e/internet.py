@@ -3,7 +3,8 @@
   python -m tests.e2e.internet DIR
 
 DNS (authoritative, every query logged to DIR/dns-queries.log) on 203.0.113.53:53;
-HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address; an SSH-like
+HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address, every request
+logged to DIR/http-requests.log; an SSH-like
 banner on :22; TLS on :853 (DNS-over-TLS stand-in); UDP echo on :443 and :53 of the other
 addresses; a git server (`git http-backend`, smart HTTP over TLS) for git.test on
 WEB:GIT_PORT, its bare repositories under DIR/git; a long-lived TCP service on
@@ -111,8 +112,9 @@ def main(directory: str) -> None:
     with open(path / "dns-queries.log", "a") as log:
         dns = FakeDns(loop, RESOLVER, 53, log)
         dns.zone.update(ZONE)
-        FakeHttp(loop, port=80, host=None)
-        FakeHttp(loop, ca.server_context(names), port=443, host=None)
+        FakeHttp(loop, port=80, host=None, log=path / "http-requests.log")
+        FakeHttp(loop, ca.server_context(names), port=443, host=None,
+                 log=path / "http-requests.log")
         (path / "git").mkdir(exist_ok=True)
         GitHttp.seed(path / "git", GIT_REPOS)
         GitHttp(loop, path / "git", ca.server_context(["git.test"]), host=WEB, port=GIT_PORT)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from appliance.sandbox import battery as check
+from appliance.selftest.approvals import HELD_PATH
 
 from . import netns
 
@@ -95,6 +96,28 @@ def test_exfiltrated_name_never_reached_upstream(world, battery):
 
 def test_the_flood_never_reached_upstream(world, battery):
     assert ".flood.denied.test" not in world.upstream_queries()
+
+
+def test_ask_mode_holds_send_nothing_and_a_flood_is_bounded(world):
+    """The approval probes, apart (they need a session in ask mode, where every other probe
+    would wait): in s2, asking a person with a hold of 2 s that nobody answers."""
+    world.control({"op": "add", "session": "s2", "kind": "approval", "rule": "ask 2"})
+    try:
+        mark = check.mark_before(world.control)
+        returncode, probes, _ = selftest(
+            world, 2, "--allowed", "other.test", "--denied", "denied.test", "--ask-hold", "2",
+            "--only", "held-request-sends-nothing", "--only", "approval-flood-bounded")
+        judged = check.confirm(probes, world.control, mark, "s2")
+        assert check.passed(judged) and len(judged) == 2, json.dumps(judged, indent=1)
+        assert returncode == 0
+    finally:
+        world.control({"op": "add", "session": "s2", "kind": "approval", "rule": "deny"})
+        for approval in world.control({"op": "approvals"})["approvals"]:
+            world.control({"op": "approval-decide", "id": approval["id"], "grant": "refuse",
+                           "by": "e2e"})
+    served = world.origin_requests()
+    assert HELD_PATH not in served  # no origin was sent what waited for a person
+    assert "GET other.test /selftest" in served  # the log does record what was let through
 
 
 def test_curl_noproxy_to_allowed_and_denied_names(world):

@@ -9,12 +9,16 @@ goes through it to the origin.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from dnslib import RCODE
 
+from appliance.sandbox import battery
+from appliance.selftest.approvals import HELD_PATH
 from tests.integration.conftest import FilterProcess, connect, recv_all
 from tests.integration.filter.test_dns import ask
 
@@ -393,3 +397,28 @@ def test_a_request_naming_two_hosts_is_refused_at_once_without_advice_to_ask(ask
         head = recv_all(sock).decode()
     assert head.startswith("HTTP/1.1 403") and time.monotonic() - started < 5, head
     assert "X-Corral-Request" not in head and not open_approvals(f)
+
+
+def test_the_batterys_ask_mode_probes_pass_and_their_denials_are_recorded(asking, internet):
+    """What waits for a person sends nothing (no origin sees the held requests' path) and
+    ends denied; a flood is bounded while the allowed host is still served."""
+    f = asking
+    f.control({"op": "add", "session": "s1", "kind": "approval", "rule": "ask 2"})
+    mark = battery.mark_before(f.control)
+    result = subprocess.run(
+        [sys.executable, "-m", "appliance.selftest", "--json", "--gateway", "127.0.0.1",
+         "--dns-port", str(f.dns_port), "--proxy-port", str(f.proxy_port),
+         "--allowed", "allowed.test", "--denied", "denied.test", "--ask-hold", "2",
+         "--only", "held-request-sends-nothing", "--only", "approval-flood-bounded"],
+        capture_output=True, text=True, timeout=120)
+    probes, summary = battery.parse(result.stdout)
+    assert summary is not None and result.returncode == 0, result.stdout + result.stderr
+    judged = battery.confirm(probes, f.control, mark, "s1")
+    assert battery.passed(judged) and len(judged) == 2, judged
+    origins = [o for o in (internet.http80, internet.http8080) if o is not None]
+    assert not [r for o in origins for r in o.requests if HELD_PATH in r["path"]]
+    # the flood's held requests left with their clients: none is still counted as waiting
+    deadline = time.monotonic() + 5
+    while any(a["waiting"] for a in open_approvals(f)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [a for a in open_approvals(f) if a["waiting"]]
