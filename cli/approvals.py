@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
 
-from . import exitcodes, output
+from . import exitcodes, learn, output, projectfile
 from .client import CliError
 from .control import client_for, clock, parse_duration, pick_session
 
@@ -33,12 +33,15 @@ def cmd_approvals(args) -> int:
         return exitcodes.OK
     output.table(rows, ["ID", "SESSION", "WOULD ALLOW", "ASKED", "WAITING", "AGE", "FROM",
                         "AGENT'S REASON"])
-    output.line("decide: corral approve ID [--once | --for 10m | --session]; corral refuse ID")
+    output.line("decide: corral approve ID [--once | --for 10m | --session | --always]; "
+                "corral refuse ID")
     return exitcodes.OK
 
 
 def cmd_approve(args) -> int:
     client = client_for(args)
+    if args.always:
+        return _always(client, args)
     if args.duration is not None:
         request = {"grant": "for", "duration": parse_duration(args.duration)}
     else:
@@ -58,6 +61,41 @@ def cmd_approve(args) -> int:
     else:
         output.line(f"approved {what} for the session (a runtime rule: `corral revoke` takes "
                     "it back)")
+    return exitcodes.OK
+
+
+def _always(client, args) -> int:
+    """`--always`: the rule goes into the project's corral.toml on this host (shown as a
+    diff, written when told), and the session gets it now (a grant for its life): a new
+    session of the project starts with it. The appliance never writes a project."""
+    listed = client.request("GET", "/approvals")["approvals"]
+    approval = next((a for a in listed if a["id"] == args.id), None)
+    if approval is None:
+        raise CliError(f"no pending approval {args.id!r} (decided already, or expired)",
+                       "`corral approvals` lists the open ones", exitcodes.USAGE)
+    project = learn.project_of(client, approval["session"], args.project, args.force)
+    path, before = projectfile.read(project)
+    when = time.strftime("%Y-%m-%d")
+    after = projectfile.added(before, [projectfile.Addition(
+        approval["kind"], approval["target"], f"approved {when} (session "
+        f"{approval['session']})")], str(path))
+    if after != before and not projectfile.write(path, before, after, args.yes, args.json):
+        output.notice(f"approval {args.id} is still open: decide it another way")
+        return exitcodes.FAILURE
+    try:
+        answer = client.request("POST", f"/approvals/{quote(args.id, safe='')}",
+                                {"grant": "session", "note": f"always: written to {path}"})
+    except CliError as exc:
+        raise CliError(f"{path} has the rule, but the session did not get it: {exc}",
+                       f"`corral allow-{approval['kind']} --session {approval['session']} "
+                       f"{approval['target']}` gives it to this session") from None
+    if args.json:
+        output.data({**answer, "file": str(path), "written": after != before})
+    else:
+        output.line(f"approved {approval['kind']} {approval['target']}: in {path} for every "
+                    f"new session of the project" + (" (it was there already)"
+                                                     if after == before else "")
+                    + f", and in session {approval['session']} for its life")
     return exitcodes.OK
 
 

@@ -22,7 +22,7 @@ from appliance.policy import (
 )
 from appliance.policy.rules import HOLD_DEFAULT
 
-from . import approvals, box, control, exitcodes, local, output, secrets, sessions, vm
+from . import approvals, box, control, exitcodes, learn, local, output, secrets, sessions, vm
 from .client import CliError, load_appliance
 
 
@@ -157,6 +157,14 @@ def parser() -> argparse.ArgumentParser:
                       help=f"how long a request waits for a decision (default {HOLD_DEFAULT})")
     asks.add_argument("--off", action="store_true", help="deny at once again")
     appliance_command("approvals", "what sessions in ask mode wait for", approvals.cmd_approvals)
+    def project_file(command):
+        command.add_argument("--project", metavar="DIR", help="the project whose corral.toml "
+                             "gets the rules (default: the current directory)")
+        command.add_argument("--yes", action="store_true", help="write it without asking "
+                             "(the diff is still shown)")
+        command.add_argument("--force", action="store_true", help="even if the session was "
+                             "started from another project")
+
     approve = appliance_command("approve", "grant an open approval", approvals.cmd_approve,
                                 session=False)
     approve.add_argument("id", metavar="ID", help="as `corral approvals` shows it")
@@ -168,10 +176,29 @@ def parser() -> argparse.ArgumentParser:
                      help="a runtime rule for this long (90s, 10m, 1h30m, 2d)")
     how.add_argument("--session", dest="session_grant", action="store_true",
                      help="a runtime rule for the session's life")
+    how.add_argument("--always", action="store_true",
+                     help="also for every new session of the project: the rule is written "
+                     "into its corral.toml on this host, after a diff (and for this session's "
+                     "life)")
+    project_file(approve)
     refuse = appliance_command("refuse", "refuse an open approval: the requests waiting get "
                                "the usual denial", approvals.cmd_refuse, session=False)
     refuse.add_argument("id", metavar="ID")
     refuse.add_argument("--reason", metavar="TEXT", help="recorded with the decision")
+
+    learning = appliance_command(
+        "learn", "propose the corral.toml rules a session needed, from its denials",
+        learn.cmd_learn, session=False,
+        description="Read what the session was denied that a person could allow (the audit "
+        "log) and propose the smallest corral.toml change letting it through: a preset where "
+        "one covers the names, a wildcard where three or more share a parent domain, else "
+        "each name; each line says how often and by what it was asked. Shown as a diff and "
+        "written only when you say so.")
+    learning.add_argument("session", nargs="?", help="default: the only one")
+    learning.add_argument("--exact", action="store_true", help="each name as it was asked "
+                          "for: no wildcard (a wildcard lets every other name under it "
+                          "through too)")
+    project_file(learning)
 
     run = appliance_command("run", "start a session for a project and attach to it",
                             sessions.cmd_run, session=False,
@@ -185,6 +212,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--detach", action="store_true", help="start it, do not attach")
     run.add_argument("--ask", action="store_true", help="ask mode: a request the policy does "
                      "not name waits for `corral approve` (see `corral ask`)")
+    run.add_argument("--learn", action="store_true", help="when you leave the session, "
+                     "propose the corral.toml rules it was denied (`corral learn`)")
     run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
                      "files in it look like secrets (they are read first; see [workspace] "
                      "exclude in corral.toml)")

@@ -154,10 +154,20 @@ def cmd_run(args) -> int:
     if args.json:
         output.data(session)
     if args.detach:
+        if args.learn:
+            output.notice(f"when the agent is done, `corral learn {name}` proposes the rules "
+                          "it was denied")
         return exitcodes.OK
     code = _terminal(client, session["container"], args.cmd)
     output.notice(f"session {name} keeps running: `corral shell {name}` re-attaches; "
                   f"`corral diff {name}`, `corral apply {name}`, `corral stop {name}`")
+    if args.learn:
+        from .learn import learn
+
+        try:
+            learn(client, name, project, yes=False, as_json=False)
+        except CliError as exc:
+            output.notice(f"learning: {exc}; `corral learn {name}` proposes it again")
     return code
 
 

@@ -33,10 +33,10 @@ from appliance.policy import (
     Host,
     HostNameError,
     Policy,
-    parse_address,
     parse_host,
     split_host_port,
 )
+from appliance.policy.grants import approvable, grant_of
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +59,6 @@ REQUEST_NAME = "request.corral"
 ASK_KINDS = ("http", "dns", "tcp")
 MAX_WAIT = 600
 """Seconds an agent's request may wait for the decision (`wait=`)."""
-
-
-def approvable(decision: Decision) -> bool:
-    """Denied by the default alone: no deny rule, no placeholder, no host port, and a
-    command that would allow it (`corral allow-http|dns|tcp TARGET`) for a *name*. Never
-    an IP literal: a rule naming a literal opens it even in a blocked range (the metadata
-    service, the LAN, the VM host), which only `corral allow-*` typed by a person may do;
-    never a name of the appliance's own (`*.corral`)."""
-    if decision.allowed or decision.rule is not None or not decision.hint.startswith(
-            ("corral allow-http ", "corral allow-dns ", "corral allow-tcp ")):
-        return False
-    try:
-        name, _ = split_host_port(grant_of(decision)[1])
-    except HostNameError:
-        return False
-    if parse_address(name) is not None:
-        return False
-    name = name.rstrip(".").lower()
-    return name != "corral" and not name.endswith(".corral")
 
 
 def decide_kind(policy: Policy, kind: str, host: Host, port: int | None) -> Decision:
@@ -158,12 +139,6 @@ def parse_agent_ask(path: str) -> AgentAsk:
     if kind == "dns" and port is not None:
         raise ApprovalError("a dns request names a host without a port")
     return AgentAsk(host, port, kind, clean(fields["reason"].strip()), int(wait))
-
-
-def grant_of(decision: Decision) -> tuple[str, str]:
-    """(rule kind, rule text) the decision's hint would add: what a grant adds."""
-    _, command, target = decision.hint.split(" ", 2)
-    return command.removeprefix("allow-"), target
 
 
 def clean(text: str) -> str:
@@ -389,7 +364,8 @@ class Holds:
         if grant is None:
             reason = f"refused by {by}" + (f": {clean(note)}" if note else "")
         else:
-            reason = f"approved by {by}: {grant}{detail}"
+            reason = f"approved by {by}: {grant}{detail}" + (f" ({clean(note)})" if note
+                                                              else "")
         self._resolve(pending, Verdict(grant, reason))
         self._event(pending, "approved" if grant else "refused", reason, grant=grant, by=by)
         return pending

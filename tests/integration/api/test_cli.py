@@ -332,3 +332,70 @@ def test_ask_mode_approve_and_refuse_from_the_cli(home, corral_filter):
     finally:
         off = corral(home, "ask", "--session", "s2", "--off")
         assert off.returncode == 0 and "ask mode off" in off.stdout
+
+
+def test_learn_proposes_what_a_session_was_denied_and_writes_it_when_told(home, corral_filter,
+                                                                          tmp_path):
+    for name in ("a.learn.test", "b.learn.test", "c.learn.test", "pypi.org",
+                 "files.pythonhosted.org", "pypi.org"):
+        assert connect_status(corral_filter.proxy_port, f"{name}:443") == 403
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "corral.toml").write_text('# ours\n[http]\nallow = ["allowed.test"]\n')
+    shown = corral(home, "learn", "s1", "--project", str(project))
+    assert shown.returncode == 2 and "not written" in shown.stderr, shown  # no terminal here
+    assert '+presets = [\n+    "pypi", # 2 of its names, asked 3x' in shown.stdout, shown.stdout
+    assert '+    "*.learn.test", # 3 names under learn.test' in shown.stdout
+    assert (project / "corral.toml").read_text() == '# ours\n[http]\nallow = ["allowed.test"]\n'
+    written = corral(home, "learn", "s1", "--project", str(project), "--yes")
+    assert written.returncode == 0 and "wrote " in written.stdout, written
+    checked = json.loads(corral(home, "check", str(project / "corral.toml"), "--json").stdout)
+    rules = {(r["kind"], r["rule"]) for r in checked["rules"]}
+    assert {("http", "*.learn.test"), ("http", "pypi.org"), ("http", "allowed.test")} <= rules
+    again = json.loads(corral(home, "learn", "s1", "--project", str(project), "--json").stdout)
+    assert "a.learn.test" in again["allowed_already"]
+    assert not [a for a in again["proposal"] if "learn.test" in a["rule"]]
+
+
+def test_approve_always_writes_the_rule_into_the_project_and_lets_the_request_go(
+        home, corral_filter, tmp_path):
+    import threading
+
+    from tests.integration.conftest import S2_CLIENT
+
+    assert corral(home, "ask", "--session", "s2", "--hold", "30").returncode == 0
+    project = tmp_path / "project"
+    project.mkdir()
+    answers: list[bytes] = []
+
+    def held():
+        with connect(corral_filter.proxy_port, source=S2_CLIENT, timeout=40) as sock:
+            sock.sendall(b"CONNECT allowed.test:8080 HTTP/1.1\r\n\r\n")
+            answers.append(recv_all(sock, 12))
+
+    thread = threading.Thread(target=held, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (listed := [a for a in json.loads(corral(home, "approvals", "--json").stdout)
+                              ["approvals"] if a["waiting"]]):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        (approval,) = listed
+        asked = corral(home, "approve", approval["id"], "--always", "--project", str(project))
+        assert asked.returncode == 2 and "+    \"allowed.test:8080\"" in asked.stdout, asked
+        assert not (project / "corral.toml").exists() and thread.is_alive()
+        decided = corral(home, "approve", approval["id"], "--always", "--project",
+                         str(project), "--yes")
+        assert decided.returncode == 0, decided
+        assert "in session s2 for its life" in decided.stdout
+        thread.join(10)
+        assert answers and answers[0].startswith(b"HTTP/1.1 200"), answers
+        text = (project / "corral.toml").read_text()
+        assert '"allowed.test:8080", # approved ' in text and "(session s2)" in text
+        approved = [e for e in corral_filter.events(session="s2")
+                    if e.get("action") == "approved"][-1]
+        assert approved["grant"] == "session" and "always: written to" in approved["reason"]
+    finally:
+        corral(home, "ask", "--session", "s2", "--off")
+        corral(home, "revoke", "allowed.test:8080", "--session", "s2")
