@@ -1,7 +1,8 @@
 """The sandbox image, from Debian packages only: no registry, no third-party image to trust.
 
   mmdebstrap (bookworm, PACKAGES) -> rootfs.tar -> `podman import` -> corral-base:VERSION
-  + the layer in CONTAINERFILE (the selftest, /work, labels)   -> corral-sandbox:VERSION
+  + the layer in CONTAINERFILE (the selftest, corral-request, /work, labels)
+                                                               -> corral-sandbox:VERSION
 
 The selftest (appliance/selftest/, a package) goes in as one file: a zipapp of the package
 behind a `#!/usr/bin/python3` line, built here the same, byte for byte, from the same sources.
@@ -38,11 +39,13 @@ SELFTEST = Path(__file__).resolve().parents[1] / "selftest"
 SELFTEST_INTERPRETER = b"#!/usr/bin/python3\n"  # Debian's, in the base image
 SELFTEST_MAIN = b"import sys\n\nfrom selftest.cli import main\n\nsys.exit(main())\n"
 """The zipapp's own __main__.py: the package sits in the archive as `selftest`."""
+REQUEST = Path(__file__).resolve().with_name("corral_request.py")
+"""`corral-request`: an agent asks a person for a host (one file, standard library only)."""
 
 CONTAINERFILE = """\
 FROM {base}
-COPY corral-selftest /usr/local/bin/corral-selftest
-RUN chmod 0755 /usr/local/bin/corral-selftest \\
+COPY corral-selftest corral-request /usr/local/bin/
+RUN chmod 0755 /usr/local/bin/corral-selftest /usr/local/bin/corral-request \\
  && mkdir -p /work /home/agent /etc/corral/trust && chmod 1777 /work /home/agent \\
  && cp /etc/ssl/certs/ca-certificates.crt /etc/corral/trust/ca-bundle.crt \\
  && ln -sf /etc/corral/trust/ca-bundle.crt /etc/ssl/certs/ca-certificates.crt
@@ -70,15 +73,20 @@ def selftest_zipapp(package: Path = SELFTEST) -> bytes:
     return buffer.getvalue()
 
 
+def request_script() -> bytes:
+    return SELFTEST_INTERPRETER + REQUEST.read_bytes()
+
+
 def layer_digest(package: Path = SELFTEST) -> str:
-    """What the top layer is made of: the Containerfile and the selftest it copies in (the
-    zipapp, so every file of the package)."""
-    return _digest(selftest_zipapp(package))
+    """What the top layer is made of: the Containerfile and the files it copies in (the
+    selftest's zipapp, so every file of the package, and corral-request)."""
+    return _digest(selftest_zipapp(package), request_script())
 
 
-def _digest(selftest: bytes) -> str:
+def _digest(selftest: bytes, request: bytes) -> str:
     digest = hashlib.sha256(CONTAINERFILE.encode())
     digest.update(selftest)
+    digest.update(hashlib.sha256(request).digest())
     return digest.hexdigest()[:16]
 
 
@@ -112,9 +120,12 @@ def build(podman: Podman, mirror: str = "http://deb.debian.org/debian",
             progress(f"[1-2/3] {BASE} is there (same package list): only the layer is built")
         progress(f"[3/3] podman build -> {IMAGE} ({time.monotonic() - started:.0f}s)")
         selftest = selftest_zipapp()  # once: the label names exactly what is copied in
+        request = request_script()
         (work / "corral-selftest").write_bytes(selftest)
+        (work / "corral-request").write_bytes(request)
         (work / "Containerfile").write_text(CONTAINERFILE.format(
-            base=BASE, version=VERSION, packages=" ".join(PACKAGES), digest=_digest(selftest)))
+            base=BASE, version=VERSION, packages=" ".join(PACKAGES),
+            digest=_digest(selftest, request)))
         podman.run("build", "--network", "none", "--tag", IMAGE, "--file",
                    str(work / "Containerfile"), str(work))
         progress(f"built {IMAGE} in {time.monotonic() - started:.0f}s")

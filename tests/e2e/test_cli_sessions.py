@@ -380,6 +380,16 @@ def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c
         assert json.loads(asked)["status"] == "pending", asked
         listed = corral(world, "approvals", "--session", "c1").stdout
         assert "to read the docs" in listed and "agent" in listed, listed
+        # or with the image's corral-request, which a person's grant answers
+        requested = corral(world, "shell", "c1", "--", "corral-request", "stream.test:7007",
+                           "--kind", "tcp", "--reason", "the build log", check=False)
+        assert requested.returncode == 3 and requested.stdout.startswith("pending: approval ")
+        approval_id = requested.stdout.split()[2]
+        (approval,) = [a for a in json.loads(corral(world, "approvals", "--json").stdout)[
+            "approvals"] if a["id"] == approval_id]
+        assert approval["target"] == "stream.test:7007" and approval["kind"] == "tcp"
+        assert approval["note"] == "the build log"
+        corral(world, "refuse", approval_id)
     finally:
         corral(world, "ask", "--session", "c1", "--off")
 

@@ -89,6 +89,7 @@ def test_image_carries_the_toolbox_and_the_selftest(podman, container):
     for tool in ("git", "curl", "python3", "node", "npm", "rg", "jq", "ssh", "make", "gcc"):
         assert inside(podman, "sh", "-c", f"command -v {tool}").returncode == 0, tool
     assert b"Probe every bypass class" in inside(podman, "corral-selftest", "--help").stdout
+    assert b"usage: corral-request" in inside(podman, "corral-request", "--help").stdout
     labels = podman.json("image", "inspect", image.IMAGE)[0]["Labels"]
     assert labels["io.corral.version"] == image.VERSION
 

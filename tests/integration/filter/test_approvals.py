@@ -422,3 +422,40 @@ def test_the_batterys_ask_mode_probes_pass_and_their_denials_are_recorded(asking
     while any(a["waiting"] for a in open_approvals(f)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [a for a in open_approvals(f) if a["waiting"]]
+
+
+def test_corral_request_asks_waits_and_says_the_decision(asking):
+    """The image's corral-request, through the proxy as HTTP_PROXY names it (NO_PROXY is not
+    heeded: request.corral is only there), against the real filter."""
+    f = asking
+
+    def run(*args: str, wait: bool = False) -> subprocess.Popen:
+        env = {"PATH": "/usr/bin:/bin", "HTTP_PROXY": f"http://127.0.0.1:{f.proxy_port}",
+               "NO_PROXY": "*"}
+        return subprocess.Popen([sys.executable, "appliance/sandbox/corral_request.py", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    waiting = run("docs.test", "--reason", "the API reference", "--wait", "20")
+    approval = wait_approval(f, target="docs.test:443")
+    assert approval["note"] == "the API reference" and approval["origin"] == "agent"
+    assert waiting.poll() is None
+    decide(f, approval, "for", duration=60)
+    out, err = waiting.communicate(timeout=20)
+    assert waiting.returncode == 0 and out == "approved (for): http docs.test:443\n", (out, err)
+
+    pending = run("ssh.test:22", "--kind", "tcp", "--reason", "push")
+    out, _ = pending.communicate(timeout=20)
+    (opened,) = open_approvals(f, target="ssh.test:22")
+    assert pending.returncode == 3 and out.startswith(f"pending: approval {opened['id']} for "
+                                                      "tcp ssh.test:22"), out
+    refused = run("10.0.0.1", "--reason", "the LAN", "--json")
+    out, _ = refused.communicate(timeout=20)
+    assert refused.returncode == 1 and json.loads(out)["status"] == "refused", out
+    bad = run("docs.test:http", "--reason", "x")
+    _, err = bad.communicate(timeout=20)
+    assert bad.returncode == 2 and "is not a number" in err, err
+    alone = subprocess.run([sys.executable, "appliance/sandbox/corral_request.py", "x.test",
+                            "--reason", "r"], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin"}, timeout=20)
+    assert alone.returncode == 2 and "no HTTP_PROXY" in alone.stderr

@@ -100,3 +100,14 @@ def test_the_layer_digest_changes_when_any_file_of_the_battery_does(tmp_path):
     assert image.layer_digest(copy) == base
     (copy / "extra.py").write_text("")
     assert image.layer_digest(copy) != base  # a new module is shipped, so digested
+
+
+def test_the_layer_digest_changes_with_corral_request(tmp_path, monkeypatch):
+    base = image.layer_digest()
+    copy = tmp_path / "corral_request.py"
+    copy.write_bytes(image.REQUEST.read_bytes())
+    monkeypatch.setattr(image, "REQUEST", copy)
+    assert image.layer_digest() == base
+    copy.write_bytes(copy.read_bytes() + b"\n")
+    assert image.layer_digest() != base
+    assert image.request_script().startswith(b"#!/usr/bin/python3\n")
