@@ -54,24 +54,49 @@ class ControlClient:
         return json.loads(line)
 
     def stream(self, message: dict, idle: float = 15.0) -> Iterator[dict | None]:
-        """Subscribe; yield each event, and None after `idle` seconds of silence (so the
-        caller can send a keep-alive and notice a client that went away)."""
+        """Subscribe; yield None once the subscription is in place (the caller can answer
+        its client now), then each event, and None after every `idle` seconds of silence
+        (so the caller can send a keep-alive and notice a client that went away). The
+        socket is read with recv, never through a file object: a read that timed out
+        leaves a file object's state undefined (it then reads as the end)."""
         sock = self._connect(None)
         try:
             sock.sendall(json.dumps(message).encode() + b"\n")
             sock.settimeout(idle)
-            stream = sock.makefile("rb")
-            first = json.loads(stream.readline() or b"{}")
-            if not first.get("ok"):
-                raise ServiceUnavailable(first.get("error", "subscription refused"))
-            while True:
-                try:
-                    line = stream.readline()
-                except TimeoutError:
-                    yield None
-                    continue
-                if not line:
-                    return
-                yield json.loads(line)
+            lines = _lines(sock)
+            first = next(lines)
+            while first is None:
+                first = next(lines)
+            answer = json.loads(first or b"{}")
+            if not answer.get("ok"):
+                raise ServiceUnavailable(answer.get("error", "subscription refused"))
+            yield None
+            for line in lines:
+                if line == b"":
+                    return  # the filter closed the stream
+                yield None if line is None else json.loads(line)
         finally:
             sock.close()
+
+
+def _lines(sock: socket.socket, limit: int = 1 << 24) -> Iterator[bytes | None]:
+    """The lines a socket sends (without their newline); None each time a read timed out;
+    b"" once when it ends (a last line without a newline is dropped: cut short)."""
+    buffer = b""
+    while True:
+        end = buffer.find(b"\n")
+        if end >= 0:
+            line, buffer = buffer[:end], buffer[end + 1:]
+            yield line
+            continue
+        if len(buffer) > limit:
+            raise ServiceUnavailable(f"a line longer than {limit} bytes on the event stream")
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            yield None
+            continue
+        if not chunk:
+            yield b""
+            return
+        buffer += chunk

@@ -163,7 +163,9 @@ class Client:
         return answer
 
     def stream(self, path: str, **query) -> Iterator[dict]:
-        """Server-Sent Events from the API; returns when the stream ends."""
+        """Server-Sent Events from the API. Subscribed when it returns (the API answers once
+        the subscription is in place): the iterator yields every event after that, and
+        ends when the stream does."""
         query = {k: v for k, v in query.items() if v is not None}
         connection = self._connection(60.0)
         try:
@@ -172,6 +174,16 @@ class Client:
             if response.status != 200:
                 answer = json.loads(response.read() or b"{}")
                 raise CliError(answer.get("error", {}).get("message", f"HTTP {response.status}"))
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            raise self._failed(exc) from None
+        except BaseException:
+            connection.close()
+            raise
+        return self._events(connection, response)
+
+    def _events(self, connection, response) -> Iterator[dict]:
+        try:
             data = []
             while True:
                 line = response.readline()

@@ -26,6 +26,12 @@ from . import approvals, box, control, exitcodes, learn, local, output, secrets,
 from .client import CliError, load_appliance
 
 
+def _dashboard(args) -> int:
+    from .dashboard import cmd_dashboard  # Flask and werkzeug: only this command needs them
+
+    return cmd_dashboard(args)
+
+
 def cmd_check(args) -> int:
     path = Path(args.file)
     try:
@@ -185,6 +191,16 @@ def parser() -> argparse.ArgumentParser:
                                "the usual denial", approvals.cmd_refuse, session=False)
     refuse.add_argument("id", metavar="ID")
     refuse.add_argument("--reason", metavar="TEXT", help="recorded with the decision")
+
+    board = appliance_command(
+        "dashboard", "a web page for approvals, sessions, decisions, rules and health",
+        _dashboard, session=False,
+        description="Serve a local web page on 127.0.0.1 that talks to the appliance with "
+        "this CLI's client certificate (the browser needs none). The address it prints "
+        "carries a random token: anyone with it acts as you.")
+    board.add_argument("--port", type=int, default=0, help="default: a free one")
+    board.add_argument("--no-open", action="store_true", help="print the address only (no "
+                       "browser is started)")
 
     learning = appliance_command(
         "learn", "propose the corral.toml rules a session needed, from its denials",

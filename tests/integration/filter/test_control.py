@@ -110,6 +110,24 @@ def test_garbage_on_the_socket_is_answered(fresh_filter):
     assert fresh_filter.control({"op": "status"})["ok"]
 
 
+def test_the_apis_stream_answers_at_once_and_outlives_silences(fresh_filter):
+    """The API's client of the control socket: subscribed (None) before any event, then
+    keep-alives through silences longer than `idle`, and the next event still comes."""
+    from appliance.control_client import ControlClient
+
+    events = ControlClient(str(fresh_filter.socket)).stream({"op": "subscribe",
+                                                             "verdict": "deny"}, idle=0.1)
+    assert next(events) is None  # at once, with nothing having happened
+    silences = 0
+    while silences < 5:  # half a second of silence: five idle reads
+        assert next(events) is None
+        silences += 1
+    connect_status(fresh_filter.proxy_port, "after-silence.test:443")
+    event = next(e for e in events if e is not None)
+    assert event["name"] == "after-silence.test" and event["verdict"] == "deny"
+    events.close()
+
+
 def test_subscribe_streams_filtered_events_live(fresh_filter):
     f = fresh_filter
     received = []

@@ -1,0 +1,234 @@
+// corral dashboard: plain DOM, no framework. Everything an agent could have written
+// (names, reasons, rules) goes in with textContent, never as markup.
+"use strict";
+
+const token = new URLSearchParams(location.search).get("token") || "";
+const state = { events: [], sessions: [], page: "approvals" };
+const MAX_EVENTS = 500;
+
+async function api(method, path, body) {
+  const options = { method, headers: { "X-Corral-Token": token } };
+  if (body !== undefined) {
+    options.headers["Content-Type"] = "application/json";
+    options.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, options);
+  const data = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
+  if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+  trouble("");
+  return data;
+}
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  return node;
+}
+
+function row(cells, className) {
+  const tr = el("tr", null, className);
+  for (const cell of cells) tr.append(cell instanceof Node ? cell : el("td", cell));
+  return tr;
+}
+
+function cellWith(...nodes) {
+  const td = el("td");
+  td.append(...nodes);
+  return td;
+}
+
+function button(label, className, action) {
+  const b = el("button", label, className);
+  b.addEventListener("click", async () => {
+    b.disabled = true;
+    try { await action(); } catch (error) { trouble(error.message); } finally { b.disabled = false; }
+  });
+  return b;
+}
+
+function trouble(message) {
+  const p = document.getElementById("trouble");
+  p.textContent = message;
+  p.hidden = !message;
+}
+
+function ago(ts) {
+  const s = Math.max(0, Date.now() / 1000 - ts);
+  return s >= 3600 ? `${Math.floor(s / 3600)}h` : s >= 60 ? `${Math.floor(s / 60)}m` : `${Math.floor(s)}s`;
+}
+
+function clock(ts) {
+  return new Date(ts * 1000).toLocaleTimeString();
+}
+
+// -- approvals -------------------------------------------------------------------------
+
+async function loadApprovals() {
+  const { approvals } = await api("GET", "/api/approvals");
+  const body = document.getElementById("approvals-rows");
+  body.replaceChildren(...approvals.map((a) => {
+    const decide = (grant, extra) => async () => {
+      await api("POST", `/api/approvals/${encodeURIComponent(a.id)}`, { grant, ...extra });
+      await loadApprovals();
+    };
+    const once = button("once", "grant once", decide("once"));
+    once.disabled = !a.waiting;
+    once.title = a.waiting ? "let the waiting requests through, no rule" : "nothing waits now";
+    return row([a.id, a.session, `${a.kind} ${a.target}`, a.asked, a.waiting ? "yes" : "",
+                ago(a.created), a.origin, el("td", a.note || "", "untrusted"),
+                cellWith(once, button("10 min", "grant for", decide("for", { duration: 600 })),
+                         button("session", "grant session", decide("session")),
+                         button("refuse", "grant refuse", decide("refuse")))],
+               "approval");
+  }));
+  document.getElementById("approvals-empty").hidden = approvals.length > 0;
+  document.getElementById("pending-count").textContent = approvals.length || "";
+}
+
+// -- sessions --------------------------------------------------------------------------
+
+async function loadSessions() {
+  const { sessions } = await api("GET", "/api/sessions");
+  state.sessions = sessions.map((s) => s.name);
+  const body = document.getElementById("sessions-rows");
+  body.replaceChildren(...sessions.map((s) => {
+    const stateText = s.state === "stopped" ? `stopped${s.reason ? ` (${s.reason})` : ""}`
+      : (s.container_state || s.state || "-");
+    const actions = cellWith();
+    if (s.state !== "stopped") {
+      actions.append(button("stop", "danger", async () => {
+        if (confirm(`Stop ${s.name}? Its workspace stays for diff and apply.`)) {
+          await api("POST", `/api/sessions/${encodeURIComponent(s.name)}/stop`);
+          await loadSessions();
+        }
+      }));
+    }
+    actions.append(button("remove", "danger", async () => {
+      if (confirm(`Remove ${s.name} and its workspace?`)) {
+        await api("DELETE", `/api/sessions/${encodeURIComponent(s.name)}`);
+        await loadSessions();
+      }
+    }));
+    return row([s.name, stateText, s.created ? ago(s.created) : "-", s.subnet || "-",
+                s.allowed || 0, s.denied || 0, actions]);
+  }));
+  document.getElementById("sessions-empty").hidden = sessions.length > 0;
+  for (const id of ["decisions-session", "rules-session"]) fillSessions(id);
+}
+
+function fillSessions(id) {
+  const select = document.getElementById(id);
+  const chosen = select.value;
+  const first = id === "decisions-session" ? [["", "every session"]] : [];
+  select.replaceChildren(...[...first, ...state.sessions.map((n) => [n, n])].map(([value, text]) => {
+    const option = el("option", text);
+    option.value = value;
+    return option;
+  }));
+  if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
+}
+
+// -- decisions -------------------------------------------------------------------------
+
+function renderDecisions() {
+  const session = document.getElementById("decisions-session").value;
+  const verdict = document.getElementById("decisions-verdict").value;
+  const shown = state.events.filter((e) => (!session || e.session === session)
+    && (!verdict || e.verdict === verdict)).slice(-200).reverse();
+  document.getElementById("decisions-rows").replaceChildren(...shown.map((e) => {
+    const target = (e.name || e.target || "-") + (e.port ? `:${e.port}` : "");
+    return row([clock(e.ts || 0), e.session || "-", el("td", e.verdict, "verdict"), e.kind,
+                el("td", target, "untrusted"), el("td", e.reason || "", "reason"),
+                el("td", e.verdict !== "allow" ? (e.hint || "") : "", "hint")], e.verdict);
+  }));
+}
+
+function listen() {
+  const link = document.getElementById("link");
+  const source = new EventSource(`/api/events?token=${encodeURIComponent(token)}`);
+  source.onopen = () => { link.textContent = "live"; link.className = "link live"; };
+  source.onerror = () => { link.textContent = "reconnecting…"; link.className = "link"; };
+  source.addEventListener("trouble", (m) => trouble(JSON.parse(m.data).error));
+  source.onmessage = (m) => {
+    const event = JSON.parse(m.data);
+    state.events.push(event);
+    if (state.events.length > MAX_EVENTS) state.events.splice(0, state.events.length - MAX_EVENTS);
+    if (state.page === "decisions") renderDecisions();
+    if (event.kind === "approval") loadApprovals().catch((error) => trouble(error.message));
+  };
+}
+
+// -- rules -----------------------------------------------------------------------------
+
+async function loadRules() {
+  const session = document.getElementById("rules-session").value;
+  const body = document.getElementById("rules-rows");
+  if (!session) { body.replaceChildren(); return; }
+  const { rules } = await api("GET", `/api/rules?session=${encodeURIComponent(session)}`);
+  body.replaceChildren(...rules.map((r) => {
+    const actions = cellWith();
+    if (r.layer === "session") {
+      actions.append(button("revoke", "danger", async () => {
+        await api("DELETE", "/api/rules", { session, kind: r.kind, rule: r.rule });
+        await loadRules();
+      }));
+    }
+    return row([el("td", r.rule, "untrusted"), r.kind, r.layer, r.source,
+                r.expires ? clock(r.expires) : "", actions]);
+  }));
+}
+
+// -- health ----------------------------------------------------------------------------
+
+async function loadHealth() {
+  const status = await api("GET", "/api/status");
+  const list = document.getElementById("health-list");
+  list.replaceChildren();
+  for (const [name, value] of Object.entries(status)) {
+    let text = value;
+    let className = "";
+    if (value && typeof value === "object") {
+      if ("healthy" in value) {
+        className = value.healthy ? "ok" : "bad";
+        text = value.healthy ? "healthy" : `unhealthy: ${value.error || ""}`;
+      } else {
+        text = JSON.stringify(value);
+      }
+    }
+    list.append(el("dt", name), el("dd", text, className));
+  }
+}
+
+async function verifyAudit() {
+  const out = document.getElementById("verify-result");
+  out.textContent = "reading every segment…";
+  const verdict = await api("GET", "/api/audit/verify");
+  out.textContent = verdict.intact ? `intact: ${verdict.lines} records`
+    : `broken: ${verdict.error || JSON.stringify(verdict)}`;
+  out.className = verdict.intact ? "ok" : "bad";
+}
+
+// -- pages -----------------------------------------------------------------------------
+
+const loaders = { approvals: loadApprovals, sessions: loadSessions, rules: loadRules,
+                  health: loadHealth, decisions: async () => renderDecisions() };
+
+function show(page) {
+  state.page = page;
+  for (const section of document.querySelectorAll("section.page")) section.hidden = section.id !== page;
+  for (const b of document.querySelectorAll("nav button")) b.classList.toggle("current", b.dataset.page === page);
+  loaders[page]().catch((error) => trouble(error.message));
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => show(b.dataset.page));
+  document.getElementById("decisions-session").addEventListener("change", renderDecisions);
+  document.getElementById("decisions-verdict").addEventListener("change", renderDecisions);
+  document.getElementById("rules-session").addEventListener("change", () => loadRules().catch((e) => trouble(e.message)));
+  document.getElementById("verify").addEventListener("click", () => verifyAudit().catch((e) => trouble(e.message)));
+  loadSessions().then(() => show(state.page)).catch((error) => trouble(error.message));
+  listen();
+  setInterval(() => loadApprovals().catch((error) => trouble(error.message)), 2000);
+  setInterval(() => loadSessions().catch(() => {}), 5000);
+});
