@@ -42,6 +42,10 @@ def cmd_approve(args) -> int:
     client = client_for(args)
     if args.always:
         return _always(client, args)
+    given = [f"--{n}" for n in ("project", "yes", "force") if getattr(args, n)]
+    if given:
+        raise CliError(f"{', '.join(given)}: only with --always (they say where the rule "
+                       "is written)", code=exitcodes.USAGE)
     if args.duration is not None:
         request = {"grant": "for", "duration": parse_duration(args.duration)}
     else:
@@ -65,30 +69,38 @@ def cmd_approve(args) -> int:
 
 
 def _always(client, args) -> int:
-    """`--always`: the rule goes into the project's corral.toml on this host (shown as a
-    diff, written when told), and the session gets it now (a grant for its life): a new
-    session of the project starts with it. The appliance never writes a project."""
+    """`--always`: the rule goes into the project's corral.toml on this host as well as to
+    the session for its life, so that a new session of the project starts with it. The
+    diff is shown and agreed to first; then the session's grant (if the approval went
+    meanwhile, nothing is written); then the file. The appliance never writes a project."""
     listed = client.request("GET", "/approvals")["approvals"]
     approval = next((a for a in listed if a["id"] == args.id), None)
     if approval is None:
         raise CliError(f"no pending approval {args.id!r} (decided already, or expired)",
                        "`corral approvals` lists the open ones", exitcodes.USAGE)
+    if approval.get("kind") not in projectfile.KINDS:
+        raise CliError(f"approval {args.id} would add a {approval.get('kind')!r} rule, which "
+                       "corral.toml has no list for", "grant it with --session instead")
     project = learn.project_of(client, approval["session"], args.project, args.force)
     path, before = projectfile.read(project)
+    projectfile.policy_of(path, before)  # a file that is broken already is named as such
     when = time.strftime("%Y-%m-%d")
     after = projectfile.added(before, [projectfile.Addition(
         approval["kind"], approval["target"], f"approved {when} (session "
         f"{approval['session']})")], str(path))
-    if after != before and not projectfile.write(path, before, after, args.yes, args.json):
+    if after != before and not projectfile.confirm(path, before, after, args.yes, args.json):
         output.notice(f"approval {args.id} is still open: decide it another way")
         return exitcodes.FAILURE
-    try:
-        answer = client.request("POST", f"/approvals/{quote(args.id, safe='')}",
-                                {"grant": "session", "note": f"always: written to {path}"})
-    except CliError as exc:
-        raise CliError(f"{path} has the rule, but the session did not get it: {exc}",
-                       f"`corral allow-{approval['kind']} --session {approval['session']} "
-                       f"{approval['target']}` gives it to this session") from None
+    answer = client.request("POST", f"/approvals/{quote(args.id, safe='')}",
+                            {"grant": "session", "note": "always: the project's corral.toml "
+                                                         "has it too"})
+    if after != before:
+        try:
+            projectfile.replace(path, before, after)
+        except CliError as exc:
+            raise CliError(f"session {approval['session']} has the rule, but {exc}",
+                           f"add `{approval['target']}` to [{approval['kind']}] allow in "
+                           f"{path} by hand") from None
     if args.json:
         output.data({**answer, "file": str(path), "written": after != before})
     else:

@@ -32,7 +32,6 @@ from appliance.policy import (
     preset_rules,
 )
 from appliance.policy.grants import approvable, grant_of
-from appliance.policy.layers import policy_file_rules
 from appliance.policy.names import HostNameError, split_host_port
 
 from . import exitcodes, output, projectfile
@@ -75,15 +74,18 @@ class Candidate:
 
 
 def candidates(records: list[dict], session: str) -> list[Candidate]:
-    """What the session was denied that a person could allow, one per name and kind."""
+    """What the session was denied that a person could allow, one per name and kind; never
+    a target a person refused in that session (however often it was asked for after)."""
+    mine = [r for r in records if r.get("session") == session]
+    refused = {_refused(r) for r in mine} - {None}
     found: dict[tuple[str, str], Candidate] = {}
-    for record in records:
-        if record.get("session") != session:
-            continue
+    for record in mine:
         target = _target(record)
         if target is None:
             continue
         kind, name, port, by = target
+        if (name, None) in refused or (name, port) in refused:
+            continue
         candidate = found.get((kind, name))
         if candidate is None:
             candidate = found[(kind, name)] = Candidate(kind, name)
@@ -94,6 +96,15 @@ def candidates(records: list[dict], session: str) -> list[Candidate]:
         if by == "agent" and record.get("note") and len(candidate.reasons) < 3:
             candidate.reasons.append(record["note"])
     return sorted(found.values(), key=lambda c: (-c.asked, c.kind, c.name))
+
+
+def _refused(record: dict) -> tuple[str, str | None] | None:
+    """(name, port) of an approval a person refused: port None for every port (and for
+    DNS), whatever kind asked for it."""
+    if record.get("kind") != "approval" or record.get("action") != "refused":
+        return None
+    parsed = _parsed(str(record.get("grant_kind")), str(record.get("target")))
+    return parsed and parsed[1:]
 
 
 def _target(record: dict) -> tuple[str, str, str | None, str] | None:
@@ -109,19 +120,34 @@ def _target(record: dict) -> tuple[str, str, str | None, str] | None:
         hint, by = record["hint"], record.get("kind") or "?"
     else:
         return None
-    decision = Decision(False, record.get("reason") or "", None, hint)
+    decision = Decision(False, record.get("reason") or "", None, str(hint))
     if not approvable(decision):
         return None
-    kind, target = grant_of(decision)
+    parsed = _parsed(*grant_of(decision))
+    return parsed and (*parsed, by)
+
+
+def _parsed(kind: str, target: str) -> tuple[str, str, str | None] | None:
+    """(kind, normalised name, port) of a grant's target, or None for anything that is not
+    a plain name (an address, a wildcard, one of the appliance's names) and a number port:
+    whatever the records say, only that goes into a file."""
+    if kind not in projectfile.KINDS:
+        return None
     try:
         name, port = split_host_port(target)
-        Rule.parse(kind, target, "project", "learn")  # what the file would get must parse
-    except (HostNameError, RuleError):
+        host = parse_host(name)
+    except HostNameError:
         return None
-    name = name.rstrip(".").lower()
-    if kind == "dns":  # the name is wanted: a client resolves it before it connects
-        return "http", name, None, by
-    return kind, name, port, by
+    if host.name is None or host.name == "corral" or host.name.endswith(".corral"):
+        return None
+    if port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    port = str(int(port)) if port is not None else None
+    try:
+        Rule.parse(kind, f"{host.name}:{port}" if port else host.name, "project", "learn")
+    except RuleError:
+        return None
+    return kind, host.name, port
 
 
 @dataclass
@@ -131,45 +157,56 @@ class Proposal:
     """Each proposed rule or preset -> the names it lets through."""
     already: list[str]
     """Names the project's file allows already (since the session began, say)."""
+    foldable: list[str] = field(default_factory=list)
+    """Presets and wildcards that could replace several names (without `fold`)."""
 
 
-def propose(found: list[Candidate], current: Policy | None = None, wildcards: bool = True
+def propose(found: list[Candidate], current: Policy | None = None, fold: bool = False
             ) -> Proposal:
-    """The smallest corral.toml change letting every candidate through (`wildcards`: fold
-    siblings into `*.parent`, which lets every other name under it through too)."""
+    """The smallest corral.toml change letting every candidate through. `fold`: a preset
+    where one covers PRESET_MIN names, `*.parent` where WILDCARD_MIN siblings were asked
+    for. Both let through more than was asked (a preset's other hosts, every other name
+    under the parent), so they are proposed only when asked for; otherwise `foldable`
+    says what could fold."""
     left, already = [], []
     for c in found:
-        if current is not None:  # only what the file does not allow yet
-            c = _narrowed(current, c)
-        (left if c is not None else already).append(c)
-    already = [c.name for c in found if c.name not in {x.name for x in left}]
-    additions, covered = [], {}
+        narrowed = _narrowed(current, c) if current is not None else c
+        (left.append(narrowed) if narrowed is not None else already.append(c.name))
+    additions, covered, foldable = [], {}, []
     for preset in _plain_presets():
         policy = Policy(list(preset_rules(preset, "project")))
         taken = [c for c in left if _allows(policy, c)]
-        if len(taken) >= PRESET_MIN:
-            asked = sum(c.asked for c in taken)
-            additions.append(projectfile.Addition(
-                "preset", preset, f"{len(taken)} of its names, asked {asked}x"))
-            covered[f"preset {preset}"] = [c.name for c in taken]
-            left = [c for c in left if c not in taken]
+        if len(taken) < PRESET_MIN:
+            continue
+        if not fold:
+            foldable.append(f"preset {preset} ({len(taken)} of the names)")
+            continue
+        asked = sum(c.asked for c in taken)
+        additions.append(projectfile.Addition(
+            "preset", preset, f"{len(taken)} of its names, asked {asked}x"))
+        covered[f"preset {preset}"] = [c.name for c in taken]
+        left = [c for c in left if c not in taken]
     by_parent: dict[str, list[Candidate]] = defaultdict(list)
     for c in left:
         if c.kind == "http" and c.rules == [c.name] and c.name.count(".") >= 2:
             by_parent[c.name.split(".", 1)[1]].append(c)
     for parent, siblings in sorted(by_parent.items()):
-        if wildcards and len({c.name for c in siblings}) >= WILDCARD_MIN:
-            asked = sum(c.asked for c in siblings)
-            additions.append(projectfile.Addition(
-                "http", f"*.{parent}", f"{len(siblings)} names under {parent}, asked "
-                f"{asked}x: allows any name under it"))
-            covered[f"http *.{parent}"] = [c.name for c in siblings]
-            left = [c for c in left if c not in siblings]
+        if len({c.name for c in siblings}) < WILDCARD_MIN:
+            continue
+        if not fold:
+            foldable.append(f"*.{parent} ({len(siblings)} names)")
+            continue
+        asked = sum(c.asked for c in siblings)
+        additions.append(projectfile.Addition(
+            "http", f"*.{parent}", f"{len(siblings)} names under {parent}, asked "
+            f"{asked}x: allows any name under it"))
+        covered[f"http *.{parent}"] = [c.name for c in siblings]
+        left = [c for c in left if c not in siblings]
     for c in left:
         for rule in c.rules:
             additions.append(projectfile.Addition(c.kind, rule, c.annotation()))
             covered[f"{c.kind} {rule}"] = [c.name]
-    return Proposal(additions, covered, already)
+    return Proposal(additions, covered, already, foldable)
 
 
 def _narrowed(policy: Policy, c: Candidate) -> Candidate | None:
@@ -182,6 +219,8 @@ def _narrowed(policy: Policy, c: Candidate) -> Candidate | None:
 
 def _allows(policy: Policy, c: Candidate) -> bool:
     host = parse_host(c.name)
+    if c.kind == "dns":
+        return policy.decide_dns(host).allowed
     if c.kind == "tcp":
         return all(policy.decide_tcp(host, int(p)).allowed for p in c.ports or {"0"}
                    if p.isdigit())
@@ -199,35 +238,51 @@ def _plain_presets() -> list[str]:
 # -- the command ---------------------------------------------------------------------------
 
 
-def session_records(client, session: str) -> list[dict]:
-    """The audit log's records since the session was created (every session's: the page
-    filter is the time)."""
-    created = client.request("GET", f"/sessions/{session}").get("created") or 0
-    records, after = [], 0
+def session_records(client, session: str, created: float | None) -> list[dict]:
+    """The session's records in the audit log, from when it was created (the whole log
+    when that is not known)."""
+    records, after, read = [], 0, 0
+    since = max(0.0, created - 1) if created else None
     for page in range(PAGES):
-        answer = client.request("GET", "/audit", after=after, since=max(0, created - 1),
-                                limit=1000)
-        records += answer["records"]
+        answer = client.request("GET", "/audit", after=after, since=since, limit=1000)
+        read += len(answer["records"])
+        records += [r for r in answer["records"] if r.get("session") == session]
         if not answer.get("more") or not answer["records"]:
             return records
         after = answer["records"][-1]["seq"]
         if page and page % 20 == 0:
-            output.notice(f"read {len(records)} audit records ...")
-    output.notice(f"stopped after {len(records)} audit records: the proposal may miss some")
+            output.notice(f"read {read} audit records ...")
+    output.notice(f"stopped after {read} audit records: the proposal may miss some")
     return records
 
 
+def denied_by_rules(client, session: str) -> Policy:
+    """The session's deny rules as they stand (any layer): a name one covers now is not
+    proposed, whatever it was asked for."""
+    rules = []
+    for r in client.request("GET", "/policy", session=session)["rules"]:
+        if r.get("kind") == "deny":
+            try:
+                rules.append(Rule.parse("deny", r["rule"], r["layer"], r["source"]))
+            except (RuleError, KeyError):
+                continue
+    return Policy(rules)
+
+
 def learn(client, session: str, project: Path, yes: bool, as_json: bool,
-          wildcards: bool = True) -> int:
+          fold: bool = False) -> int:
     """Propose, show and (when told) write the rules the session needed."""
     path, before = projectfile.read(project)
-    try:
-        current = Policy(policy_file_rules(before, str(path), "project")) if before else None
-    except ValueError as exc:  # ConfigError: the file as corral check would name it
-        raise CliError(f"{path}: {exc}", "fix it first (`corral check`)", exitcodes.USAGE
-                       ) from None
-    found = candidates(session_records(client, session), session)
-    proposal = propose(found, current, wildcards)
+    current = projectfile.policy_of(path, before)
+    record = client.request("GET", f"/sessions/{session}")
+    if not record.get("created"):
+        output.notice(f"when session {session} began is not known: reading the whole audit "
+                      "log")
+    denies = denied_by_rules(client, session)
+    found = [c for c in candidates(session_records(client, session, record.get("created")),
+                                   session)
+             if denies.denied_by(parse_host(c.name)) is None]
+    proposal = propose(found, current, fold)
     if as_json:
         output.data({"session": session, "file": str(path),
                      "candidates": [{"kind": c.kind, "name": c.name, "rules": c.rules,
@@ -236,7 +291,7 @@ def learn(client, session: str, project: Path, yes: bool, as_json: bool,
                      "proposal": [{"kind": a.kind, "rule": a.rule, "comment": a.comment,
                                    "covers": proposal.covered.get(f"{a.kind} {a.rule}", [])}
                                   for a in proposal.additions],
-                     "allowed_already": proposal.already})
+                     "allowed_already": proposal.already, "foldable": proposal.foldable})
     if not proposal.additions:
         if not as_json:
             output.line(f"nothing to learn: session {session} was denied nothing a person "
@@ -250,28 +305,39 @@ def learn(client, session: str, project: Path, yes: bool, as_json: bool,
                        _shown("; ".join(c.reasons))] for c in found
                       if c.name not in proposal.already],
                      ["KIND", "NAME", "ASKED", "BY", "AGENT'S REASON"])
+        if proposal.foldable:
+            output.line("\ncould be folded (--fold; each lets through more than was asked "
+                        "for): " + ", ".join(proposal.foldable))
         output.line(f"\nproposed for {path}:")
     after = projectfile.added(before, proposal.additions, str(path))
-    written = projectfile.write(path, before, after, yes, as_json)
-    if written and not as_json:
-        output.line(f"wrote {path}: a new session of this project starts with it (this one "
-                    f"keeps its policy; `corral allow-http` changes it)")
+    if projectfile.confirm(path, before, after, yes, as_json):
+        projectfile.replace(path, before, after)
+        if not as_json:
+            output.line(f"wrote {path}: a new session of this project starts with it (this "
+                        "one keeps its policy; `corral allow-http` changes it)")
     return exitcodes.OK
 
 
 def project_of(client, session: str, project_dir: str | None, force: bool) -> Path:
     """The project directory whose corral.toml a session's rules go into: --project or the
-    current directory, which must be the one the session was started from (or --force)."""
+    current directory, which must be the one the session was started from. When that is
+    not known (a session from the appliance's own config, or the sandbox service did not
+    answer), only an explicit --project (or --force) says which."""
     from .sessions import project_id
 
     project = Path(project_dir or ".").resolve()
     if not project.is_dir():
         raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
     started = client.request("GET", f"/sessions/{session}").get("project")
-    if started and started != project_id(project) and not force:
+    if force:
+        return project
+    if started and started != project_id(project):
         raise CliError(f"session {session} was started from another project ({started}), "
                        f"not {project}", "run it in that project, pass --project DIR, or "
                        "--force", exitcodes.USAGE)
+    if not started and project_dir is None:
+        raise CliError(f"which project session {session} came from is not known",
+                       "name it: --project DIR", exitcodes.USAGE)
     return project
 
 
@@ -279,7 +345,7 @@ def cmd_learn(args) -> int:
     client = client_for(args)
     session = pick_session(client, args.session)
     project = project_of(client, session, args.project, args.force)
-    return learn(client, session, project, args.yes, args.json, not args.exact)
+    return learn(client, session, project, args.yes, args.json, args.fold)
 
 
 def _shown(text: str, width: int = 50) -> str:

@@ -206,14 +206,14 @@ def parser() -> argparse.ArgumentParser:
         "learn", "propose the corral.toml rules a session needed, from its denials",
         learn.cmd_learn, session=False,
         description="Read what the session was denied that a person could allow (the audit "
-        "log) and propose the smallest corral.toml change letting it through: a preset where "
-        "one covers the names, a wildcard where three or more share a parent domain, else "
-        "each name; each line says how often and by what it was asked. Shown as a diff and "
+        "log; never what a person refused or a deny rule covers) and propose the corral.toml "
+        "change letting exactly that through, each line saying how often and by what it was "
+        "asked (--fold: presets and wildcards where they cover several). Shown as a diff and "
         "written only when you say so.")
     learning.add_argument("session", nargs="?", help="default: the only one")
-    learning.add_argument("--exact", action="store_true", help="each name as it was asked "
-                          "for: no wildcard (a wildcard lets every other name under it "
-                          "through too)")
+    learning.add_argument("--fold", action="store_true", help="propose a preset where one "
+                          "covers two or more names, and *.parent where three or more share "
+                          "a parent (each lets through more than was asked for)")
     project_file(learning)
 
     run = appliance_command("run", "start a session for a project and attach to it",

@@ -2,9 +2,11 @@
 `corral learn`. Only the CLI writes a project's file (the appliance never does), and only
 after showing the change as a diff and being told to.
 
-The edit keeps what a person wrote (comments, order, layout): tomlkit, not tomllib, which
-only reads. The new text must parse as a policy before it is written, and is written
-atomically (a temporary file beside it, renamed over it), keeping the file's mode.
+The edit keeps what a person wrote (comments, order, keys; a list it extends becomes one
+item per line): tomlkit, not tomllib, which only reads. The new text must parse as a policy
+before it is written; it is written atomically (a temporary file beside it, renamed over
+it), keeping the file's mode, and only if the file still holds what the diff was made
+against.
 """
 
 from __future__ import annotations
@@ -69,25 +71,30 @@ def _list(container, key: str, path: str, where: str = ""):
 
     value = container.get(key)
     if value is None:
-        value = tomlkit.array()
-        if key == "presets" and isinstance(container, tomlkit.TOMLDocument):
-            _put_first(container, key, value)
+        if isinstance(container, tomlkit.TOMLDocument):
+            _put_top_level(container, key, tomlkit.array())
         else:
-            container[key] = value
+            container[key] = tomlkit.array()
         return container[key]
     if not isinstance(value, list):
         raise CliError(f"{path}: {where}{key} is not a list", code=exitcodes.USAGE)
     return value
 
 
-def _put_first(document, key: str, value) -> None:
-    """A top-level key goes before every table (after one it would belong to that table)."""
-    rest = [(k, document[k]) for k in list(document.keys())]
-    for k, _ in rest:
-        del document[k]
-    document[key] = value
-    for k, v in rest:
-        document[k] = v
+def _put_top_level(document, key: str, value) -> None:
+    """A new top-level key: after the last one there (`description = ...`), or first in the
+    file, so that no comment written above a table ends up above it instead. (tomlkit puts it
+    right before the first table, after that table's comment.)"""
+    import tomlkit
+
+    plain = [i for i, (k, item) in enumerate(document.body)
+             if k is not None and not isinstance(item, tomlkit.items.Table | tomlkit.items.AoT)]
+    if not plain:
+        value.trivia.trail = "\n\n"  # a blank line between it and what was first
+    try:
+        document._insert_at(plain[-1] + 1 if plain else 0, key, value)
+    except AttributeError:  # a tomlkit without it: its own placement
+        document[key] = value
 
 
 def _extend(array, addition: Addition) -> None:
@@ -103,32 +110,88 @@ def diff(path: Path, before: str, after: str) -> str:
         fromfile=f"a/{path.name}" if before else "/dev/null", tofile=f"b/{path.name}"))
 
 
-def write(path: Path, before: str, after: str, yes: bool, as_json: bool) -> bool:
-    """Show the change to `path` as a diff, ask (or take --yes), check the new text is a
-    policy the appliance will take, and write it atomically. Returns whether it was written.
-    Raises CliError when it may not be written (not a policy, no terminal to ask on)."""
+def policy_of(path: Path, text: str):
+    """The file's rules (presets expanded) as a Policy, or None for no file yet. Raises
+    CliError naming what is wrong, as `corral check` would."""
+    from appliance.policy import Policy
+    from appliance.policy.layers import policy_file_rules
+
+    if not text:
+        return None
+    try:
+        return Policy(policy_file_rules(text, str(path), "project"))
+    except ValueError as exc:  # ConfigError, RuleError: located in the file
+        raise CliError(f"{exc}", f"fix {path} first (`corral check` says what is wrong)",
+                       exitcodes.USAGE) from None
+
+
+def confirm(path: Path, before: str, after: str, yes: bool, as_json: bool) -> bool:
+    """Show the change to `path` as a diff and ask (or take --yes), after checking the new
+    text is a policy the appliance will take. Returns whether to write it. Raises CliError
+    when it may not be written (not a policy; no terminal to ask on; --json without --yes)."""
     try:
         parse_policy(after, str(path), "project")
     except ConfigError as exc:
         raise CliError(f"the change would make {path} unusable: {exc}",
                        "nothing was written; add the rules by hand") from None
-    if not as_json:
-        output.line(diff(path, before, after).rstrip("\n"))
-    if not yes:
-        if not sys.stdin.isatty():
-            raise CliError(f"not written: {path} is only changed when you say so",
-                           "look at the diff above, then run again with --yes",
-                           exitcodes.USAGE)
-        output.notice(f"write this into {path}? [y/N] ")
-        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
-            output.notice(f"{path} left as it was")
-            return False
-    _replace(path, after)
+    if as_json:
+        if not yes:
+            raise CliError(f"not written: with --json, {path} is changed only with --yes",
+                           code=exitcodes.USAGE)
+        return True
+    output.line(diff(path, before, after).rstrip("\n"))
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise CliError(f"not written: {path} is only changed when you say so",
+                       "look at the diff above, then run again with --yes", exitcodes.USAGE)
+    _drop_typeahead()  # what was typed before the question is no answer to it
+    output.notice(f"write this into {path}? [y/N] ")
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        output.notice(f"{path} left as it was")
+        return False
     return True
 
 
+def _drop_typeahead() -> None:
+    try:
+        import termios
+
+        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
+    except (ImportError, OSError, ValueError):
+        pass
+
+
+def replace(path: Path, before: str, after: str) -> None:
+    """Write `after` over the file, atomically (a temporary file beside it, renamed over it),
+    keeping its mode; through a symlink, the file it points to. Refused when the file no
+    longer holds `before` (it changed while the diff was read)."""
+    target = Path(os.path.realpath(path))
+    try:
+        now = target.read_text(encoding="utf-8") if target.exists() else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {target} again: {exc}") from None
+    if now != before:
+        raise CliError(f"not written: {target} changed since it was read",
+                       "run the command again to see the change against it")
+    if path.is_symlink() and not target.parent.is_dir():
+        raise CliError(f"not written: {path} is a symlink to {target}, whose directory is "
+                       "not there", code=exitcodes.USAGE)
+    try:
+        _replace(target, after)
+    except OSError as exc:
+        raise CliError(f"cannot write {target}: {exc.strerror or exc}",
+                       "nothing was changed; check the directory's permissions and space"
+                       ) from None
+
+
 def _replace(path: Path, text: str) -> None:
-    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
+    if path.exists():
+        mode = path.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -143,7 +206,8 @@ def _replace(path: Path, text: str) -> None:
 
 
 def read(project: Path) -> tuple[Path, str]:
-    """The project's corral.toml and its text ("" when there is none yet)."""
+    """The project's corral.toml and its text ("" when there is none yet; through a symlink,
+    the file it points to)."""
     path = project / "corral.toml"
     try:
         return path, path.read_text(encoding="utf-8") if path.exists() else ""

@@ -364,6 +364,12 @@ STATES = {"passed": "ok", "failed": "FAIL", "not-run": "NOT RUN"}
 
 
 def cmd_selftest(args) -> int:
+    if args.ask_hold is not None and args.session is None:
+        raise CliError("--ask-hold runs the approval probes in a session in ask mode: name "
+                       "one (a throwaway session does not ask)",
+                       "corral ask --session S --hold 2, then corral selftest S --ask-hold 2 "
+                       "--only held-request-sends-nothing --only approval-flood-bounded",
+                       exitcodes.USAGE)
     client = client_for(args)
     throwaway = None
     if args.session is None:

@@ -176,6 +176,9 @@ class FakeHttp:
                     if line:
                         k, v = line.split(":", 1)
                         headers[k.strip().lower()] = v.strip()
+                if self._log is not None:  # on the head: a leak cut short is logged too
+                    os.write(self._log, f"{method} {headers.get('host', '-')} {path}\n"
+                             .encode("latin-1"))
                 body = b""
                 if "content-length" in headers:
                     body = await reader.readexactly(int(headers["content-length"]))
@@ -192,9 +195,6 @@ class FakeHttp:
                         "tls_sni": SNI_SEEN.get(tls) if (tls := writer.get_extra_info(
                             "ssl_object")) else None}
                 self.requests.append(info)
-                if self._log is not None:
-                    os.write(self._log, f"{method} {headers.get('host', '-')} {path}\n"
-                             .encode("latin-1"))
                 payload = json.dumps(info).encode()
                 if path == "/upgrade":
                     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\n"

@@ -111,7 +111,7 @@ def test_ask_mode_holds_send_nothing_and_a_flood_is_bounded(world):
         assert check.passed(judged) and len(judged) == 2, json.dumps(judged, indent=1)
         assert returncode == 0
     finally:
-        world.control({"op": "add", "session": "s2", "kind": "approval", "rule": "deny"})
+        world.control({"op": "remove", "session": "s2", "kind": "approval", "rule": "ask 2"})
         for approval in world.control({"op": "approvals"})["approvals"]:
             world.control({"op": "approval-decide", "id": approval["id"], "grant": "refuse",
                            "by": "e2e"})

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import select
 import time
 from dataclasses import dataclass, field
 
@@ -80,10 +81,18 @@ class Client:
 
 
 def _gone(client: Client) -> bool:
-    """The client closed or reset its connection. Its end of the stream (a FIN) may come
-    with bytes still unread (a ClientHello sent early, a body), so the reader's own flag is
-    looked at: StreamReader has no public one for that."""
-    return client.writer.transport.is_closing() or client.reader._eof
+    """The client closed, reset or half-closed its connection (a client that stops sending
+    while it waits for an answer is treated as gone: held requests are not for it). Asked
+    of the socket itself: the stream's reader stops reading once its buffer is full (a
+    large body sent early), and would never see the end behind it."""
+    if client.writer.transport.is_closing():
+        return True
+    sock = client.writer.get_extra_info("socket")
+    if sock is None:
+        return bool(client.reader.at_eof())
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
 class Proxy:

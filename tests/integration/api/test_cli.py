@@ -342,12 +342,17 @@ def test_learn_proposes_what_a_session_was_denied_and_writes_it_when_told(home, 
     project = tmp_path / "project"
     project.mkdir()
     (project / "corral.toml").write_text('# ours\n[http]\nallow = ["allowed.test"]\n')
-    shown = corral(home, "learn", "s1", "--project", str(project))
+    unknown = corral(home, "learn", "s1", "--fold")  # s1 is from the appliance's config
+    assert unknown.returncode == 2 and "--project DIR" in unknown.stderr, unknown
+    exact = corral(home, "learn", "s1", "--project", str(project))
+    assert '+    "a.learn.test", # asked 1x (connect 1)' in exact.stdout, exact.stdout
+    assert "could be folded (--fold" in exact.stdout and "*.learn.test (3 names)" in exact.stdout
+    shown = corral(home, "learn", "s1", "--project", str(project), "--fold")
     assert shown.returncode == 2 and "not written" in shown.stderr, shown  # no terminal here
     assert '+presets = [\n+    "pypi", # 2 of its names, asked 3x' in shown.stdout, shown.stdout
     assert '+    "*.learn.test", # 3 names under learn.test' in shown.stdout
     assert (project / "corral.toml").read_text() == '# ours\n[http]\nallow = ["allowed.test"]\n'
-    written = corral(home, "learn", "s1", "--project", str(project), "--yes")
+    written = corral(home, "learn", "s1", "--project", str(project), "--yes", "--fold")
     assert written.returncode == 0 and "wrote " in written.stdout, written
     checked = json.loads(corral(home, "check", str(project / "corral.toml"), "--json").stdout)
     rules = {(r["kind"], r["rule"]) for r in checked["rules"]}
@@ -395,7 +400,11 @@ def test_approve_always_writes_the_rule_into_the_project_and_lets_the_request_go
         assert '"allowed.test:8080", # approved ' in text and "(session s2)" in text
         approved = [e for e in corral_filter.events(session="s2")
                     if e.get("action") == "approved"][-1]
-        assert approved["grant"] == "session" and "always: written to" in approved["reason"]
+        assert approved["grant"] == "session" and "always: the project's corral.toml has it" in (
+            approved["reason"])
+        assert str(tmp_path) not in approved["reason"]  # the agent learns the reason: no path
+        extra = corral(home, "approve", approval["id"], "--yes")
+        assert extra.returncode == 2 and "--yes: only with --always" in extra.stderr
     finally:
         corral(home, "ask", "--session", "s2", "--off")
         corral(home, "revoke", "allowed.test:8080", "--session", "s2")

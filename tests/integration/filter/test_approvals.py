@@ -240,13 +240,16 @@ def test_a_held_request_ends_when_its_session_is_removed(asking):
     assert not open_approvals(f, session="s3")
 
 
+@pytest.mark.parametrize("body", [b"bytes", b"x" * 400_000], ids=["small", "unread"])
 def test_a_held_request_whose_client_left_is_not_counted_nor_sent_on_a_grant(asking,
-                                                                              internet):
+                                                                              internet, body):
+    """Also when the body is larger than the proxy reads ahead: its end is behind bytes
+    nobody reads, so the socket itself is asked."""
     f = asking
     seen = len(internet.http8080.requests)
     sock = connect(f.proxy_port, timeout=10)
-    sock.sendall(b"GET http://other.test:8080/left HTTP/1.1\r\nHost: other.test:8080\r\n"
-                 b"Content-Length: 5\r\n\r\nbytes")
+    sock.sendall(b"POST http://other.test:8080/left HTTP/1.1\r\nHost: other.test:8080\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     approval = wait_approval(f, target="other.test:8080", waiting=1)
     sock.close()  # the client goes while its request is held (its body unread)
     wait_approval(f, target="other.test:8080", waiting=0)

@@ -48,33 +48,56 @@ NEVER = [
 def test_only_what_a_person_could_allow_in_that_session_is_a_candidate():
     found = {(c.kind, c.name): c for c in candidates(RECORDS + NEVER, "s1")}
     assert set(found) == {("http", "pypi.org"), ("http", "files.pythonhosted.org"),
-                          ("http", "a.cdn.example.com"), ("http", "b.cdn.example.com"),
+                          ("dns", "a.cdn.example.com"), ("http", "b.cdn.example.com"),
                           ("http", "c.cdn.example.com"), ("http", "api.example.org"),
                           ("tcp", "git.example.net")}
     assert found[("http", "pypi.org")].asked == 2
-    assert found[("http", "a.cdn.example.com")].by == {"dns": 1}  # a name: wanted for http
+    assert found[("dns", "a.cdn.example.com")].rules == ["a.cdn.example.com"]  # a lookup only
     assert found[("http", "api.example.org")].rules == ["api.example.org",
                                                         "api.example.org:8443"]
     assert found[("tcp", "git.example.net")].rules == ["git.example.net:22"]
     assert found[("tcp", "git.example.net")].reasons == ["to push the branch"]
 
 
-def test_the_proposal_is_a_preset_a_wildcard_and_each_name_left():
+def test_what_a_person_refused_is_never_proposed_again():
+    refused = {"session": "s1", "kind": "approval", "verdict": "change", "action": "refused",
+               "grant_kind": "http", "target": "pypi.org:443"}
+    refused_name = {**refused, "target": "api.example.org"}  # a DNS-opened one: every port
+    found = {c.name for c in candidates([*RECORDS, refused, refused_name], "s1")}
+    assert "pypi.org" not in found and "api.example.org" not in found
+    assert "files.pythonhosted.org" in found
+
+
+def test_records_naming_what_no_file_should_get_are_left_out():
+    hostile = [denied(f"corral allow-http {target}") for target in (
+        "*.co.uk:443", "example.com:*", "host.\uff23\uff2f\uff32\uff32\uff21\uff2c:443",
+        "[::1]:443", "0x7f.1:443", "a b.test:443", "ok.test:99999", "ok.test:0443x")]
+    hostile.append(denied("corral allow-ssh x.test:22"))
+    found = candidates([*hostile, denied("corral allow-http Fine.TEST.:0443")], "s1")
+    assert [(c.kind, c.name, c.rules) for c in found] == [("http", "fine.test",
+                                                           ["fine.test"])]
+
+
+def test_the_proposal_is_each_name_unless_folding_is_asked_for():
     current = Policy(policy_file_rules('[http]\nallow = ["api.example.org:8443"]\n',
                                        "corral.toml", "project"))
     found = candidates(RECORDS, "s1")
-    proposal = propose(found, current)
+    exact = propose(found, current)
     # the file allows api.example.org:8443 already: only its port 443 is proposed
-    assert [(a.kind, a.rule) for a in proposal.additions] == [
-        ("preset", "pypi"), ("http", "*.cdn.example.com"), ("http", "api.example.org"),
-        ("tcp", "git.example.net:22")]
-    assert proposal.covered["preset pypi"] == ["pypi.org", "files.pythonhosted.org"]
-    assert "3 names under cdn.example.com" in proposal.additions[1].comment
-    assert proposal.additions[3].comment == "asked 1x (agent 1)"
-    assert proposal.already == []
-    exact = propose(found, wildcards=False)
-    assert ("http", "b.cdn.example.com") in [(a.kind, a.rule) for a in exact.additions]
-    assert ("http", "api.example.org") in [(a.kind, a.rule) for a in exact.additions]
+    assert [(a.kind, a.rule) for a in exact.additions] == [
+        ("http", "api.example.org"), ("http", "pypi.org"), ("dns", "a.cdn.example.com"),
+        ("http", "b.cdn.example.com"), ("http", "c.cdn.example.com"),
+        ("http", "files.pythonhosted.org"), ("tcp", "git.example.net:22")]
+    assert exact.additions[-1].comment == "asked 1x (agent 1)"
+    assert exact.foldable == ["preset pypi (2 of the names)"]  # a.cdn... was a DNS lookup
+    folded = propose(found, current, fold=True)
+    assert [(a.kind, a.rule) for a in folded.additions][:1] == [("preset", "pypi")]
+    assert folded.covered["preset pypi"] == ["pypi.org", "files.pythonhosted.org"]
+    three = candidates([*RECORDS, denied("corral allow-http d.cdn.example.com:443")], "s1")
+    wildcard = [a for a in propose(three, fold=True).additions if a.rule.startswith("*")]
+    assert [a.rule for a in wildcard] == ["*.cdn.example.com"]
+    assert "allows any name under it" in wildcard[0].comment
+    assert propose(three).foldable[-1] == "*.cdn.example.com (3 names)"
     everything = '[http]\nallow = ["api.example.org", "api.example.org:8443"]\n'
     assert "api.example.org" in propose(found, Policy(policy_file_rules(
         everything, "corral.toml", "project"))).already
@@ -82,7 +105,8 @@ def test_the_proposal_is_a_preset_a_wildcard_and_each_name_left():
 
 def test_a_wildcard_never_covers_a_top_level_domain():
     found = candidates([denied(f"corral allow-http n{i}.com:443") for i in range(5)], "s1")
-    assert [a.rule for a in propose(found).additions] == [f"n{i}.com" for i in range(5)]
+    assert [a.rule for a in propose(found, fold=True).additions] == [f"n{i}.com"
+                                                                     for i in range(5)]
 
 
 TOML = """# the project's own comment
@@ -99,7 +123,7 @@ def test_rules_are_added_keeping_what_a_person_wrote():
                                      Addition("preset", "pypi", "2 of its names"),
                                      Addition("tcp", "git.test:22"),
                                      Addition("http", "a.test", "there already")])
-    assert after.startswith("# the project's own comment\npresets = [")
+    assert after.startswith('presets = [\n    "pypi", # 2 of its names\n]\n\n# the project')
     assert "# the API" in after and 'exclude = ["secrets/"]' in after
     document = parse_policy(after, "corral.toml", "project")
     assert document.presets == ("pypi",)
@@ -122,13 +146,47 @@ def test_the_file_is_written_only_when_told_atomically_and_keeping_its_mode(tmp_
     os.chmod(path, 0o640)
     after = projectfile.added(TOML, [Addition("http", "b.test")])
     with pytest.raises(CliError, match="not written"):  # no terminal to ask on, no --yes
-        projectfile.write(path, TOML, after, yes=False, as_json=False)
-    assert path.read_text() == TOML
+        projectfile.confirm(path, TOML, after, yes=False, as_json=False)
     assert "+    \"b.test\"," in capsys.readouterr().out  # the diff was shown
-    assert projectfile.write(path, TOML, after, yes=True, as_json=False)
+    with pytest.raises(CliError, match=r"with --json, .* only with --yes"):
+        projectfile.confirm(path, TOML, after, yes=False, as_json=True)
+    assert projectfile.confirm(path, TOML, after, yes=True, as_json=False)
+    projectfile.replace(path, TOML, after)
     assert path.read_text() == after and stat.S_IMODE(path.stat().st_mode) == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["corral.toml"]  # no temporary left
     broken = after.replace('"b.test"', '"b.test:99999"')
     with pytest.raises(CliError, match=r"would make .* unusable"):
-        projectfile.write(path, after, broken, yes=True, as_json=False)
+        projectfile.confirm(path, after, broken, yes=True, as_json=False)
     assert path.read_text() == after
+    with pytest.raises(CliError, match="changed since it was read"):  # edited meanwhile
+        projectfile.replace(path, TOML, projectfile.added(TOML, [Addition("http", "c.test")]))
+    assert path.read_text() == after
+
+
+def test_through_a_symlink_the_file_it_points_to_is_written(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "corral.toml").write_text(TOML)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "corral.toml").symlink_to("../shared/corral.toml")
+    path, before = projectfile.read(project)
+    assert before == TOML
+    after = projectfile.added(before, [Addition("http", "b.test")])
+    projectfile.replace(path, before, after)
+    assert (project / "corral.toml").is_symlink()
+    assert (shared / "corral.toml").read_text() == after
+    (project / "corral.toml").unlink()
+    (project / "corral.toml").symlink_to("../nowhere/corral.toml")
+    path, before = projectfile.read(project)
+    with pytest.raises(CliError, match="whose directory is not there"):
+        projectfile.replace(path, before, projectfile.added(before, [Addition("http", "x")]))
+
+
+def test_a_preset_goes_before_the_tables_and_comments_stay_with_their_keys():
+    text = "# about the project\ndescription = \"x\"  # ours\n\n# the http rules\n" \
+           "[http]\nallow = [\"a.test\"]\n"
+    after = projectfile.added(text, [Addition("preset", "pypi")])
+    assert after.index("presets") < after.index("[http]")
+    assert "# the http rules\n[http]" in after and 'description = "x"  # ours' in after
+    assert parse_policy(after, "corral.toml", "project").presets == ("pypi",)
