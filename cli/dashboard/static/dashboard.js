@@ -64,12 +64,29 @@ function clock(ts) {
 
 // -- approvals -------------------------------------------------------------------------
 
+// A table is rebuilt only when what it shows changed: a button must not be replaced
+// under the pointer that is about to click it.
+const shown = {};
+
+function changed(name, data) {
+  const text = JSON.stringify(data);
+  if (shown[name] === text) return false;
+  shown[name] = text;
+  return true;
+}
+
 async function loadApprovals() {
   const { approvals } = await api("GET", "/api/approvals");
+  document.getElementById("pending-count").textContent = approvals.length || "";
   const body = document.getElementById("approvals-rows");
+  if (!changed("approvals", approvals)) {
+    approvals.forEach((a, i) => { body.rows[i].cells[5].textContent = ago(a.created); });
+    return;
+  }
   body.replaceChildren(...approvals.map((a) => {
     const decide = (grant, extra) => async () => {
       await api("POST", `/api/approvals/${encodeURIComponent(a.id)}`, { grant, ...extra });
+      delete shown.approvals;
       await loadApprovals();
     };
     const once = button("once", "grant once", decide("once"));
@@ -83,7 +100,6 @@ async function loadApprovals() {
                "approval");
   }));
   document.getElementById("approvals-empty").hidden = approvals.length > 0;
-  document.getElementById("pending-count").textContent = approvals.length || "";
 }
 
 // -- sessions --------------------------------------------------------------------------
@@ -92,6 +108,12 @@ async function loadSessions() {
   const { sessions } = await api("GET", "/api/sessions");
   state.sessions = sessions.map((s) => s.name);
   const body = document.getElementById("sessions-rows");
+  if (!changed("sessions", sessions)) {
+    sessions.forEach((s, i) => {
+      body.rows[i].cells[2].textContent = s.created ? ago(s.created) : "-";
+    });
+    return;
+  }
   body.replaceChildren(...sessions.map((s) => {
     const stateText = s.state === "stopped" ? `stopped${s.reason ? ` (${s.reason})` : ""}`
       : (s.container_state || s.state || "-");
@@ -100,6 +122,7 @@ async function loadSessions() {
       actions.append(button("stop", "danger", async () => {
         if (confirm(`Stop ${s.name}? Its workspace stays for diff and apply.`)) {
           await api("POST", `/api/sessions/${encodeURIComponent(s.name)}/stop`);
+          delete shown.sessions;
           await loadSessions();
         }
       }));
@@ -107,6 +130,7 @@ async function loadSessions() {
     actions.append(button("remove", "danger", async () => {
       if (confirm(`Remove ${s.name} and its workspace?`)) {
         await api("DELETE", `/api/sessions/${encodeURIComponent(s.name)}`);
+        delete shown.sessions;
         await loadSessions();
       }
     }));
@@ -138,9 +162,13 @@ function renderDecisions() {
     && (!verdict || e.verdict === verdict)).slice(-200).reverse();
   document.getElementById("decisions-rows").replaceChildren(...shown.map((e) => {
     const target = (e.name || e.target || "-") + (e.port ? `:${e.port}` : "");
-    return row([clock(e.ts || 0), e.session || "-", el("td", e.verdict, "verdict"), e.kind,
-                el("td", target, "untrusted"), el("td", e.reason || "", "reason"),
-                el("td", e.verdict !== "allow" ? (e.hint || "") : "", "hint")], e.verdict);
+    const reason = e.closed ? `${e.up || 0} B up, ${e.down || 0} B down, ${e.duration || 0}s`
+      : (e.reason || "");
+    return row([clock(e.ts || 0), e.session || "-",
+                el("td", e.closed ? "done" : e.verdict, "verdict"), e.kind,
+                el("td", target, "untrusted"), el("td", reason, "reason"),
+                el("td", e.verdict !== "allow" && !e.closed ? (e.hint || "") : "", "hint")],
+               e.closed ? "closed" : e.verdict);
   }));
 }
 
@@ -181,21 +209,33 @@ async function loadRules() {
 
 // -- health ----------------------------------------------------------------------------
 
+function duration(seconds) {
+  const s = Math.floor(seconds);
+  return s >= 86400 ? `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`
+    : s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`
+    : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
+}
+
+function describe(name, value) {
+  if (value && typeof value === "object" && "healthy" in value) {
+    return [value.healthy ? "healthy" : `unhealthy: ${value.error || ""}`,
+            value.healthy ? "ok" : "bad"];
+  }
+  if (name === "firewall" && value && typeof value === "object") {
+    const counters = Object.entries(value.counters || {}).map(([k, v]) => `${k} ${v}`);
+    return [`${value.loaded ? "loaded" : "NOT LOADED"}, ${value.rules} rules; dropped: `
+            + (counters.join(", ") || "none"), value.loaded ? "ok" : "bad"];
+  }
+  if (name === "uptime" && typeof value === "number") return [duration(value), ""];
+  return [typeof value === "object" ? JSON.stringify(value) : value, ""];
+}
+
 async function loadHealth() {
   const status = await api("GET", "/api/status");
   const list = document.getElementById("health-list");
   list.replaceChildren();
   for (const [name, value] of Object.entries(status)) {
-    let text = value;
-    let className = "";
-    if (value && typeof value === "object") {
-      if ("healthy" in value) {
-        className = value.healthy ? "ok" : "bad";
-        text = value.healthy ? "healthy" : `unhealthy: ${value.error || ""}`;
-      } else {
-        text = JSON.stringify(value);
-      }
-    }
+    const [text, className] = describe(name, value);
     list.append(el("dt", name), el("dd", text, className));
   }
 }
