@@ -157,3 +157,143 @@ def _shown(text: str, width: int = 60) -> str:
 def _ago(ts: float) -> str:
     seconds = max(0, time.time() - ts)
     return f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
+
+
+# -- corral monitor --ask: decide with a key, next to the live decisions -------------------
+
+KEYS = {"o": "once", "s": "session", "a": "always", "r": "refuse"}
+PROMPT = "[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit"
+
+
+class Asking:
+    """The approvals a person is asked about, oldest first: opened by `pending` events (or
+    open when the monitor started), closed by their `change` event whoever decided. Pure:
+    events in, the approval to show out."""
+
+    def __init__(self, open_now: list[dict]):
+        self.waiting: dict[str, dict] = {}
+        for a in open_now:
+            self.waiting[a["id"]] = {k: a.get(k) for k in ("id", "session", "kind", "target",
+                                                             "note")}
+
+    def see(self, event: dict) -> None:
+        if event.get("kind") != "approval" or not event.get("approval"):
+            return
+        if event.get("verdict") == "pending":
+            self.waiting.setdefault(event["approval"], {
+                "id": event["approval"], "session": event.get("session"),
+                "kind": event.get("grant_kind"), "target": event.get("target"),
+                "note": event.get("note")})
+        else:
+            self.waiting.pop(event["approval"], None)
+
+    @property
+    def first(self) -> dict | None:
+        return next(iter(self.waiting.values()), None)
+
+    def later(self) -> None:
+        """The first one goes to the end of the line (`n`)."""
+        first = self.first
+        if first is not None:
+            del self.waiting[first["id"]]
+            self.waiting[first["id"]] = first
+
+
+def prompt_line(approval: dict) -> str:
+    said = f' - the agent says "{_shown(approval["note"])}"' if approval.get("note") else ""
+    return (f"ask {approval['id']}: session {approval['session']} wants {approval['kind']} "
+            f"{approval['target']}{said}  {PROMPT}")
+
+
+def monitor_ask(client, args, show) -> int:
+    """`corral monitor --ask`: the live decisions, and the oldest open approval with a key
+    for each grant, read from the terminal without Enter. The stream is read in a thread
+    (and reconnects); keys and decisions happen here."""
+    import os
+    import queue
+    import select
+    import sys
+    import termios
+    import threading
+    import tty
+
+    if not sys.stdin.isatty():
+        raise CliError("--ask takes keys from a terminal", "run it in one, or decide with "
+                       "`corral approve` / `corral refuse`", exitcodes.USAGE)
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def pump():
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                for event in client.stream("/events/stream", session=args.session,
+                                           verdict="deny" if args.denied else None):
+                    events.put(event)
+                    delay = 0.5
+                    if stop.is_set():
+                        return
+            except CliError as exc:
+                events.put({"notice": f"{exc}; reconnecting"})
+            stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+
+    asking = Asking(client.request("GET", "/approvals", **(
+        {"session": args.session} if args.session else {}))["approvals"])
+    threading.Thread(target=pump, daemon=True, name="corral-monitor").start()
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    shown_id = None
+    tty.setcbreak(fd)
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            while not events.empty():
+                event = events.get()
+                if "notice" in event:
+                    output.notice(event["notice"])
+                    continue
+                show(event)
+                asking.see(event)
+            first = asking.first
+            if first is not None and first["id"] != shown_id:
+                output.line(prompt_line(first))
+            shown_id = first["id"] if first is not None else None
+            if not ready:
+                continue
+            key = os.read(fd, 1).decode(errors="replace").lower()
+            if key == "q":
+                return exitcodes.OK
+            if key == "n":
+                asking.later()
+                continue
+            if key not in KEYS or first is None:
+                continue
+            try:
+                if KEYS[key] == "always":
+                    termios.tcsetattr(fd, termios.TCSADRAIN, saved)  # the diff's question
+                    try:
+                        _always(client, _AlwaysArgs(first["id"], args.project))
+                    finally:
+                        tty.setcbreak(fd)
+                else:
+                    client.request("POST", f"/approvals/{quote(first['id'], safe='')}",
+                                   {"grant": KEYS[key]})
+                    output.line(f"{KEYS[key]}: {first['kind']} {first['target']} "
+                                f"({first['id']})")
+            except CliError as exc:
+                output.error(str(exc), exc.hint)
+            asking.waiting.pop(first["id"], None)  # its change event may come later
+    except KeyboardInterrupt:
+        return exitcodes.OK
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        stop.set()
+
+
+class _AlwaysArgs:
+    """What `_always` reads of `corral approve`'s arguments, from the monitor's."""
+
+    def __init__(self, approval_id: str, project: str | None):
+        self.id, self.project = approval_id, project
+        self.yes = self.force = self.json = False

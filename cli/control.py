@@ -119,6 +119,13 @@ def cmd_rules(args) -> int:
 
 def cmd_monitor(args) -> int:
     client = client_for(args)
+    if args.ask:
+        from .approvals import monitor_ask
+
+        return monitor_ask(client, args, lambda e: output.event(e, color=_color(args)))
+    if args.project is not None:
+        raise CliError("--project: only with --ask (where `a` writes the rule)",
+                       code=exitcodes.USAGE)
     verdict = "deny" if args.denied else None
     delay = 0.5
     while True:

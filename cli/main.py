@@ -144,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
                                 control.cmd_monitor)
     monitor.add_argument("--denied", action="store_true", help="only denials")
     monitor.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    monitor.add_argument("--ask", action="store_true", help="also the open approvals, oldest "
+                         "first, each decided with a key: o once, s session, a always (the "
+                         "project's corral.toml, after a diff), r refuse, n next, q quit")
+    monitor.add_argument("--project", metavar="DIR", help="with --ask: where `a` writes "
+                         "(default: the current directory)")
     audit = appliance_command("audit", "read the audit log, or verify its hash chain",
                               control.cmd_audit, session=False)
     audit.add_argument("--since", metavar="T", help="10m, 2h, 3d, or an ISO time")

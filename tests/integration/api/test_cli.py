@@ -408,3 +408,54 @@ def test_approve_always_writes_the_rule_into_the_project_and_lets_the_request_go
     finally:
         corral(home, "ask", "--session", "s2", "--off")
         corral(home, "revoke", "allowed.test:8080", "--session", "s2")
+
+
+def test_monitor_ask_decides_the_oldest_approval_with_a_key(home, corral_filter):
+    """`corral monitor --ask` on a real terminal: a held request's approval is shown with
+    the keys, `o` lets it through, `r` refuses the next, `q` quits."""
+    import pty
+    import threading
+
+    from tests.integration.conftest import S2_CLIENT
+
+    assert corral(home, "ask", "--session", "s2", "--hold", "20").returncode == 0
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI on the terminal
+        os.execve(CORRAL, [CORRAL, "monitor", "--ask", "--session", "s2", "--color", "never"],
+                  {**os.environ, "XDG_CONFIG_HOME": str(home)})
+    seen = b""
+
+    def expect(marker: bytes, timeout: float = 15) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker not in seen:
+            ready, _, _ = select.select([fd], [], [], max(0, deadline - time.monotonic()))
+            assert ready, f"no {marker!r}; saw {seen[-800:]!r}"
+            seen += os.read(fd, 65536)
+
+    def held(answers: list):
+        with connect(corral_filter.proxy_port, source=S2_CLIENT, timeout=30) as sock:
+            sock.sendall(b"CONNECT allowed.test:8080 HTTP/1.1\r\n\r\n")
+            answers.append(recv_all(sock, 12))
+
+    try:
+        for key, expected in ((b"o", b"HTTP/1.1 200"), (b"r", b"HTTP/1.1 403")):
+            seen = b""
+            answers: list[bytes] = []
+            thread = threading.Thread(target=held, args=(answers,), daemon=True)
+            thread.start()
+            expect(b"wants http allowed.test:8080  [o]nce [s]ession [a]lways [r]efuse")
+            os.write(fd, key)
+            thread.join(10)
+            assert answers and answers[0].startswith(expected), (key, answers, seen)
+        expect(b"refuse: http allowed.test:8080")
+        os.write(fd, b"q")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(fd)
+        corral(home, "ask", "--session", "s2", "--off")

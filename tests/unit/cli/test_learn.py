@@ -190,3 +190,25 @@ def test_a_preset_goes_before_the_tables_and_comments_stay_with_their_keys():
     assert after.index("presets") < after.index("[http]")
     assert "# the http rules\n[http]" in after and 'description = "x"  # ours' in after
     assert parse_policy(after, "corral.toml", "project").presets == ("pypi",)
+
+
+def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
+    from cli.approvals import Asking, prompt_line
+
+    asking = Asking([{"id": "ap-1", "session": "s1", "kind": "http", "target": "a.test:443",
+                      "note": "", "waiting": 1}])
+    asking.see({"kind": "approval", "verdict": "pending", "approval": "ap-2",
+                "session": "s1", "grant_kind": "tcp", "target": "b.test:22",
+                "note": "push\x1b[31m"})
+    asking.see({"kind": "connect", "verdict": "deny", "approval": None})
+    assert asking.first["id"] == "ap-1"
+    asking.later()
+    assert prompt_line(asking.first) == (
+        'ask ap-2: session s1 wants tcp b.test:22 - the agent says "push?[31m"  '
+        "[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit")
+    asking.see({"kind": "approval", "verdict": "change", "action": "refused",
+                "approval": "ap-2"})
+    assert asking.first["id"] == "ap-1"
+    asking.see({"kind": "approval", "verdict": "change", "action": "expired",
+                "approval": "ap-1"})
+    assert asking.first is None
