@@ -58,16 +58,16 @@ def cmd_allow(args) -> int:
     return exitcodes.OK
 
 
-def parse_duration(text: str) -> int:
-    """`90s`, `10m`, `1h30m`, `2d`: seconds (--for)."""
+def parse_duration(text: str, option: str = "--for") -> int:
+    """`90s`, `10m`, `1h30m`, `2d`: seconds (--for, --max-uptime, --idle)."""
     parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text.strip())
     if not text.strip() or parts is None:
-        raise CliError(f"--for {text!r} is not a duration", "write it as 90s, 10m, 1h30m or 2d",
-                       exitcodes.USAGE)
+        raise CliError(f"{option} {text!r} is not a duration",
+                       "write it as 90s, 10m, 1h30m or 2d", exitcodes.USAGE)
     days, hours, minutes, seconds = (int(p or 0) for p in parts.groups())
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total <= 0:
-        raise CliError(f"--for {text!r} is no time at all", "give a duration above zero",
+        raise CliError(f"{option} {text!r} is no time at all", "give a duration above zero",
                        exitcodes.USAGE)
     return total
 

@@ -233,6 +233,15 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--detach", action="store_true", help="start it, do not attach")
     run.add_argument("--ask", action="store_true", help="ask mode: a request the policy does "
                      "not name waits for `corral approve` (see `corral ask`)")
+    run.add_argument("--max-uptime", metavar="DURATION", help="stop the session this long "
+                     "after it starts (8h, 90m; the workspace stays)")
+    run.add_argument("--idle", metavar="DURATION", help="stop it after this long without "
+                     "network activity: no DNS query, connection or request through the "
+                     "filter, and none open")
+    run.add_argument("--memory", metavar="SIZE", help="memory it may use (default 4g)")
+    run.add_argument("--cpus", metavar="N", help="CPUs it may use (default 2; 1.5 works)")
+    run.add_argument("--pids", type=int, metavar="N", help="processes it may have (default "
+                     "2048)")
     run.add_argument("--learn", action="store_true", help="when you leave the session, "
                      "propose the corral.toml rules it was denied (`corral learn`)")
     run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
@@ -243,8 +252,8 @@ def parser() -> argparse.ArgumentParser:
                               sessions.cmd_shell, session=False)
     shell.add_argument("session", nargs="?", help="default: the only one")
     shell.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
-    appliance_command("ls", "sessions: state, age, allowed/denied counters", sessions.cmd_ls,
-                      session=False)
+    appliance_command("ls", "sessions: state, age, time left, allowed/denied counters, "
+                      "limits", sessions.cmd_ls, session=False)
     for name, text, run_fn in (
             ("stop", "stop a session: container and network go, the workspace stays",
              sessions.cmd_stop),

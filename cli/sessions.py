@@ -26,7 +26,7 @@ from appliance.policy.config import ConfigError, parse_policy
 
 from . import exitcodes, output, scan
 from .client import Client, CliError, load_appliance
-from .control import client_for, pick_session
+from .control import client_for, parse_duration, pick_session
 
 SLOW = 600.0  # seconds for creating a session or running the battery
 
@@ -130,6 +130,7 @@ def cmd_run(args) -> int:
     if not project.is_dir():
         raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
     exclude = _excludes(project)
+    limits = _limits(args)
     if not args.allow_secrets:  # before anything reaches the appliance
         _check_secrets(project, exclude, args.json)
     client = client_for(args)
@@ -143,7 +144,8 @@ def cmd_run(args) -> int:
                       f"starting session {name} ...")
         session = client.request("POST", "/sessions", upload=(spool, size, "application/gzip"),
                                  timeout=SLOW, name=name, preset=args.preset,
-                                 project_id=project_id(project), uid=uid, gid=gid)
+                                 project_id=project_id(project), uid=uid, gid=gid,
+                                 **limits)
     output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
                   f"{session['subnet']}")
     if args.ask:  # the session's runtime layer: it wins over the project's [approval]
@@ -171,6 +173,19 @@ def cmd_run(args) -> int:
     return code
 
 
+def _limits(args) -> dict:
+    """The session's limits as the API takes them (the sandbox service checks them)."""
+    limits = {}
+    if args.max_uptime:
+        limits["max_uptime"] = parse_duration(args.max_uptime, "--max-uptime")
+    if args.idle:
+        limits["idle"] = parse_duration(args.idle, "--idle")
+    for key in ("memory", "cpus", "pids"):
+        if getattr(args, key) is not None:
+            limits[key] = getattr(args, key)
+    return limits
+
+
 def cmd_shell(args) -> int:
     client = client_for(args)
     name = pick_session(client, args.session)
@@ -179,6 +194,24 @@ def cmd_shell(args) -> int:
         raise CliError(f"session {name} is not running ({session.get('container_state')})",
                        f"start a new one with `corral run`; `corral diff {name}` still works")
     return _terminal(client, session["container"], args.cmd)
+
+
+def _span(seconds: float) -> str:
+    """Time left, to the minute past an hour: `7h59m`, `12m05s`, `40s`."""
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def _resources(session: dict) -> str:
+    """Memory, CPUs and processes a session may use, as podman was told (- for a session
+    from the appliance's config, which has no container of corral's)."""
+    if not session.get("memory"):
+        return "-"
+    return f"{session['memory']}/{session.get('cpus', '-')}/{session.get('pids', '-')}"
 
 
 def _age(created: float | None) -> str:
@@ -201,9 +234,12 @@ def cmd_ls(args) -> int:
         state = s.get("container_state", s.get("state", "-"))
         if s.get("state") == "stopped":
             state = "stopped" + (f" ({s['reason']})" if s.get("reason") else "")
-        rows.append([s["name"], state, _age(s.get("created")), s.get("subnet", "-"),
-                     s.get("allowed", 0), s.get("denied", 0)])
-    output.table(rows, ["SESSION", "STATE", "AGE", "SUBNET", "ALLOWED", "DENIED"])
+        left = s.get("left")
+        rows.append([s["name"], state, _age(s.get("created")), _span(left) if left is not None
+                     else "-", s.get("subnet", "-"), s.get("allowed", 0), s.get("denied", 0),
+                     _resources(s)])
+    output.table(rows, ["SESSION", "STATE", "AGE", "LEFT", "SUBNET", "ALLOWED", "DENIED",
+                        "MEM/CPU/PIDS"])
     if answer.get("sandbox_error"):
         output.notice(f"sandbox service: {answer['sandbox_error']}")
     return exitcodes.OK

@@ -14,9 +14,12 @@
 
 from __future__ import annotations
 
+import time
+
 from flask import Blueprint, current_app, jsonify, request
 
 from appliance.control_client import ServiceUnavailable
+from appliance.sandbox import lifetime
 from appliance.sandbox.battery import OPTIONS as SELFTEST_OPTIONS
 
 from . import ApiError
@@ -25,6 +28,8 @@ from .request import body, call
 blueprint = Blueprint("sessions", __name__)
 
 ARCHIVES = ("application/x-tar", "application/gzip")
+LIMITS = ("max_uptime", "idle", "memory", "cpus", "pids")
+"""A session's limits, as `corral run` sets them (appliance/sandbox/lifetime.py)."""
 
 
 def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:
@@ -38,7 +43,9 @@ def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:
 
 def _sessions() -> dict:
     """The filter's sessions (every one has a policy) joined with the sandbox's records
-    (a stopped session is only there)."""
+    (a stopped session is only there), and for a running one with limits the seconds
+    `left` before they stop it."""
+    now = time.time()
     filtered = {s["name"]: s for s in call({"op": "sessions"})["sessions"]}
     sandboxes, problem = _sandbox_sessions()
     merged = []
@@ -46,6 +53,11 @@ def _sessions() -> dict:
         entry = {"name": name, "allowed": 0, "denied": 0, **filtered.get(name, {})}
         if name in sandboxes:
             entry.update(sandboxes[name])
+            record = sandboxes[name]
+            if record.get("state") == "running":  # when its limits stop it, if nothing happens
+                entry["left"] = lifetime.left(record.get("created") or now, lifetime.Limits(
+                    record.get("max_uptime", 0), record.get("idle", 0)),
+                    filtered.get(name), now)
         else:
             entry.setdefault("state", "running")  # a session from the filter's config
         merged.append(entry)
@@ -82,14 +94,15 @@ def create():
         answer = call({"op": "create", **settings}, "sandbox", payload=request.stream, size=size)
     else:
         settings = body({"name": str}, {"presets": list, "project_id": str, "uid": int,
-                                        "gid": int})
+                                        "gid": int, "max_uptime": int, "idle": int,
+                                        "memory": str, "cpus": str, "pids": int})
         answer = call({"op": "create", **settings}, "sandbox")
     return jsonify(answer["session"]), 201
 
 
 def _query_settings() -> dict:
     args = request.args
-    unknown = sorted(set(args) - {"name", "preset", "project_id", "uid", "gid"})
+    unknown = sorted(set(args) - {"name", "preset", "project_id", "uid", "gid", *LIMITS})
     if unknown:
         raise ApiError(400, f"unknown query argument(s): {', '.join(unknown)}")
     if not args.get("name"):
@@ -97,11 +110,14 @@ def _query_settings() -> dict:
     settings: dict = {"name": args["name"], "presets": args.getlist("preset")}
     if args.get("project_id"):
         settings["project_id"] = args["project_id"]
-    for key in ("uid", "gid"):
+    for key in ("uid", "gid", "max_uptime", "idle", "pids"):
         if key in args:
             if not args[key].isdigit():
                 raise ApiError(400, f"query argument {key!r} must be a whole number")
             settings[key] = int(args[key])
+    for key in ("memory", "cpus"):  # checked by the sandbox service (lifetime.Limits)
+        if key in args:
+            settings[key] = args[key]
     return settings
 
 

@@ -16,7 +16,8 @@ the client hangs up. Requests:
   {"op": "events", "last": N, "session": S?, "verdict": V?}
   {"op": "subscribe", "session": S?, "verdict": V?}
   {"op": "session-add", "name": N, "subnet": CIDR, "gateway": IP?, "files": [PATH]?}
-  {"op": "session-remove", "name": N, "forget_rules": BOOL?}
+  {"op": "session-remove", "name": N, "forget_rules": BOOL?, "reason": TEXT?}
+                                                      a reason: it stopped by itself (an event)
   {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
   {"op": "inspect-ca"}                                the interception CA's certificate, or null
@@ -229,7 +230,9 @@ class ControlServer:
         return {"ok": True, "sessions": [
             {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
              "registered": s.name in registered,
-             "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")]}
+             "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")],
+             "last_event": self.service.bus.last_seen.get(s.name),
+             "open_connections": self.service.proxy.flows.connections.held[s.name]}
             for s in store.sessions.values()]}
 
     @handles("session-add")
@@ -249,7 +252,14 @@ class ControlServer:
         forget = request.get("forget_rules", False)
         if not isinstance(forget, bool):
             raise ControlError("'forget_rules' must be true or false")
-        await self.service.unregister_session(_field(request, "name"), forget)
+        name = _field(request, "name")
+        reason = _field(request, "reason", required=False)
+        await self.service.unregister_session(name, forget)
+        if reason:  # stopped by itself (its limits, a crash): an event and an audit record
+            self.service.bus.emit({
+                "session": name, "client": None, "kind": "session", "name": name,
+                "port": None, "address": None, "verdict": "change", "action": "stopped",
+                "rule": None, "layer": None, "reason": f"session {name} stopped: {reason}"})
         return {"ok": True}
 
     @handles("policy")

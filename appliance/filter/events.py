@@ -66,6 +66,8 @@ class EventBus:
         self.subscribers: set[Subscription] = set()
         self.counters: Counter = Counter()
         """(session, verdict) -> count, for `corral ls` and status."""
+        self.last_seen: dict[str, float] = {}
+        """session -> when its last event was (a session's --idle counts from it)."""
         self._ids = itertools.count(1)
         self.audit_rate, self.audit_burst = audit_rate, audit_burst
         self._buckets: dict[str | None, TokenBucket] = {}
@@ -85,6 +87,8 @@ class EventBus:
             event["id"] = self.next_id()
         if not event.get("closed"):
             self.counters[(event.get("session"), event.get("verdict"))] += 1
+        if event.get("session") is not None:
+            self.last_seen[event["session"]] = event["ts"]
         self.recent.append(event)
         for subscription in self.subscribers:
             if subscription.wants(event):
@@ -138,6 +142,8 @@ class EventBus:
         """Drop the budgets of sessions that are gone."""
         for session in [s for s in self._buckets if s is not None and s not in alive]:
             del self._buckets[session]
+        for session in [s for s in self.last_seen if s not in alive]:
+            del self.last_seen[session]
 
     def decision(self, decision: Decision, *, session: str | None, client: str, kind: str,
                  name: str, port: int | None = None, address: str | None = None,

@@ -11,6 +11,7 @@ filter's control socket. A request may carry a payload (a project archive): its 
   {"op": "status"}
   {"op": "list"}
   {"op": "create", "name": N, "presets": [P]?, "project_id": ID?, "uid": U?, "gid": G?,
+   "max_uptime": S?, "idle": S?, "memory": "8g"?, "cpus": "4"?, "pids": N?,
    "payload": BYTES?}                                  the payload is a tar of the project
   {"op": "stop", "name": N}          {"op": "remove", "name": N, "home": BOOL?}
   {"op": "diff", "name": N}          the diff to read, the changes listed, the notes
@@ -37,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -47,7 +49,7 @@ from appliance.policy import ConfigError, preset_names
 from appliance.selftest.review import REVIEW_DIR
 from appliance.settings import load_table, non_empty, positive
 
-from . import battery, image
+from . import battery, image, lifetime
 from .podman import Podman, PodmanError
 from .sessions import SessionError, SessionManager
 
@@ -170,6 +172,24 @@ class Sessions:
         raise RequestError(f"unknown op {op!r}; expected status, list, create, stop, remove, "
                            "diff, changes, fold, selftest, trust-refresh, stop-all")
 
+    def reap(self, now: float) -> list[str]:
+        """Stop the running sessions whose limits say so (the workspace stays); what it did,
+        for the log. The filter says how active each one was."""
+        if not any(r.state == "running" and (r.max_uptime or r.idle)
+                   for r in self.manager.records()):
+            return []
+        answer = self.manager.control({"op": "sessions"})
+        if not answer.get("ok"):
+            raise ServiceUnavailable(f"the filter did not list its sessions: "
+                                     f"{answer.get('error')}")
+        activity = {s["name"]: s for s in answer["sessions"]}
+        done = []
+        with self.lock:
+            for name, why in self.manager.due(activity, now):
+                self.manager.stop(name, reason=why)
+                done.append(f"stopped {name}: {why}")
+        return done
+
     def _changes(self, op: str, name: str, paths: list[str]) -> dict:
         """`diff`: what a person reads (every byte escaped for a terminal) and the changes
         listed without contents; `changes`: the selected changes with their contents, for
@@ -186,6 +206,10 @@ class Sessions:
             raise RequestError(f"unknown preset(s) {', '.join(unknown)}; presets: "
                                f"{', '.join(preset_names())}")
         options = {k: request[k] for k in ("uid", "gid") if k in request}
+        try:
+            options["limits"] = lifetime.Limits.parse(request)
+        except lifetime.LimitError as exc:
+            raise RequestError(str(exc)) from None
         project_id = request.get("project_id") or ""
         if not isinstance(project_id, str):
             raise RequestError("'project_id' must be a string")
@@ -369,9 +393,23 @@ def serve(config: SandboxConfig) -> int:
             log.info("trust refreshed for %s", ", ".join(refreshed))
     except ServiceUnavailable as exc:
         log.error("trust not refreshed (the filter did not answer): %s", exc)
-    server = Server(config.socket, config.group, Sessions(config, manager))
+    sessions = Sessions(config, manager)
+    server = Server(config.socket, config.group, sessions)
+    done = threading.Event()
+
+    def reaper():  # sessions whose --max-uptime or --idle ran out are stopped
+        while not done.wait(lifetime.CHECK_EVERY):
+            try:
+                for line in sessions.reap(time.time()):
+                    log.info("%s", line)
+            except (SessionError, PodmanError, ServiceUnavailable, OSError) as exc:
+                log.error("checking the sessions' limits failed (tried again in %.0fs): %s",
+                          lifetime.CHECK_EVERY, exc)
+
+    threading.Thread(target=reaper, daemon=True, name="corral-reaper").start()
 
     def stop(signum, frame):
+        done.set()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)

@@ -26,7 +26,7 @@ from appliance import workspace
 from appliance.atomic import write_atomic
 from appliance.filter.config import SESSION_NAME
 
-from . import confinement, hardening, trust
+from . import confinement, hardening, lifetime, trust
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
@@ -58,7 +58,17 @@ class Record:
     gid: int = 1000
     presets: list[str] = field(default_factory=list)
     reason: str = ""
-    """Why a session stopped when nobody asked it to (reconcile)."""
+    """Why a session stopped when nobody asked it to (reconcile, its limits)."""
+    max_uptime: int = 0
+    idle: int = 0
+    memory: str = ""
+    cpus: str = ""
+    pids: int = 0
+    """Its limits (lifetime.Limits; 0 or "": none, or the sandbox's default)."""
+
+    @property
+    def limits(self) -> lifetime.Limits:
+        return lifetime.Limits(self.max_uptime, self.idle, self.memory, self.cpus, self.pids)
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:
@@ -217,8 +227,8 @@ class SessionManager:
 
     def create(self, name: str, project_files: list[str] = (), project: Path | None = None,
                command: list[str] = ("sleep", "infinity"), presets: list[str] = (),
-               project_id: str = "", uid: int | None = None, gid: int | None = None
-               ) -> Record:
+               project_id: str = "", uid: int | None = None, gid: int | None = None,
+               limits: lifetime.Limits | None = None) -> Record:
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
         if project_id and not SESSION_NAME.match(project_id):
@@ -271,12 +281,15 @@ class SessionManager:
             if not placeholders.get("ok"):
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
+            limits = limits or lifetime.Limits()
+            resources = {k: v for k, v in (("memory", limits.memory), ("cpus", limits.cpus),
+                                           ("pids", limits.pids)) if v}
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
                                      gateway=gateway, seccomp_profile=str(confined.profile),
                                      init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes,
                                      trust=str(trusted), secrets=tuple(
-                                         placeholders["environment"].items()))
+                                         placeholders["environment"].items()), **resources)
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))
@@ -284,7 +297,9 @@ class SessionManager:
                             f"{OWNER}={self.owner}", *arguments)
             record = Record(name, str(subnet), gateway, network, container, self.image,
                             round(time.time(), 3), project=project_id, uid=uid, gid=gid,
-                            presets=list(presets))
+                            presets=list(presets), max_uptime=limits.max_uptime,
+                            idle=limits.idle, memory=spec.memory, cpus=spec.cpus,
+                            pids=spec.pids)
             self._save(record)
             return record
         except BaseException:
@@ -296,7 +311,8 @@ class SessionManager:
         """Container, filter session and network go; the record stays, marked stopped."""
         record = self.get(name)
         self.podman.remove_container(record.container)
-        answer = self.control({"op": "session-remove", "name": name})
+        answer = self.control({"op": "session-remove", "name": name,
+                               **({"reason": reason} if reason else {})})
         if not answer.get("ok") and "no session" not in answer.get("error", ""):
             raise SessionError(f"the filter kept session {name}: {answer.get('error')}")
         self.podman.run("network", "rm", "--force", record.network, check=False)
@@ -340,6 +356,12 @@ class SessionManager:
             ) or []}
         except PodmanError as exc:
             raise SessionError(f"cannot ask podman about sessions: {exc}") from None
+
+    def due(self, activity: dict[str, dict], now: float) -> list[tuple[str, str]]:
+        """(name, why) of each running session its limits stop now; `activity` is the
+        filter's `sessions` answer by name."""
+        return [(r.name, why) for r in self.records() if r.state == "running"
+                and (why := lifetime.due(r.created, r.limits, activity.get(r.name), now))]
 
     def list(self) -> list[dict]:
         """Records, each with what podman reports now (a crash or reboot shows up here)."""

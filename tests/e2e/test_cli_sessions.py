@@ -67,8 +67,9 @@ def test_run_starts_a_listed_session(world, c1):
     assert listed["c1"]["presets"] == ["pypi"] and listed["c1"]["project"].startswith(
         "cli-project-")
     table = corral(world, "ls").stdout
-    assert table.splitlines()[0].split() == ["SESSION", "STATE", "AGE", "SUBNET", "ALLOWED",
-                                             "DENIED"]
+    assert table.splitlines()[0].split() == ["SESSION", "STATE", "AGE", "LEFT", "SUBNET",
+                                             "ALLOWED", "DENIED", "MEM/CPU/PIDS"]
+    assert listed["c1"]["memory"] == "4g" and listed["c1"]["left"] is None  # no limit set
     assert any(line.split()[:2] == ["c1", "running"] for line in table.splitlines())
     rules = json.loads(corral(world, "rules", "--session", "c1", "--json").stdout)["rules"]
     assert {"allowed.test", "pypi.org"} <= {r["rule"] for r in rules}  # project + preset
@@ -392,6 +393,43 @@ def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c
         corral(world, "refuse", approval_id)
     finally:
         corral(world, "ask", "--session", "c1", "--off")
+
+
+def test_a_session_stops_itself_when_its_idle_time_is_up(world, podman, sandbox_image,
+                                                          project):
+    """`--idle 4s`: no network activity for 4 s and the sandbox service stops it (the
+    workspace stays), with the reason in `corral ls` and an event; its resource limits are
+    the ones `corral run` asked for, inside the container too."""
+    corral(world, "run", "--project", str(project), "--name", "c9", "--detach",
+           "--idle", "4s", "--max-uptime", "1h", "--memory", "1g", "--cpus", "1.5",
+           "--pids", "512")
+    try:
+        host = podman.json("container", "inspect", "corral-c9")[0]["HostConfig"]
+        assert (host["Memory"], host["NanoCpus"], host["PidsLimit"]) == (
+            1 << 30, 1_500_000_000, 512)
+        listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)[
+            "sessions"]}
+        assert listed["c9"]["idle"] == 4 and 0 <= listed["c9"]["left"] <= 4
+        assert "1g/1.5/512" in corral(world, "ls").stdout
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)[
+                "sessions"]}
+            if listed["c9"]["state"] == "stopped":
+                break
+            time.sleep(1)
+        assert listed["c9"]["state"] == "stopped", listed["c9"]
+        assert listed["c9"]["reason"] == "no network activity for its --idle (4s)"
+        assert "stopped (no network activity" in corral(world, "ls").stdout
+        events = world.control({"op": "events", "last": 200, "session": "c9"})["events"]
+        assert any(e["kind"] == "session" and e.get("action") == "stopped"
+                   and "--idle (4s)" in e["reason"] for e in events), events[-3:]
+        corral(world, "diff", "c9")  # the workspace stays: its diff still answers
+        bad = corral(world, "run", "--project", str(project), "--name", "c10", "--detach",
+                     "--memory", "lots", check=False)
+        assert bad.returncode != 0 and "'memory' must be a size" in bad.stderr, bad
+    finally:
+        corral(world, "rm", "c9", check=False)
 
 
 def test_stop_then_rm_leave_nothing_behind(world, c1):

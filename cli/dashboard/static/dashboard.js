@@ -108,9 +108,12 @@ async function loadSessions() {
   const { sessions } = await api("GET", "/api/sessions");
   state.sessions = sessions.map((s) => s.name);
   const body = document.getElementById("sessions-rows");
-  if (!changed("sessions", sessions)) {
+  const steady = sessions.map(({ created, left, ...rest }) => rest);
+  if (!changed("sessions", steady)) {  // the times move on in place
     sessions.forEach((s, i) => {
       body.rows[i].cells[2].textContent = s.created ? ago(s.created) : "-";
+      body.rows[i].cells[3].textContent = s.left === undefined || s.left === null ? "-"
+        : duration(s.left);
     });
     return;
   }
@@ -134,8 +137,10 @@ async function loadSessions() {
         await loadSessions();
       }
     }));
-    return row([s.name, stateText, s.created ? ago(s.created) : "-", s.subnet || "-",
-                s.allowed || 0, s.denied || 0, actions]);
+    const limits = s.memory ? `${s.memory}/${s.cpus}/${s.pids}` : "-";
+    return row([s.name, stateText, s.created ? ago(s.created) : "-",
+                s.left === undefined || s.left === null ? "-" : duration(s.left),
+                s.subnet || "-", s.allowed || 0, s.denied || 0, limits, actions]);
   }));
   document.getElementById("sessions-empty").hidden = sessions.length > 0;
   for (const id of ["decisions-session", "rules-session"]) fillSessions(id);
