@@ -242,8 +242,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--cpus", metavar="N", help="CPUs it may use (default 2; 1.5 works)")
     run.add_argument("--pids", type=int, metavar="N", help="processes it may have (default "
                      "2048)")
-    run.add_argument("--learn", action="store_true", help="when you leave the session, "
-                     "propose the corral.toml rules it was denied (`corral learn`)")
+    run.add_argument("--learn", nargs="?", const="closed", choices=["closed", "open"],
+                     help="when you leave the session, propose the corral.toml rules it "
+                     "needed (`corral learn`); --learn=open: meanwhile allow (and record) "
+                     "whatever a person could approve, for bootstrapping a policy on a "
+                     "throwaway project")
     run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
                      "files in it look like secrets (they are read first; see [workspace] "
                      "exclude in corral.toml)")

@@ -34,6 +34,15 @@ def data_line(value) -> None:
     sys.stdout.flush()
 
 
+def warning(text: str) -> None:
+    """A notice that must not be missed: red on a terminal (NO_COLOR respected)."""
+    import os
+
+    red = sys.stderr.isatty() and "NO_COLOR" not in os.environ
+    sys.stderr.write(f"\033[1;31mcorral: {text}\033[0m\n" if red else f"corral: {text}\n")
+    sys.stderr.flush()
+
+
 def notice(text: str) -> None:
     sys.stderr.write(f"corral: {text}\n")
     sys.stderr.flush()

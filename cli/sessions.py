@@ -129,6 +129,9 @@ def cmd_run(args) -> int:
     project = Path(args.project or os.getcwd()).resolve()
     if not project.is_dir():
         raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
+    if args.ask and args.learn == "open":
+        raise CliError("--ask and --learn=open do not go together (one holds what the other "
+                       "lets through)", code=exitcodes.USAGE)
     exclude = _excludes(project)
     limits = _limits(args)
     if not args.allow_secrets:  # before anything reaches the appliance
@@ -148,7 +151,14 @@ def cmd_run(args) -> int:
                                  **limits)
     output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
                   f"{session['subnet']}")
-    if args.ask:  # the session's runtime layer: it wins over the project's [approval]
+    if args.learn == "open":  # a person's explicit choice, recorded (a rule event)
+        client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
+                                                 "rule": "open"})
+        output.warning(f"LEARNING OPEN: session {name} may reach any name that no deny rule "
+                       "covers (not IP literals, not blocked ranges); every such request is "
+                       "allowed and recorded in the audit log. Use it on a throwaway project "
+                       "only; `corral ask --off` ends it.")
+    elif args.ask:  # the session's runtime layer: it wins over the project's [approval]
         client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
                                                  "rule": "ask"})
         output.notice("ask mode: a request the policy does not name waits for `corral "

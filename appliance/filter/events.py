@@ -156,8 +156,10 @@ class EventBus:
             "rule": rule.text if rule else None, "layer": rule.layer if rule else None,
             **extra,
         }
-        if not decision.allowed and decision.hint:
+        if decision.hint:
             event["hint"] = decision.hint
+            if decision.allowed:  # only learning-open allowances keep their hint
+                event["learned"] = True
         return self.emit(event)
 
     def subscribe(self, session: str | None = None, verdict: str | None = None,

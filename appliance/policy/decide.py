@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from .decision import Decision
 from .git import GitAccess, GitHosts
+from .grants import approvable
 from .inspection import Inspection, Inspections
 from .names import PLACEHOLDER_MARK, Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
@@ -131,6 +132,22 @@ class Policy:
         return len(self.rules)
 
     @property
+    def learning_open(self) -> bool:
+        """`corral run --learn=open`: what a person could approve is allowed, and recorded
+        as learned (the decision keeps the command that would allow it)."""
+        return self.approval is not None and self.approval.setting == "open"
+
+    def _learned(self, decision: Decision) -> Decision:
+        """In learning-open mode, a denial a person could approve becomes an allowance that
+        carries its hint (the only allowed decisions that do: events mark them learned).
+        Deny rules, placeholders, IP literals and the appliance's names stay denied, and a
+        name's addresses are still checked against the blocked ranges when dialled."""
+        if decision.allowed or not self.learning_open or not approvable(decision):
+            return decision
+        return Decision(True, f"learning (open): {decision.reason}; allowed and recorded "
+                        "for `corral learn`", None, decision.hint)
+
+    @property
     def hold(self) -> float | None:
         """Seconds a request denied by the default waits for a person (ask mode); None:
         denied at once."""
@@ -164,7 +181,7 @@ class Policy:
         key = ("dns", host.name, host.key)
         decision = self._memo.get(key)
         if decision is None:
-            decision = self._remember(key, self._decide_dns(host))
+            decision = self._remember(key, self._learned(self._decide_dns(host)))
         return decision
 
     def _decide_dns(self, host: Host) -> Decision:
@@ -245,7 +262,8 @@ class Policy:
         key = (kind, host.name, host.key, port)
         decision = self._memo.get(key)
         if decision is None:
-            decision = self._remember(key, self._judge_port(index, host, port, kind))
+            decision = self._remember(key, self._learned(self._judge_port(index, host, port,
+                                                                          kind)))
         return decision
 
     def _judge_port(self, index, host: Host, port: int, kind: str) -> Decision:

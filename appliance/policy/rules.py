@@ -115,7 +115,8 @@ class Rule:
     host are not read for leaks."""
     setting: str = ""
     """An `approval` rule's text: `ask` (hold denied requests for a person, HOLD_DEFAULT
-    seconds), `ask SECONDS`, or `deny` (deny at once, the default)."""
+    seconds), `ask SECONDS`, `deny` (deny at once, the default), or `open` (learning: what a
+    person could approve is allowed and recorded; a session's runtime layer only)."""
     text: str = field(init=False, compare=False, repr=False)
     """The rule as a user writes it (and as `corral revoke` accepts it); computed once."""
 
@@ -179,13 +180,20 @@ class Rule:
         words = text.split()
         if words == ["deny"] or words == ["ask"]:
             return cls("approval", "", layer=layer, source=source, setting=words[0])
+        if words == ["open"]:
+            if layer != "session":
+                raise RuleError("approval 'open' (learning: allow what the default denies, "
+                                "and record it) is only for a running session, given by a "
+                                "person: `corral run --learn=open`; never in a file")
+            return cls("approval", "", layer=layer, source=source, setting="open")
         if len(words) == 2 and words[0] == "ask" and re.fullmatch(r"[0-9]+s?", words[1]):
             seconds = int(words[1].removesuffix("s"))
             if 1 <= seconds <= HOLD_MAX:
                 return cls("approval", "", layer=layer, source=source,
                            setting=f"ask {seconds}")
-        raise RuleError(f"approval rule {text!r}: expected 'deny', 'ask' or 'ask SECONDS' "
-                        f"(1-{HOLD_MAX}: how long a denied request waits for a person)")
+        raise RuleError(f"approval rule {text!r}: expected 'deny', 'ask', 'ask SECONDS' "
+                        f"(1-{HOLD_MAX}: how long a denied request waits for a person) or "
+                        "'open' (learning, a session's runtime layer only)")
 
     @classmethod
     def _parse_dns(cls, text: str, layer: str, source: str) -> Rule:

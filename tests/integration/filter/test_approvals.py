@@ -462,3 +462,30 @@ def test_corral_request_asks_waits_and_says_the_decision(asking):
                             "--reason", "r"], capture_output=True, text=True,
                            env={"PATH": "/usr/bin:/bin"}, timeout=20)
     assert alone.returncode == 2 and "no HTTP_PROXY" in alone.stderr
+
+
+def test_learning_open_lets_through_and_records_what_a_person_could_approve(asking,
+                                                                            internet):
+    """`corral run --learn=open`: a name the policy does not name resolves and is reached,
+    each allowance an event marked learned with the command that allows it; a deny rule and
+    an IP literal stay denied, and nothing is held."""
+    f = asking
+    f.control({"op": "add", "session": "s1", "kind": "approval", "rule": "open"})
+    f.control({"op": "add", "session": "s1", "kind": "deny", "rule": "fronted.test"})
+    answer = ask(f.dns_port, "other.test")
+    assert answer.header.rcode == RCODE.NOERROR and answer.rr, answer
+    seen = len(internet.http8080.requests)
+    with connect(f.proxy_port, timeout=10) as sock:
+        sock.sendall(b"GET http://other.test:8080/learned HTTP/1.1\r\nHost: other.test:8080"
+                     b"\r\nConnection: close\r\n\r\n")
+        assert recv_all(sock).startswith(b"HTTP/1.1 200")
+    assert len(internet.http8080.requests) == seen + 1
+    for target in (b"fronted.test:8080", b"127.31.0.2:8080"):
+        with connect(f.proxy_port, timeout=10) as sock:
+            sock.sendall(b"CONNECT %s HTTP/1.1\r\n\r\n" % target)
+            assert recv_all(sock).startswith(b"HTTP/1.1 403"), target
+    assert not open_approvals(f)
+    learned = [e for e in f.events() if e.get("learned")]
+    assert {(e["kind"], e["hint"]) for e in learned} >= {
+        ("dns", "corral allow-dns other.test"), ("http", "corral allow-http other.test:8080")}
+    assert all(e["verdict"] == "allow" for e in learned)

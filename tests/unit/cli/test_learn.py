@@ -212,3 +212,12 @@ def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
     asking.see({"kind": "approval", "verdict": "change", "action": "expired",
                 "approval": "ap-1"})
     assert asking.first is None
+
+
+def test_what_learning_open_let_through_is_a_candidate_too():
+    learned = {"session": "s1", "kind": "connect", "verdict": "allow", "learned": True,
+               "hint": "corral allow-http open.test:443", "rule": None}
+    plain_allow = {**learned, "learned": False, "hint": "corral allow-http plain.test:443"}
+    found = candidates([learned, plain_allow], "s1")
+    assert [(c.kind, c.name, c.rules) for c in found] == [("http", "open.test",
+                                                           ["open.test"])]

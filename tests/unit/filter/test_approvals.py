@@ -313,3 +313,26 @@ def test_an_agent_waiting_keeps_its_approval_open_but_is_no_request_to_let_throu
         assert (await waiting).reason == "refused by tester"
         assert not approvable(Policy([]).decide_http(parse_host("corral"), 443))
     asyncio.run(scenario())
+
+
+def test_learning_open_allows_what_a_person_could_approve_and_nothing_else():
+    rules = [Rule.parse("http", "a.test"), Rule.parse("deny", "evil.test", "session"),
+             Rule.parse("approval", "open", "session", "api")]
+    policy = Policy(rules)
+    assert policy.learning_open
+    learned = policy.decide_http(parse_host("new.test"), 8443)
+    assert learned.allowed and learned.rule is None
+    assert learned.hint == "corral allow-http new.test:8443"
+    assert learned.reason.startswith("learning (open): new.test is not in the http policy")
+    assert policy.decide_dns(parse_host("new.test")).allowed
+    for host, port in (("evil.test", 443), ("x.evil.test", 443), ("10.0.0.1", 443),
+                       ("169.254.169.254", 80), ("metadata.corral", 80),
+                       ("corral-secret-x-0123.test", 443)):
+        assert not policy.decide_http(parse_host(host), port).allowed, host
+    assert not policy.decide_dns(parse_host("evil.test")).allowed
+    assert not Policy(rules[:2]).decide_http(parse_host("new.test"), 443).allowed
+    for layer in ("project", "appliance", "default"):  # a file can never say it
+        with pytest.raises(RuleError, match="only for a running session"):
+            Rule.parse("approval", "open", layer, "corral.toml")
+    with pytest.raises(ConfigError, match="mode"):
+        parse_policy('[approval]\nmode = "open"\n', "corral.toml", "project")
