@@ -200,18 +200,22 @@ class Asking:
 
 
 def prompt_line(approval: dict) -> str:
-    said = f' - the agent says "{_shown(approval["note"])}"' if approval.get("note") else ""
-    return (f"ask {approval['id']}: session {approval['session']} wants {approval['kind']} "
-            f"{approval['target']}{said}  {PROMPT}")
+    said = f" - the agent says {_shown(approval['note'])!r}" if approval.get("note") else ""
+    return (f"ask {_shown(str(approval['id']))}: session {_shown(str(approval['session']))} "
+            f"wants {_shown(str(approval['kind']))} {_shown(str(approval['target']))}{said}  "
+            f"{PROMPT}")
 
 
 def monitor_ask(client, args, show) -> int:
     """`corral monitor --ask`: the live decisions, and the oldest open approval with a key
     for each grant, read from the terminal without Enter. The stream is read in a thread
-    (and reconnects); keys and decisions happen here."""
-    import os
+    (and reconnects, listing the open approvals again each time it has subscribed); keys
+    and decisions happen here. A key is for the approval whose line was on the screen when
+    it was pressed: if that one was decided meanwhile, the key is dropped; keys typed
+    before a new line are dropped too, and so are escape sequences (arrows, F-keys)."""
     import queue
     import select
+    import signal
     import sys
     import termios
     import threading
@@ -222,73 +226,110 @@ def monitor_ask(client, args, show) -> int:
                        "`corral approve` / `corral refuse`", exitcodes.USAGE)
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
+    only = {"session": args.session} if args.session else {}
 
     def pump():
         delay = 0.5
         while not stop.is_set():
             try:
-                for event in client.stream("/events/stream", session=args.session,
-                                           verdict="deny" if args.denied else None):
+                live = client.stream("/events/stream", **only)  # subscribed when it returns
+                events.put({"listed": client.request("GET", "/approvals", **only)[
+                    "approvals"]})
+                for event in live:
                     events.put(event)
                     delay = 0.5
                     if stop.is_set():
                         return
             except CliError as exc:
                 events.put({"notice": f"{exc}; reconnecting"})
+            except Exception as exc:
+                events.put({"notice": f"the event stream failed ({exc}); reconnecting"})
             stop.wait(delay)
             delay = min(delay * 2, 5.0)
 
-    asking = Asking(client.request("GET", "/approvals", **(
-        {"session": args.session} if args.session else {}))["approvals"])
-    threading.Thread(target=pump, daemon=True, name="corral-monitor").start()
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    asking = Asking([])
     fd = sys.stdin.fileno()
     saved = termios.tcgetattr(fd)
+    previous = signal.signal(signal.SIGTERM, terminate)
     shown_id = None
+    threading.Thread(target=pump, daemon=True, name="corral-monitor").start()
     tty.setcbreak(fd)
     try:
         while True:
             ready, _, _ = select.select([fd], [], [], 0.2)
+            key = _key(fd) if ready else ""
+            on_screen = shown_id  # what the key, if any, was pressed for
             while not events.empty():
                 event = events.get()
                 if "notice" in event:
                     output.notice(event["notice"])
-                    continue
-                show(event)
-                asking.see(event)
-            first = asking.first
-            if first is not None and first["id"] != shown_id:
-                output.line(prompt_line(first))
-            shown_id = first["id"] if first is not None else None
-            if not ready:
-                continue
-            key = os.read(fd, 1).decode(errors="replace").lower()
+                elif "listed" in event:
+                    asking = Asking(event["listed"])
+                else:
+                    if not args.denied or event.get("verdict") == "deny":
+                        show(event)
+                    asking.see(event)
             if key == "q":
                 return exitcodes.OK
-            if key == "n":
+            if key == "n" and on_screen in asking.waiting:
                 asking.later()
-                continue
-            if key not in KEYS or first is None:
-                continue
-            try:
-                if KEYS[key] == "always":
-                    termios.tcsetattr(fd, termios.TCSADRAIN, saved)  # the diff's question
-                    try:
-                        _always(client, _AlwaysArgs(first["id"], args.project))
-                    finally:
-                        tty.setcbreak(fd)
+            elif key in KEYS and on_screen is not None:
+                if on_screen in asking.waiting:
+                    _decide(client, asking, asking.waiting[on_screen], KEYS[key], args, fd,
+                            saved)
                 else:
-                    client.request("POST", f"/approvals/{quote(first['id'], safe='')}",
-                                   {"grant": KEYS[key]})
-                    output.line(f"{KEYS[key]}: {first['kind']} {first['target']} "
-                                f"({first['id']})")
-            except CliError as exc:
-                output.error(str(exc), exc.hint)
-            asking.waiting.pop(first["id"], None)  # its change event may come later
+                    output.notice(f"{on_screen} was decided meanwhile: that key is dropped")
+            first = asking.first
+            if first is not None and (first["id"] != shown_id or key in KEYS):
+                termios.tcflush(fd, termios.TCIFLUSH)  # nothing typed before it is for it
+                output.line(prompt_line(first))
+            shown_id = first["id"] if first is not None else None
     except KeyboardInterrupt:
         return exitcodes.OK
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        signal.signal(signal.SIGTERM, previous)
         stop.set()
+
+
+def _key(fd: int) -> str:
+    """One key pressed, exactly as typed; "" for an escape sequence (read whole, dropped)."""
+    import os
+    import select
+
+    first = os.read(fd, 1)
+    if first != b"\x1b":
+        return first.decode(errors="replace")
+    while select.select([fd], [], [], 0.05)[0]:
+        os.read(fd, 64)
+    return ""
+
+
+def _decide(client, asking: Asking, approval: dict, grant: str, args, fd: int, saved) -> None:
+    """One decision from the monitor; the approval leaves the line only when it was taken."""
+    import termios
+    import tty
+
+    try:
+        if grant == "always":
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)  # the diff's question
+            try:
+                code = _always(client, _AlwaysArgs(approval["id"], args.project))
+            finally:
+                tty.setcbreak(fd)
+            if code != exitcodes.OK:
+                return
+        else:
+            client.request("POST", f"/approvals/{quote(approval['id'], safe='')}",
+                           {"grant": grant})
+            output.line(f"{grant}: {approval['kind']} {approval['target']} ({approval['id']})")
+    except CliError as exc:
+        output.error(str(exc), exc.hint)
+        return
+    asking.waiting.pop(approval["id"], None)  # its change event may come later
 
 
 class _AlwaysArgs:

@@ -118,7 +118,8 @@ def _target(record: dict) -> tuple[str, str, str | None, str] | None:
         by = "agent"
     elif record.get("verdict") == "deny" and record.get("hint") and not record.get("rule"):
         hint, by = record["hint"], record.get("kind") or "?"
-    elif record.get("verdict") == "allow" and record.get("learned") and record.get("hint"):
+    elif (record.get("verdict") == "allow" and record.get("learning") == "open"
+          and record.get("hint")):
         hint, by = record["hint"], record.get("kind") or "?"  # learning open: let through
     else:
         return None

@@ -236,8 +236,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--max-uptime", metavar="DURATION", help="stop the session this long "
                      "after it starts (8h, 90m; the workspace stays)")
     run.add_argument("--idle", metavar="DURATION", help="stop it after this long without "
-                     "network activity: no DNS query, connection or request through the "
-                     "filter, and none open")
+                     "activity the filter sees: no DNS query, connection or request of its, "
+                     "none open (direct TCP and an attached shell are not seen)")
     run.add_argument("--memory", metavar="SIZE", help="memory it may use (default 4g)")
     run.add_argument("--cpus", metavar="N", help="CPUs it may use (default 2; 1.5 works)")
     run.add_argument("--pids", type=int, metavar="N", help="processes it may have (default "

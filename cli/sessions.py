@@ -154,10 +154,12 @@ def cmd_run(args) -> int:
     if args.learn == "open":  # a person's explicit choice, recorded (a rule event)
         client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
                                                  "rule": "open"})
-        output.warning(f"LEARNING OPEN: session {name} may reach any name that no deny rule "
-                       "covers (not IP literals, not blocked ranges); every such request is "
-                       "allowed and recorded in the audit log. Use it on a throwaway project "
-                       "only; `corral ask --off` ends it.")
+        output.warning(f"LEARNING OPEN: session {name} may reach any name, on any port, "
+                       "that no deny rule names (deny rules go by name: another name for the "
+                       "same server is not covered; IP literals and blocked ranges stay "
+                       "closed). Each such request is allowed and recorded as an event, in "
+                       "the audit log within the session's audit budget. Use it on a "
+                       "throwaway project only; `corral ask --off` ends it.")
     elif args.ask:  # the session's runtime layer: it wins over the project's [approval]
         client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
                                                  "rule": "ask"})

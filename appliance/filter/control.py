@@ -231,7 +231,8 @@ class ControlServer:
             {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
              "registered": s.name in registered,
              "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")],
-             "last_event": self.service.bus.last_seen.get(s.name),
+             "last_activity": max(self.service.bus.last_seen.get(s.name, 0.0),
+                                  self.service.bus.started),
              "open_connections": self.service.proxy.flows.connections.held[s.name]}
             for s in store.sessions.values()]}
 
@@ -260,6 +261,7 @@ class ControlServer:
                 "session": name, "client": None, "kind": "session", "name": name,
                 "port": None, "address": None, "verdict": "change", "action": "stopped",
                 "rule": None, "layer": None, "reason": f"session {name} stopped: {reason}"})
+        self.service.bus.last_seen.pop(name, None)
         return {"ok": True}
 
     @handles("policy")

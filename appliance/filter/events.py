@@ -68,6 +68,9 @@ class EventBus:
         """(session, verdict) -> count, for `corral ls` and status."""
         self.last_seen: dict[str, float] = {}
         """session -> when its last event was (a session's --idle counts from it)."""
+        self.started = time.time()
+        """Before it, nothing was seen: a session's activity counts from here at the
+        least (a restarted filter has no memory of the sessions' last events)."""
         self._ids = itertools.count(1)
         self.audit_rate, self.audit_burst = audit_rate, audit_burst
         self._buckets: dict[str | None, TokenBucket] = {}
@@ -159,7 +162,7 @@ class EventBus:
         if decision.hint:
             event["hint"] = decision.hint
             if decision.allowed:  # only learning-open allowances keep their hint
-                event["learned"] = True
+                event["learning"] = "open"
         return self.emit(event)
 
     def subscribe(self, session: str | None = None, verdict: str | None = None,

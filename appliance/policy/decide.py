@@ -262,8 +262,10 @@ class Policy:
         key = (kind, host.name, host.key, port)
         decision = self._memo.get(key)
         if decision is None:
-            decision = self._remember(key, self._learned(self._judge_port(index, host, port,
-                                                                          kind)))
+            decision = self._judge_port(index, host, port, kind)
+            if kind == "http":  # learning opens names and the proxy, never the firewall
+                decision = self._learned(decision)
+            decision = self._remember(key, decision)
         return decision
 
     def _judge_port(self, index, host: Host, port: int, kind: str) -> Decision:

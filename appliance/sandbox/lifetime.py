@@ -68,11 +68,12 @@ class Limits:
 
 def idle_for(created: float, activity: dict | None, now: float) -> float:
     """Seconds without network activity: since the filter's last event for the session (or
-    its start), 0 while a connection of its is open."""
+    its start, or the filter's: `last_activity` is at least that), 0 while a connection of
+    its is open."""
     activity = activity or {}
     if activity.get("open_connections"):
         return 0.0
-    return max(0.0, now - max(created, activity.get("last_event") or 0.0))
+    return max(0.0, now - max(created, activity.get("last_activity") or 0.0))
 
 
 def due(created: float, limits: Limits, activity: dict | None, now: float) -> str | None:

@@ -182,12 +182,15 @@ class Sessions:
         if not answer.get("ok"):
             raise ServiceUnavailable(f"the filter did not list its sessions: "
                                      f"{answer.get('error')}")
-        activity = {s["name"]: s for s in answer["sessions"]}
+        activity = {s.get("name"): s for s in answer.get("sessions") or []}
         done = []
         with self.lock:
             for name, why in self.manager.due(activity, now):
-                self.manager.stop(name, reason=why)
-                done.append(f"stopped {name}: {why}")
+                try:  # one that cannot be stopped must not keep the others running
+                    self.manager.stop(name, reason=why)
+                    done.append(f"stopped {name}: {why}")
+                except (SessionError, PodmanError, ServiceUnavailable, OSError) as exc:
+                    done.append(f"could not stop {name} ({why}): {exc}; tried again later")
         return done
 
     def _changes(self, op: str, name: str, paths: list[str]) -> dict:
@@ -402,9 +405,9 @@ def serve(config: SandboxConfig) -> int:
             try:
                 for line in sessions.reap(time.time()):
                     log.info("%s", line)
-            except (SessionError, PodmanError, ServiceUnavailable, OSError) as exc:
-                log.error("checking the sessions' limits failed (tried again in %.0fs): %s",
-                          lifetime.CHECK_EVERY, exc)
+            except Exception:  # whatever it was, the next look must still come
+                log.exception("checking the sessions' limits failed (tried again in %.0fs)",
+                              lifetime.CHECK_EVERY)
 
     threading.Thread(target=reaper, daemon=True, name="corral-reaper").start()
 

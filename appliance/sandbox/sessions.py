@@ -316,7 +316,9 @@ class SessionManager:
         if not answer.get("ok") and "no session" not in answer.get("error", ""):
             raise SessionError(f"the filter kept session {name}: {answer.get('error')}")
         self.podman.run("network", "rm", "--force", record.network, check=False)
-        record.state, record.reason = "stopped", reason
+        if record.state != "stopped" or reason:  # a second stop keeps why it stopped first
+            record.reason = reason
+        record.state = "stopped"
         self._save(record)
         return record
 

@@ -66,7 +66,8 @@ def test_every_probe_passes(battery):
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit
     assert set(summary["skipped_groups"]) == {"kernel", "review"}  # said, not silently dropped
-    assert not summary["unselected"]
+    # the approval probes need a session in ask mode: run apart (test_ask_mode_holds_...)
+    assert set(summary["unselected"]) == {"held-request-sends-nothing", "approval-flood-bounded"}
 
 
 def test_the_icmp_probe_really_ran(battery):

@@ -445,6 +445,9 @@ def test_monitor_ask_decides_the_oldest_approval_with_a_key(home, corral_filter)
             thread = threading.Thread(target=held, args=(answers,), daemon=True)
             thread.start()
             expect(b"wants http allowed.test:8080  [o]nce [s]ession [a]lways [r]efuse")
+            os.write(fd, b"\x1bOP\x1b[A" + key.upper())  # F1, Up, a capital: no decision
+            time.sleep(0.6)
+            assert thread.is_alive() and not answers, seen
             os.write(fd, key)
             thread.join(10)
             assert answers and answers[0].startswith(expected), (key, answers, seen)

@@ -485,7 +485,7 @@ def test_learning_open_lets_through_and_records_what_a_person_could_approve(aski
             sock.sendall(b"CONNECT %s HTTP/1.1\r\n\r\n" % target)
             assert recv_all(sock).startswith(b"HTTP/1.1 403"), target
     assert not open_approvals(f)
-    learned = [e for e in f.events() if e.get("learned")]
+    learned = [e for e in f.events() if e.get("learning") == "open"]
     assert {(e["kind"], e["hint"]) for e in learned} >= {
         ("dns", "corral allow-dns other.test"), ("http", "corral allow-http other.test:8080")}
     assert all(e["verdict"] == "allow" for e in learned)

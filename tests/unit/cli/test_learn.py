@@ -204,7 +204,7 @@ def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
     assert asking.first["id"] == "ap-1"
     asking.later()
     assert prompt_line(asking.first) == (
-        'ask ap-2: session s1 wants tcp b.test:22 - the agent says "push?[31m"  '
+        "ask ap-2: session s1 wants tcp b.test:22 - the agent says 'push?[31m'  "
         "[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit")
     asking.see({"kind": "approval", "verdict": "change", "action": "refused",
                 "approval": "ap-2"})
@@ -215,9 +215,9 @@ def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
 
 
 def test_what_learning_open_let_through_is_a_candidate_too():
-    learned = {"session": "s1", "kind": "connect", "verdict": "allow", "learned": True,
+    learned = {"session": "s1", "kind": "connect", "verdict": "allow", "learning": "open",
                "hint": "corral allow-http open.test:443", "rule": None}
-    plain_allow = {**learned, "learned": False, "hint": "corral allow-http plain.test:443"}
+    plain_allow = {**learned, "learning": None, "hint": "corral allow-http plain.test:443"}
     found = candidates([learned, plain_allow], "s1")
     assert [(c.kind, c.name, c.rules) for c in found] == [("http", "open.test",
                                                            ["open.test"])]

@@ -148,7 +148,7 @@ def test_the_approval_rule_parses_and_the_most_specific_layer_wins():
     assert Rule.parse("approval", "ask 5s").text == "ask 5"
     assert Rule.parse("approval", "deny").hold is None
     for bad in ("maybe", "ask 0", "ask 601", "ask soon", "ask 5 6"):
-        with pytest.raises(RuleError, match="expected 'deny', 'ask' or 'ask SECONDS'"):
+        with pytest.raises(RuleError, match="expected 'deny', 'ask', 'ask SECONDS'"):
             Rule.parse("approval", bad)
     policy = Policy([Rule.parse("approval", "ask 30", "appliance"),
                      Rule.parse("approval", "deny", "project"),
