@@ -325,6 +325,8 @@ def test_learning_open_allows_what_a_person_could_approve_and_nothing_else():
     assert learned.hint == "corral allow-http new.test:8443"
     assert learned.reason.startswith("learning (open): new.test is not in the http policy")
     assert policy.decide_dns(parse_host("new.test")).allowed
+    # never the firewall: direct tcp still needs a rule (and a revoked one is taken back)
+    assert not policy.decide_tcp(parse_host("new.test"), 22).allowed
     for host, port in (("evil.test", 443), ("x.evil.test", 443), ("10.0.0.1", 443),
                        ("169.254.169.254", 80), ("metadata.corral", 80),
                        ("corral-secret-x-0123.test", 443)):
