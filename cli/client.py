@@ -162,10 +162,10 @@ class Client:
                            code=3 if response.status == 503 else 1)
         return answer
 
-    def stream(self, path: str, **query) -> Iterator[dict]:
+    def stream(self, path: str, keepalive: bool = False, **query) -> Iterator[dict | None]:
         """Server-Sent Events from the API. Subscribed when it returns (the API answers once
-        the subscription is in place): the iterator yields every event after that, and
-        ends when the stream does."""
+        the subscription is in place): the iterator yields every event after that (and
+        None for each keep-alive with `keepalive`), and ends when the stream does."""
         query = {k: v for k, v in query.items() if v is not None}
         connection = self._connection(60.0)
         try:
@@ -180,9 +180,9 @@ class Client:
         except BaseException:
             connection.close()
             raise
-        return self._events(connection, response)
+        return EventStream(self, connection, response, keepalive)
 
-    def _events(self, connection, response) -> Iterator[dict]:
+    def _events(self, connection, response, keepalive: bool) -> Iterator[dict | None]:
         try:
             data = []
             while True:
@@ -192,6 +192,8 @@ class Client:
                 line = line.rstrip(b"\r\n")
                 if line.startswith(b"data:"):
                     data.append(line[5:].strip())
+                elif line.startswith(b":") and keepalive:
+                    yield None
                 elif not line and data:
                     yield json.loads(b"\n".join(data))
                     data = []
@@ -199,3 +201,22 @@ class Client:
             raise self._failed(exc) from None
         finally:
             connection.close()
+
+
+class EventStream:
+    """An open event stream: iterate it for the events; close() ends it, started or not
+    (a generator never started would not run its cleanup)."""
+
+    def __init__(self, client: Client, connection, response, keepalive: bool):
+        self.connection = connection
+        self._iterator = client._events(connection, response, keepalive)
+
+    def __iter__(self):
+        return self._iterator
+
+    def __next__(self):
+        return next(self._iterator)
+
+    def close(self) -> None:
+        self._iterator.close()
+        self.connection.close()

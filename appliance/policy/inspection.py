@@ -30,6 +30,7 @@ is O(labels) and `Inspection.decide` looks only at that host's own patterns.
 
 from __future__ import annotations
 
+import shlex
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -208,8 +209,10 @@ class Inspection:
             path = f"{head}/**"
         host = self.host
         name = f"[{host}]" if host.address is not None and host.address.version == 6 else host
-        return (f"corral allow-request {name} {method} {path} (or add '{method} {path}' to an "
-                f"allow list of an [[inspect]] table for {name})")
+        # quoted for a shell: the path is the agent's, and a person pastes the command
+        command = f"corral allow-request {name} {shlex.quote(method)} {shlex.quote(path)}"
+        return (f"{command} (or add '{method} {path}' to an allow list of an [[inspect]] "
+                f"table for {name})")
 
 
 def _shown(target: str) -> str:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import secrets
+import shutil
 import threading
 from collections.abc import Iterator
 from importlib import resources
 
-from flask import Flask, Response, abort, jsonify, request, stream_with_context
+from flask import Flask, Response, abort, jsonify, request
 
 from ..client import Client, CliError
 
@@ -35,7 +37,13 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",  # the token is in the page's URL
     "Cache-Control": "no-store",
+    "Cross-Origin-Resource-Policy": "same-origin",
 }
+MAX_BODY = 16 * 1024
+"""Bytes a request to the dashboard may carry (a decision is a few dozen)."""
+MAX_STREAMS = 4
+"""Event streams open at once (each holds a thread here and one of the API's: its other
+calls must still find one)."""
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 EVENTS_BACKLOG = 200
 """Recent events the stream starts with, before the live ones."""
@@ -43,11 +51,15 @@ EVENTS_BACKLOG = 200
 
 def create_app(client: Client, token: str) -> Flask:
     app = Flask(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    relays = threading.BoundedSemaphore(MAX_STREAMS)
 
     @app.before_request
     def guard():
         if (request.host.rsplit(":", 1)[0] or "") not in ("127.0.0.1", "localhost"):
             abort(Response("corral dashboard: open it at the address it printed\n", 403))
+        if request.headers.get("Sec-Fetch-Site") == "cross-site":  # another site's page
+            abort(Response("corral dashboard: not from another site\n", 403))
         if request.path.startswith("/static/"):
             return None
         given = (request.headers.get("X-Corral-Token")
@@ -129,8 +141,13 @@ def create_app(client: Client, token: str) -> Flask:
 
     @app.get("/api/events")
     def events():
-        return Response(stream_with_context(_relay(client)), mimetype="text/event-stream",
-                        headers={"X-Accel-Buffering": "no"})
+        if not relays.acquire(blocking=False):
+            return jsonify(error=f"{MAX_STREAMS} event streams are open already: close a "
+                           "tab of the dashboard"), 503
+        response = Response(_relay(client), mimetype="text/event-stream",
+                            headers={"X-Accel-Buffering": "no"})
+        response.call_on_close(relays.release)  # started or not, ended or cut
+        return response
 
     return app
 
@@ -138,19 +155,27 @@ def create_app(client: Client, token: str) -> Flask:
 def _relay(client: Client) -> Iterator[str]:
     """The recent events, then the live ones, as SSE (subscribed before the recent ones are
     read, so that none falls between; one in both is sent once); an `error` event when the
-    appliance cannot be reached (the browser reconnects by itself)."""
+    appliance cannot be reached (the browser reconnects by itself). The API's keep-alives
+    are passed on: writing one is how a closed tab is noticed, and its threads here and in
+    the API freed."""
+    live = None
     try:
-        live = client.stream("/events/stream")
+        live = client.stream("/events/stream", keepalive=True)
         recent = client.request("GET", "/events", last=EVENTS_BACKLOG)["events"]
         seen = {event.get("id") for event in recent}
         for event in recent:
-            yield f"data: {json.dumps(event)}\n\n"
+            yield f"id: {event.get('id', '')}\ndata: {json.dumps(event)}\n\n"
         yield ": live\n\n"
         for event in live:
-            if event.get("id") not in seen:
-                yield f"data: {json.dumps(event)}\n\n"
+            if event is None:
+                yield ": keep-alive\n\n"
+            elif event.get("id") not in seen:
+                yield f"id: {event.get('id', '')}\ndata: {json.dumps(event)}\n\n"
     except CliError as exc:
         yield f"event: trouble\ndata: {json.dumps({'error': str(exc)})}\n\n"
+    finally:
+        if live is not None:
+            live.close()
 
 
 def _part(text: str) -> str:
@@ -171,6 +196,8 @@ class Dashboard:
         from werkzeug.serving import WSGIRequestHandler, make_server
 
         class Quiet(WSGIRequestHandler):
+            timeout = 60  # an idle connection does not keep its thread (keep-alives: 15 s)
+
             def log_request(self, *args, **kwargs):  # the request line carries the token
                 pass
 
@@ -212,11 +239,33 @@ def cmd_dashboard(args) -> int:
         output.line(f"corral dashboard for {client.appliance.name}: {dashboard.url}")
         output.line("(the token in the address is the key: anyone with it acts with your "
                     "client certificate; Ctrl-C stops it)")
-    if not args.no_open:
-        webbrowser.open(dashboard.url)
+    opener = None if args.no_open else _opener(dashboard.url)
+    if opener is not None:
+        webbrowser.open(opener.as_uri())
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         dashboard.stop()
+    finally:
+        if opener is not None:
+            shutil.rmtree(opener.parent, ignore_errors=True)
     return exitcodes.OK
+
+
+def _opener(url: str):
+    """A page only this user can read that sends the browser on to `url`: the browser is
+    started with the page's path, so the token never shows in a process's arguments (which
+    every local user can read)."""
+    import html
+    import tempfile
+    from pathlib import Path
+
+    directory = Path(tempfile.mkdtemp(prefix="corral-dashboard-"))  # 0700
+    page = directory / "open.html"
+    fd = os.open(page, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f'<!doctype html><meta charset="utf-8"><meta http-equiv="refresh" '
+                  f'content="0;url={html.escape(url)}"><title>corral</title>'
+                  f'<a href="{html.escape(url)}">open the corral dashboard</a>\n')
+    return page

@@ -82,9 +82,11 @@ def main(url: str, target: str, session: str, shots: Path) -> dict:
             seen["elements_in_reasons"] = len(driver.find_elements(
                 By.CSS_SELECTOR, "#approvals-rows td.untrusted *"))
             driver.save_screenshot(str(shots / "approvals.png"))
-            until(f"a click on once for {target}", lambda: click_once(driver, target))
-            until(f"the approval for {target} to close",
-                  lambda: approval_row(driver, target) is None)
+            # a button takes a click only once it has been on the page a moment (a row
+            # that moves under the pointer must not take one): click until it is decided
+            until(f"the approval for {target} to close, clicking once", lambda: (
+                click_once(driver, target), time.sleep(0.8),
+                approval_row(driver, target) is None)[-1], timeout=90)
             seen["approved"] = target
 
             driver.find_element(By.CSS_SELECTOR, "nav button[data-page=sessions]").click()

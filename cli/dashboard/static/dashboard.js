@@ -3,7 +3,16 @@
 "use strict";
 
 const token = new URLSearchParams(location.search).get("token") || "";
-const state = { events: [], sessions: [], page: "approvals" };
+const state = { events: [], seen: new Set(), sessions: [], page: "approvals" };
+const RENDER_MS = 300;
+const pending = {};
+
+// At most one render per RENDER_MS whatever the stream's rate: a flood of events must not
+// freeze the page.
+function later(name, render) {
+  if (pending[name]) return;
+  pending[name] = setTimeout(() => { delete pending[name]; render(); }, RENDER_MS);
+}
 const MAX_EVENTS = 500;
 
 async function api(method, path, body) {
@@ -38,9 +47,16 @@ function cellWith(...nodes) {
   return td;
 }
 
+// A button answers only a single click, and only once it has been on the page for
+// SETTLE_MS: a row that appears or moves under the pointer (an agent asking at the right
+// moment) cannot take a click meant for another.
+const SETTLE_MS = 700;
+
 function button(label, className, action) {
   const b = el("button", label, className);
-  b.addEventListener("click", async () => {
+  const born = performance.now();
+  b.addEventListener("click", async (event) => {
+    if (event.detail > 1 || performance.now() - born < SETTLE_MS) return;
     b.disabled = true;
     try { await action(); } catch (error) { trouble(error.message); } finally { b.disabled = false; }
   });
@@ -79,12 +95,22 @@ async function loadApprovals() {
   const { approvals } = await api("GET", "/api/approvals");
   document.getElementById("pending-count").textContent = approvals.length || "";
   const body = document.getElementById("approvals-rows");
-  if (!changed("approvals", approvals)) {
-    approvals.forEach((a, i) => { body.rows[i].cells[5].textContent = ago(a.created); });
+  const steady = approvals.map(({ id, session, kind, target, origin, note }) =>
+    ({ id, session, kind, target, origin, note }));
+  if (!changed("approvals", steady)) {  // counts and ages move on in place
+    approvals.forEach((a, i) => {
+      const cells = body.rows[i].cells;
+      cells[3].textContent = a.asked;
+      cells[4].textContent = a.waiting ? "yes" : "";
+      cells[5].textContent = ago(a.created);
+      const once = cells[8].querySelector("button.once");
+      once.disabled = !a.waiting;
+    });
     return;
   }
   body.replaceChildren(...approvals.map((a) => {
-    const decide = (grant, extra) => async () => {
+    const decide = (grant, extra, ask) => async () => {
+      if (ask && !confirm(`${ask} ${a.kind} ${a.target} for session ${a.session}?`)) return;
       await api("POST", `/api/approvals/${encodeURIComponent(a.id)}`, { grant, ...extra });
       delete shown.approvals;
       await loadApprovals();
@@ -94,8 +120,10 @@ async function loadApprovals() {
     once.title = a.waiting ? "let the waiting requests through, no rule" : "nothing waits now";
     return row([a.id, a.session, `${a.kind} ${a.target}`, a.asked, a.waiting ? "yes" : "",
                 ago(a.created), a.origin, el("td", a.note || "", "untrusted"),
-                cellWith(once, button("10 min", "grant for", decide("for", { duration: 600 })),
-                         button("session", "grant session", decide("session")),
+                cellWith(once, button("10 min", "grant for",
+                                      decide("for", { duration: 600 }, "Allow for 10 minutes")),
+                         button("session", "grant session",
+                                decide("session", {}, "Allow for the session's life")),
                          button("refuse", "grant refuse", decide("refuse")))],
                "approval");
   }));
@@ -185,10 +213,17 @@ function listen() {
   source.addEventListener("trouble", (m) => trouble(JSON.parse(m.data).error));
   source.onmessage = (m) => {
     const event = JSON.parse(m.data);
+    if (event.id !== undefined && state.seen.has(event.id)) return;  // a reconnect's replay
+    state.seen.add(event.id);
     state.events.push(event);
-    if (state.events.length > MAX_EVENTS) state.events.splice(0, state.events.length - MAX_EVENTS);
-    if (state.page === "decisions") renderDecisions();
-    if (event.kind === "approval") loadApprovals().catch((error) => trouble(error.message));
+    if (state.events.length > MAX_EVENTS) {
+      for (const old of state.events.splice(0, state.events.length - MAX_EVENTS)) {
+        state.seen.delete(old.id);
+      }
+    }
+    if (state.page === "decisions") later("decisions", renderDecisions);
+    if (event.kind === "approval") later("approvals", () => loadApprovals().catch(
+      (error) => trouble(error.message)));
   };
 }
 

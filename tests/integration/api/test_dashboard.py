@@ -138,3 +138,15 @@ def test_the_event_stream_is_relayed_recent_first_then_live(board, corral_filter
     else:
         raise AssertionError("the live denial was not relayed")
     connection.close()
+
+
+def test_another_sites_page_and_an_oversized_body_are_refused(board, corral_filter):
+    assert call(board, "GET", "/api/sessions", host=None)[1][
+        "Cross-Origin-Resource-Policy"] == "same-origin"
+    connection = http.client.HTTPConnection("127.0.0.1", board.port, timeout=30)
+    connection.request("GET", "/static/dashboard.js", headers={"Sec-Fetch-Site": "cross-site"})
+    assert connection.getresponse().status == 403  # another site's <script src=...>
+    connection.close()
+    status, _, _ = call(board, "POST", "/api/approvals/x", {"grant": "refuse",
+                                                             "note": "n" * 20000})
+    assert status == 413  # a decision is a few dozen bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shlex
 
 import pytest
 from hypothesis import given, settings
@@ -248,6 +249,7 @@ def test_denials_name_the_rule_and_the_command():
     ("POST", "/user/repos"),
     ("GET", "/@types%2Fnode"),
     ("DELETE", "/a/b/"),
+    ("GET", "/x$(sh$IFS/tmp/p)"),  # the agent's path: quoted, never run by the shell
 ])
 def test_the_hint_names_a_rule_that_allows_the_request(method, target):
     policy = Policy([Rule.parse("request", "api.github.com nothing")])
@@ -255,8 +257,9 @@ def test_the_hint_names_a_rule_that_allows_the_request(method, target):
     pattern = re.fullmatch(r"corral allow-request api\.github\.com (\S+ \S+) \(or add '(.+)' "
                            r"to an allow list of an \[\[inspect\]\] table for "
                            r"api\.github\.com\)", hint)
-    assert pattern.group(1) == pattern.group(2)  # the command and the file say the same
-    pattern = pattern.group(1)
+    # the command (quoted for a shell) and the file say the same
+    assert " ".join(shlex.split(pattern.group(1))) == pattern.group(2)
+    pattern = pattern.group(2)
     widened = Policy([*policy.rules, Rule.parse("request", f"api.github.com {pattern}")])
     assert widened.inspection(HOST).decide(method, target).allowed
 
