@@ -318,29 +318,40 @@ def test_run_with_a_command_attaches_runs_it_and_keeps_the_session(world, projec
     corral(world, "rm", "c5")
 
 
+def fetch_in(world, session: str, url: str) -> subprocess.Popen:
+    """curl inside the session, through its proxy settings, in the background: its stdout is
+    the HTTP status."""
+    return subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{netns.APPLIANCE}", str(BIN / "corral"), "shell",
+         "--appliance", APPLIANCE_NAME, session, "--", "curl", "-sS", "-o", "/dev/null",
+         "-w", "%{http_code}", "--max-time", "90", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=world.cli_env)
+
+
+def held_in(world, session: str) -> dict:
+    """The first approval of the session with a request waiting on it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = json.loads(corral(world, "approvals", "--session", session,
+                                   "--json").stdout)["approvals"]
+        held = [a for a in listed if a["waiting"]]
+        if held:
+            return held[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no request held: {listed}")
+
+
 def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c1):
     """A request from inside a real session to a host the policy does not name waits while
     `corral approvals` shows it; `corral approve --once` lets it through, `corral refuse`
     gives the usual denial, and a grant `--for 2s` lets the next one straight in until it
     ends: then a request is held again."""
 
-    def fetch():  # curl inside the session, through the session's proxy settings
-        return subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{netns.APPLIANCE}", str(BIN / "corral"), "shell",
-             "--appliance", APPLIANCE_NAME, "c1", "--", "curl", "-sS", "-o", "/dev/null",
-             "-w", "%{http_code}", "--max-time", "90", "http://other.test/"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=world.cli_env)
+    def fetch():
+        return fetch_in(world, "c1", "http://other.test/")
 
     def waiting() -> dict:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            listed = json.loads(corral(world, "approvals", "--session", "c1",
-                                       "--json").stdout)["approvals"]
-            held = [a for a in listed if a["waiting"]]
-            if held:
-                return held[0]
-            time.sleep(0.5)
-        raise AssertionError(f"no request held: {listed}")
+        return held_in(world, "c1")
 
     corral(world, "ask", "--session", "c1", "--hold", "90")
     try:
@@ -393,6 +404,59 @@ def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c
         corral(world, "refuse", approval_id)
     finally:
         corral(world, "ask", "--session", "c1", "--off")
+
+
+def test_what_a_session_learned_and_an_always_grant_hold_in_the_projects_next_session(
+        world, sandbox_image):
+    """A scripted agent in a `--learn` session is denied a host over HTTP and a name over
+    DNS; `corral learn` proposes exactly those, and writes them into the project's
+    corral.toml on this host when told. An approval granted `--always` in ask mode lets the
+    held request through and goes into the same file. A new session of the project then
+    reaches all three without asking anyone."""
+    project = world.dir / "learn-project"
+    project.mkdir()
+    policy = project / "corral.toml"
+    policy.write_text('# the team\'s policy\n[http]\nallow = ["allowed.test"]\n')
+    agent = ("curl -s -o /dev/null -w 'other %{http_code}\\n' http://other.test/; "
+             "getent hosts inspected.test || echo 'inspected unresolved'; "
+             "curl -s -o /dev/null -w 'allowed %{http_code}\\n' http://allowed.test/")
+    try:
+        ran = corral(world, "run", "--project", str(project), "--name", "c11", "--learn",
+                     "--", "sh", "-c", agent, check=False)
+        assert ran.stdout.splitlines()[:3] == ["other 403", "inspected unresolved",
+                                               "allowed 200"], ran.stdout
+        # leaving the shell proposes it; with no terminal to say yes, nothing is written
+        assert '+    "other.test", # asked 1x' in ran.stdout, ran.stdout
+        assert '"inspected.test", # asked' in ran.stdout and "not written" in ran.stderr
+        assert policy.read_text() == '# the team\'s policy\n[http]\nallow = ["allowed.test"]\n'
+        learned = corral(world, "learn", "c11", "--project", str(project), "--yes")
+        assert "wrote " in learned.stdout, learned.stdout
+        assert policy.read_text().startswith("# the team's policy\n")
+
+        corral(world, "ask", "--session", "c11", "--hold", "90")
+        waiting = fetch_in(world, "c11", "http://git.test/")
+        approval = held_in(world, "c11")
+        assert approval["target"] == "git.test:80", approval
+        corral(world, "approve", approval["id"], "--always", "--project", str(project),
+               "--yes")
+        assert waiting.communicate(timeout=60)[0] == "200"
+        checked = json.loads(world.corral("check", str(policy), "--json").stdout)
+        rules = {(r["kind"], r["rule"]) for r in checked["rules"]}
+        assert {("http", "allowed.test"), ("http", "other.test"), ("dns", "inspected.test"),
+                ("http", "git.test:80")} <= rules, rules  # the grant, exactly
+        corral(world, "rm", "c11")
+
+        again = corral(world, "run", "--project", str(project), "--name", "c12", "--", "sh",
+                       "-c", agent.replace("allowed.test", "git.test").replace(
+                           "'allowed ", "'git "))
+        lines = again.stdout.splitlines()
+        assert lines[0] == "other 200" and lines[2] == "git 200", again.stdout
+        assert lines[1].split()[-1] == "inspected.test", again.stdout  # getent's answer
+        assert not json.loads(corral(world, "approvals", "--session", "c12", "--json")
+                              .stdout)["approvals"]
+    finally:
+        corral(world, "rm", "c11", check=False)
+        corral(world, "rm", "c12", check=False)
 
 
 def test_a_session_stops_itself_when_its_idle_time_is_up(world, podman, sandbox_image,
