@@ -1,5 +1,6 @@
 """corral's benchmark: corral-filter behind its real nftables ruleset, next to squid,
-tinyproxy and dnsmasq and a direct baseline, in one run, on one topology of network namespaces.
+tinyproxy, dnsmasq and (TLS inspection, bench/inspected.py) mitmproxy and a direct baseline,
+in one run, on one topology of network namespaces.
 
   corral-bench-client 10.232.0.2 ─cb-sbx0─ 10.232.0.1  corral-bench-app  10.232.1.1 ─ 10.232.1.2
    (a corral sandbox: its traffic      (corral-filter + ruleset;              corral-bench-up
@@ -33,6 +34,8 @@ import time
 import timeit
 from pathlib import Path
 
+from . import inspected
+
 PREFIX = "corral-bench-"
 CLIENT, DIRECT, APP, UP, NOISY = (PREFIX + n for n in ("client", "direct", "app", "up",
                                                        "noisy"))
@@ -45,7 +48,7 @@ NETNS_ETC = Path("/etc/netns") / APP
 RESULTS = Path(__file__).resolve().parent / "results"
 TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
-PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "noisy"]
+PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "noisy", "inspect"]
 
 
 def sh(*args: str, ns: str | None = None, check: bool = True, timeout: float = 600):
@@ -161,7 +164,9 @@ class Bench:
                                     d / "tinyproxy.log"))
         # corral: the filter behind its real ruleset
         (d / "policy.toml").write_text(POLICY)
-        (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM))
+        (d / "inspect.toml").write_text(inspected.POLICY)
+        (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM) +
+                                       inspected.FILTER.format(dir=d))
         sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
         self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
                                   str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
@@ -497,6 +502,10 @@ class Bench:
             time.sleep(0.1)
         return [flood, holder, bombs]
 
+    def inspect(self) -> None:
+        """TLS inspection next to mitmproxy's (bench/inspected.py)."""
+        inspected.measure(self)
+
     def _stop_filter(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.filter.pid, signal.SIGTERM)
@@ -539,6 +548,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
+        if "added_us" in r or "added_ms" in r:
+            latency += (f"; +{r['added_us']} µs to direct" if "added_us" in r
+                        else f"+{r['added_ms']} ms to direct")
+        if "ratio_tunnel" in r:
+            latency = f"{r['ratio_tunnel']} of its spliced tunnel"
         if "alone_p99_us" in r:
             latency += (f" (alone {r['alone_p50_us']:.0f} / {r['alone_p99_us']:.0f}: "
                         f"p99 {r['p99_ratio']}x)")
@@ -562,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connects", type=int, default=1000)
     parser.add_argument("--tunnels", type=int, default=1000)
     parser.add_argument("--noisy-seconds", type=int, default=4)
+    parser.add_argument("--inspect-requests", type=int, default=500,
+                        help="inspected keep-alive requests per connection")
+    parser.add_argument("--inspect-connects", type=int, default=20,
+                        help="new inspected connections for the first-request latency")
     parser.add_argument("--only", choices=PARTS, action="append")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -637,7 +655,7 @@ new_connections = 100000000
 [[session]]
 name = "bench"
 subnet = "10.232.0.0/24"
-files = ["{dir}/policy.toml"]
+files = ["{dir}/policy.toml", "{dir}/inspect.toml"]
 """
 
 NOISY_FILTER = """

@@ -24,7 +24,11 @@ ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-al
     (f"policy decision, {n} rules", "corral") for n in (10, 10000, 100000)} | {
     ("CPU per keep-alive request", "corral"), ("RSS with 50 open tunnels", "corral")} | {
     (f"noisy neighbour: {m}", "corral") for m in ("DNS, cached (A at 150/s)",
-                                                   "CONNECT setup (A at 50/s)")}
+                                                   "CONNECT setup (A at 50/s)")} | {
+    (m, t) for m in ("inspected HTTPS first request", "inspected HTTPS keep-alive",
+                     "inspected HTTPS, 8 connections") for t in ("direct", "corral", "mitmproxy")
+} | {("inspected HTTPS bulk", t) for t in ("direct", "corral", "mitmproxy", "corral tunnel")} | {
+    ("leaf mint", "corral")}
 
 
 def test_a_tiny_run_reports_every_row(tmp_path):
@@ -36,7 +40,8 @@ def test_a_tiny_run_reports_every_row(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bench.run", "--reps", "1", "--bulk-mib",
                              "2", "--dns-seconds", "1", "--latency-queries", "50",
                              "--http-seconds", "1", "--new-connections", "200", "--connects",
-                             "50", "--tunnels", "50", "--noisy-seconds", "1", "--out",
+                             "50", "--tunnels", "50", "--noisy-seconds", "1",
+                             "--inspect-requests", "20", "--inspect-connects", "3", "--out",
                              str(tmp_path)],
                             capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[2])
@@ -46,7 +51,10 @@ def test_a_tiny_run_reports_every_row(tmp_path):
     assert {(r["metric"], r["tool"]) for r in rows} == ROWS
     assert all(r["value"] > 0 for r in rows)
     assert all("ratio_best_peer" in r for r in rows if r["tool"] == "corral"
-               and r["metric"] in ("CONNECT+TLS bulk", "DNS allowed-cached"))
+               and r["metric"] in ("CONNECT+TLS bulk", "DNS allowed-cached",
+                                   "inspected HTTPS keep-alive"))
+    assert [r["ratio_tunnel"] > 0 for r in rows if r["metric"] == "inspected HTTPS bulk"
+            and r["tool"] == "corral"] == [True]
     (table,) = tmp_path.glob("*.md")
     assert "| CONNECT+TLS bulk | corral |" in table.read_text()
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,

@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import time
+import tomllib
 
 import pytest
 
@@ -328,6 +329,21 @@ def fetch_in(world, session: str, url: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=world.cli_env)
 
 
+def api(world, method: str, path: str, body: dict | None = None) -> dict:
+    """The appliance's API with curl and the CLI's client certificate, in the appliance
+    namespace: no corral code on this side."""
+    where = world.dir / "config" / "corral" / "appliances" / APPLIANCE_NAME
+    endpoint = tomllib.loads((where / "appliance.toml").read_text())["endpoint"]
+    result = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{netns.APPLIANCE}", "curl", "-sS", "--fail-with-body",
+         "--cacert", str(where / "ca.crt"), "--cert", str(where / "client.crt"),
+         "--key", str(where / "client.key"), "-X", method, "-H",
+         "Content-Type: application/json", "--data", json.dumps(body or {}),
+         f"https://{endpoint}{path}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
 def held_in(world, session: str) -> dict:
     """The first approval of the session with a request waiting on it."""
     deadline = time.monotonic() + 60
@@ -345,7 +361,8 @@ def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c
     """A request from inside a real session to a host the policy does not name waits while
     `corral approvals` shows it; `corral approve --once` lets it through, `corral refuse`
     gives the usual denial, and a grant `--for 2s` lets the next one straight in until it
-    ends: then a request is held again."""
+    ends: then a request is held again. A grant made on the API itself (curl with the
+    client certificate) lets a held request through as well."""
 
     def fetch():
         return fetch_in(world, "c1", "http://other.test/")
@@ -376,9 +393,14 @@ def test_ask_mode_holds_a_request_in_the_session_until_a_person_decides(world, c
         approval = waiting()
         corral(world, "refuse", approval["id"])
         assert fourth.communicate(timeout=60)[0] == "403"
+
+        fifth = fetch()  # the API itself, as any client holding the certificate calls it
+        decided = api(world, "POST", f"/v1/approvals/{waiting()['id']}", {"grant": "once"})
+        assert decided["approval"]["target"] == "other.test:80", decided
+        assert fifth.communicate(timeout=60)[0] == "200"
         records = world.control({"op": "events", "last": 2000, "session": "c1"})["events"]
         actions = [e["action"] for e in records if e.get("kind") == "approval"]
-        assert actions.count("approved") == 2 and actions.count("refused") == 2, actions
+        assert actions.count("approved") == 3 and actions.count("refused") == 2, actions
         assert any(e.get("action") == "expired" and e.get("rule") == "other.test:80"
                    for e in records)
         # the agent may ask, with its reason, by the line a denial gives it
