@@ -15,12 +15,19 @@ anything not denied by the default (approvable() says which), and addresses in a
 range (judged after a grant, when the name is dialled). An approval is scoped to the session
 that asked; nothing inside a sandbox can decide one (the control socket and the API are out
 of its reach).
+
+The open approvals outlive a restart of the filter (`dump`/`restore`, written by the service
+at most every SAVE_EVERY seconds): an agent told "pending" and a person about to type an id
+find them again. The requests held for them do not (their connections went with the
+process); a restored approval is one nobody waits for until the agent asks again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import secrets
 import time
 from collections import Counter
@@ -59,6 +66,11 @@ REQUEST_NAME = "request.corral"
 ASK_KINDS = ("http", "dns", "tcp")
 MAX_WAIT = 600
 """Seconds an agent's request may wait for the decision (`wait=`)."""
+_ID = re.compile(r"ap-[0-9a-f]{8}")
+SAVE_EVERY = 1.0
+"""Seconds between writes of the open approvals (when they changed): a crash loses at most
+what opened in the last one; the next request for it opens it again."""
+DUMP_VERSION = 1
 
 
 def decide_kind(policy: Policy, kind: str, host: Host, port: int | None) -> Decision:
@@ -203,6 +215,8 @@ class Approvals:
         self._open: Counter[str] = Counter()
         """Open approvals by session: the bound is checked without a scan."""
         self._scanned = float("-inf")
+        self.version = 0
+        """Counts changes worth writing down (an approval opened, asked again, closed)."""
 
     def ask(self, session: str, kind: str, target: str, why: str, origin: str,
             now: float | None = None, note: str = "") -> tuple[Pending | None, bool]:
@@ -215,6 +229,7 @@ class Approvals:
             pending.asked += 1
             pending.last = now
             pending.note = pending.note or note  # the first reason given stands
+            self.version += 1
             return pending, False
         if self._open[session] >= self.max_pending:
             return None, False
@@ -225,6 +240,7 @@ class Approvals:
         self.pending[pending.id] = pending
         self._by_target[(session, kind, target)] = pending.id
         self._open[session] += 1
+        self.version += 1
         return pending, True
 
     def claim(self, approval_id: str, grant: str | None) -> Pending:
@@ -295,7 +311,73 @@ class Approvals:
             self._open[pending.session] -= 1
             if not self._open[pending.session]:
                 del self._open[pending.session]
+            self.version += 1
         self._by_target.pop((pending.session, pending.kind, pending.target), None)
+
+    def dump(self, now: float | None = None, wall: float | None = None) -> bytes:
+        """The open approvals as JSON, their last ask in wall-clock time (monotonic time
+        does not survive a restart)."""
+        now = time.monotonic() if now is None else now
+        wall = time.time() if wall is None else wall
+        return json.dumps({"version": DUMP_VERSION, "approvals": [
+            {**p.to_json(), "last": round(wall - (now - p.last), 3)}
+            for p in sorted(self.pending.values(), key=lambda p: p.created)]},
+            indent=1).encode()
+
+    def restore(self, data: bytes, sessions: set[str], now: float | None = None,
+                wall: float | None = None) -> list[Pending]:
+        """Open again what `dump` wrote: only for sessions that exist, only what was asked
+        for within `keep`, within max_pending per session, each field checked. Raises
+        ValueError naming what is wrong; nothing is restored then."""
+        now = time.monotonic() if now is None else now
+        wall = time.time() if wall is None else wall
+        document = json.loads(data)
+        if not isinstance(document, dict) or document.get("version") != DUMP_VERSION:
+            raise ValueError(f"not a version {DUMP_VERSION} approvals file")
+        items = document.get("approvals")
+        if not isinstance(items, list):
+            raise ValueError("'approvals' is not a list")
+        staged = []
+        for index, item in enumerate(items):
+            where = f"approvals[{index}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{where} is not a table")
+            for key in ("id", "session", "kind", "target", "why", "origin", "note"):
+                if not isinstance(item.get(key), str):
+                    raise ValueError(f"{where}.{key} is not a string")
+            for key in ("created", "last", "asked"):
+                if not isinstance(item.get(key), int | float) or isinstance(item[key], bool):
+                    raise ValueError(f"{where}.{key} is not a number")
+            if item["kind"] not in ASK_KINDS:
+                raise ValueError(f"{where}.kind {item['kind']!r} is not one of "
+                                 f"{', '.join(ASK_KINDS)}")
+            if not _ID.fullmatch(item["id"]):
+                raise ValueError(f"{where}.id {item['id'][:40]!r} is not an approval id")
+            try:
+                name, port = split_host_port(item["target"])
+                parse_host(name)
+                if port is not None and not (port.isascii() and port.isdigit()):
+                    raise ValueError(f"port {port[:20]!r} is not a number")
+            except (HostNameError, ValueError) as exc:
+                raise ValueError(f"{where}.target: {exc}") from None
+            age = wall - item["last"]
+            if item["session"] in sessions and 0 <= age < self.keep:
+                staged.append(Pending(item["id"], item["session"], item["kind"],
+                                      item["target"], item["why"], item["origin"],
+                                      clean(item["note"]), created=item["created"],
+                                      last=now - age, asked=max(1, int(item["asked"]))))
+        kept = []
+        for pending in staged:  # all checked: now taken in
+            if (pending.id in self.pending
+                    or (pending.session, pending.kind, pending.target) in self._by_target
+                    or self._open[pending.session] >= self.max_pending):
+                continue
+            self.pending[pending.id] = pending
+            self._by_target[(pending.session, pending.kind, pending.target)] = pending.id
+            self._open[pending.session] += 1
+            kept.append(pending)
+        self.version += 1
+        return kept
 
 
 class Holds:

@@ -296,6 +296,35 @@ def test_an_agent_asks_with_a_reason_and_learns_the_decision(asking):
     assert open_approvals(f) == []
 
 
+def test_open_approvals_outlive_a_restart_of_the_filter(asking):
+    """An agent told "pending" and a person holding an id find the approval again after the
+    filter restarts (SIGTERM, as systemd stops it): same id, reason and count; a grant then
+    works as before. One the policy no longer leaves to a person is not brought back."""
+    f = asking
+    status, kept = agent_asks(f, "host=other.test:8080&reason=the+build")
+    assert status == 202
+    status, gone = agent_asks(f, "host=later.test&reason=x")
+    assert status == 202
+    agent_asks(f, "host=other.test:8080&reason=again")
+    before = {a["id"]: a for a in open_approvals(f)}
+    f.stop()
+    saved_file = f.dir / "state" / "approvals.json"
+    saved = json.loads(saved_file.read_text())
+    assert {a["id"] for a in saved["approvals"]} == {kept["id"], gone["id"]}
+    assert saved_file.stat().st_mode & 0o777 == 0o600
+    policy = f.dir / "s1.toml"  # meanwhile a deny rule comes to cover one of them
+    policy.write_text(policy.read_text().replace('names = ["no.wild.test"]',
+                                                 'names = ["no.wild.test", "later.test"]'))
+    f.start()
+    (restored,) = open_approvals(f)
+    assert restored == before[kept["id"]] and restored["asked"] == 2, (restored, before)
+    assert restored["note"] == "the build"
+    decide(f, restored, "session")
+    assert agent_asks(f, "host=other.test:8080&reason=x")[1]["status"] == "allowed"
+    f.restart()
+    assert open_approvals(f) == []  # decided: not brought back
+
+
 def test_what_no_person_can_grant_is_answered_at_once(asking):
     f = asking
     status, answer = agent_asks(f, "host=no.wild.test&reason=please")  # s1 denies it

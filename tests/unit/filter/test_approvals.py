@@ -338,3 +338,59 @@ def test_learning_open_allows_what_a_person_could_approve_and_nothing_else():
             Rule.parse("approval", "open", layer, "corral.toml")
     with pytest.raises(ConfigError, match="mode"):
         parse_policy('[approval]\nmode = "open"\n', "corral.toml", "project")
+
+
+def test_open_approvals_are_written_down_and_read_back_across_a_restart():
+    book = Approvals(max_pending=2, keep=600)
+    first, _ = book.ask("s1", "http", "a.test:443", "not named", "agent", now=100.0,
+                        note="the docs")
+    book.ask("s1", "http", "a.test:443", "not named", "proxy", now=150.0)
+    old, _ = book.ask("s1", "dns", "old.test", "not named", "dns", now=0.0)
+    other, _ = book.ask("s2", "tcp", "b.test:22", "not named", "agent", now=100.0)
+    version = book.version
+    data = book.dump(now=200.0, wall=10_000.0)
+    assert book.version == version  # writing it down changes nothing
+    # a new process: another monotonic clock; s2 is gone, `old` past its keep by then
+    again = Approvals(max_pending=2, keep=600)
+    restored = again.restore(data, {"s1"}, now=5.0, wall=10_450.0)
+    assert [p.id for p in restored] == [first.id]
+    (back,) = again.pending.values()
+    assert (back.target, back.note, back.asked, back.origin) == ("a.test:443", "the docs", 2,
+                                                                  "agent")
+    assert back.last == pytest.approx(5.0 - 500.0)  # asked 500 s of wall time ago
+    assert again.expire(now=5.0 + 99.0) == [] and again.expire(now=5.0 + 101.0) == [back]
+    assert old.id not in again.pending and other.id not in again.pending
+    # asking again joins the restored approval, it does not open a second one
+    again.restore(data, {"s1"}, now=5.0, wall=10_450.0)
+    joined, new = again.ask("s1", "http", "a.test:443", "not named", "proxy", now=6.0)
+    assert joined.id == first.id and not new and len(again.pending) == 1
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("[]", "not a version 1 approvals file"),
+    ('{"version": 1, "approvals": {}}', "'approvals' is not a list"),
+    ('{"version": 1, "approvals": [{"id": "ap-00000000"}]}', "approvals[0].session is not"),
+    ('{"version": 1, "approvals": [{"id": "ap-1", "session": "s1", "kind": "http", '
+     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
+     '"last": 1, "asked": 1}]}', "approvals[0].id 'ap-1' is not an approval id"),
+    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "allow", '
+     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
+     '"last": 1, "asked": 1}]}', "approvals[0].kind 'allow' is not one of"),
+    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "http", '
+     '"target": "a b.test:x", "why": "", "origin": "agent", "note": "", "created": 1, '
+     '"last": 1, "asked": 1}]}', "approvals[0].target"),
+    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "http", '
+     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
+     '"last": true, "asked": 1}]}', "approvals[0].last is not a number"),
+])
+def test_a_bad_approvals_file_restores_nothing_and_says_what_is_wrong(text, error):
+    good = Approvals()
+    good.ask("s1", "http", "fine.test:443", "not named", "agent", now=0.0)
+    data = good.dump(now=0.0, wall=1.0)
+    mixed = text if not text.startswith('{"version": 1, "approvals": [{') else (
+        text.replace('"approvals": [', '"approvals": [' +
+                     data.decode().split('"approvals": [', 1)[1].rsplit("]", 1)[0] + ", "))
+    book = Approvals()
+    with pytest.raises(ValueError, match=re.escape(error).replace("0", r"\d")):
+        book.restore(mixed.encode(), {"s1"}, now=0.0, wall=1.0)
+    assert book.pending == {}  # the good one before it is not taken in either
