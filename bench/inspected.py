@@ -1,10 +1,13 @@
-"""TLS inspection next to mitmproxy, on the bench's topology (`scripts/bench --only inspect`).
+"""TLS inspection next to mitmproxy and squid's ssl-bump, on the bench's topology
+(`scripts/bench --only inspect`).
 
 corral ends TLS for inspect.allowed.test, an `[[inspect]]` host with no request rules (every
 request allowed, each one read, judged and sent again on a TLS connection of corral's own
 to nginx, verified against nginx's certificate). mitmproxy (mitmdump, regular mode, pinned in
 scripts/setup to the version ../shared/bench measured) does the same from the direct
-namespace, verifying the same origin against the same certificate. The client is curl over
+namespace, verifying the same origin against the same certificate, and so does squid with
+ssl-bump (Debian's squid-openssl: `peek` at the ClientHello, then `bump`, a CA of its own,
+leaves minted by its certgen helper and cached in memory). The client is curl over
 HTTP/1.1 (what corral speaks to both sides), with -k: each proxy has a CA of its own, and
 the client's verification is not what is measured. Rows:
 
@@ -36,9 +39,11 @@ HOST = "inspect.allowed.test"
 SPLICED = "bulk.allowed.test"
 """Not inspected: corral's tunnel, the reference for what inspection costs in bulk."""
 MITM_PORT = 3158
+BUMP_PORT = 3168
 MITMDUMP = Path(sys.prefix) / "peers" / "mitmproxy" / "bin" / "mitmdump"
 """Where scripts/setup puts mitmproxy: a venv of its own inside .venv (its pins are not
 corral's)."""
+PEERS = ("mitmproxy", "squid bump")
 PARALLEL = 8
 FORMAT = "%{time_total} %{http_code} %{size_download}\\n"
 
@@ -74,13 +79,72 @@ def mitmdump(bench) -> subprocess.Popen:
     return process
 
 
+def squid_bump(bench) -> subprocess.Popen:
+    """squid (Debian's squid-openssl) ending TLS for every CONNECT with a CA of its own
+    (ssl-bump), verifying nginx against its certificate: the other peer that inspects."""
+    import shutil
+
+    from .run import APP, DIRECT, PEER_GATEWAY, UPSTREAM, sh, spawn, wait_port
+
+    d = bench.dir
+    certgen = Path("/usr/lib/squid/security_file_certgen")
+    if "--with-openssl" not in sh("squid", "-v").stdout or not certgen.exists():
+        raise RuntimeError("this squid has no ssl-bump: scripts/setup installs squid-openssl")
+    sh("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+       "-nodes", "-subj", "/CN=squid bench CA", "-days", "2", "-keyout",
+       str(d / "bump-ca.key"), "-out", str(d / "bump-ca.pem"))
+    (d / "bump").mkdir()
+    sh(str(certgen), "-c", "-s", str(d / "bump" / "certs"), "-M", "4MB")
+    for path in (d / "bump", d / "bump" / "certs", d / "bump-ca.key", d / "bump-ca.pem"):
+        shutil.chown(path, "proxy", "proxy")
+    for path in (d / "bump" / "certs").rglob("*"):
+        shutil.chown(path, "proxy", "proxy")
+    (d / "bump.conf").write_text(SQUID_BUMP.format(
+        dir=d, gateway=PEER_GATEWAY, port=BUMP_PORT, up=UPSTREAM, certgen=certgen))
+    process = spawn(APP, ["squid", "-N", "-f", str(d / "bump.conf")], d / "bump.log")
+    bench.processes.append(process)
+    wait_port(DIRECT, PEER_GATEWAY, BUMP_PORT, "squid (ssl-bump)", timeout=60)
+    return process
+
+
+SQUID_BUMP = """
+http_port {gateway}:{port} ssl-bump generate-host-certificates=on \
+    dynamic_cert_mem_cache_size=4MB tls-cert={dir}/bump-ca.pem tls-key={dir}/bump-ca.key
+sslcrtd_program {certgen} -s {dir}/bump/certs -M 4MB
+sslcrtd_children 2 startup=1 idle=1
+acl step1 at_step SslBump1
+ssl_bump peek step1
+ssl_bump bump all
+tls_outgoing_options cafile={dir}/cert.pem
+acl localnet src 10.232.2.0/24
+http_access allow localnet
+http_access deny all
+cache deny all
+cache_mem 8 MB
+access_log none
+cache_store_log none
+cache_log {dir}/bump-cache.log
+pid_filename {dir}/bump.pid
+coredump_dir {dir}/bump
+visible_hostname corral-bench-bump
+dns_nameservers {up}
+icp_port 0
+htcp_port 0
+pinger_enable off
+shutdown_lifetime 0 seconds
+via off
+forwarded_for delete
+"""
+
+
 def routes() -> dict[str, tuple[str, list[str]]]:
     """tool -> (namespace, curl's arguments to reach HOST)."""
     from .run import CLIENT, DIRECT, GATEWAY, PEER_GATEWAY, UPSTREAM
 
     return {"direct": (DIRECT, ["--resolve", f"{HOST}:443:{UPSTREAM}"]),
             "corral": (CLIENT, ["-x", f"http://{GATEWAY}:3128"]),
-            "mitmproxy": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{MITM_PORT}"])}
+            "mitmproxy": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{MITM_PORT}"]),
+            "squid bump": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{BUMP_PORT}"])}
 
 
 def curl_command(ns: str, route: list[str], urls: list[str]) -> list[str]:
@@ -117,6 +181,7 @@ def percentile(values: list[float], p: float) -> float:
 
 def measure(bench) -> None:
     mitmdump(bench)
+    squid_bump(bench)
     args, tools = bench.args, routes()
     small, bulk = f"https://{HOST}/1k", f"https://{HOST}/bulk"
     bulk_size = args.bulk_mib << 20
@@ -171,7 +236,11 @@ def _report(bench, first, keep, parallel, moved) -> None:
             "added_ms": round(added(values, first["direct"]) * 1e3, 3)}
         row("inspected HTTPS first request", tool, "ms p50", statistics.median(values) * 1e3,
             **extra)
-    mitm_rate = statistics.median(r[0] for r in keep["mitmproxy"])
+    def against_peers(rates: dict[str, float]) -> dict:  # corral's rate over the peers'
+        return {"ratio_best_peer": round(rates["corral"] / max(rates[t] for t in PEERS), 3),
+                "ratio_mitmproxy": round(rates["corral"] / rates["mitmproxy"], 3)}
+
+    keep_rates = {t: statistics.median(r[0] for r in v) for t, v in keep.items()}
     direct_rate = statistics.median(r[0] for r in keep["direct"])
     for tool, values in keep.items():
         rate = statistics.median(r[0] for r in values)
@@ -182,12 +251,12 @@ def _report(bench, first, keep, parallel, moved) -> None:
             extra["added_us"] = round(added([r[1] for r in values],
                                             [r[1] for r in keep["direct"]]) * 1e6, 1)
         if tool == "corral":
-            extra["ratio_best_peer"] = round(rate / mitm_rate, 3)
+            extra.update(against_peers(keep_rates))
         row("inspected HTTPS keep-alive", tool, "req/s", rate, **extra)
-    mitm_rate = statistics.median(parallel["mitmproxy"])
+    parallel_rates = {t: statistics.median(v) for t, v in parallel.items()}
     for tool, values in parallel.items():
         rate = statistics.median(values)
-        extra = {"ratio_best_peer": round(rate / mitm_rate, 3)} if tool == "corral" else {}
+        extra = against_peers(parallel_rates) if tool == "corral" else {}
         row(f"inspected HTTPS, {PARALLEL} connections", tool, "req/s", rate,
             ratio_direct=round(rate / statistics.median(parallel["direct"]), 3), **extra)
     tunnel = statistics.median(moved["corral tunnel"])

@@ -548,11 +548,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
-        if "added_us" in r or "added_ms" in r:
-            latency += (f"; +{r['added_us']} µs to direct" if "added_us" in r
-                        else f"+{r['added_ms']} ms to direct")
+        notes = [latency] if latency else []  # the inspection rows' (bench/inspected.py)
+        if "added_us" in r:
+            notes.append(f"+{r['added_us']} µs to direct")
+        if "added_ms" in r:
+            notes.append(f"+{r['added_ms']} ms to direct")
+        if "ratio_mitmproxy" in r:
+            notes.append(f"{r['ratio_mitmproxy']}x mitmproxy's rate")
         if "ratio_tunnel" in r:
-            latency = f"{r['ratio_tunnel']} of its spliced tunnel"
+            notes.append(f"{r['ratio_tunnel']} of its spliced tunnel")
+        latency = "; ".join(notes)
         if "alone_p99_us" in r:
             latency += (f" (alone {r['alone_p50_us']:.0f} / {r['alone_p99_us']:.0f}: "
                         f"p99 {r['p99_ratio']}x)")

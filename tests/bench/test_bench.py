@@ -26,8 +26,10 @@ ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-al
     (f"noisy neighbour: {m}", "corral") for m in ("DNS, cached (A at 150/s)",
                                                    "CONNECT setup (A at 50/s)")} | {
     (m, t) for m in ("inspected HTTPS first request", "inspected HTTPS keep-alive",
-                     "inspected HTTPS, 8 connections") for t in ("direct", "corral", "mitmproxy")
-} | {("inspected HTTPS bulk", t) for t in ("direct", "corral", "mitmproxy", "corral tunnel")} | {
+                     "inspected HTTPS, 8 connections")
+    for t in ("direct", "corral", "mitmproxy", "squid bump")} | {
+    ("inspected HTTPS bulk", t) for t in ("direct", "corral", "mitmproxy", "squid bump",
+                                          "corral tunnel")} | {
     ("leaf mint", "corral")}
 
 
