@@ -84,7 +84,7 @@ def squid_bump(bench) -> subprocess.Popen:
     (ssl-bump), verifying nginx against its certificate: the other peer that inspects."""
     import shutil
 
-    from .run import APP, DIRECT, PEER_GATEWAY, UPSTREAM, sh, spawn, wait_port
+    from .run import APP, DIRECT, PEER_GATEWAY, SQUID_COMMON, UPSTREAM, sh, spawn, wait_port
 
     d = bench.dir
     certgen = Path("/usr/lib/squid/security_file_certgen")
@@ -99,8 +99,9 @@ def squid_bump(bench) -> subprocess.Popen:
         shutil.chown(path, "proxy", "proxy")
     for path in (d / "bump" / "certs").rglob("*"):
         shutil.chown(path, "proxy", "proxy")
-    (d / "bump.conf").write_text(SQUID_BUMP.format(
-        dir=d, gateway=PEER_GATEWAY, port=BUMP_PORT, up=UPSTREAM, certgen=certgen))
+    (d / "bump.conf").write_text((SQUID_BUMP + SQUID_COMMON).format(
+        dir=d, gateway=PEER_GATEWAY, port=BUMP_PORT, up=UPSTREAM, certgen=certgen,
+        name="bump"))
     process = spawn(APP, ["squid", "-N", "-f", str(d / "bump.conf")], d / "bump.log")
     bench.processes.append(process)
     wait_port(DIRECT, PEER_GATEWAY, BUMP_PORT, "squid (ssl-bump)", timeout=60)
@@ -108,7 +109,7 @@ def squid_bump(bench) -> subprocess.Popen:
 
 
 SQUID_BUMP = """
-http_port {gateway}:{port} ssl-bump generate-host-certificates=on \
+http_port {gateway}:{port} ssl-bump generate-host-certificates=on \\
     dynamic_cert_mem_cache_size=4MB tls-cert={dir}/bump-ca.pem tls-key={dir}/bump-ca.key
 sslcrtd_program {certgen} -s {dir}/bump/certs -M 4MB
 sslcrtd_children 2 startup=1 idle=1
@@ -116,25 +117,8 @@ acl step1 at_step SslBump1
 ssl_bump peek step1
 ssl_bump bump all
 tls_outgoing_options cafile={dir}/cert.pem
-acl localnet src 10.232.2.0/24
-http_access allow localnet
-http_access deny all
-cache deny all
-cache_mem 8 MB
-access_log none
-cache_store_log none
-cache_log {dir}/bump-cache.log
-pid_filename {dir}/bump.pid
-coredump_dir {dir}/bump
-visible_hostname corral-bench-bump
-dns_nameservers {up}
-icp_port 0
-htcp_port 0
-pinger_enable off
-shutdown_lifetime 0 seconds
-via off
-forwarded_for delete
 """
+"""Followed by run.SQUID_COMMON."""
 
 
 def routes() -> dict[str, tuple[str, list[str]]]:

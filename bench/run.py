@@ -156,7 +156,8 @@ class Bench:
             f"--pid-file={d}/dnsmasq-peer.pid", "--user=root"], d / "dnsmasq-peer.log"))
         (d / "squid").mkdir()
         shutil.chown(d / "squid", "proxy", "proxy")
-        (d / "squid.conf").write_text(SQUID.format(dir=d, gateway=PEER_GATEWAY, up=UPSTREAM))
+        (d / "squid.conf").write_text(SQUID.format(dir=d, gateway=PEER_GATEWAY, up=UPSTREAM,
+                                                  name="squid"))
         self.processes.append(spawn(APP, ["squid", "-N", "-f", str(d / "squid.conf")],
                                     d / "squid.log"))
         (d / "tinyproxy.conf").write_text(TINYPROXY.format(gateway=PEER_GATEWAY))
@@ -714,22 +715,18 @@ http {{
 }}
 """
 
-SQUID = """
-http_port {gateway}:3138
+SQUID_COMMON = """
 acl localnet src 10.232.2.0/24
-acl tunnel_ports port 443 80
-acl CONNECT method CONNECT
-http_access deny CONNECT !tunnel_ports
 http_access allow localnet
 http_access deny all
 cache deny all
 cache_mem 8 MB
 access_log none
 cache_store_log none
-cache_log {dir}/squid-cache.log
-pid_filename {dir}/squid.pid
-coredump_dir {dir}/squid
-visible_hostname corral-bench
+cache_log {dir}/{name}-cache.log
+pid_filename {dir}/{name}.pid
+coredump_dir {dir}/{name}
+visible_hostname corral-bench-{name}
 dns_nameservers {up}
 icp_port 0
 htcp_port 0
@@ -738,6 +735,14 @@ shutdown_lifetime 0 seconds
 via off
 forwarded_for delete
 """
+"""What both squids of the bench say (the plain one here, the ssl-bump one in inspected.py)."""
+
+SQUID = """
+http_port {gateway}:3138
+acl tunnel_ports port 443 80
+acl CONNECT method CONNECT
+http_access deny CONNECT !tunnel_ports
+""" + SQUID_COMMON
 
 TINYPROXY = """
 Port 3148
