@@ -165,9 +165,12 @@ class Bench:
                                     d / "tinyproxy.log"))
         # corral: the filter behind its real ruleset
         (d / "policy.toml").write_text(POLICY)
-        (d / "inspect.toml").write_text(inspected.POLICY)
+        # inspection (an interception CA, one inspected host) only when it is measured:
+        # the other rows keep the filter they always measured
+        inspecting = "inspect" in (self.args.only or PARTS)
+        (d / "inspect.toml").write_text(inspected.POLICY if inspecting else "")
         (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM) +
-                                       inspected.FILTER.format(dir=d))
+                                       (inspected.FILTER.format(dir=d) if inspecting else ""))
         sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
         self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
                                   str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
@@ -592,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
     missing = [t for t in TOOLS if shutil.which(t) is None]
+    if "inspect" in (args.only or PARTS) and not inspected.MITMDUMP.exists():
+        missing.append(str(inspected.MITMDUMP))
     if missing:
         print(f"bench: missing {', '.join(missing)}: scripts/bench installs them",
               file=sys.stderr)

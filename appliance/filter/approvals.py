@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -67,9 +68,17 @@ ASK_KINDS = ("http", "dns", "tcp")
 MAX_WAIT = 600
 """Seconds an agent's request may wait for the decision (`wait=`)."""
 _ID = re.compile(r"ap-[0-9a-f]{8}")
+ORIGINS = ("proxy", "dns", "agent")
+MAX_DUMP = 8 << 20
+"""The largest approvals file read back (32 per session, each a few hundred bytes)."""
+MAX_ASKED = 1 << 40
 SAVE_EVERY = 1.0
-"""Seconds between writes of the open approvals (when they changed): a crash loses at most
-what opened in the last one; the next request for it opens it again."""
+"""Seconds between writes of the open approvals when one opened (one closing is written at
+once): a crash loses at most what opened in the last one, which the next request for it
+opens again."""
+TOUCH_EVERY = 30.0
+"""Seconds between writes when approvals were only asked for again (their count, their last
+ask): an agent retrying must not keep the disk busy."""
 DUMP_VERSION = 1
 
 
@@ -153,11 +162,11 @@ def parse_agent_ask(path: str) -> AgentAsk:
     return AgentAsk(host, port, kind, clean(fields["reason"].strip()), int(wait))
 
 
-def clean(text: str) -> str:
+def clean(text: str, limit: int = MAX_NOTE) -> str:
     """Untrusted text as it is kept and shown: printable ASCII (no terminal escapes, nothing
     a header cannot carry), one line, bounded."""
-    kept = "".join(c if c.isprintable() and c.isascii() else "?" for c in text)
-    return kept[:MAX_NOTE]
+    kept = "".join(c if c.isprintable() and c.isascii() else "?" for c in text[:limit])
+    return kept[:limit]
 
 
 @dataclass
@@ -215,8 +224,14 @@ class Approvals:
         self._open: Counter[str] = Counter()
         """Open approvals by session: the bound is checked without a scan."""
         self._scanned = float("-inf")
-        self.version = 0
-        """Counts changes worth writing down (an approval opened, asked again, closed)."""
+        self.changes = 0
+        """Counts approvals opened and closed: worth writing down soon."""
+        self.touched = 0
+        """Counts asks for approvals already open (their count and last ask): written down
+        now and then."""
+        self.on_close: Callable[[], None] | None = None
+        """Told when an approval closes (a decision, its expiry, its session's end): the
+        service writes that down at once, so that a crash does not bring it back."""
 
     def ask(self, session: str, kind: str, target: str, why: str, origin: str,
             now: float | None = None, note: str = "") -> tuple[Pending | None, bool]:
@@ -229,7 +244,7 @@ class Approvals:
             pending.asked += 1
             pending.last = now
             pending.note = pending.note or note  # the first reason given stands
-            self.version += 1
+            self.touched += 1
             return pending, False
         if self._open[session] >= self.max_pending:
             return None, False
@@ -240,7 +255,7 @@ class Approvals:
         self.pending[pending.id] = pending
         self._by_target[(session, kind, target)] = pending.id
         self._open[session] += 1
-        self.version += 1
+        self.changes += 1
         return pending, True
 
     def claim(self, approval_id: str, grant: str | None) -> Pending:
@@ -311,27 +326,43 @@ class Approvals:
             self._open[pending.session] -= 1
             if not self._open[pending.session]:
                 del self._open[pending.session]
-            self.version += 1
+            self.changes += 1
+            if self.on_close is not None:
+                self.on_close()
         self._by_target.pop((pending.session, pending.kind, pending.target), None)
 
-    def dump(self, now: float | None = None, wall: float | None = None) -> bytes:
-        """The open approvals as JSON, their last ask in wall-clock time (monotonic time
+    def snapshot(self, identity: Callable[[str], str], now: float | None = None,
+                 wall: float | None = None) -> dict:
+        """The open approvals as `dump` writes them (cheap: the encoding can happen off the
+        loop), each with its session's `identity` (its subnet: a session of the same name
+        made later is another agent) and its last ask in wall-clock time (monotonic time
         does not survive a restart)."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
-        return json.dumps({"version": DUMP_VERSION, "approvals": [
-            {**p.to_json(), "last": round(wall - (now - p.last), 3)}
-            for p in sorted(self.pending.values(), key=lambda p: p.created)]},
-            indent=1).encode()
+        return {"version": DUMP_VERSION, "approvals": [
+            {**p.to_json(), "last": round(wall - (now - p.last), 3),
+             "identity": identity(p.session)} for p in self.pending.values()]}
 
-    def restore(self, data: bytes, sessions: set[str], now: float | None = None,
+    @staticmethod
+    def encode(snapshot: dict) -> bytes:
+        """A snapshot as the bytes of approvals.json."""
+        return json.dumps(snapshot, separators=(",", ":")).encode()
+
+    def restore(self, data: bytes, sessions: dict[str, str], now: float | None = None,
                 wall: float | None = None) -> list[Pending]:
-        """Open again what `dump` wrote: only for sessions that exist, only what was asked
-        for within `keep`, within max_pending per session, each field checked. Raises
-        ValueError naming what is wrong; nothing is restored then."""
+        """Open again what `dump` wrote: only for sessions that exist with the identity they
+        had then (`sessions`: name -> identity), only what was asked for within `keep` (a
+        clock set back since counts as just asked), within max_pending per session, each
+        field checked as an agent's ask is. Raises ValueError naming what is wrong; nothing
+        is restored then."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
-        document = json.loads(data)
+        if len(data) > MAX_DUMP:
+            raise ValueError(f"larger than {MAX_DUMP} bytes")
+        try:
+            document = json.loads(data)
+        except RecursionError:
+            raise ValueError("nested too deeply to be an approvals file") from None
         if not isinstance(document, dict) or document.get("version") != DUMP_VERSION:
             raise ValueError(f"not a version {DUMP_VERSION} approvals file")
         items = document.get("approvals")
@@ -342,12 +373,18 @@ class Approvals:
             where = f"approvals[{index}]"
             if not isinstance(item, dict):
                 raise ValueError(f"{where} is not a table")
-            for key in ("id", "session", "kind", "target", "why", "origin", "note"):
+            for key in ("id", "session", "kind", "target", "why", "origin", "note",
+                        "identity"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} is not a string")
             for key in ("created", "last", "asked"):
-                if not isinstance(item.get(key), int | float) or isinstance(item[key], bool):
-                    raise ValueError(f"{where}.{key} is not a number")
+                value = item.get(key)
+                if (not isinstance(value, int | float) or isinstance(value, bool)
+                        or not math.isfinite(value) or value < 0):
+                    raise ValueError(f"{where}.{key} is not a finite number of 0 or more")
+            if item["origin"] not in ORIGINS:
+                raise ValueError(f"{where}.origin {item['origin'][:20]!r} is not one of "
+                                 f"{', '.join(ORIGINS)}")
             if item["kind"] not in ASK_KINDS:
                 raise ValueError(f"{where}.kind {item['kind']!r} is not one of "
                                  f"{', '.join(ASK_KINDS)}")
@@ -356,16 +393,22 @@ class Approvals:
             try:
                 name, port = split_host_port(item["target"])
                 parse_host(name)
-                if port is not None and not (port.isascii() and port.isdigit()):
-                    raise ValueError(f"port {port[:20]!r} is not a number")
+                if port is not None and not (port.isascii() and port.isdigit()
+                                             and 0 < int(port) < 65536):
+                    raise ValueError(f"port {port[:20]!r} is not a port number")
             except (HostNameError, ValueError) as exc:
                 raise ValueError(f"{where}.target: {exc}") from None
-            age = wall - item["last"]
-            if item["session"] in sessions and 0 <= age < self.keep:
+            if (item["kind"] == "tcp") != (port is not None) and item["kind"] != "http":
+                raise ValueError(f"{where}.target {item['target'][:80]!r}: a {item['kind']} "
+                                 "target " + ("names its port" if item["kind"] == "tcp"
+                                              else "names no port"))
+            age = max(0.0, wall - item["last"])
+            if sessions.get(item["session"]) == item["identity"] and age < self.keep:
                 staged.append(Pending(item["id"], item["session"], item["kind"],
-                                      item["target"], item["why"], item["origin"],
+                                      item["target"], clean(item["why"], 2000), item["origin"],
                                       clean(item["note"]), created=item["created"],
-                                      last=now - age, asked=max(1, int(item["asked"]))))
+                                      last=now - age,
+                                      asked=max(1, min(int(item["asked"]), MAX_ASKED))))
         kept = []
         for pending in staged:  # all checked: now taken in
             if (pending.id in self.pending
@@ -376,7 +419,7 @@ class Approvals:
             self._by_target[(pending.session, pending.kind, pending.target)] = pending.id
             self._open[pending.session] += 1
             kept.append(pending)
-        self.version += 1
+        self.changes += 1
         return kept
 
 

@@ -429,6 +429,7 @@ class ControlServer:
         # the rule is in force (or none is needed): the held requests may learn of it
         holds.decide(approval_id, None if grant == "refuse" else grant, by, note, detail,
                      claimed=True)
+        await self.service.approvals.save()  # answered once a crash cannot bring it back
         log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
                  by, pending.kind, pending.target, pending.session)
         return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends}

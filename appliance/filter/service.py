@@ -26,7 +26,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.atomic import write_atomic
 from appliance.firewall import nflog, ruleset
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.ledger import Key
@@ -34,7 +33,8 @@ from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError, Decision, Host, parse_host, split_host_port
 
 from . import relay
-from .approvals import SAVE_EVERY, Holds, approvable, decide_kind
+from .approvals import Holds, approvable, decide_kind
+from .approvals_file import ApprovalsFile
 from .audit import AuditLog
 from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
@@ -124,9 +124,11 @@ class Service:
         it no longer allows (`_revoke`)."""
         self.holds = Holds(self.bus.emit)
         """Approvals in ask mode: requests held for a person, names asked for (DNS)."""
-        self.approvals_path = Path(config.state_dir) / "approvals.json"
-        self._approvals_saved = self._restore_approvals()
-        self._saving: asyncio.Task | None = None
+        self.approvals = ApprovalsFile(Path(config.state_dir) / "approvals.json",
+                                       self.holds.book, self._identity)
+        """The open approvals on disk: read back here, before anything is served (their ids
+        exist at once), judged again once the audit log is open (start)."""
+        self.approvals.restore({name: self._identity(name) for name in self.store.sessions})
         self.store.on_change(self._forget_approvals)
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
                              config.firewall.learn_ttl_min, config.dns, self.holds)
@@ -268,6 +270,8 @@ class Service:
                                   segment_bytes=self.config.audit_segment_bytes,
                                   keep=self.config.audit_segments)
             self.bus.audit = self.audit
+            self.holds.settle(self.still_open)  # the restored approvals, now audited
+            self.approvals.start()
             loop = asyncio.get_running_loop()
             self.audit.on_retire = lambda names, kept: loop.call_soon_threadsafe(
                 self._retired, names, kept)
@@ -280,7 +284,6 @@ class Service:
             self._ending = asyncio.Event()
             self.store.on_change(self._ending.set)
             self._grants = loop.create_task(self._end_grants(), name="corral-grants")
-            self._saving = loop.create_task(self._keep_approvals(), name="corral-approvals")
         except BaseException:
             await self.stop()
             raise
@@ -451,49 +454,10 @@ class Service:
                  session.subnet)
         return session, added
 
-    def _restore_approvals(self) -> int:
-        """The approvals open when the filter last stopped, for sessions that still exist,
-        judged again under the policy in force now. A file that cannot be read costs the
-        approvals only, never the filter: they are requests, not policy."""
-        try:
-            data = self.approvals_path.read_bytes()
-        except FileNotFoundError:
-            return self.holds.book.version
-        except OSError as exc:
-            log.error("approvals: %s cannot be read, none restored: %s", self.approvals_path,
-                      exc)
-            return self.holds.book.version
-        try:
-            restored = self.holds.book.restore(data, set(self.store.sessions))
-        except ValueError as exc:
-            log.error("approvals: %s: %s; none restored", self.approvals_path, exc)
-            return -1  # written anew at the first save
-        self.holds.settle(self.still_open)
-        if restored:
-            log.info("approvals: %d open approval(s) restored", len(restored))
-        return self.holds.book.version
-
-    async def _keep_approvals(self) -> None:
-        """Write the open approvals down when they changed, at most every SAVE_EVERY
-        seconds, off the loop."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(SAVE_EVERY)
-            try:
-                await self._save_approvals(loop)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the disk: tried again at the next change
-                log.error("approvals: cannot write %s: %s", self.approvals_path, exc)
-
-    async def _save_approvals(self, loop) -> None:
-        version = self.holds.book.version
-        if version == self._approvals_saved:
-            return
-        data = self.holds.book.dump()  # on the loop: one consistent view
-        await loop.run_in_executor(self.blocking, write_atomic, self.approvals_path, data,
-                                   0o600)
-        self._approvals_saved = version
+    def _identity(self, session: str) -> str:
+        """What tells a session from a later one of the same name: its subnet."""
+        found = self.store.sessions.get(session)
+        return str(found.subnet) if found is not None else ""
 
     def _forget_approvals(self) -> None:
         """The policy changed: a session that is gone takes its approvals (and the requests
@@ -651,15 +615,6 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._grants
             self._grants = None
-        if self._saving is not None:
-            self._saving.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._saving
-            self._saving = None
-            try:  # what changed in the last second
-                await self._save_approvals(asyncio.get_running_loop())
-            except Exception as exc:
-                log.error("approvals: cannot write %s: %s", self.approvals_path, exc)
         if self._nflog is not None:
             asyncio.get_running_loop().remove_reader(self._nflog.fileno())
             self._nflog.close()
@@ -668,6 +623,7 @@ class Service:
             server.close()
         for transport in self._transports:
             transport.close()
+        await self.approvals.close()  # nothing is served now: nothing changes after it
         if self.audit is not None:
             self.audit.close()
             self.audit = None

@@ -52,24 +52,34 @@ pytestmark = pytest.mark.slow
 RAM = Path("/dev/shm")
 
 
+RAM_NEEDED = 2 << 30
+"""What the biggest test here writes, with room (five 30 MiB files three times over, ...)."""
+
+
 def scratch() -> Path:
-    """A private directory on tmpfs where there is one, else in the usual temp dir."""
+    """A private directory on tmpfs where there is one with room, else in the usual temp
+    dir (a container's /dev/shm is often 64 MiB)."""
     on_tmpfs = RAM.is_dir() and os.access(RAM, os.W_OK) and any(
         line.split()[1:3] == ["/dev/shm", "tmpfs"]
         for line in Path("/proc/mounts").read_text().splitlines())
+    if on_tmpfs:
+        space = os.statvfs(RAM)
+        on_tmpfs = space.f_bavail * space.f_frsize >= RAM_NEEDED
     return Path(tempfile.mkdtemp(prefix="corral-slow-", dir=RAM if on_tmpfs else None))
 
 
 @pytest.fixture
 def session():
     top = scratch()
-    project = top / "project"
-    (project / "src").mkdir(parents=True)
-    (project / "src" / "app.py").write_text("print('hello')\n")
-    work, base = top / "work", top / "base"
-    copy_in(project, work, base)
-    yield project, work, base
-    remove_tree(top)
+    try:
+        project = top / "project"
+        (project / "src").mkdir(parents=True)
+        (project / "src" / "app.py").write_text("print('hello')\n")
+        work, base = top / "work", top / "base"
+        copy_in(project, work, base)
+        yield project, work, base
+    finally:
+        remove_tree(top)
 
 
 def round_trip(project, base, work):

@@ -340,19 +340,26 @@ def test_learning_open_allows_what_a_person_could_approve_and_nothing_else():
         parse_policy('[approval]\nmode = "open"\n', "corral.toml", "project")
 
 
+SUBNETS = {"s1": "10.1.0.0/24", "s2": "10.2.0.0/24"}.__getitem__
+
+
+def dumped(book: Approvals, now: float, wall: float) -> bytes:
+    return Approvals.encode(book.snapshot(SUBNETS, now=now, wall=wall))
+
+
 def test_open_approvals_are_written_down_and_read_back_across_a_restart():
     book = Approvals(max_pending=2, keep=600)
     first, _ = book.ask("s1", "http", "a.test:443", "not named", "agent", now=100.0,
                         note="the docs")
+    changes = book.changes
     book.ask("s1", "http", "a.test:443", "not named", "proxy", now=150.0)
+    assert book.changes == changes and book.touched == 1  # asked again: only touched
     old, _ = book.ask("s1", "dns", "old.test", "not named", "dns", now=0.0)
     other, _ = book.ask("s2", "tcp", "b.test:22", "not named", "agent", now=100.0)
-    version = book.version
-    data = book.dump(now=200.0, wall=10_000.0)
-    assert book.version == version  # writing it down changes nothing
+    data = dumped(book, now=200.0, wall=10_000.0)
     # a new process: another monotonic clock; s2 is gone, `old` past its keep by then
     again = Approvals(max_pending=2, keep=600)
-    restored = again.restore(data, {"s1"}, now=5.0, wall=10_450.0)
+    restored = again.restore(data, {"s1": "10.1.0.0/24"}, now=5.0, wall=10_450.0)
     assert [p.id for p in restored] == [first.id]
     (back,) = again.pending.values()
     assert (back.target, back.note, back.asked, back.origin) == ("a.test:443", "the docs", 2,
@@ -361,36 +368,75 @@ def test_open_approvals_are_written_down_and_read_back_across_a_restart():
     assert again.expire(now=5.0 + 99.0) == [] and again.expire(now=5.0 + 101.0) == [back]
     assert old.id not in again.pending and other.id not in again.pending
     # asking again joins the restored approval, it does not open a second one
-    again.restore(data, {"s1"}, now=5.0, wall=10_450.0)
+    again.restore(data, {"s1": "10.1.0.0/24"}, now=5.0, wall=10_450.0)
     joined, new = again.ask("s1", "http", "a.test:443", "not named", "proxy", now=6.0)
     assert joined.id == first.id and not new and len(again.pending) == 1
+
+
+def test_a_session_of_the_same_name_made_later_does_not_inherit_approvals():
+    book = Approvals()
+    book.ask("s1", "http", "a.test:443", "not named", "agent", now=0.0, note="urgent")
+    data = dumped(book, now=0.0, wall=1000.0)
+    later = Approvals()
+    assert later.restore(data, {"s1": "10.9.0.0/24"}, now=0.0, wall=1001.0) == []
+
+
+def test_a_clock_set_back_counts_as_just_asked_and_the_bound_holds():
+    book = Approvals(max_pending=3)
+    for i in range(3):
+        book.ask("s1", "http", f"n{i}.test:443", "not named", "agent", now=0.0)
+    data = dumped(book, now=0.0, wall=5000.0)
+    smaller = Approvals(max_pending=2)
+    restored = smaller.restore(data, {"s1": "10.1.0.0/24"}, now=0.0, wall=4000.0)
+    assert len(restored) == 2  # the clock went back 1000 s: kept, within the bound
+    assert all(p.last == 0.0 for p in restored)
+
+
+def test_closing_an_approval_is_told_at_once():
+    book = Approvals()
+    told = []
+    book.on_close = lambda: told.append(len(book.pending))
+    pending, _ = book.ask("s1", "http", "a.test:443", "not named", "agent", now=0.0)
+    assert told == []
+    book.take(pending.id, None)
+    assert told == [0]
+
+
+GOOD = ('{"id": "ap-00000000", "session": "s1", "kind": "http", "target": "a.test", '
+        '"why": "", "origin": "agent", "note": "", "identity": "10.1.0.0/24", '
+        '"created": 1, "last": 1, "asked": 1}')
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    (("\"id\": \"ap-00000000\"", "\"id\": \"ap-1\""), "id 'ap-1' is not an approval id"),
+    (("\"kind\": \"http\"", "\"kind\": \"allow\""), "kind 'allow' is not one of"),
+    (("\"target\": \"a.test\"", "\"target\": \"a b.test:x\""), "not a valid host name"),
+    (("\"target\": \"a.test\"", "\"target\": \"a.test:70000\""), "not a port number"),
+    (("\"kind\": \"http\"", "\"kind\": \"tcp\""), "a tcp target names its port"),
+    (("\"origin\": \"agent\"", "\"origin\": \"person\""), "origin 'person' is not"),
+    (("\"last\": 1", "\"last\": true"), "last is not a finite number"),
+    (("\"asked\": 1", "\"asked\": 1e999"), "asked is not a finite number"),
+    (("\"created\": 1", "\"created\": -5"), "created is not a finite number"),
+    (("\"session\": \"s1\", ", ""), "session is not a string"),
+])
+def test_a_bad_approvals_file_restores_nothing_and_says_what_is_wrong(change, error):
+    fine = GOOD.replace("ap-00000000", "ap-11111111").replace("a.test", "fine.test")
+    bad = GOOD.replace(*change)
+    text = f'{{"version": 1, "approvals": [{fine}, {bad}]}}'
+    book = Approvals()
+    with pytest.raises(ValueError, match=re.escape("approvals[1].") + ".*" + re.escape(error)):
+        book.restore(text.encode(), {"s1": "10.1.0.0/24"}, now=0.0, wall=1.0)
+    assert book.pending == {}  # the good one before it is not taken in either
+    assert Approvals().restore(f'{{"version": 1, "approvals": [{fine}]}}'.encode(),
+                               {"s1": "10.1.0.0/24"}, now=0.0, wall=1.0)  # it was good
 
 
 @pytest.mark.parametrize(("text", "error"), [
     ("[]", "not a version 1 approvals file"),
     ('{"version": 1, "approvals": {}}', "'approvals' is not a list"),
-    ('{"version": 1, "approvals": [{"id": "ap-00000000"}]}', "approvals[0].session is not"),
-    ('{"version": 1, "approvals": [{"id": "ap-1", "session": "s1", "kind": "http", '
-     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
-     '"last": 1, "asked": 1}]}', "approvals[0].id 'ap-1' is not an approval id"),
-    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "allow", '
-     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
-     '"last": 1, "asked": 1}]}', "approvals[0].kind 'allow' is not one of"),
-    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "http", '
-     '"target": "a b.test:x", "why": "", "origin": "agent", "note": "", "created": 1, '
-     '"last": 1, "asked": 1}]}', "approvals[0].target"),
-    ('{"version": 1, "approvals": [{"id": "ap-00000000", "session": "s1", "kind": "http", '
-     '"target": "a.test", "why": "", "origin": "agent", "note": "", "created": 1, '
-     '"last": true, "asked": 1}]}', "approvals[0].last is not a number"),
+    ("[" * 100_000, "nested too deeply"),
+    (" " * (9 << 20), "larger than"),
 ])
-def test_a_bad_approvals_file_restores_nothing_and_says_what_is_wrong(text, error):
-    good = Approvals()
-    good.ask("s1", "http", "fine.test:443", "not named", "agent", now=0.0)
-    data = good.dump(now=0.0, wall=1.0)
-    mixed = text if not text.startswith('{"version": 1, "approvals": [{') else (
-        text.replace('"approvals": [', '"approvals": [' +
-                     data.decode().split('"approvals": [', 1)[1].rsplit("]", 1)[0] + ", "))
-    book = Approvals()
-    with pytest.raises(ValueError, match=re.escape(error).replace("0", r"\d")):
-        book.restore(mixed.encode(), {"s1"}, now=0.0, wall=1.0)
-    assert book.pending == {}  # the good one before it is not taken in either
+def test_a_file_that_is_not_an_approvals_file_is_named_so(text, error):
+    with pytest.raises(ValueError, match=error):
+        Approvals().restore(text.encode(), {}, now=0.0, wall=1.0)
