@@ -450,7 +450,7 @@ def test_what_a_session_learned_and_an_always_grant_hold_in_the_projects_next_se
         # leaving the shell proposes it; with no terminal to say yes, nothing is written
         assert '+    "other.test", # asked 1x' in ran.stdout, ran.stdout
         assert '"inspected.test", # asked' in ran.stdout and "not written" in ran.stderr
-        added = [line for line in ran.stdout.splitlines() if line.startswith("+    ")]
+        added = [line for line in ran.stdout.splitlines() if "# asked" in line]
         assert len(added) == 2, ran.stdout  # exactly those two, nothing more
         assert policy.read_text() == '# the team\'s policy\n[http]\nallow = ["allowed.test"]\n'
         learned = corral(world, "learn", "c11", "--project", str(project), "--yes")
