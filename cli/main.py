@@ -294,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
                          ("tcp-name", "NAME:PORT allowed by a tcp rule (expects a banner)"),
                          ("inspected", "a host the policy allows and inspects, its body "
                           "scan on, no request rule refusing GET or POST /selftest"),
+                         ("denied-request", "'METHOD /PATH' a request rule denies on "
+                          "--inspected (a throwaway session has one)"),
+                         ("git-repo", "OWNER/REPO a [[git]] table lists for --inspected, "
+                          "refs/heads/main not pushable (a throwaway session has one)"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

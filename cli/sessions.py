@@ -391,15 +391,28 @@ def _default_allowed(client: Client, session: str, inspected: str | None = None)
                    "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
 
 
+PROBE_DENIED = "GET /corral-selftest-denied/probe"
+"""A request the throwaway session's request rule denies on its inspected host (the
+battery's --denied-request)."""
+PROBE_REPO = "corral-selftest/probe"
+"""The repository its [[git]] table lists for that host, only the session's own branches
+pushable (the battery's --git-repo)."""
+
+
 def _empty_project(inspected: str | None = None) -> tuple[io.BytesIO, int]:
     """A project with nothing in it: the throwaway session gets a workspace, so the review
     probe has a /work to write into and a diff to check. With `inspected`, a corral.toml
-    that allows that host and inspects it, for the inspection probes."""
+    that allows that host and inspects it, for the inspection probes: with a request rule
+    denying PROBE_DENIED and a [[git]] table listing PROBE_REPO, which the probes run into
+    (never reaching the host)."""
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w:gz") as tar:
         if inspected:
             host = json.dumps(inspected)  # a TOML basic string, quoted as JSON quotes it
-            text = f'[http]\nallow = [{host}]\n\n[[inspect]]\nhost = {host}\n'.encode()
+            method, path = PROBE_DENIED.split(" ")
+            text = (f'[http]\nallow = [{host}]\n\n[[inspect]]\nhost = {host}\n'
+                    f'deny = ["{method} {path.rsplit("/", 1)[0]}/**"]\n\n'
+                    f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n').encode()
             info = tarfile.TarInfo("corral.toml")
             info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())
             tar.addfile(info, io.BytesIO(text))
@@ -430,9 +443,11 @@ def cmd_selftest(args) -> int:
     try:
         options = {"allowed": args.allowed or _default_allowed(client, session,
                                                                args.inspected)}
+        if throwaway and args.inspected:  # what its corral.toml forbids there
+            options.update(denied_request=PROBE_DENIED, git_repo=PROBE_REPO)
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
                     "inspected", "other_gateway", "silence", "connections", "ask_hold", "only",
-                    "skip_group"):
+                    "skip_group", "denied_request", "git_repo"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")

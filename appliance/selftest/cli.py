@@ -62,6 +62,11 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
     parser.add_argument("--inspected", help="a host the session's policy allows and inspects "
                         "(an [[inspect]] or [[git]] table), its body scan on, no request "
                         "rule refusing GET or POST /selftest")
+    parser.add_argument("--denied-request", metavar="'METHOD /PATH'",
+                        help="a request a request rule of the session denies on --inspected")
+    parser.add_argument("--git-repo", metavar="OWNER/REPO",
+                        help="a repository a [[git]] table lists for --inspected, whose "
+                        "refs/heads/main the session may not push")
     parser.add_argument("--other-gateway", help="another session's gateway")
     parser.add_argument("--ask-hold", type=float, metavar="SECONDS",
                         help="the session is in ask mode with this hold: the approval probes "

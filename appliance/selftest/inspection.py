@@ -4,14 +4,22 @@ or bound to a secret; its body scan on, and no request rule refusing GET or POST
 corral CA fails, however often it tries, and the host is never tunnelled instead (T13);
 inside the TLS the filter ends, a request for another host is refused (T13) and so is a
 body carrying a token (T24). Each sends nothing to the origin.
+
+Two more run when the harness says what the session's policy forbids there: a request a
+request rule denies (`--denied-request "METHOD /PATH"`, T12), and a git push onto
+refs/heads/main of a repository a [[git]] table lists for the host (`--git-repo
+OWNER/REPO`, T25: only the session's own branches may be pushed). The throwaway session of
+`corral selftest --inspected HOST` has both (cli/sessions.py, `PROBE_DENIED`, `PROBE_REPO`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import socket
 import ssl
 import string
+import struct
 
 from .registry import NotRun, Outcome, probe
 from .wire import connect_via_proxy, first_line, from_corral, headers, read_head, status
@@ -42,14 +50,26 @@ def _distrusting_context(args) -> ssl.SSLContext:
     return context
 
 
-def _inside(args, request: bytes) -> bytes:
+def _inside(args, request: bytes, whole: bool = False) -> bytes:
     """One request inside TLS the filter ends (the probe does not check the leaf: the
-    sandbox's trust store holds the corral CA, and the first probe checks the issuer)."""
+    sandbox's trust store holds the corral CA, and the first probe checks the issuer): the
+    answer's head, or with `whole` all of it until the connection closes."""
     context = ssl._create_unverified_context()  # noqa: S323
     context.set_alpn_protocols(["http/1.1"])
     with context.wrap_socket(_inspected_tunnel(args), server_hostname=args.inspected) as tls:
         tls.sendall(request)
-        return read_head(tls)
+        if not whole:
+            return read_head(tls)
+        data = b""
+        while len(data) < 1 << 20:
+            try:
+                chunk = tls.recv(65536)
+            except (ssl.SSLError, OSError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        return data
 
 
 @probe("inspected-never-tunnelled", 13, needs="inspected",
@@ -108,3 +128,53 @@ def inspected_token_in_body(ctx):
     return Outcome(ok, f"a token in a POST body to {a.inspected}: {first_line(head)}"
                    + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
                    {"kind": "leak", "reason": "GitHub token"})
+
+
+@probe("inspected-request-denied", 12, needs="denied_request",
+       records="http event, reason 'denied by request rule'")
+def inspected_request_denied(ctx):
+    """A method and path the session's request rules deny on an inspected host: answered
+    by the filter (403, X-Corral-Deny), never sent to the origin."""
+    a = ctx.args
+    if not a.inspected:
+        raise NotRun("needs --inspected (the host whose request rule denies it)")
+    method, _, path = a.denied_request.partition(" ")
+    if not method or not path.startswith("/"):
+        raise NotRun(f"--denied-request {a.denied_request!r}: give METHOD /PATH")
+    head = _inside(a, f"{method} {path} HTTP/1.1\r\nHost: {a.inspected}\r\n"
+                   "Connection: close\r\n\r\n".encode())
+    ok = from_corral(head, 403, "x-corral-deny")
+    return Outcome(ok, f"{method} {path} on {a.inspected}: {first_line(head)}"
+                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+                   {"kind": "http", "reason": "denied by request rule"})
+
+
+def _push_to_main() -> bytes:
+    """A receive-pack request creating refs/heads/main, with an empty pack: what `git push
+    origin HEAD:main` sends, less the objects (the ref is refused before they matter)."""
+    new = secrets.token_hex(20)
+    command = f"{'0' * 40} {new} refs/heads/main\0report-status side-band-64k\n".encode()
+    pack = b"PACK" + struct.pack(">II", 2, 0)
+    trailer = hashlib.sha1(pack, usedforsecurity=False).digest()  # git's checksum
+    return b"%04x" % (len(command) + 4) + command + b"0000" + pack + trailer
+
+
+@probe("inspected-push-refused", 25, needs="git_repo",
+       records="git event, reason 'git push to refs/heads/main refused'")
+def inspected_push_refused(ctx):
+    """A push onto refs/heads/main of a repository the session may push to only on its own
+    branches: refused by the filter in git's report-status (`ng refs/heads/main corral:
+    ...`, what `git push` prints), never sent to the origin."""
+    a = ctx.args
+    if not a.inspected:
+        raise NotRun("needs --inspected (the host whose [[git]] table lists --git-repo)")
+    body = _push_to_main()
+    head = _inside(a, f"POST /{a.git_repo}.git/git-receive-pack HTTP/1.1\r\nHost: "
+                   f"{a.inspected}\r\nContent-Type: application/x-git-receive-pack-request\r\n"
+                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                   + body, whole=True)
+    ok = status(head) == 200 and b"ng refs/heads/main corral: " in head
+    said = head.split(b"ng refs/heads/main ", 1)[-1].split(b"\n", 1)[0][:160] if ok else b""
+    return Outcome(ok, f"push to refs/heads/main of {a.git_repo} on {a.inspected}: "
+                   f"{first_line(head)}" + (f" ({said.decode(errors='replace')})" if ok else ""),
+                   {"kind": "git", "reason": "git push to refs/heads/main refused"})

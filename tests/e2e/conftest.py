@@ -46,6 +46,10 @@ allow = ["allowed.test", "private.test", "inspected.test"]
 allow = ["ssh.test:22"]
 [[inspect]]
 host = "inspected.test"
+deny = ["GET /corral-selftest-denied/**"]   # the battery's --denied-request
+[[git]]
+host = "inspected.test"
+repos = ["corral-selftest/probe"]           # the battery's --git-repo
 """
 S2_POLICY = """
 [http]

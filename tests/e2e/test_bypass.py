@@ -46,6 +46,8 @@ def battery(world):
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
         "--inspected", "inspected.test",
+        "--denied-request", "GET /corral-selftest-denied/probe",
+        "--git-repo", "corral-selftest/probe",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--silence", "6",  # the e2e filter's header_timeout is 5
         "--connections", "2000")
@@ -59,15 +61,24 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 18, 20, 21, 24} <= classes
-    assert {"inspected-never-tunnelled", "inspected-host-differs",
-            "inspected-token-in-body", "approval-not-self-granted"} <= {p["id"] for p in probes}
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25} <= classes
+    assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
+            "inspected-request-denied", "inspected-push-refused",
+            "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit
     assert set(summary["skipped_groups"]) == {"kernel", "review"}  # said, not silently dropped
     # the approval probes need a session in ask mode: run apart (test_ask_mode_holds_...)
     assert set(summary["unselected"]) == {"held-request-sends-nothing", "approval-flood-bounded"}
+
+
+def test_what_inspection_refused_never_reached_the_origin(world, battery):
+    """The fake internet's origins log every request they get: the inspected probes' denied
+    request and their push never arrived."""
+    seen = world.origin_requests()
+    assert "/corral-selftest-denied/" not in seen
+    assert "corral-selftest/probe.git" not in seen
 
 
 def test_the_icmp_probe_really_ran(battery):

@@ -177,9 +177,11 @@ def test_selftest_without_a_session_uses_a_throwaway_one(world, sandbox_image):
 
 
 def test_selftest_inspected_on_a_throwaway_session_inspects_that_host(world, sandbox_image):
-    """`--inspected` without a session: the throwaway's project allows and inspects the host,
-    and the inspection probes pass in a real session (the CA in its trust store)."""
-    probes = ["inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body"]
+    """`--inspected` without a session: the throwaway's project allows and inspects the host
+    (a request rule and a [[git]] table for the battery to run into), and the inspection
+    probes pass in a real session (the CA in its trust store)."""
+    probes = ["inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
+              "inspected-request-denied", "inspected-push-refused"]
     result = corral(world, "selftest", "--allowed", "allowed.test", "--inspected",
                     "inspected.test", *[a for p in probes for a in ("--only", p)], "--json",
                     check=False)
