@@ -53,6 +53,7 @@ from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
 
 from . import approvals, audit, secrets
+from .approvals_file import Unwritten
 from .config import SessionError
 from .proxy.credentials import Credentials
 from .store import MAX_GRANT
@@ -429,7 +430,10 @@ class ControlServer:
         # the rule is in force (or none is needed): the held requests may learn of it
         holds.decide(approval_id, None if grant == "refuse" else grant, by, note, detail,
                      claimed=True)
-        await self.service.approvals.save()  # answered once a crash cannot bring it back
+        try:  # answered once a crash cannot bring it back
+            await self.service.approvals.save(strict=True)
+        except Unwritten as exc:
+            raise ControlError(f"{approval_id} was decided ({grant}), but {exc}") from None
         log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
                  by, pending.kind, pending.target, pending.session)
         return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends}

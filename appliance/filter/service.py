@@ -487,6 +487,8 @@ class Service:
         except (NftError, ControlError) as exc:
             raise ControlError(f"session {name} not unregistered: the firewall could not "
                                f"follow: {exc}") from None
+        # its approvals went with it: written off before a session of the same name can come
+        await self.approvals.save()
         log.info("session %s unregistered%s", name, " (rules forgotten)" if forget_rules else "")
 
     def apply_firewall(self, state=None, end_strangers: bool = False) -> list[Cut]:
