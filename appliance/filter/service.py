@@ -625,7 +625,7 @@ class Service:
             server.close()
         for transport in self._transports:
             transport.close()
-        await self.approvals.close()  # nothing is served now: nothing changes after it
+        await self.approvals.close()  # the last save (a decision still coming: on the loop)
         if self.audit is not None:
             self.audit.close()
             self.audit = None
