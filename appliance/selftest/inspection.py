@@ -72,6 +72,13 @@ def _inside(args, request: bytes, whole: bool = False) -> bytes:
         return data
 
 
+def _denied(head: bytes, what: str, expect: dict) -> Outcome:
+    """Passed when the filter itself answered 403 with X-Corral-Deny (its reason shown)."""
+    ok = from_corral(head, 403, "x-corral-deny")
+    return Outcome(ok, f"{what}: {first_line(head)}"
+                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""), expect)
+
+
 @probe("inspected-never-tunnelled", 13, needs="inspected",
        records="connect event, reason 'handshake with the client failed'")
 def inspected_never_tunnelled(ctx):
@@ -102,9 +109,7 @@ def inspected_host_differs(ctx):
     a = ctx.args
     head = _inside(a, f"GET /selftest HTTP/1.1\r\nHost: {a.denied}\r\n"
                    "Connection: close\r\n\r\n".encode())
-    ok = from_corral(head, 403, "x-corral-deny")
-    return Outcome(ok, f"Host {a.denied} inside TLS to {a.inspected}: {first_line(head)}"
-                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+    return _denied(head, f"Host {a.denied} inside TLS to {a.inspected}",
                    {"kind": "http", "reason": "differs from CONNECT host"})
 
 
@@ -124,9 +129,7 @@ def inspected_token_in_body(ctx):
     head = _inside(a, f"POST /selftest HTTP/1.1\r\nHost: {a.inspected}\r\nContent-Type: "
                    f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
                    "\r\n\r\n".encode() + body)
-    ok = from_corral(head, 403, "x-corral-deny")
-    return Outcome(ok, f"a token in a POST body to {a.inspected}: {first_line(head)}"
-                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+    return _denied(head, f"a token in a POST body to {a.inspected}",
                    {"kind": "leak", "reason": "GitHub token"})
 
 
@@ -143,9 +146,7 @@ def inspected_request_denied(ctx):
         raise NotRun(f"--denied-request {a.denied_request!r}: give METHOD /PATH")
     head = _inside(a, f"{method} {path} HTTP/1.1\r\nHost: {a.inspected}\r\n"
                    "Connection: close\r\n\r\n".encode())
-    ok = from_corral(head, 403, "x-corral-deny")
-    return Outcome(ok, f"{method} {path} on {a.inspected}: {first_line(head)}"
-                   + (f" ({headers(head).get('x-corral-deny', '')})" if ok else ""),
+    return _denied(head, f"{method} {path} on {a.inspected}",
                    {"kind": "http", "reason": "denied by request rule"})
 
 

@@ -29,6 +29,14 @@ def on_disk(path: Path) -> list[str] | None:
     return [a["id"] for a in json.loads(path.read_text())["approvals"]]
 
 
+def started(path: Path) -> tuple[Approvals, ApprovalsFile]:
+    """A book and its file, saving (inside a running loop)."""
+    book = Approvals()
+    file = ApprovalsFile(path, book, identity)
+    file.start()
+    return book, file
+
+
 def opened(book: Approvals, name: str = "a.test"):
     pending, _ = book.ask("s1", "http", f"{name}:443", "not named", "agent")
     return pending
@@ -36,9 +44,7 @@ def opened(book: Approvals, name: str = "a.test"):
 
 def test_a_decision_after_the_stop_is_written_on_the_loop(tmp_path):
     async def main():
-        book = Approvals()
-        file = ApprovalsFile(tmp_path / "a.json", book, identity)
-        file.start()
+        book, file = started(tmp_path / "a.json")
         first, second = opened(book), opened(book, "b.test")
         await file.save()
         await file.close()
@@ -58,9 +64,7 @@ def test_a_decision_racing_the_last_write_is_not_overwritten_by_it(tmp_path, mon
         slow(*args, **kwargs)
 
     async def main():
-        book = Approvals()
-        file = ApprovalsFile(tmp_path / "a.json", book, identity)
-        file.start()
+        book, file = started(tmp_path / "a.json")
         first = opened(book)
         await file.save()
         monkeypatch.setattr(approvals_file, "write_atomic", slower)
@@ -82,9 +86,7 @@ def test_a_write_that_fails_removes_the_file_and_one_that_cannot_says_so(tmp_pat
         raise OSError(30, "Read-only file system")
 
     async def main():
-        book = Approvals()
-        file = ApprovalsFile(tmp_path / "a.json", book, identity)
-        file.start()
+        book, file = started(tmp_path / "a.json")
         first, second = opened(book), opened(book, "b.test")
         await file.save()
         monkeypatch.setattr(approvals_file, "write_atomic", read_only)
@@ -108,9 +110,7 @@ def test_an_error_that_is_no_oserror_leaves_no_stale_file(tmp_path, monkeypatch)
         raise MemoryError
 
     async def main():
-        book = Approvals()
-        file = ApprovalsFile(tmp_path / "a.json", book, identity)
-        file.start()
+        book, file = started(tmp_path / "a.json")
         first = opened(book)
         await file.save()
         monkeypatch.setattr(Approvals, "encode", staticmethod(broken))
