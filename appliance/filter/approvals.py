@@ -16,10 +16,10 @@ range (judged after a grant, when the name is dialled). An approval is scoped to
 that asked; nothing inside a sandbox can decide one (the control socket and the API are out
 of its reach).
 
-The open approvals outlive a restart of the filter (`dump`/`restore`, written by the service
-at most every SAVE_EVERY seconds): an agent told "pending" and a person about to type an id
-find them again. The requests held for them do not (their connections went with the
-process); a restored approval is one nobody waits for until the agent asks again.
+The open approvals outlive a restart of the filter (`snapshot`/`restore`; approvals_file.py
+writes and reads the file): an agent told "pending" and a person about to type an id find
+them again. The requests held for them do not (their connections went with the process); a
+restored approval is one nobody waits for until the agent asks again.
 """
 
 from __future__ import annotations
@@ -252,11 +252,14 @@ class Approvals:
                           note, last=now)
         while pending.id in self.pending:  # 32 bits: a clash is rare, never a merge
             pending.id = f"ap-{secrets.token_hex(4)}"
-        self.pending[pending.id] = pending
-        self._by_target[(session, kind, target)] = pending.id
-        self._open[session] += 1
+        self._add(pending)
         self.changes += 1
         return pending, True
+
+    def _add(self, pending: Pending) -> None:
+        self.pending[pending.id] = pending
+        self._by_target[(pending.session, pending.kind, pending.target)] = pending.id
+        self._open[pending.session] += 1
 
     def claim(self, approval_id: str, grant: str | None) -> Pending:
         """Reserve the approval for a decision that takes a while (a grant's rule is written
@@ -333,7 +336,7 @@ class Approvals:
 
     def snapshot(self, identity: Callable[[str], str], now: float | None = None,
                  wall: float | None = None) -> dict:
-        """The open approvals as `dump` writes them (cheap: the encoding can happen off the
+        """The open approvals as approvals.json holds them (cheap: `encode` can run off the
         loop), each with its session's `identity` (its subnet: a session of the same name
         made later is another agent) and its last ask in wall-clock time (monotonic time
         does not survive a restart)."""
@@ -350,11 +353,11 @@ class Approvals:
 
     def restore(self, data: bytes, sessions: dict[str, str], now: float | None = None,
                 wall: float | None = None) -> list[Pending]:
-        """Open again what `dump` wrote: only for sessions that exist with the identity they
-        had then (`sessions`: name -> identity), only what was asked for within `keep` (a
-        clock set back since counts as just asked), within max_pending per session, each
-        field checked as an agent's ask is. Raises ValueError naming what is wrong; nothing
-        is restored then."""
+        """Open again what `encode(snapshot(...))` wrote: only for sessions that exist with
+        the identity they had then (`sessions`: name -> identity), only what was asked for
+        within `keep` (a clock set back since counts as just asked), within max_pending per
+        session, each field checked as an agent's ask is. Raises ValueError naming what is
+        wrong; nothing is restored then."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
         if len(data) > MAX_DUMP:
@@ -368,59 +371,62 @@ class Approvals:
         items = document.get("approvals")
         if not isinstance(items, list):
             raise ValueError("'approvals' is not a list")
-        staged = []
-        for index, item in enumerate(items):
-            where = f"approvals[{index}]"
-            if not isinstance(item, dict):
-                raise ValueError(f"{where} is not a table")
-            for key in ("id", "session", "kind", "target", "why", "origin", "note",
-                        "identity"):
-                if not isinstance(item.get(key), str):
-                    raise ValueError(f"{where}.{key} is not a string")
-            for key in ("created", "last", "asked"):
-                value = item.get(key)
-                if (not isinstance(value, int | float) or isinstance(value, bool)
-                        or not math.isfinite(value) or value < 0):
-                    raise ValueError(f"{where}.{key} is not a finite number of 0 or more")
-            if item["origin"] not in ORIGINS:
-                raise ValueError(f"{where}.origin {item['origin'][:20]!r} is not one of "
-                                 f"{', '.join(ORIGINS)}")
-            if item["kind"] not in ASK_KINDS:
-                raise ValueError(f"{where}.kind {item['kind']!r} is not one of "
-                                 f"{', '.join(ASK_KINDS)}")
-            if not _ID.fullmatch(item["id"]):
-                raise ValueError(f"{where}.id {item['id'][:40]!r} is not an approval id")
-            try:
-                name, port = split_host_port(item["target"])
-                parse_host(name)
-                if port is not None and not (port.isascii() and port.isdigit()
-                                             and 0 < int(port) < 65536):
-                    raise ValueError(f"port {port[:20]!r} is not a port number")
-            except (HostNameError, ValueError) as exc:
-                raise ValueError(f"{where}.target: {exc}") from None
-            if (item["kind"] == "tcp") != (port is not None) and item["kind"] != "http":
-                raise ValueError(f"{where}.target {item['target'][:80]!r}: a {item['kind']} "
-                                 "target " + ("names its port" if item["kind"] == "tcp"
-                                              else "names no port"))
-            age = max(0.0, wall - item["last"])
-            if sessions.get(item["session"]) == item["identity"] and age < self.keep:
-                staged.append(Pending(item["id"], item["session"], item["kind"],
-                                      item["target"], clean(item["why"], 2000), item["origin"],
-                                      clean(item["note"]), created=item["created"],
-                                      last=now - age,
-                                      asked=max(1, min(int(item["asked"]), MAX_ASKED))))
+        staged = [self._from_json(item, f"approvals[{index}]", sessions, now, wall)
+                  for index, item in enumerate(items)]
         kept = []
         for pending in staged:  # all checked: now taken in
-            if (pending.id in self.pending
+            if (pending is None or pending.id in self.pending
                     or (pending.session, pending.kind, pending.target) in self._by_target
                     or self._open[pending.session] >= self.max_pending):
                 continue
-            self.pending[pending.id] = pending
-            self._by_target[(pending.session, pending.kind, pending.target)] = pending.id
-            self._open[pending.session] += 1
+            self._add(pending)
             kept.append(pending)
         self.changes += 1
         return kept
+
+    def _from_json(self, item, where: str, sessions: dict[str, str], now: float,
+                   wall: float) -> Pending | None:
+        """One approval of the file, checked (ValueError naming the field); None when its
+        session is gone or another now, or its keep has passed."""
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} is not a table")
+        for key in ("id", "session", "kind", "target", "why", "origin", "note", "identity"):
+            if not isinstance(item.get(key), str):
+                raise ValueError(f"{where}.{key} is not a string")
+        for key in ("created", "last", "asked"):
+            value = item.get(key)
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{where}.{key} is not a finite number of 0 or more")
+        kind = item["kind"]
+        if item["origin"] not in ORIGINS:
+            raise ValueError(f"{where}.origin {item['origin'][:20]!r} is not one of "
+                             f"{', '.join(ORIGINS)}")
+        if kind not in ASK_KINDS:
+            raise ValueError(f"{where}.kind {kind!r} is not one of {', '.join(ASK_KINDS)}")
+        if not _ID.fullmatch(item["id"]):
+            raise ValueError(f"{where}.id {item['id'][:40]!r} is not an approval id")
+        try:
+            name, port = split_host_port(item["target"])
+            parse_host(name)
+            if port is not None and not (port.isascii() and port.isdigit()
+                                         and 0 < int(port) < 65536):
+                raise ValueError(f"port {port[:20]!r} is not a port number")
+        except (HostNameError, ValueError) as exc:
+            raise ValueError(f"{where}.target: {exc}") from None
+        if kind == "tcp" and port is None:
+            raise ValueError(f"{where}.target {item['target'][:80]!r}: a tcp target names its "
+                             "port")
+        if kind == "dns" and port is not None:
+            raise ValueError(f"{where}.target {item['target'][:80]!r}: a dns target names no "
+                             "port")
+        age = max(0.0, wall - item["last"])  # a clock set back since: just asked
+        if sessions.get(item["session"]) != item["identity"] or age >= self.keep:
+            return None
+        return Pending(item["id"], item["session"], kind, item["target"],
+                       clean(item["why"], 2000), item["origin"], clean(item["note"]),
+                       created=item["created"], last=now - age,
+                       asked=max(1, min(int(item["asked"]), MAX_ASKED)))
 
 
 class Holds:
