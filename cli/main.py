@@ -298,6 +298,8 @@ def parser() -> argparse.ArgumentParser:
                           "--inspected (a throwaway session has one)"),
                          ("git-repo", "OWNER/REPO a [[git]] table lists for --inspected, "
                           "refs/heads/main not pushable (a throwaway session has one)"),
+                         ("git-ssh", "a git host the session reaches over SSH through "
+                          "the git gateway, its [[git]] table listing --git-repo"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",
@@ -342,6 +344,15 @@ def parser() -> argparse.ArgumentParser:
     form.add_argument("--header", metavar="FIELD", help="sent as `FIELD: VALUE`, e.g. x-api-key")
     form.add_argument("--basic", metavar="USER", help="sent as basic auth USER:VALUE (git "
                       "over HTTPS)")
+    form.add_argument("--ssh", action="store_true", help="an SSH private key (no passphrase) "
+                      "the git gateway logs in to the hosts with; sessions get nothing for "
+                      "it. Needs --known-hosts")
+    store.add_argument("--known-hosts", metavar="FILE", help="with --ssh: the hosts' public "
+                       "keys, as ssh-keyscan prints them; the gateway reaches no other")
+    store.add_argument("--user", metavar="LOGIN", default="git",
+                       help="with --ssh: the login on the hosts (default: %(default)s)")
+    store.add_argument("--port", type=int, default=22,
+                       help="with --ssh: the hosts' SSH port (default: %(default)s)")
     store.add_argument("--only", action="append", metavar="'METHOD /path'",
                        help="attach it only to these requests (repeatable; patterns as in "
                        "[[inspect]] allow lists, e.g. 'POST /v1/messages'); any other request "

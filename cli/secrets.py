@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import sys
+from pathlib import Path
 
 from . import exitcodes, output
 from .client import CliError
@@ -30,10 +31,60 @@ def read_value(name: str) -> str:
     return value
 
 
+def read_key(name: str) -> str:
+    """An SSH private key, whole, from standard input (never typed: it is many lines)."""
+    if sys.stdin.isatty():
+        raise CliError(f"secret {name}: an SSH key is read from standard input",
+                       f"`corral secret set {name} --ssh ... < ~/.ssh/deploy_key`",
+                       exitcodes.USAGE)
+    value = sys.stdin.read(MAX_VALUE + 1)
+    if not value.strip():
+        raise CliError(f"no key for {name} on standard input", "redirect the key file in",
+                       exitcodes.USAGE)
+    return value
+
+
+def known_host_keys(path: str, hosts: list[str], port: int) -> list[str]:
+    """The keys (`TYPE BASE64`) a known_hosts file holds for these hosts: lines as
+    ssh-keyscan prints them (`HOST TYPE BASE64`), or a bare `TYPE BASE64`. Hashed lines and
+    other hosts' are passed over: a key is pinned for the hosts it was written for."""
+    try:
+        text = Path(path).read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}", "give a file ssh-keyscan wrote",
+                       exitcodes.USAGE) from None
+    names = set(hosts) | {f"[{h}]:{port}" for h in hosts}
+    keys = []
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields or fields[0].startswith(("#", "@")):
+            continue
+        if fields[0].startswith(("ssh-", "ecdsa-", "sk-")):
+            keys.append(" ".join(fields[:2]))
+        elif len(fields) >= 3 and names & set(fields[0].split(",")):
+            keys.append(" ".join(fields[1:3]))
+    if not keys:
+        raise CliError(f"{path} holds no key for {', '.join(hosts)}",
+                       f"`ssh-keyscan {hosts[0]} > FILE`, then check the keys against the "
+                       "host's published fingerprints", exitcodes.USAGE)
+    return keys
+
+
 def cmd_set(args) -> int:
     if not args.host:
         raise CliError(f"secret {args.name}: which hosts may it go to?",
                        "name each with --host (e.g. --host api.anthropic.com)", exitcodes.USAGE)
+    if args.ssh:
+        if not args.known_hosts:
+            raise CliError(f"secret {args.name}: which keys do the hosts have?",
+                           f"--known-hosts FILE (`ssh-keyscan {args.host[0]} > FILE`)",
+                           exitcodes.USAGE)
+        body = {"value": read_key(args.name), "hosts": args.host, "scheme": "ssh",
+                "user": args.user, "port": args.port,
+                "host_keys": known_host_keys(args.known_hosts, args.host, args.port)}
+        return _store(args, body)
+    if args.known_hosts:
+        raise CliError("--known-hosts goes with --ssh", "", exitcodes.USAGE)
     body = {"value": read_value(args.name), "hosts": args.host}
     if args.header:
         body.update(scheme="header", header=args.header)
@@ -43,10 +94,18 @@ def cmd_set(args) -> int:
         body["scheme"] = "bearer"
     if args.only:
         body["requests"] = args.only
+    return _store(args, body)
+
+
+def _store(args, body: dict) -> int:
     answer = client_for(args).request("PUT", f"/secrets/{args.name}", body)
     secret = answer["secret"]
     if args.json:
         output.data(answer)
+    elif secret["scheme"] == "ssh":
+        output.line(f"secret {secret['name']} stored: the git gateway logs in to "
+                    f"{', '.join(secret['hosts'])} with it ({_form(secret)}); sessions "
+                    "push there over SSH through the gateway, never holding the key")
     else:
         output.line(f"secret {secret['name']} stored for {', '.join(secret['hosts'])} "
                     f"({_form(secret)}); sessions started from now have a placeholder in "
@@ -55,6 +114,10 @@ def cmd_set(args) -> int:
 
 
 def _form(secret: dict) -> str:
+    if secret["scheme"] == "ssh":
+        keys = len(secret.get("host_keys") or [])
+        return (f"ssh key, as {secret['user']} on port {secret.get('port', 22)}, "
+                f"{keys} pinned host key{'s' if keys != 1 else ''}")
     if secret["scheme"] == "header":
         form = f"header {secret['header']}"
     elif secret["scheme"] == "basic":

@@ -407,3 +407,61 @@ class GitHttp:
                                     "GIT_CONFIG_KEY_0": "safe.directory",
                                     "GIT_CONFIG_VALUE_0": "*"}).stdout
         return dict(line.split(" ") for line in listed.splitlines())
+
+
+class GitSsh:
+    """A git server over SSH, as forges run one: an SSH server (asyncssh) that lets in one
+    client key and runs each exec request through `git-shell -c COMMAND` (git's commands
+    only) in `root`, where GitHttp.seed put the bare repositories. Every command goes to
+    `commands`; `host_key` is its own, made here (`public` for a known_hosts line)."""
+
+    def __init__(self, loop: Loop, root: Path, client_public: str, host: str = "127.0.0.1",
+                 port: int = 0):
+        import asyncssh
+
+        self.loop, self.root = loop, root
+        self.commands: list[str] = []
+        self.host_key = asyncssh.generate_private_key("ssh-ed25519")
+        self.public = self.host_key.export_public_key().decode().strip()
+        self.port = loop.run(self._start(asyncssh, client_public, host, port))
+
+    async def _start(self, asyncssh, client_public, host, port):
+        self.server = await asyncssh.listen(
+            host, port, server_host_keys=[self.host_key],
+            authorized_client_keys=asyncssh.import_authorized_keys(client_public),
+            process_factory=self._run, encoding=None, allow_pty=False, reuse_address=True)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _run(self, process):
+        self.commands.append(process.command or "")
+        child = await asyncio.create_subprocess_exec(
+            "git-shell", "-c", process.command or "", cwd=self.root,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root),
+                 "GIT_CONFIG_NOSYSTEM": "1"},
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+
+        async def pump(source, sink, eof):
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+            eof()
+
+        tasks = [asyncio.ensure_future(pump(process.stdin, child.stdin, child.stdin.close)),
+                 asyncio.ensure_future(pump(child.stdout, process.stdout, lambda: None)),
+                 asyncio.ensure_future(pump(child.stderr, process.stderr, lambda: None))]
+        try:
+            await asyncio.gather(*tasks[1:])
+            process.exit(await child.wait())
+        finally:
+            for task in tasks:
+                task.cancel()
+            if child.returncode is None:
+                child.kill()
+
+    def close(self):
+        async def close():
+            self.server.close()
+            await self.server.wait_closed()
+
+        self.loop.run(close())

@@ -18,7 +18,8 @@ def listing():
 @blueprint.put("/secrets/<name>")
 def store(name: str):
     data = body({"value": str, "hosts": list},
-                {"scheme": str, "header": str, "user": str, "requests": list})
+                {"scheme": str, "header": str, "user": str, "requests": list,
+                 "host_keys": list, "port": int})
     answer = call({"op": "secret-set", "name": name, **data})
     return jsonify(secret=answer["secret"]), 201 if answer["added"] else 200
 

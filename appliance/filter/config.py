@@ -214,6 +214,13 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class SshgateConfig:
+    listen: tuple[Address, ...] = setting((), addresses)
+    """The git gateway (sshgate.py): where sessions reach it with git over SSH. Empty: no
+    gateway, and git over SSH reaches only what a tcp rule allows."""
+
+
+@dataclass(frozen=True)
 class InspectConfig:
     ca_dir: str | None = setting(None, string)
     """Where the filter keeps an interception CA of its own: made on its first start when
@@ -324,6 +331,7 @@ class FilterConfig:
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
+    sshgate: SshgateConfig = field(default_factory=SshgateConfig)
 
     @property
     def audit_path(self) -> Path:
@@ -331,7 +339,7 @@ class FilterConfig:
 
 
 TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig,
-          "inspect": InspectConfig}
+          "inspect": InspectConfig, "sshgate": SshgateConfig}
 """The tables that are a dataclass of their own; FilterConfig's fields name their keys."""
 EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "gateway"}}
 """Keys that are not a field of their own."""
@@ -436,7 +444,8 @@ def parse_config(text: str, path: str) -> FilterConfig:
             failer("session", exc.key)(str(exc), exc.value)
 
     config = read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
-                  sessions=tuple(sessions), firewall=firewall, inspect=inspect)
+                  sessions=tuple(sessions), firewall=firewall, inspect=inspect,
+                  sshgate=read(SshgateConfig, "sshgate"))
     if inspect.ca_dir is not None:
         ca_dir, state_dir = Path(inspect.ca_dir), Path(config.state_dir)
         if not ca_dir.is_absolute() or ca_dir == state_dir or ca_dir in state_dir.parents:

@@ -25,7 +25,8 @@ the client hangs up. Requests:
   {"op": "secret-set", "name": N, "value": V, "hosts": [H], "scheme": S?, "header": F?,
    "user": U?, "requests": ["METHOD /path", ...]?}   store a secret (answers never hold values)
   {"op": "secret-list"}       {"op": "secret-remove", "name": N}
-  {"op": "secret-environment", "session": S}         the session's placeholders, by variable
+  {"op": "secret-environment", "session": S}         the session's placeholders, by variable,
+                               and with the git gateway its ssh client's files ("ssh")
   {"op": "approvals", "session": S?}                 open approvals (ask mode)
   {"op": "approval-decide", "id": ID, "grant": G, "duration": SECONDS?, "by": WHO?,
    "note": TEXT?}    G: once | for (with duration) | session | refuse; a grant's rule is in
@@ -375,7 +376,12 @@ class ControlServer:
         session = _field(request, "session")
         if session not in self.service.store.sessions:
             raise LookupError(f"no session {session!r}")
-        return {"ok": True, "environment": self.service.proxy.credentials.environment(session)}
+        answer = {"ok": True,
+                  "environment": self.service.proxy.credentials.environment(session)}
+        gate = self.service.gate
+        if gate is not None:  # git over SSH: the session's key, the hosts it reaches so
+            answer["ssh"] = gate.session_files(session, self.service.config.sshgate.listen[0][1])
+        return answer
 
     @handles("approvals")
     async def _approvals(self, request: dict) -> dict:
@@ -440,7 +446,7 @@ class ControlServer:
 
     def _secrets_changed(self, reason: str) -> None:
         store = self.service.secrets
-        self.service.proxy.credentials = Credentials(store.key, store.secrets)
+        self.service.proxy.credentials = Credentials(store.key, store.http())
         log.info("control: %s", reason)
         self.service.bus.emit({
             "session": None, "client": None, "kind": "secret", "name": None, "port": None,

@@ -3,7 +3,12 @@
 A secret is a value (an API token), the environment variable a session knows it by, the
 hosts it may go to and how it goes (a header of its own, `Authorization: Bearer`, or basic
 auth with a user). A session is given a placeholder in that variable instead of the value
-(proxy/credentials.py swaps it on the way out to the secret's hosts). They live in one file
+(proxy/credentials.py swaps it on the way out to the secret's hosts).
+
+An `ssh` secret is a private key the git gateway (sshgate.py) logs in to its hosts with, as
+`user`, checking the host against `host_keys` (pinned: no key, no connection). A session
+gets nothing for it, not even a placeholder: its git reaches the gateway with a key of its
+own (sshgate.session_key). They live in one file
 in the filter's state directory, 0600 for the filter's user, written atomically, with the
 key placeholders are derived from; nothing else ever holds a value: events, the audit log,
 `secret-list` and `status` name secrets, never show them.
@@ -29,10 +34,12 @@ FILE = "secrets.json"
 NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 """A secret's name is the environment variable a session finds its placeholder in."""
 FIELD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
-SCHEMES = ("bearer", "basic", "header")
+SCHEMES = ("bearer", "basic", "header", "ssh")
 MAX_VALUE = 8192
 MAX_HOSTS = 32
 MAX_REQUESTS = 32
+MAX_HOST_KEYS = 16
+SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 RESERVED_FIELDS = frozenset({
     "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
     "trailer", "keep-alive", "proxy-connection", "proxy-authorization", "expect"})
@@ -70,6 +77,10 @@ class Secret:
     requests: tuple[str, ...] = ()
     """Request patterns (`METHOD /path`, as in [[inspect]] allow lists) the value may go
     with; none: any request to its hosts."""
+    host_keys: tuple[str, ...] = ()
+    """ssh: the hosts' public keys (`TYPE BASE64`), the only ones the gateway accepts."""
+    port: int = 22
+    """ssh: the port the gateway reaches the hosts on."""
 
     def permits(self, method: str, target: str) -> bool:
         """May the value go with this request (its method and origin-form target)? A target
@@ -98,6 +109,7 @@ class Secret:
         shown = {k: v for k, v in asdict(self).items() if k not in ("value", "nonce")}
         shown["hosts"] = list(self.hosts)
         shown["requests"] = list(self.requests)
+        shown["host_keys"] = list(self.host_keys)
         return shown
 
 
@@ -113,24 +125,13 @@ def parse(request: dict) -> Secret:
     value = request.get("value")
     if not isinstance(value, str) or not value:
         raise SecretError(f"secret {name}: 'value' must be a non-empty string")
+    scheme = request.get("scheme", "bearer")
+    if scheme == "ssh":
+        return _ssh(name, request, value)
     if len(value) > MAX_VALUE or not all(" " < c <= "~" for c in value):
         raise SecretError(f"secret {name}: the value must be 1-{MAX_VALUE} printable ASCII "
                           "characters without spaces (it goes into an HTTP header)")
-    hosts = request.get("hosts")
-    if (not isinstance(hosts, list) or not hosts or len(hosts) > MAX_HOSTS
-            or not all(isinstance(h, str) for h in hosts)):
-        raise SecretError(f"secret {name}: 'hosts' must list 1-{MAX_HOSTS} host names")
-    normal = []
-    for host in hosts:
-        wild = host.startswith("*.")
-        try:
-            normal.append(("*." if wild else "") + normalise_name(host[2:] if wild else host))
-        except HostNameError as exc:
-            raise SecretError(f"secret {name}: host {host!r}: {exc}") from None
-        if wild and "." not in normal[-1][2:]:
-            raise SecretError(f"secret {name}: host {host!r} covers a whole top-level domain: "
-                              "every name under a wildcard gets the value")
-    scheme = request.get("scheme", "bearer")
+    normal = _hosts(name, request.get("hosts"))
     if scheme not in SCHEMES:
         raise SecretError(f"secret {name}: 'scheme' must be one of {', '.join(SCHEMES)}")
     header, user = request.get("header"), request.get("user")
@@ -164,6 +165,67 @@ def parse(request: dict) -> Secret:
         patterns.append(spec.text)
     return Secret(name, value, tuple(dict.fromkeys(normal)), scheme, header, user,
                   round(time.time(), 3), random.token_hex(16), tuple(dict.fromkeys(patterns)))
+
+
+def _hosts(name: str, hosts) -> list[str]:
+    if (not isinstance(hosts, list) or not hosts or len(hosts) > MAX_HOSTS
+            or not all(isinstance(h, str) for h in hosts)):
+        raise SecretError(f"secret {name}: 'hosts' must list 1-{MAX_HOSTS} host names")
+    normal = []
+    for host in hosts:
+        wild = host.startswith("*.")
+        try:
+            normal.append(("*." if wild else "") + normalise_name(host[2:] if wild else host))
+        except HostNameError as exc:
+            raise SecretError(f"secret {name}: host {host!r}: {exc}") from None
+        if wild and "." not in normal[-1][2:]:
+            raise SecretError(f"secret {name}: host {host!r} covers a whole top-level domain: "
+                              "every name under a wildcard gets the value")
+    return normal
+
+
+def _ssh(name: str, request: dict, value: str) -> Secret:
+    """An ssh secret: a private key without a passphrase, the login, the pinned host keys.
+    Checked by parsing them as the gateway will (asyncssh), so a key it cannot use is
+    refused here, when it is set, not at a push."""
+    import asyncssh  # the filter's alone: the rest of this module runs without it
+
+    if len(value) > MAX_VALUE:
+        raise SecretError(f"secret {name}: a private key of at most {MAX_VALUE} characters")
+    try:
+        asyncssh.import_private_key(value)
+    except (asyncssh.KeyImportError, ValueError) as exc:
+        raise SecretError(f"secret {name}: the value is not a private key the gateway can use "
+                          f"(OpenSSH or PEM, no passphrase): {str(exc)[:100]}") from None
+    hosts = _hosts(name, request.get("hosts"))
+    if any(h.startswith("*.") for h in hosts):
+        raise SecretError(f"secret {name}: an ssh key goes to named hosts, not a wildcard")
+    user = request.get("user", "git")
+    if not isinstance(user, str) or not SSH_USER.fullmatch(user):
+        raise SecretError(f"secret {name}: 'user' must be a login name such as git")
+    port = request.get("port", 22)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise SecretError(f"secret {name}: 'port' must be a TCP port, got {port!r}")
+    keys = request.get("host_keys")
+    if (not isinstance(keys, list) or not keys or len(keys) > MAX_HOST_KEYS
+            or not all(isinstance(k, str) for k in keys)):
+        raise SecretError(f"secret {name}: 'host_keys' must list 1-{MAX_HOST_KEYS} public "
+                          "keys of its hosts (TYPE BASE64, as ssh-keyscan prints them): the "
+                          "gateway reaches no host it cannot check")
+    pinned = []
+    for text in keys:
+        try:
+            key = asyncssh.import_public_key(text.strip())
+        except (asyncssh.KeyImportError, ValueError):
+            raise SecretError(f"secret {name}: host key {text[:40]!r}... is not a public key "
+                              "(TYPE BASE64)") from None
+        pinned.append(key.export_public_key("openssh").decode().strip())
+    for field_name in ("header", "requests"):
+        if request.get(field_name):
+            raise SecretError(f"secret {name}: {field_name!r} is for HTTP secrets, not ssh")
+    return Secret(name, value, tuple(dict.fromkeys(hosts)), "ssh", None, user,
+                  round(time.time(), 3), random.token_hex(16), (),
+                  tuple(dict.fromkeys(pinned)), port)
 
 
 @lru_cache(maxsize=1024)
@@ -213,9 +275,19 @@ class SecretStore:
     def save(self) -> None:
         data = {"key": self.key.hex(),
                 "secrets": {n: {**asdict(s), "hosts": list(s.hosts),
-                                "requests": list(s.requests)}
+                                "requests": list(s.requests), "host_keys": list(s.host_keys)}
                             for n, s in sorted(self.secrets.items())}}
         write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+
+    def http(self) -> dict[str, Secret]:
+        """The secrets the proxy attaches (every one but ssh keys, which no session sees
+        even as a placeholder)."""
+        return {n: s for n, s in self.secrets.items() if s.scheme != "ssh"}
+
+    def ssh(self, host_name: str) -> Secret | None:
+        """The ssh key the gateway logs in to `host_name` with (the first by name)."""
+        return next((s for _, s in sorted(self.secrets.items())
+                     if s.scheme == "ssh" and host_name in s.hosts), None)
 
     def set(self, secret: Secret) -> bool:
         """Store it (replacing one of that name, whose placeholders stay good); True if it

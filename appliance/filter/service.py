@@ -46,6 +46,7 @@ from .proxy.credentials import Credentials
 from .proxy.inspect import Inspector
 from .resolver import Resolver
 from .secrets import SecretStore
+from .sshgate import Gate
 from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
@@ -148,7 +149,9 @@ class Service:
                         "rotate --interception`", inspector.days_left())
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
                            self.dns.exfil, inspector,
-                           Credentials(self.secrets.key, self.secrets.secrets), self.holds)
+                           Credentials(self.secrets.key, self.secrets.http()), self.holds)
+        self.gate = Gate(self) if config.sshgate.listen else None
+        """The git gateway (git over SSH, confined); None when it listens nowhere."""
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
@@ -265,6 +268,10 @@ class Service:
                                                         backlog=4096)
                     self._servers.append(server)
                     self._record(key, sock)
+            for host, port in self.config.sshgate.listen if self.gate else ():
+                sock = _socket(host, port, socket.SOCK_STREAM)
+                self._servers.append(await self.gate.listen(sock))
+                self._record("sshgate", sock)
             self._start_drop_reader()
             self.audit = AuditLog(self.config.audit_path,
                                   segment_bytes=self.config.audit_segment_bytes,

@@ -8,7 +8,8 @@ command fails, nothing changes and the previous ruleset stays in force.
 Traffic from a sandbox interface (the `[firewall] interfaces` patterns):
   raw prerouting  drop spoofed sources (not a session subnet, or not routed back the way it came)
   nat prerouting  TCP 80/443 to non-local addresses -> the transparent listeners
-  input           only DNS and the proxy listeners on the session's own gateway; else reject
+  input           only DNS, the proxy listeners and the git gateway on the session's own
+                  gateway; else reject
   forward         only (sandbox . destination . port) in the DNS-learned set, or a tcp rule
                   naming an IP; else reject. Nothing is routed in to a sandbox, so sessions
                   cannot reach each other. Established flows pass before the set is looked
@@ -86,6 +87,7 @@ def listener_ports(config: FilterConfig) -> dict[str, list[int]]:
         "proxy": sorted({p for _, p in config.proxy.listen}),
         "transparent_http": sorted({p for _, p in config.proxy.transparent_http}),
         "transparent_tls": sorted({p for _, p in config.proxy.transparent_tls}),
+        "sshgate": sorted({p for _, p in config.sshgate.listen}),
     }
     for key, values in ports.items():
         if 0 in values:
@@ -228,7 +230,7 @@ def _session(session: SessionConfig, ports, limits, static, ip_saddr, ip_daddr,
     l4 = {"meta": {"key": "l4proto"}}
     rules = []
     tcp_ports = sorted({*ports["dns"], *ports["proxy"], *ports["transparent_http"],
-                        *ports["transparent_tls"]})
+                        *ports["transparent_tls"], *ports["sshgate"]})
     if ports["dns"]:
         rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
             _payload("udp", "dport"), {"set": ports["dns"]}), _rate(limits["dns_packets"]),

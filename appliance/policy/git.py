@@ -20,7 +20,10 @@ A `git` rule is `HOST REPO [REF ...]`, written in corral.toml as a `[[git]]` tab
   tag (creating one needs a pattern under `refs/tags/`).
 
 A git rule makes its host inspected (git's requests are read inside TLS the filter ends);
-it does not allow the host: that stays with http, as for `[[inspect]]`.
+it does not allow the host: that stays with http, as for `[[inspect]]`. Over SSH it is the
+allowance (with a key the appliance holds for the host, `corral secret set --ssh`): the git
+gateway (filter/sshgate.py) reaches the host for the listed repositories only, and a deny
+rule naming the host still wins.
 """
 
 from __future__ import annotations

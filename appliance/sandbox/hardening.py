@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import trust
+from . import sshconf, trust
 
 # Each tool reads its own spelling (curl/pip/requests: both cases; npm: npm_config_*;
 # git: http.proxy via GIT_CONFIG_*; Java: JAVA_TOOL_OPTIONS).
@@ -53,6 +53,9 @@ class Sandbox:
     trust: str | None = None
     """The session's trust directory (trust.py), mounted read-only at trust.TRUST_DIR;
     every client stack is pointed at it."""
+    ssh: bool = False
+    """The trust directory holds an ssh config for the git gateway (sshconf.py), mounted
+    as the system's."""
     workdir: str = "/work"
 
 
@@ -108,6 +111,8 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
                 args += ["--env", f"{key}={value}"]
     if s.trust is not None:
         args += ["--volume", f"{s.trust}:{trust.TRUST_DIR}:ro"]
+        if s.ssh:
+            args += ["--volume", f"{s.trust}/{sshconf.CONFIG}:{sshconf.SYSTEM_CONFIG}:ro"]
     for source, target in s.volumes:
         args += ["--volume", f"{source}:{target}:rw"]
     return [*args, s.image, *command]

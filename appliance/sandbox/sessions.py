@@ -26,7 +26,7 @@ from appliance import workspace
 from appliance.atomic import write_atomic
 from appliance.filter.config import SESSION_NAME
 
-from . import confinement, hardening, lifetime, trust
+from . import confinement, hardening, lifetime, sshconf, trust
 from .image import IMAGE
 from .podman import Podman, PodmanError
 
@@ -281,6 +281,10 @@ class SessionManager:
             if not placeholders.get("ok"):
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
+            try:
+                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"))
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()
             resources = {k: v for k, v in (("memory", limits.memory), ("cpus", limits.cpus),
                                            ("pids", limits.pids)) if v}
@@ -288,7 +292,7 @@ class SessionManager:
                                      gateway=gateway, seccomp_profile=str(confined.profile),
                                      init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes,
-                                     trust=str(trusted), secrets=tuple(
+                                     trust=str(trusted), ssh=ssh, secrets=tuple(
                                          placeholders["environment"].items()), **resources)
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container

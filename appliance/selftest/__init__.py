@@ -24,7 +24,8 @@ verify.yml and the e2e suite all go through that check.
   wire        DNS, TCP, HTTP, TLS and CONNECT helpers; the Context a probe gets
   network     legitimate flows, then T1-T11, T13, T18
   smuggling   T20: request smuggling on a shared IP
-  inspection  T13, T24 on a host the session inspects (--inspected)
+  inspection  T13, T24 on a host the session inspects (--inspected); T25 over SSH
+              through the git gateway (--git-ssh)
   approvals   T15, T21 in a session in ask mode (--ask-hold; run apart, with --only)
   starvation  T21: starving the neighbours (runs last of the network group)
   kernel      T22: system calls refused, each tried in a child process

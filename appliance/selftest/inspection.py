@@ -15,11 +15,13 @@ OWNER/REPO`, T25: only the session's own branches may be pushed). The throwaway 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import socket
 import ssl
 import string
 import struct
+import subprocess
 
 from .registry import NotRun, Outcome, probe
 from .wire import connect_via_proxy, first_line, from_corral, headers, read_head, status
@@ -178,4 +180,30 @@ def inspected_push_refused(ctx):
     said = head.split(b"ng refs/heads/main ", 1)[-1].split(b"\n", 1)[0][:160] if ok else b""
     return Outcome(ok, f"push to refs/heads/main of {a.git_repo} on {a.inspected}: "
                    f"{first_line(head)}" + (f" ({said.decode(errors='replace')})" if ok else ""),
+                   {"kind": "git", "reason": "git push to refs/heads/main refused"})
+
+
+_SSH_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
+_REPO = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")
+
+
+@probe("ssh-push-refused", 25, needs="git_ssh",
+       records="git event, reason 'git push to refs/heads/main refused'")
+def ssh_push_refused(ctx):
+    """The same push over SSH (`git@HOST:OWNER/REPO.git`): the session's ssh reaches the
+    host only through the appliance's git gateway, which reads the push whole and refuses
+    it in git's report-status before a byte of it goes on."""
+    a = ctx.args
+    if not a.git_repo:
+        raise NotRun("needs --git-repo (a repository the [[git]] table of --git-ssh lists)")
+    if not _SSH_HOST.fullmatch(a.git_ssh) or not _REPO.fullmatch(a.git_repo):
+        raise NotRun("--git-ssh must be a host name and --git-repo OWNER/REPO")
+    done = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+                           f"git@{a.git_ssh}", f"git-receive-pack '{a.git_repo}.git'"],
+                          input=_push_to_main(), capture_output=True, timeout=60, check=False)
+    ok = b"ng refs/heads/main corral: " in done.stdout
+    said = (done.stdout.split(b"ng refs/heads/main ", 1)[-1].split(b"\n", 1)[0] if ok
+            else (done.stderr.strip().splitlines() or [b"no answer"])[-1])
+    return Outcome(ok, f"push to refs/heads/main of {a.git_repo} on {a.git_ssh} over SSH: "
+                   f"{said[:160].decode(errors='replace')}",
                    {"kind": "git", "reason": "git push to refs/heads/main refused"})

@@ -7,7 +7,9 @@ HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address, every
 logged to DIR/http-requests.log; an SSH-like
 banner on :22; TLS on :853 (DNS-over-TLS stand-in); UDP echo on :443 and :53 of the other
 addresses; a git server (`git http-backend`, smart HTTP over TLS) for git.test on
-WEB:GIT_PORT, its bare repositories under DIR/git; a long-lived TCP service on
+WEB:GIT_PORT, its bare repositories under DIR/git, and the same repositories over SSH
+(git-shell) on WEB:GIT_SSH_PORT for the key in DIR/git-ssh-held-key (made here: the key
+the appliance is to hold; its host key is DIR/git-ssh-host.pub); a long-lived TCP service on
 STREAM_HOST:STREAM_PORT (`stream`: every connection and how it ended goes to
 DIR/stream.log). Writes DIR/ready when everything listens; runs
 until killed.
@@ -21,13 +23,16 @@ import sys
 import time
 from pathlib import Path
 
-from tests.fakes import FakeDns, FakeHttp, GitHttp, Loop, TestCA
+import asyncssh
+
+from tests.fakes import FakeDns, FakeHttp, GitHttp, GitSsh, Loop, TestCA
 
 WEB = "203.0.113.10"
 RESOLVER = "203.0.113.53"
 SSH_HOST = "203.0.113.22"
 STREAM_HOST, STREAM_PORT = SSH_HOST, 7007
 GIT_PORT = 8443
+GIT_SSH_PORT = 2022
 GIT_REPOS = ["acme/widget", "other/secret"]
 WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 
@@ -118,6 +123,10 @@ def main(directory: str) -> None:
         (path / "git").mkdir(exist_ok=True)
         GitHttp.seed(path / "git", GIT_REPOS)
         GitHttp(loop, path / "git", ca.server_context(["git.test"]), host=WEB, port=GIT_PORT)
+        held = asyncssh.generate_private_key("ssh-ed25519")
+        (path / "git-ssh-held-key").write_bytes(held.export_private_key())
+        ssh = GitSsh(loop, path / "git", held.export_public_key().decode(), WEB, GIT_SSH_PORT)
+        (path / "git-ssh-host.pub").write_text(f"git.test {ssh.public}\n")
         loop.run(extras(loop, ca.server_context(names), path))
         (path / "ready").write_text("ready\n")
         while True:

@@ -32,9 +32,10 @@ BATTERY = ["--allowed", "allowed.test", "--denied", "denied.test", "--foreign-re
            "--tcp-name", "ssh.test:22", "--silence", "6"]  # the e2e header_timeout is 5
 
 
-def corral(world, *args, check=True, timeout=600):
+def corral(world, *args, check=True, timeout=600, **kw):
     command, *rest = args
-    result = world.corral(command, "--appliance", APPLIANCE_NAME, *rest, timeout=timeout)
+    result = world.corral(command, "--appliance", APPLIANCE_NAME, *rest, timeout=timeout,
+                          **kw)
     if check and result.returncode != 0:
         raise AssertionError(f"corral {' '.join(args)}: exit {result.returncode}\n"
                              f"{result.stdout}{result.stderr}")

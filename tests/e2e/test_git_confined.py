@@ -3,17 +3,23 @@ local backend) whose project lists one repository of the fake internet's git ser
 (`git http-backend` behind TLS) in a [[git]] table. The image's own git clones, fetches and
 pushes onto a branch of the session's own; a push to main, a force-push, a delete, a tag
 and a push onto another session's branch are each refused with the reason `git push`
-prints, and the server's refs stay as they were; a repository not listed cannot be cloned."""
+prints, and the server's refs stay as they were; a repository not listed cannot be cloned.
+
+The same over SSH (`git@git.test:acme/widget.git`): the fake internet's SSH server runs
+git-shell for one key, which `corral secret set --ssh` gives the appliance; the session's
+ssh reaches it only through the filter's git gateway, with a key of its own."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 
 from tests.fakes import GitHttp
 
-from .internet import GIT_PORT
+from .conftest import APPLIANCE_NAME
+from .internet import GIT_PORT, GIT_SSH_PORT, WEB
 from .test_cli_sessions import corral
 
 SESSION = "g1"
@@ -35,9 +41,16 @@ def confined(world, sandbox_image):
     project = world.dir / "git-project"
     project.mkdir(exist_ok=True)
     (project / "corral.toml").write_text(POLICY)
+    stored = world.corral("secret", "set", "GIT_DEPLOY_KEY", "--appliance", APPLIANCE_NAME,
+                          "--ssh", "--host", "git.test", "--port", str(GIT_SSH_PORT),
+                          "--known-hosts", str(world.dir / "git-ssh-host.pub"),
+                          input=(world.dir / "git-ssh-held-key").read_text())
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    assert "PRIVATE KEY" not in stored.stdout + stored.stderr
     corral(world, "run", "--project", str(project), "--name", SESSION, "--detach")
     yield world.dir / "git"
     corral(world, "rm", SESSION, check=False)
+    world.corral("secret", "rm", "GIT_DEPLOY_KEY", "--appliance", APPLIANCE_NAME)
 
 
 def inside(world, script: str) -> subprocess.CompletedProcess:
@@ -80,3 +93,60 @@ def test_a_repository_not_listed_is_not_cloned(world, confined):
     done = inside(world, f"git clone -q {URL}/other/secret.git s")
     assert done.returncode != 0
     assert "not listed" in done.stderr and "acme/widget" in done.stderr, done.stderr
+
+
+SSH_URL = "git@git.test:acme/widget.git"
+
+
+def test_over_ssh_the_session_clones_and_pushes_its_own_branch_through_the_gateway(world,
+                                                                                 confined):
+    held = (world.dir / "git-ssh-held-key").read_text().splitlines()[1]
+    done = inside(world, f"git clone -q {SSH_URL} s && cd s && echo ssh > notes && "
+                  "git add notes && git commit -qm ssh && "
+                  "git push -q origin HEAD:refs/heads/corral/g1/ssh && git fetch -q && "
+                  f"! grep -rqs '{held}' /etc /home /tmp /work && git rev-parse HEAD")
+    assert done.returncode == 0, done.stdout + done.stderr
+    head = done.stdout.strip().splitlines()[-1]
+    assert GitHttp.refs(confined / "acme/widget.git")["refs/heads/corral/g1/ssh"] == head
+
+
+@pytest.mark.parametrize(("push", "why"), [
+    ("git commit -qm main --allow-empty && git push origin HEAD:main",
+     "this session may push only refs/heads/corral/g1/**"),
+    ("git reset -q --hard HEAD~1 && git commit -qm rewritten --allow-empty && "
+     "git push --force origin HEAD:refs/heads/corral/g1/ssh", "only move a ref forward"),
+], ids=["main", "force"])
+def test_over_ssh_every_other_push_is_refused_with_the_reason_git_prints(world, confined,
+                                                                         push, why):
+    before = GitHttp.refs(confined / "acme/widget.git")
+    done = inside(world, f"rm -rf q && git clone -q {SSH_URL} q && cd q && "
+                  "git fetch -q origin refs/heads/corral/g1/ssh && "
+                  f"git reset -q --hard FETCH_HEAD && {push}")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "[remote rejected]" in done.stderr and why in done.stderr, done.stderr
+    assert GitHttp.refs(confined / "acme/widget.git") == before
+
+
+def test_over_ssh_nothing_but_the_gateway_reaches_the_host(world, confined):
+    """The git server's own SSH port is closed to the session (no tcp rule), and so is a
+    repository the [[git]] table does not list, through the gateway."""
+    done = inside(world, f"ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o "
+                  f"ConnectTimeout=5 -p {GIT_SSH_PORT} git@{WEB} git-upload-pack "
+                  "acme/widget.git")
+    assert done.returncode == 255, done.stdout + done.stderr
+    done = inside(world, "git ls-remote git@git.test:other/secret.git")
+    assert done.returncode != 0 and "not listed" in done.stderr, done.stderr
+
+
+def test_the_batterys_push_over_ssh_is_refused_and_recorded(world, confined):
+    """`corral selftest --git-ssh`: the probe pushes onto main through the gateway; the
+    appliance finds the refusal in what the filter recorded, and the host's refs hold."""
+    before = GitHttp.refs(confined / "acme/widget.git")
+    result = corral(world, "selftest", SESSION, "--allowed", "git.test", "--git-ssh",
+                    "git.test", "--git-repo", "acme/widget", "--only", "ssh-push-refused",
+                    "--json", check=False, timeout=300)
+    answer = json.loads(result.stdout)
+    assert result.returncode == 0 and answer["passed"], json.dumps(answer["probes"])
+    assert [p["id"] for p in answer["probes"]] == ["ssh-push-refused"]
+    assert answer["tally"]["unrecorded"] == 0
+    assert GitHttp.refs(confined / "acme/widget.git") == before

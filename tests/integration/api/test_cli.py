@@ -263,6 +263,39 @@ def test_a_secret_goes_in_on_stdin_and_never_comes_out(home):
     assert gone.returncode == 1 and "no secret 'CLI_TOKEN'" in gone.stderr
 
 
+def test_an_ssh_key_goes_in_on_stdin_with_its_hosts_keys_and_never_comes_out(home, tmp_path):
+    import asyncssh
+
+    key = asyncssh.generate_private_key("ssh-ed25519").export_private_key().decode()
+    host = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    (tmp_path / "keys").write_text(f"# ssh-keyscan git.example\ngit.example {host}\n"
+                                   f"elsewhere.example {other}\n|1|hashed= {other}\n")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    stored = subprocess.run([CORRAL, "secret", "set", "GIT_DEPLOY_KEY", "--ssh", "--host",
+                             "git.example", "--known-hosts", str(tmp_path / "keys"), "--json"],
+                            input=key, capture_output=True, text=True, env=env, timeout=30)
+    assert stored.returncode == 0, stored.stderr
+    secret = json.loads(stored.stdout)["secret"]
+    assert (secret["scheme"], secret["user"], secret["port"]) == ("ssh", "git", 22)
+    assert secret["host_keys"] == [host]  # the other hosts' and the hashed line's: not pinned
+    listed = corral(home, "secret", "ls")
+    assert "ssh key, as git on port 22, 1 pinned host key" in listed.stdout
+    body = key.splitlines()[1]
+    assert all(body not in r.stdout + r.stderr
+               for r in [stored, listed, corral(home, "secret", "ls", "--json")])
+    unpinned = subprocess.run([CORRAL, "secret", "set", "GIT_DEPLOY_KEY", "--ssh", "--host",
+                               "nowhere.example", "--known-hosts", str(tmp_path / "keys")],
+                              input=key, capture_output=True, text=True, env=env, timeout=30)
+    assert unpinned.returncode == 2 and "holds no key for nowhere.example" in unpinned.stderr
+    bad = subprocess.run([CORRAL, "secret", "set", "GIT_DEPLOY_KEY", "--ssh", "--host",
+                          "git.example", "--known-hosts", str(tmp_path / "keys")],
+                         input="not a key\n", capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert bad.returncode == 1 and "not a private key" in bad.stderr
+    assert corral(home, "secret", "rm", "GIT_DEPLOY_KEY").returncode == 0
+
+
 def test_inspection_and_request_rules_at_run_time(home):
     def run(*args):
         return corral(home, *args, "--session", "s2")

@@ -58,6 +58,17 @@ def test_each_session_reaches_only_its_own_gateway_ports(commands):
     assert last["expr"][-1] == {"jump": {"target": "deny_unknown"}}
 
 
+def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
+    config = parse_config(CONFIG.replace("[[session]]", '[sshgate]\nlisten = ["0.0.0.0:2222"]\n'
+                                         "[[session]]", 1), "filter.toml")
+    commands = build(config, {})
+    assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands, "filter_input"))
+    assert verdict(commands, "filter_input",
+                   Packet("podman3", S1, S1_GW, dport=2222, local=True)) == "accept"
+    assert verdict(commands, "filter_input", Packet("podman3", S1, "10.213.2.254", dport=2222,
+                                                    local=True)) == "reject:deny_s1"
+
+
 def test_redirects_and_static_tcp(commands):
     redirects = [r["expr"][-1] for r in rules(commands, "nat_prerouting")]
     assert redirects == [{"redirect": {"port": 3129}}, {"redirect": {"port": 3130}}] * 2

@@ -1,0 +1,282 @@
+"""git over SSH, confined, for real: the git client and OpenSSH's ssh, configured as a
+session's are (sandbox/sshconf.py), through the filter's git gateway, to an SSH server
+running git-shell. The gateway logs in to it with a key the filter holds (an ssh secret),
+checking the host key it pins; fetch and clone of the listed repository work, a push
+works onto the session's own branches only, and every other push is refused with its
+reason printed by `git push`, the server's refs untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from appliance.filter import secrets
+from appliance.sandbox import sshconf
+from tests import fakes
+
+from .test_inspect import (  # noqa: F401  (fixtures)
+    InProcessFilter,
+    World,
+    interception,
+    origins,
+)
+
+POLICY = """
+[http]
+allow = ["git.test:*", "nokey.test"]
+
+[[git]]
+host = "git.test"
+repos = ["acme/widget"]
+
+[[git]]
+host = "nokey.test"
+repos = ["acme/widget"]
+"""
+SSHGATE = """
+[sshgate]
+listen = ["127.0.0.1:0"]
+"""
+
+
+class Gated:
+    """A git server over SSH on the World's address, a filter whose gateway holds the key
+    it knows, and session s1's ssh client files (as `secret-environment` gives them)."""
+
+    def __init__(self, origins: World, interception: Path, root: Path):  # noqa: F811
+        self.root = root / "repos"
+        self.root.mkdir()
+        fakes.GitHttp.seed(self.root, ["acme/widget", "other/secret"])
+        held = asyncssh.generate_private_key("ssh-ed25519")
+        self.server = fakes.GitSsh(origins.loop, self.root,
+                                   held.export_public_key().decode(), World.ADDRESS)
+        origins.dns.zone["git.test"] = [("A", World.ADDRESS, 300)]
+        origins.dns.zone["nokey.test"] = [("A", World.ADDRESS, 300)]
+        config = f"""
+[inspect]
+ca_cert = "{interception / 'intercept-ca.crt'}"
+ca_key = "{interception / 'intercept-ca.key'}"
+{SSHGATE}"""
+        directory = root / "filter"
+        directory.mkdir()
+        self.filter = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
+        self.held = held.export_private_key().decode()
+        self.set_secret(self.held, [self.server.public])
+        self.port = int(self.filter.service.listeners["sshgate"][0].rsplit(":", 1)[1])
+        self.home = root / "home"
+        self.home.mkdir()
+        (self.home / ".gitconfig").write_text(
+            "[user]\n\tname = agent\n\temail = agent@corral.test\n"
+            "[init]\n\tdefaultBranch = main\n")
+        self.client = root / "client"
+        self.client.mkdir()
+        self.write_client("s1")
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(self.home),
+                    "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+                    "GIT_SSH_COMMAND": f"ssh -F {self.client / sshconf.CONFIG} -o BatchMode=yes"}
+        self.work = root / "work"
+
+    def set_secret(self, key: str, host_keys: list[str]) -> None:
+        secret = secrets.parse({"name": "GIT_DEPLOY_KEY", "value": key, "hosts": ["git.test"],
+                                "scheme": "ssh", "port": self.server.port,
+                                "host_keys": host_keys})
+
+        async def store():
+            self.filter.service.secrets.set(secret)
+        self.filter.run(store())
+
+    def write_client(self, session: str) -> dict:
+        async def files():
+            return self.filter.service.gate.session_files(session, self.port)
+        answer = self.filter.run(files())
+        sshconf.write(self.client, "127.0.0.1", answer)
+        # here the key's owner is the client's user: ssh wants it 0600 then (in a session
+        # it belongs to the appliance's root, unmapped, and 0644 is what lets the agent read it)
+        os.chmod(self.client / sshconf.KEY, 0o600)
+        (self.client / sshconf.CONFIG).write_text(sshconf.config_text(
+            "127.0.0.1", self.port, answer["hosts"], str(self.client)))
+        return answer
+
+    def run(self, *args, cwd: Path | None = None, check: bool = True):
+        done = subprocess.run(["git", *args], cwd=cwd, env=self.env, capture_output=True,
+                              text=True, timeout=60)
+        if check and done.returncode:
+            raise AssertionError(f"git {' '.join(args)} failed:\n{done.stderr}")
+        return done
+
+    def refs(self, repo: str = "acme/widget") -> dict[str, str]:
+        return fakes.GitHttp.refs(self.root / f"{repo}.git")
+
+    def commit(self, message: str) -> str:
+        (self.work / "notes").write_text(message + "\n")
+        self.run("add", "notes", cwd=self.work)
+        self.run("commit", "-q", "-m", message, cwd=self.work)
+        return self.run("rev-parse", "HEAD", cwd=self.work).stdout.strip()
+
+    def push(self, *args):
+        return self.run("push", "origin", *args, cwd=self.work, check=False)
+
+    def close(self):
+        self.filter.stop()
+        self.server.close()
+
+
+@pytest.fixture(scope="module")
+def gated(origins, interception, tmp_path_factory):  # noqa: F811
+    world = Gated(origins, interception, tmp_path_factory.mktemp("sshgate"))
+    yield world
+    world.close()
+
+
+def test_the_session_is_given_a_key_and_the_hosts_its_policy_and_the_secrets_allow(gated):
+    answer = gated.write_client("s1")
+    assert answer["hosts"] == ["git.test"]  # nokey.test: a [[git]] table, but no ssh key
+    assert answer["key"].startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+    config = (gated.client / sshconf.CONFIG).read_text()
+    assert f"SetEnv {sshconf.ENV_HOST}=git.test" in config and f"Port {gated.port}" in config
+    # the same key after it is asked again; another session's is another
+
+    def public(text: str) -> bytes:
+        return asyncssh.import_private_key(text).public_data
+
+    assert public(gated.write_client("s1")["key"]) == public(answer["key"])
+
+    async def other():
+        return gated.filter.service.gate.session_files("s2", gated.port)["key"]
+    assert public(gated.filter.run(other())) != public(answer["key"])
+
+
+def test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(gated):
+    gated.run("clone", "-q", "git@git.test:acme/widget.git", str(gated.work))
+    assert (gated.work / "README").read_text() == "widget\n"
+    first = gated.commit("one")
+    done = gated.push("HEAD:refs/heads/corral/s1/work")
+    assert done.returncode == 0, done.stderr
+    assert gated.refs()["refs/heads/corral/s1/work"] == first
+    second = gated.commit("two")
+    done = gated.push("HEAD:refs/heads/corral/s1/work")
+    assert done.returncode == 0, done.stderr
+    assert gated.refs()["refs/heads/corral/s1/work"] == second
+    gated.run("fetch", "origin", cwd=gated.work)
+    assert "git-upload-pack 'acme/widget.git'" in gated.server.commands
+    assert "git-receive-pack 'acme/widget.git'" in gated.server.commands
+    event = gated.filter.wait_event(lambda e: e["kind"] == "git" and e["verdict"] == "allow")
+    assert event["session"] == "s1" and event["name"] == "git.test"
+
+
+@pytest.mark.parametrize("case", ["main", "force", "delete", "tag", "another session"])
+def test_every_other_push_is_refused_with_its_reason_and_changes_nothing(gated, case):
+    if not gated.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(gated)
+    before = gated.refs()
+    seen = {e["id"] for e in gated.filter.events()}
+    pushes = gated.server.commands.count("git-receive-pack 'acme/widget.git'")
+    if case == "main":
+        gated.commit("to main")
+        done, why = gated.push("HEAD:main"), "this session may push only refs/heads/corral/s1/**"
+    elif case == "force":
+        tip = before["refs/heads/corral/s1/work"]
+        gated.run("reset", "-q", "--hard", f"{tip}~1", cwd=gated.work)
+        gated.commit("rewritten")
+        done = gated.push("--force", "HEAD:refs/heads/corral/s1/work")
+        why = "a push may only move a ref forward"
+    elif case == "delete":
+        done, why = gated.push(":refs/heads/corral/s1/work"), "a push may never delete a ref"
+    elif case == "tag":
+        gated.run("tag", "-f", "v1", cwd=gated.work)
+        done, why = gated.push("refs/tags/v1"), "this session may push only"
+    else:
+        done, why = gated.push("HEAD:refs/heads/corral/s2/work"), "may push only"
+    print(done.stderr)
+    assert done.returncode != 0
+    assert "[remote rejected]" in done.stderr and why in done.stderr, done.stderr
+    assert gated.refs() == before
+    # the host saw the call (its refs were shown to git), never the push itself
+    assert gated.server.commands.count("git-receive-pack 'acme/widget.git'") == pushes + 1
+    event = gated.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
+    assert event["kind"] == "git" and why in event["reason"]
+
+
+@pytest.mark.parametrize(("command", "why"), [
+    ("git-upload-pack 'other/secret.git'", "not listed"),
+    ("git-receive-pack 'other/secret.git'", "not listed"),
+    ("sh -c id", "the gateway runs git only"),
+    ("git-upload-pack 'acme/widget.git'; id", "the gateway runs git only"),
+    ("git-upload-pack '../acme/widget.git'", "the gateway runs git only"),
+])
+def test_other_commands_and_repositories_are_refused_before_the_host_is_reached(gated, command,
+                                                                              why):
+    before = list(gated.server.commands)
+    done = subprocess.run(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
+                           "BatchMode=yes", "git@git.test", command], env=gated.env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and why in done.stderr, done.stderr
+    assert gated.server.commands == before
+
+
+def test_a_host_without_a_held_key_or_with_another_host_key_is_never_reached(gated, tmp_path):
+    config = (gated.client / sshconf.CONFIG).read_text().replace("git.test", "nokey.test")
+    (tmp_path / "config").write_text(config)
+    done = subprocess.run(["ssh", "-F", str(tmp_path / "config"), "-o", "BatchMode=yes",
+                           "git@nokey.test", "git-upload-pack 'acme/widget.git'"],
+                          env=gated.env, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "holds no ssh key for nokey.test" in done.stderr
+    # the secret pins a key the server does not have: refused, the server's key unused
+    before = list(gated.server.commands)
+    stranger = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    gated.set_secret(asyncssh.generate_private_key("ssh-ed25519").export_private_key().decode(),
+                     [stranger])
+    try:
+        done = gated.run("ls-remote", "git@git.test:acme/widget.git", check=False)
+        assert done.returncode != 0 and "a host key the appliance does not pin" in done.stderr
+        assert gated.server.commands == before
+    finally:
+        gated.set_secret(gated.held, [gated.server.public])
+
+
+def test_a_key_that_is_not_the_sessions_is_refused_at_login(gated, tmp_path):
+    stranger = asyncssh.generate_private_key("ssh-ed25519")
+    (tmp_path / "key").write_bytes(stranger.export_private_key())
+    os.chmod(tmp_path / "key", 0o600)
+    config = (gated.client / sshconf.CONFIG).read_text().replace(
+        str(gated.client / sshconf.KEY), str(tmp_path / "key"))
+    (tmp_path / "config").write_text(config)
+    done = subprocess.run(["ssh", "-F", str(tmp_path / "config"), "-o", "BatchMode=yes",
+                           "git@git.test", "git-upload-pack 'acme/widget.git'"],
+                          env=gated.env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 255 and "Permission denied" in done.stderr, done.stderr
+
+
+def test_a_sessions_key_from_another_sessions_address_is_refused_at_login(gated):
+    """s1's key, sent from s2's subnet (127.0.1.0/24): the gateway knows a session by its
+    address, and wants that session's key."""
+    done = subprocess.run(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
+                           "BatchMode=yes", "-b", "127.0.1.7", "git@git.test",
+                           "git-upload-pack 'acme/widget.git'"], env=gated.env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 255 and "Permission denied" in done.stderr, done.stderr
+
+
+def test_a_policy_change_cuts_a_call_it_no_longer_allows(gated):
+    """A fetch waiting on the host (upload-pack has shown its refs and waits for wants)
+    is cut when the session's [[git]] table goes, with an event saying so."""
+    seen = {e["id"] for e in gated.filter.events()}
+    fetch = subprocess.Popen(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
+                              "BatchMode=yes", "git@git.test",
+                              "git-upload-pack 'acme/widget.git'"], env=gated.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        assert fetch.stdout.read(4)  # the refs' first pkt-line: the call is open
+        gated.filter.reload('[http]\nallow = ["git.test:*"]\n')
+        _, stderr = fetch.communicate(timeout=20)
+        assert b"corral: cut:" in stderr and b"no [[git]] table" in stderr, stderr
+    finally:
+        fetch.kill()
+        gated.filter.reload(POLICY)
+    event = gated.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
+    assert event["kind"] == "git" and event["reason"].startswith("cut: ")
