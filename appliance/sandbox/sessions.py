@@ -282,7 +282,7 @@ class SessionManager:
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
             try:
-                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"))
+                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"), mapped)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()

@@ -17,6 +17,7 @@ firewall stops it (the gateway is the one way to a git host over SSH).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -59,10 +60,11 @@ def config_text(gateway: str, port: int, hosts: list[str], directory: str = TRUS
     return "\n".join(blocks)
 
 
-def write(directory: Path, gateway: str, files: dict | None) -> bool:
+def write(directory: Path, gateway: str, files: dict | None, root: int | None = None) -> bool:
     """The three files, when the filter has a gateway (`files`: its answer, as
     sshgate.Gate.session_files gives it) and hosts to reach through it. True if written:
-    the config is then to be mounted."""
+    the config is then to be mounted. `root`: the host ID the session's root maps to, made
+    the config's owner (ssh reads an included config only when root or the user owns it)."""
     if not files or not files.get("hosts"):
         return False
     host_key = files["host_key"].strip()
@@ -75,4 +77,6 @@ def write(directory: Path, gateway: str, files: dict | None) -> bool:
     write_atomic(directory / CONFIG,
                  config_text(gateway, int(files["port"]), list(files["hosts"])).encode(),
                  mode=0o644)
+    if root is not None:
+        os.chown(directory / CONFIG, root, root)
     return True

@@ -69,8 +69,10 @@ def test_every_probe_passes(battery):
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit
     assert set(summary["skipped_groups"]) == {"kernel", "review"}  # said, not silently dropped
-    # the approval probes need a session in ask mode: run apart (test_ask_mode_holds_...)
-    assert set(summary["unselected"]) == {"held-request-sends-nothing", "approval-flood-bounded"}
+    # the approval probes need a session in ask mode: run apart (test_ask_mode_holds_...);
+    # the push over SSH a session with the git gateway's ssh config (test_git_confined)
+    assert set(summary["unselected"]) == {"held-request-sends-nothing", "approval-flood-bounded",
+                                          "ssh-push-refused"}
 
 
 def test_what_inspection_refused_never_reached_the_origin(world, battery):
