@@ -335,9 +335,10 @@ def parser() -> argparse.ArgumentParser:
     store = secret_command("set", "store a secret; its value is read from standard input",
                            secrets.cmd_set)
     store.add_argument("name", metavar="NAME", help="the variable sessions find its "
-                       "placeholder in, e.g. ANTHROPIC_API_KEY")
+                       "placeholder in, e.g. ANTHROPIC_API_KEY (with --ssh: a name alone)")
     store.add_argument("--host", action="append", metavar="H",
-                       help="a host it may go to (repeatable; *.example.com for subdomains)")
+                       help="a host it may go to (repeatable; *.example.com for subdomains, "
+                       "not with --ssh)")
     form = store.add_mutually_exclusive_group()
     form.add_argument("--bearer", action="store_true",
                       help="sent as `Authorization: Bearer VALUE` (the default)")
@@ -349,10 +350,10 @@ def parser() -> argparse.ArgumentParser:
                       "it. Needs --known-hosts")
     store.add_argument("--known-hosts", metavar="FILE", help="with --ssh: the hosts' public "
                        "keys, as ssh-keyscan prints them; the gateway reaches no other")
-    store.add_argument("--user", metavar="LOGIN", default="git",
-                       help="with --ssh: the login on the hosts (default: %(default)s)")
-    store.add_argument("--port", type=int, default=22,
-                       help="with --ssh: the hosts' SSH port (default: %(default)s)")
+    store.add_argument("--user", metavar="LOGIN",
+                       help="with --ssh: the login on the hosts (default: git)")
+    store.add_argument("--port", type=int,
+                       help="with --ssh: the hosts' SSH port (default: 22)")
     store.add_argument("--only", action="append", metavar="'METHOD /path'",
                        help="attach it only to these requests (repeatable; patterns as in "
                        "[[inspect]] allow lists, e.g. 'POST /v1/messages'); any other request "

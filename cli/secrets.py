@@ -47,7 +47,8 @@ def read_key(name: str) -> str:
 def known_host_keys(path: str, hosts: list[str], port: int) -> list[str]:
     """The keys (`TYPE BASE64`) a known_hosts file holds for these hosts: lines as
     ssh-keyscan prints them (`HOST TYPE BASE64`), or a bare `TYPE BASE64`. Hashed lines and
-    other hosts' are passed over: a key is pinned for the hosts it was written for."""
+    other hosts' are passed over. The keys are pinned for the secret: each of its hosts may
+    show any of them (one secret per host keeps them apart)."""
     try:
         text = Path(path).read_text("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -79,12 +80,18 @@ def cmd_set(args) -> int:
             raise CliError(f"secret {args.name}: which keys do the hosts have?",
                            f"--known-hosts FILE (`ssh-keyscan {args.host[0]} > FILE`)",
                            exitcodes.USAGE)
+        if args.only:
+            raise CliError("--only is for HTTP secrets: an ssh key goes to its hosts' git "
+                           "calls alone", "", exitcodes.USAGE)
+        port = 22 if args.port is None else args.port
         body = {"value": read_key(args.name), "hosts": args.host, "scheme": "ssh",
-                "user": args.user, "port": args.port,
-                "host_keys": known_host_keys(args.known_hosts, args.host, args.port)}
+                "user": args.user or "git", "port": port,
+                "host_keys": known_host_keys(args.known_hosts, args.host, port)}
         return _store(args, body)
-    if args.known_hosts:
-        raise CliError("--known-hosts goes with --ssh", "", exitcodes.USAGE)
+    for given, option in ((args.known_hosts, "--known-hosts"), (args.user, "--user"),
+                          (args.port, "--port")):
+        if given is not None:
+            raise CliError(f"{option} goes with --ssh", "", exitcodes.USAGE)
     body = {"value": read_value(args.name), "hosts": args.host}
     if args.header:
         body.update(scheme="header", header=args.header)

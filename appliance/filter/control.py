@@ -23,7 +23,9 @@ the client hangs up. Requests:
   {"op": "inspect-ca"}                                the interception CA's certificate, or null
   {"op": "inspect-rotate"}                            a new interception CA, in use at once
   {"op": "secret-set", "name": N, "value": V, "hosts": [H], "scheme": S?, "header": F?,
-   "user": U?, "requests": ["METHOD /path", ...]?}   store a secret (answers never hold values)
+   "user": U?, "requests": ["METHOD /path", ...]?, "host_keys": [K]?, "port": P?}
+                               store a secret (answers never hold values; host_keys and
+                               port: an ssh key's, scheme "ssh")
   {"op": "secret-list"}       {"op": "secret-remove", "name": N}
   {"op": "secret-environment", "session": S}         the session's placeholders, by variable,
                                and with the git gateway its ssh client's files ("ssh")
@@ -380,7 +382,7 @@ class ControlServer:
                   "environment": self.service.proxy.credentials.environment(session)}
         gate = self.service.gate
         if gate is not None:  # git over SSH: the session's key, the hosts it reaches so
-            answer["ssh"] = gate.session_files(session, self.service.config.sshgate.listen[0][1])
+            answer["ssh"] = gate.session_files(session)
         return answer
 
     @handles("approvals")
@@ -447,6 +449,8 @@ class ControlServer:
     def _secrets_changed(self, reason: str) -> None:
         store = self.service.secrets
         self.service.proxy.credentials = Credentials(store.key, store.http())
+        if self.service.gate is not None:  # an ssh key replaced or removed: its calls end
+            self.service.gate.rejudge()
         log.info("control: %s", reason)
         self.service.bus.emit({
             "session": None, "client": None, "kind": "secret", "name": None, "port": None,

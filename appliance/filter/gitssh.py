@@ -32,6 +32,8 @@ from appliance.filter.proxy.git import GitProtocolError, read_push
 MAX_COMMAND = 4096
 MAX_PATH = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_SEGMENT = re.compile(r"[A-Za-z0-9._~-]+")
+"""A repository path's segment: policy/git.py's repository characters, less its glob."""
 _PKT_LENGTH = re.compile(rb"[0-9a-f]{4}", re.IGNORECASE)
 """Four hex digits, nothing int() would also take (`+0af`, ` 0af`, `0x1f`)."""
 _KINDS = (git.COMMIT, git.TREE, git.BLOB, git.TAG, git.OFS_DELTA, git.REF_DELTA)
@@ -74,8 +76,14 @@ def read_exec(command: str) -> SshCall:
     repo = repo[:-4] if repo.lower().endswith(".git") else repo
     for segment in repo.split("/"):
         if segment in ("", ".", ".."):
-            raise GitProtocolError(f"the repository path {path!r} has an empty, '.' or '..' "
-                                   "segment")
+            raise GitProtocolError(f"the repository path {path[:100]!r} has an empty, '.' or "
+                                   "'..' segment")
+        if not _SEGMENT.fullmatch(segment):
+            # what a [[git]] pattern can name, and what the gateway quotes again for the
+            # host's shell: a quote, `;` or `$` in a path a glob matched would run there
+            raise GitProtocolError(f"the repository path {path[:100]!r}: segment "
+                                   f"{segment[:40]!r} holds a character a repository name "
+                                   "does not (letters, digits, '.', '_', '-', '~')")
     return SshCall(word, repo)
 
 

@@ -8,10 +8,11 @@ auth with a user). A session is given a placeholder in that variable instead of 
 An `ssh` secret is a private key the git gateway (sshgate.py) logs in to its hosts with, as
 `user`, checking the host against `host_keys` (pinned: no key, no connection). A session
 gets nothing for it, not even a placeholder: its git reaches the gateway with a key of its
-own (sshgate.session_key). They live in one file
-in the filter's state directory, 0600 for the filter's user, written atomically, with the
-key placeholders are derived from; nothing else ever holds a value: events, the audit log,
-`secret-list` and `status` name secrets, never show them.
+own (sshgate.session_key).
+
+Secrets live in one file in the filter's state directory, 0600 for the filter's user,
+written atomically, with the key placeholders are derived from; nothing else ever holds a
+value: events, the audit log, `secret-list` and `status` name secrets, never show them.
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ class Secret:
         shown = {k: v for k, v in asdict(self).items() if k not in ("value", "nonce")}
         shown["hosts"] = list(self.hosts)
         shown["requests"] = list(self.requests)
-        shown["host_keys"] = list(self.host_keys)
+        if self.scheme == "ssh":
+            shown["host_keys"] = list(self.host_keys)
+        else:
+            del shown["host_keys"], shown["port"]
         return shown
 
 

@@ -632,6 +632,8 @@ class Service:
             server.close()
         for transport in self._transports:
             transport.close()
+        if self.gate is not None:
+            await self.gate.close()  # its calls cut, their events written before the log closes
         await self.approvals.close()  # the last save (a decision still coming: on the loop)
         if self.audit is not None:
             self.audit.close()
@@ -688,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # asyncssh says a dozen lines at INFO for each call to the git gateway, the agent's
+    # exec command among them: the gateway's own events say what happened
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
     try:
         config = load_config(args.config)
         if args.check:

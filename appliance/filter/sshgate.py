@@ -3,7 +3,7 @@ sends is read by gitssh.py and judged by proxy/git.py, without sockets.
 
 A session's ssh client is configured (sandbox/sshconf.py) to reach a `[[git]]` host
 through the gateway, on its gateway address, with a key of its own and the host's name
-in `CORRAL_GIT_HOST`:
+in CORRAL_GIT_HOST:
 
     agent's git ──ssh, session key──▶ gateway ──ssh, held key──▶ github.com:22
                                       │ the session: its source address (and its key)
@@ -13,11 +13,12 @@ in `CORRAL_GIT_HOST`:
                                       │ a push: read whole, judged, then sent or refused
 
 The session never holds the key the host knows: the appliance does (`corral secret set
-NAME --ssh`), and reaches the host only with that host's pinned keys. Fetches are relayed
-as they are; a push (git-receive-pack) is read to its end, judged as over HTTPS (the
-session's refs only, forward only, no deletes, no tags moved), and either sent on whole or
-answered in git's own report, so that `git push` prints why. Nothing else runs here: no
-shell, no port forwarding, no subsystems, no other command.
+NAME --ssh`), and reaches the host only if it shows one of the keys pinned with it. Fetches
+are relayed as they are; a push (git-receive-pack) is read to its end and judged as over
+HTTPS (the session's refs only, forward only, no deletes, no tags moved), on the judges'
+threads, then sent on whole or answered in git's own report, so that `git push` prints
+why. Nothing else runs here: no shell, no port forwarding, no subsystems, no other command.
+A policy or secret change that no longer allows a call in progress cuts it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
@@ -35,20 +38,31 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from appliance.atomic import write_atomic
-from appliance.policy import Decision, HostNameError, Policy, parse_host
+from appliance.policy import ConfigError, Decision, HostNameError, Policy, parse_host
+from appliance.policy.git import SSH_HOST_VARIABLE
 
 from . import gitssh
 from .http import HttpError
 from .proxy import git
-from .proxy.forward import _judge, _judges
+from .proxy.forward import judge_push
 
 log = logging.getLogger(__name__)
 
-ENV_HOST = "CORRAL_GIT_HOST"
-"""What the session's ssh client sends (SetEnv) to name the host it means."""
 HOST_KEY = "sshgate_host_key"
 READ = 1 << 16
 LOGIN_SECONDS = 20.0
+PUSH_SECONDS = 600.0
+"""How long the client may take to send a whole push (each read also waits at most the
+proxy's idle_timeout)."""
+MAX_CALLS = 8
+"""git calls one session may have open through the gateway at once: each is a connection
+to the host (a client may open many channels on one connection)."""
+KEEPALIVE = 30
+KEX = ["curve25519-sha256", "curve25519-sha256@libssh.org", "curve448-sha512",
+       "ecdh-sha2-nistp256"]
+"""Key exchanges the gateway offers: elliptic curves only, each a fraction of a millisecond
+of the loop. RSA key exchange makes a key per connection and 8192-bit DH costs tens of
+milliseconds: a session logging in over and over would stall every other's traffic."""
 
 
 class Refused(Exception):
@@ -61,8 +75,9 @@ class Refused(Exception):
 
 def session_key(key: bytes, session: str, identity: str) -> asyncssh.SSHKey:
     """The key a session reaches the gateway with: made from the filter's own key (the
-    secrets file's), the session's name and its subnet, so it is the same after a restart,
-    different for a later session of the same name, and stored nowhere."""
+    secrets file's), the session's name and its subnet, so it is the same after a restart
+    and stored nowhere. A later session of the same name on the same subnet gets the same
+    key (it is that session's, and the old one's container is gone)."""
     seed = hmac.new(key, b"corral-sshgate\0" + session.encode() + b"\0" + identity.encode(),
                     hashlib.sha256).digest()
     pem = Ed25519PrivateKey.from_private_bytes(seed).private_bytes(
@@ -71,12 +86,17 @@ def session_key(key: bytes, session: str, identity: str) -> asyncssh.SSHKey:
 
 
 def host_key(state_dir: str | Path) -> asyncssh.SSHKey:
-    """The gateway's own host key, made (Ed25519, 0600) on its first start."""
+    """The gateway's own host key, made (Ed25519, 0600) on its first start. Raises
+    ConfigError naming the file when it cannot be read as a key."""
     path = Path(state_dir) / HOST_KEY
     try:
         return asyncssh.read_private_key(str(path))
     except FileNotFoundError:
         pass
+    except (OSError, asyncssh.KeyImportError, ValueError) as exc:
+        raise ConfigError(str(path), "", f"the git gateway's host key cannot be read ({exc}): "
+                          "remove the file for a new one (sessions started after get it)"
+                          ) from None
     key = asyncssh.generate_private_key("ssh-ed25519")
     write_atomic(path, key.export_private_key(), mode=0o600)
     return key
@@ -84,7 +104,7 @@ def host_key(state_dir: str | Path) -> asyncssh.SSHKey:
 
 @dataclass(eq=False)
 class _Open:
-    """A git call in progress: judged again when the policy changes."""
+    """A git call in progress: judged again when the policy or the secrets change."""
 
     session: str
     address: str
@@ -92,7 +112,18 @@ class _Open:
     host: str
     call: gitssh.SshCall
     task: asyncio.Task
+    secret: object = None
+    upstream: str | None = None
     cut: str | None = None
+
+
+@dataclass
+class _Held:
+    """An ssh secret's key and pinned host keys, parsed once (an RSA key takes a third of a
+    second to check)."""
+
+    client_key: asyncssh.SSHKey
+    host_keys: list = field(default_factory=list)
 
 
 class Gate:
@@ -104,6 +135,10 @@ class Gate:
         self.store, self.bus, self.proxy = service.store, service.bus, service.proxy
         self.host_key = host_key(service.config.state_dir)
         self.open: set[_Open] = set()
+        self.calls: dict[str, int] = {}
+        self.connections: set[asyncssh.SSHServerConnection] = set()
+        self._session_keys: dict[tuple[str, str], asyncssh.SSHKey] = {}
+        self._held: dict[tuple, _Held] = {}
         self.store.on_change(self.rejudge)
 
     @property
@@ -111,15 +146,22 @@ class Gate:
         return self.service.secrets
 
     def key_for(self, session: str) -> asyncssh.SSHKey:
-        return session_key(self.secrets.key, session, self.service._identity(session))
+        identity = (session, self.service._identity(session))
+        found = self._session_keys.get(identity)
+        if found is None:
+            if len(self._session_keys) > 4096:
+                self._session_keys.clear()
+            found = self._session_keys[identity] = session_key(self.secrets.key, *identity)
+        return found
 
-    def session_files(self, session: str, port: int) -> dict:
+    def session_files(self, session: str) -> dict:
         """What a session's ssh client needs (sandbox/sshconf.py): its key, the gateway's
         host key, the port, and the hosts it reaches through the gateway: those its policy
         has a [[git]] table for and the appliance holds an ssh key for."""
         policy = self.store.sessions[session].policy
         hosts = sorted({h for s in self.secrets.secrets.values() if s.scheme == "ssh"
                         for h in s.hosts if policy.git(parse_host(h)) is not None})
+        port = int(self.service.listeners["sshgate"][0].rsplit(":", 1)[1])
         return {"key": self.key_for(session).export_private_key().decode(),
                 "host_key": self.host_key.export_public_key().decode().strip(),
                 "port": port, "hosts": hosts}
@@ -129,7 +171,20 @@ class Gate:
             sock=sock, server_factory=lambda: _Server(self), server_host_keys=[self.host_key],
             process_factory=self.serve, encoding=None, allow_pty=False,
             agent_forwarding=False, x11_forwarding=False, allow_scp=False,
-            login_timeout=LOGIN_SECONDS, keepalive_interval=30, keepalive_count_max=4)
+            login_timeout=LOGIN_SECONDS, keepalive_interval=KEEPALIVE, keepalive_count_max=4,
+            kex_algs=KEX, compression_algs=["none"])
+
+    async def close(self) -> None:
+        """The filter is stopping: every call is cut (its client told why), every
+        connection closed, before the audit log closes."""
+        tasks = []
+        for opened in list(self.open):
+            self._cut(opened, "the appliance's filter is stopping")
+            tasks.append(opened.task)
+        for connection in list(self.connections):
+            connection.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     # -- deciding ------------------------------------------------------------------------
 
@@ -138,7 +193,8 @@ class Gate:
         try:
             host = parse_host(host_name)
         except HostNameError as exc:
-            raise Refused(Decision(False, f"{ENV_HOST}={host_name[:100]!r}: {exc}")) from None
+            raise Refused(Decision(False, f"{SSH_HOST_VARIABLE}={host_name[:100]!r}: "
+                                   f"{exc}")) from None
         denied = policy.denied_by(host)
         if denied is not None:  # a deny rule wins over every allow, a [[git]] table's too
             raise Refused(Decision(False, f"{host} is denied to session {session} "
@@ -162,23 +218,36 @@ class Gate:
                          f"gateway (ssh key {secret.name})"), spec, secret)
 
     def rejudge(self) -> None:
-        """The policy changed: a call it no longer allows is cut, with an event."""
+        """The policy or the secrets changed: a call they no longer allow is cut, with an
+        event (its session, repository and host, the key it uses, the address it reached)."""
         for opened in list(self.open):
             session, policy = self.store.lookup(opened.address)
             try:
                 if session != opened.session:
                     raise Refused(Decision(False, f"session {opened.session} has ended"))
-                self.decide(session, policy, opened.host, opened.call)
+                _, _, secret = self.decide(session, policy, opened.host, opened.call)
+                if secret is not opened.secret:
+                    raise Refused(Decision(False, f"ssh key {secret.name} for {opened.host} "
+                                           "was replaced or removed"))
+                if opened.upstream is not None:
+                    check = policy.decide_address(ipaddress.ip_address(opened.upstream),
+                                                  parse_host(opened.host), secret.port)
+                    if not check.allowed:
+                        raise Refused(check)
             except Refused as refused:
-                opened.cut = refused.decision.reason
                 self.event(Decision(False, f"cut: {refused.decision.reason} (the policy "
                                     "changed while it was open)"), opened.session,
                            opened.label, opened.host)
-                opened.task.cancel()
+                self._cut(opened, refused.decision.reason)
+
+    def _cut(self, opened: _Open, why: str) -> None:
+        self.open.discard(opened)  # cut once: a later change does not cut it again
+        opened.cut = why
+        opened.task.cancel()
 
     def event(self, decision: Decision, session, label: str, host: str | None, **extra):
         return self.bus.decision(decision, session=session, client=label, kind="git",
-                                 name=host, port=None, **extra)
+                                 name=host[:253] if host else None, port=None, **extra)
 
     # -- serving -------------------------------------------------------------------------
 
@@ -191,19 +260,19 @@ class Gate:
         except Refused as refused:
             decision = refused.decision
             session, _ = self.store.lookup(peer[0])
-            self.event(decision, session, label, _env(process).get(ENV_HOST))
+            self.event(decision, session, label, _shown(_env(process).get(SSH_HOST_VARIABLE)))
             hint = f" ({decision.hint})" if decision.hint else ""
-            process.stderr.write(f"corral: {decision.reason}{hint}\n".encode())
-        except asyncio.CancelledError:  # the filter is stopping
+            _say(process, f"corral: {decision.reason}{hint}")
+        except asyncio.CancelledError:  # the filter is stopping, past Gate.close
+            _say(process, "corral: the appliance's filter is stopping")
             with contextlib.suppress(Exception):
-                process.stderr.write(b"corral: the appliance's filter is stopping\n")
                 process.exit(status)
             raise
         except (asyncssh.Error, OSError, TimeoutError) as exc:
-            process.stderr.write(f"corral: the gateway lost the host: {exc}\n".encode()[:500])
+            _say(process, f"corral: the gateway lost the host: {str(exc) or 'timed out'}")
         except Exception:  # one broken call must never take the gateway down
             log.exception("sshgate: %s failed", label)
-            process.stderr.write(b"corral: the gateway failed; see the filter's log\n")
+            _say(process, "corral: the gateway failed; see the filter's log")
         with contextlib.suppress(Exception):
             process.exit(status)
 
@@ -215,34 +284,60 @@ class Gate:
             call = gitssh.read_exec(process.command or "")
         except git.GitProtocolError as exc:
             raise Refused(Decision(False, f"the gateway runs git only: {exc}")) from None
-        host = _env(process).get(ENV_HOST)
+        host = _env(process).get(SSH_HOST_VARIABLE)
         if not host:
-            raise Refused(Decision(False, f"no {ENV_HOST}: say which host this is for (the "
-                                   "session's ssh config does; use git@HOST:OWNER/REPO)"))
-        decision, spec, secret = self.decide(session, policy, host, call)
-        opened = _Open(session, address, label, host, call, asyncio.current_task())
+            raise Refused(Decision(False, f"no {SSH_HOST_VARIABLE}: say which host this is "
+                                   "for (the session's ssh config does; use "
+                                   "git@HOST:OWNER/REPO)"))
+        decision, _, secret = self.decide(session, policy, host, call)
+        host = str(parse_host(host))  # as decide read it: events and rejudge name it so
+        if self.calls.get(session, 0) >= MAX_CALLS:
+            raise Refused(Decision(False, f"session {session} has {MAX_CALLS} git calls open "
+                                   "through the gateway: the limit"))
+        opened = _Open(session, address, label, host, call, asyncio.current_task(), secret)
         self.open.add(opened)
+        self.calls[session] = self.calls.get(session, 0) + 1
         try:
-            address_up, connection = await self._connect(policy, parse_host(host), secret,
-                                                         session)
-            event = self.event(decision, session, label, host, address=address_up)
+            held = await self._parsed(secret)
+            upstream, connection = await self._connect(policy, parse_host(host), secret, held,
+                                                       session)
+            if opened.cut is not None:  # cut while it dialled (wait_for can keep it)
+                connection.close()
+                _say(process, f"corral: cut: {opened.cut}")
+                return 128
+            opened.upstream = upstream
+            event = self.event(decision, session, label, host, address=upstream)
             async with connection:
-                upstream = await connection.create_process(
-                    f"{call.service} '{call.repo}.git'", encoding=None)
+                remote = await connection.create_process(
+                    f"{call.service} '{call.repo}.git'", encoding=None)  # a name: no quotes
                 if call.service == git.RECEIVE:
-                    return await self._push(process, upstream, spec, session, label, host,
-                                            event)
-                return await _relay(process, upstream)
+                    return await self._push(process, remote, opened, event)
+                return await _relay(process, remote)
         except asyncio.CancelledError:
             if opened.cut is None:
                 raise  # the filter is stopping
             asyncio.current_task().uncancel()
-            process.stderr.write(f"corral: cut: {opened.cut}\n".encode()[:1000])
+            _say(process, f"corral: cut: {opened.cut}")
             return 128  # its event is rejudge's
         finally:
             self.open.discard(opened)
+            left = self.calls[session] - 1
+            if left:
+                self.calls[session] = left
+            else:
+                del self.calls[session]
 
-    async def _connect(self, policy: Policy, host, secret, session: str):
+    async def _parsed(self, secret) -> _Held:
+        index = (secret.name, secret.nonce, secret.created)
+        found = self._held.get(index)
+        if found is None:
+            found = await asyncio.get_running_loop().run_in_executor(None, _parse, secret)
+            if len(self._held) > 256:
+                self._held.clear()
+            self._held[index] = found
+        return found
+
+    async def _connect(self, policy: Policy, host, secret, held: _Held, session: str):
         """An SSH connection to the first of `host`'s addresses the policy lets the filter
         dial, the host checked against the secret's pinned keys only."""
         config = self.proxy.config
@@ -259,70 +354,78 @@ class Gate:
             try:
                 connection = await asyncio.wait_for(asyncssh.connect(
                     str(address), secret.port, username=secret.user,
-                    client_keys=[asyncssh.import_private_key(secret.value)],
-                    known_hosts=([asyncssh.import_public_key(k) for k in secret.host_keys],
-                                 [], []),
+                    client_keys=[held.client_key], known_hosts=(held.host_keys, [], []),
                     config=None, agent_path=None, agent_forwarding=False, gss_host=None,
                     preferred_auth="publickey", x509_trusted_certs=None,
+                    keepalive_interval=KEEPALIVE, keepalive_count_max=4,
                     login_timeout=config.connect_timeout), config.connect_timeout * 2)
             except asyncssh.HostKeyNotVerifiable:
                 failure = (f"{host} ({address}) showed a host key the appliance does not "
                            f"pin for it (secret {secret.name}): refused")
                 continue
             except (asyncssh.Error, OSError, TimeoutError) as exc:
-                failure = f"ssh to {address}:{secret.port} failed: {exc or 'timed out'}"
+                failure = f"ssh to {address}:{secret.port} failed: {str(exc) or 'timed out'}"
                 continue
             return str(address), connection
         if failure is not None:
             raise Refused(Decision(False, failure))
         raise Refused(refusal or Decision(False, f"{host} has no address"))
 
-    async def _push(self, process, upstream, spec, session: str, label: str, host: str,
-                    event: dict) -> int:
+    async def _push(self, process, remote, opened: _Open, event: dict) -> int:
         """git-receive-pack: the host's refs go to the client as they come; the client's
-        push is read whole (gitssh.PushStream) and judged before a byte of it goes on."""
-        down = asyncio.ensure_future(_copy(upstream.stdout, process.stdout))
-        errors = asyncio.ensure_future(_copy(upstream.stderr, process.stderr))
-        forward = self.proxy.forward
+        push is read whole (gitssh.PushStream, on the judges' threads: reading a pack is
+        inflating it) and judged under the policy in force then, before a byte of it goes
+        on."""
+        session, host, forward = opened.session, opened.host, self.proxy.forward
+        copies = [asyncio.ensure_future(_copy(remote.stdout, process.stdout)),
+                  asyncio.ensure_future(_copy(remote.stderr, process.stderr))]
         holding: list = []
         stream = gitssh.PushStream()
+        spec = None
         try:
             try:
-                forward._hold(session, git.MAX_PUSH, holding)
+                deadline = time.monotonic() + PUSH_SECONDS
                 idle = self.proxy.config.idle_timeout
                 while True:
-                    data = await asyncio.wait_for(process.stdin.read(READ), idle)
+                    wait = min(idle, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise TimeoutError(f"the push took more than {PUSH_SECONDS:g} s "
+                                           "to arrive")
+                    data = await asyncio.wait_for(process.stdin.read(READ), wait)
                     if not data:
                         stream.feed_eof()
                         break
-                    if stream.feed(data):
+                    forward.hold(session, len(data), holding)  # as it comes, never ahead
+                    if await forward.judged(session, stream.feed, data):
                         break
-            except (git.GitProtocolError, HttpError, TimeoutError) as exc:
+                session_now, policy = self.store.lookup(opened.address)
+                _, spec, _ = self.decide(session_now, policy, host, opened.call)
+            except (git.GitProtocolError, HttpError, TimeoutError, Refused) as exc:
                 read = stream.push  # the commands, when they were read: refused in their form
                 verdict = git.Verdict((), read.capabilities if read else frozenset(),
                                       read.commands if read else (),
                                       str(exc) or "the push stopped coming")
             else:
-                async with forward._judge_slot(session):
-                    verdict = await asyncio.get_running_loop().run_in_executor(
-                        _judges(), _judge, stream.body, (), spec, session)
+                verdict = await forward.judged(session, judge_push, stream.body, (), spec,
+                                               session)
             if not verdict.allowed:
-                for task in (down, errors):
+                for task in copies:
                     task.cancel()
+                pushes = spec.pushes[0] if spec is not None else "refs/heads/corral/{session}"
                 decision = Decision(False, verdict.reason[:500], hint=(
-                    f"push to a branch under {spec.pushes[0].replace('{session}', session)}, "
-                    f"or name the ref in push of the [[git]] table for {host}"))
-                self.event(decision, session, label, host, address=event.get("address"))
+                    f"push to a branch under {pushes.replace('{session}', session)}, or name "
+                    f"the ref in push of the [[git]] table for {host}"))
+                self.event(decision, session, opened.label, host, address=event.get("address"))
                 process.stdout.write(git.report(verdict))
                 return 0  # git prints each ref's refusal and fails the push itself
-            upstream.stdin.write(stream.body)
-            upstream.stdin.write_eof()
-            await asyncio.gather(down, errors)
-            done = await upstream.wait()
+            remote.stdin.write(stream.body)
+            remote.stdin.write_eof()
+            await asyncio.gather(*copies, return_exceptions=True)
+            done = await remote.wait()
             return done.exit_status if done.exit_status is not None else 128
         finally:
-            forward._release(holding)
-            for task in (down, errors):
+            forward.release(holding)
+            for task in copies:
                 task.cancel()
 
 
@@ -332,20 +435,24 @@ class _Server(asyncssh.SSHServer):
     def __init__(self, gate: Gate):
         self.gate = gate
         self.session: str | None = None
-        self.admitted = False
+        self.connection: asyncssh.SSHServerConnection | None = None
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         peer = conn.get_extra_info("peername") or ("?", 0)
         self.session, _ = self.gate.store.lookup(peer[0])
         connections = self.gate.proxy.flows.connections
-        if not connections.admit(self.session):  # the session's share, as for the proxy
+        # no session's address: nothing here for it, not even a key exchange; and each
+        # session within its share of the filter's connections, as for the proxy
+        if self.session is None or not connections.admit(self.session):
             asyncio.get_running_loop().call_soon(conn.abort)  # once asyncssh has set it up
             return
-        self.admitted = True
+        self.connection = conn
+        self.gate.connections.add(conn)
 
     def connection_lost(self, exc) -> None:
-        if self.admitted:
-            self.admitted = False
+        if self.connection is not None:
+            self.gate.connections.discard(self.connection)
+            self.connection = None
             self.gate.proxy.flows.connections.release(self.session)
 
     def begin_auth(self, username: str) -> bool:
@@ -361,6 +468,11 @@ class _Server(asyncssh.SSHServer):
         return hmac.compare_digest(key.public_data, expected.public_data)
 
 
+def _parse(secret) -> _Held:
+    return _Held(asyncssh.import_private_key(secret.value),
+                 [asyncssh.import_public_key(k) for k in secret.host_keys])
+
+
 def _env(process) -> dict[str, str]:
     found = {}
     for key, value in (process.env or {}).items():
@@ -368,6 +480,22 @@ def _env(process) -> dict[str, str]:
         value = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         found[key] = value
     return found
+
+
+def _shown(host: str | None) -> str | None:
+    """A host as a session named it, for an event: the name if it is one, else quoted."""
+    if not host:
+        return None
+    try:
+        return str(parse_host(host))
+    except HostNameError:
+        return repr(host[:100])
+
+
+def _say(process, line: str) -> None:
+    """A line for git to print (on stderr); the client may be gone already."""
+    with contextlib.suppress(Exception):
+        process.stderr.write(line.encode()[:2000] + b"\n")
 
 
 async def _copy(reader, writer, eof: bool = False) -> None:
@@ -381,15 +509,21 @@ async def _copy(reader, writer, eof: bool = False) -> None:
         writer.write_eof()
 
 
-async def _relay(process, upstream) -> int:
-    """A fetch (upload-pack, upload-archive): both ways as it comes, until the host ends."""
-    tasks = [asyncio.ensure_future(_copy(process.stdin, upstream.stdin, eof=True)),
-             asyncio.ensure_future(_copy(upstream.stdout, process.stdout)),
-             asyncio.ensure_future(_copy(upstream.stderr, process.stderr))]
+async def _relay(process, remote) -> int:
+    """A fetch (upload-pack, upload-archive): both ways as it comes, until the host ends.
+    A side that fails (the client gone, the host's connection lost: the keepalives find a
+    dead one) ends the call, and leaving closes the host's connection."""
+    copies = [asyncio.ensure_future(_copy(process.stdin, remote.stdin, eof=True)),
+              asyncio.ensure_future(_copy(remote.stdout, process.stdout)),
+              asyncio.ensure_future(_copy(remote.stderr, process.stderr))]
     try:
-        await asyncio.gather(*tasks[1:])
-        done = await upstream.wait()
+        pending = set(copies)
+        while copies[1] in pending or copies[2] in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not t.cancelled() and t.exception() is not None for t in done):
+                return 128
+        done = await remote.wait()
         return done.exit_status if done.exit_status is not None else 128
     finally:
-        for task in tasks:
+        for task in copies:
             task.cancel()

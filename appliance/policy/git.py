@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass, field
 
 SESSION = "{session}"
+SSH_HOST_VARIABLE = "CORRAL_GIT_HOST"
+"""What a session's ssh client sends the git gateway (SetEnv) to name the host it means."""
 DEFAULT_PUSH = ("refs/heads/corral/{session}/**",)
 _SEGMENT = re.compile(r"[A-Za-z0-9._\-*@+{}]+")
 _REPO_SEGMENT = re.compile(r"[A-Za-z0-9._\-*~]+")

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from appliance.atomic import write_atomic
+from appliance.policy.git import SSH_HOST_VARIABLE
 
 from .trust import TRUST_DIR
 
@@ -29,7 +30,6 @@ CONFIG, KNOWN_HOSTS, KEY = "ssh_config", "ssh_known_hosts", "ssh_key"
 SYSTEM_CONFIG = "/etc/ssh/ssh_config.d/corral.conf"
 """Where the config is mounted: Debian's /etc/ssh/ssh_config includes it first."""
 ALIAS = "corral-git-gateway"
-ENV_HOST = "CORRAL_GIT_HOST"
 _HOST = re.compile(r"[a-z0-9][a-z0-9.-]{0,252}")
 _PUBLIC_KEY = re.compile(r"ssh-ed25519 [A-Za-z0-9+/=]+")
 
@@ -55,7 +55,7 @@ def config_text(gateway: str, port: int, hosts: list[str], directory: str = TRUS
                    "    IdentityAgent none",
                    "    PasswordAuthentication no",
                    "    KbdInteractiveAuthentication no",
-                   f"    SetEnv {ENV_HOST}={host}",
+                   f"    SetEnv {SSH_HOST_VARIABLE}={host}",
                    ""]
     return "\n".join(blocks)
 
@@ -66,6 +66,8 @@ def write(directory: Path, gateway: str, files: dict | None, root: int | None = 
     the config is then to be mounted. `root`: the host ID the session's root maps to, made
     the config's owner (ssh reads an included config only when root or the user owns it)."""
     if not files or not files.get("hosts"):
+        for name in (CONFIG, KNOWN_HOSTS, KEY):  # an earlier session's of the same name
+            (directory / name).unlink(missing_ok=True)
         return False
     host_key = files["host_key"].strip()
     if not _PUBLIC_KEY.fullmatch(host_key):

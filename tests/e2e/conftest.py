@@ -77,7 +77,7 @@ transparent_http = ["0.0.0.0:3129"]
 transparent_tls = ["0.0.0.0:3130"]
 header_timeout = 5
 [sshgate]                        # git over SSH to [[git]] hosts, keys held here
-listen = ["0.0.0.0:2222"]
+listen = ["0.0.0.0:3122"]
 [inspect]                        # hosts a session's policy names in [[inspect]]
 ca_dir = "{directory}/state/intercept"
 upstream_ca = "{directory}/ca.pem"   # the fake internet's CA (written before the filter starts)

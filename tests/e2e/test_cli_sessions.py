@@ -32,10 +32,9 @@ BATTERY = ["--allowed", "allowed.test", "--denied", "denied.test", "--foreign-re
            "--tcp-name", "ssh.test:22", "--silence", "6"]  # the e2e header_timeout is 5
 
 
-def corral(world, *args, check=True, timeout=600, **kw):
+def corral(world, *args, check=True, timeout=600):
     command, *rest = args
-    result = world.corral(command, "--appliance", APPLIANCE_NAME, *rest, timeout=timeout,
-                          **kw)
+    result = world.corral(command, "--appliance", APPLIANCE_NAME, *rest, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"corral {' '.join(args)}: exit {result.returncode}\n"
                              f"{result.stdout}{result.stderr}")

@@ -70,7 +70,7 @@ def _judges() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _judge(raw: bytes, encodings: tuple[str, ...], spec, session: str) -> git.Verdict:
+def judge_push(raw: bytes, encodings: tuple[str, ...], spec, session: str) -> git.Verdict:
     """Inflate (gzip) and judge a push, on a judge's thread."""
     try:
         return git.judge(git.decode_body(raw, list(encodings)), spec, session)
@@ -103,7 +103,7 @@ class Forward:
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
 
-    def _hold(self, session: str | None, n: int, holding: list) -> None:
+    def hold(self, session: str | None, n: int, holding: list) -> None:
         """Count `n` bytes as held for `session` until the request ends (`holding`: what
         the request holds, given back by _request); HttpError 503 past the budgets."""
         mine = self.held.get(session, 0)
@@ -114,7 +114,7 @@ class Forward:
         self.held[session] = mine + n
         holding.append((session, n))
 
-    def _release(self, holding: list) -> None:
+    def release(self, holding: list) -> None:
         for session, n in holding:
             self.held_total -= n
             left = self.held[session] - n
@@ -258,7 +258,7 @@ class Forward:
         try:
             return await self._judged(client, head, mode, kept, holding)
         finally:
-            self._release(holding)
+            self.release(holding)
 
     async def _judged(self, client: Client, head, mode: Mode, kept: Upstream | None,
                       holding: list):
@@ -365,6 +365,12 @@ class Forward:
             kept = None
         return keep_client, kept
 
+    async def judged(self, session: str | None, work, *args):
+        """`work(*args)` on a judge's thread, in the session's judge slot: how a push is
+        read and judged, over HTTPS and over SSH (sshgate.py) alike."""
+        async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
+            return await asyncio.get_running_loop().run_in_executor(_judges(), work, *args)
+
     @contextlib.asynccontextmanager
     async def _judge_slot(self, session: str | None):
         """A judge for one push: one per session at a time, JUDGES in all, so that one
@@ -429,13 +435,12 @@ class Forward:
         if (head.content_length or 0) > git.MAX_PUSH:
             raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
                             f"most {git.MAX_PUSH} to judge one")
-        self._hold(session, head.content_length or git.MAX_PUSH, holding)
+        self.hold(session, head.content_length or git.MAX_PUSH, holding)
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
-        async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
-            verdict = await asyncio.get_running_loop().run_in_executor(
-                _judges(), _judge, raw, tuple(head.get_all("content-encoding")), spec, session)
+        verdict = await self.judged(session, judge_push, raw,
+                                    tuple(head.get_all("content-encoding")), spec, session)
         if verdict.allowed:
             return None, raw
         decision = Decision(False, verdict.reason[:500], hint=(
@@ -472,7 +477,7 @@ class Forward:
             raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
                             f"reads at most {limit} for leaks, and a host that takes bulk "
                             "uploads says scan = false in its [[inspect]] table")
-        self._hold(session, head.content_length or limit, holding)
+        self.hold(session, head.content_length or limit, holding)
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:

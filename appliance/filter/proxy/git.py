@@ -185,6 +185,8 @@ class Push:
     capabilities: frozenset[str]
     pack: int
     """Where the pack starts in the decoded body (its length when there is none)."""
+    options: int = 0
+    """Push options sent (`git push -o`): never passed on (see judge)."""
 
 
 def read_push(body: bytes) -> Push:
@@ -216,10 +218,12 @@ def read_push(body: bytes) -> Push:
             raise GitProtocolError(f"command {len(commands) + 1}: a ref name that is not "
                                    "UTF-8") from None
         commands.append(Command(parts[0].decode(), parts[1].decode(), ref))
+    options = 0
     if "push-options" in capabilities and commands:
-        for _, after in pkt_lines(body, end):  # the options: read past, not judged
+        for payload, after in pkt_lines(body, end):
             end = after
-    return Push(tuple(commands), capabilities, end)
+            options += payload is not None
+    return Push(tuple(commands), capabilities, end, options)
 
 
 def valid_ref(ref: str) -> bool:
@@ -489,7 +493,8 @@ class Verdict:
             return f"git push refused: {self.error}"
         first = self.refusals[0]
         more = f" (and {len(self.refusals) - 1} more)" if len(self.refusals) > 1 else ""
-        return f"git push to {first[0].ref} refused: {first[1]}{more}"
+        ref = first[0].ref if valid_ref(first[0].ref) else repr(first[0].ref[:100])
+        return f"git push to {ref} refused: {first[1]}{more}"
 
 
 def decode_body(body: bytes, encodings: list[str]) -> bytes:
@@ -521,6 +526,13 @@ def judge(body: bytes, spec: GitSpec, session: str | None,
         push = read_push(body)
     except GitProtocolError as exc:
         return Verdict((), frozenset(), (), str(exc))
+    if push.options:
+        # options steer the host past the refs: GitLab's merge_request.create with
+        # merge_when_pipeline_succeeds merges a session's branch into main, ci.skip and
+        # ci.variable steer its CI. Not read one by one: none is passed on
+        return Verdict((), push.capabilities, push.commands, "push options (git push -o) "
+                       "are not passed on by corral: they ask the host to act beyond the "
+                       "refs (merge requests, CI); push without them")
     refusals: list[tuple[Command, str]] = []
     updates: list[Command] = []
     for command in push.commands:

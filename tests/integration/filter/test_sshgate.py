@@ -15,6 +15,7 @@ import asyncssh
 import pytest
 
 from appliance.filter import secrets
+from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
 
@@ -91,7 +92,7 @@ ca_key = "{interception / 'intercept-ca.key'}"
 
     def write_client(self, session: str) -> dict:
         async def files():
-            return self.filter.service.gate.session_files(session, self.port)
+            return self.filter.service.gate.session_files(session)
         answer = self.filter.run(files())
         sshconf.write(self.client, "127.0.0.1", answer)
         # here the key's owner is the client's user: ssh wants it 0600 then (in a session
@@ -137,7 +138,7 @@ def test_the_session_is_given_a_key_and_the_hosts_its_policy_and_the_secrets_all
     assert answer["hosts"] == ["git.test"]  # nokey.test: a [[git]] table, but no ssh key
     assert answer["key"].startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
     config = (gated.client / sshconf.CONFIG).read_text()
-    assert f"SetEnv {sshconf.ENV_HOST}=git.test" in config and f"Port {gated.port}" in config
+    assert f"SetEnv {SSH_HOST_VARIABLE}=git.test" in config and f"Port {gated.port}" in config
     # the same key after it is asked again; another session's is another
 
     def public(text: str) -> bytes:
@@ -146,7 +147,7 @@ def test_the_session_is_given_a_key_and_the_hosts_its_policy_and_the_secrets_all
     assert public(gated.write_client("s1")["key"]) == public(answer["key"])
 
     async def other():
-        return gated.filter.service.gate.session_files("s2", gated.port)["key"]
+        return gated.filter.service.gate.session_files("s2")["key"]
     assert public(gated.filter.run(other())) != public(answer["key"])
 
 
@@ -191,7 +192,6 @@ def test_every_other_push_is_refused_with_its_reason_and_changes_nothing(gated, 
         done, why = gated.push("refs/tags/v1"), "this session may push only"
     else:
         done, why = gated.push("HEAD:refs/heads/corral/s2/work"), "may push only"
-    print(done.stderr)
     assert done.returncode != 0
     assert "[remote rejected]" in done.stderr and why in done.stderr, done.stderr
     assert gated.refs() == before

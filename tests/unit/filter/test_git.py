@@ -348,18 +348,18 @@ def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
 
     held = forward.Forward(SimpleNamespace(config=None))
     first, second, third = [], [], []
-    held._hold("s1", forward.HELD_MAX // 2, first)
+    held.hold("s1", forward.HELD_MAX // 2, first)
     with pytest.raises(HttpError) as refused:
-        held._hold("s1", 1, second)  # s1's half is full
+        held.hold("s1", 1, second)  # s1's half is full
     assert refused.value.status == 503
-    held._hold("s2", forward.HELD_MAX // 2, second)
+    held.hold("s2", forward.HELD_MAX // 2, second)
     with pytest.raises(HttpError):
-        held._hold("s3", 1, third)  # everything is
-    held._release(first)
-    held._hold("s3", 1, third)
-    held._hold(None, 5, third)  # no session's: a key of its own, not the total
-    held._release(second)
-    held._release(third)
+        held.hold("s3", 1, third)  # everything is
+    held.release(first)
+    held.hold("s3", 1, third)
+    held.hold(None, 5, third)  # no session's: a key of its own, not the total
+    held.release(second)
+    held.release(third)
     assert held.held == {} and held.held_total == 0
 
 
@@ -392,3 +392,17 @@ def test_a_session_has_one_judge_at_a_time_and_never_holds_them_all():
     at_once, order, left = asyncio.run(scenario())
     assert at_once == ["s1-first", "s2"]  # s1's second is not holding the other judge
     assert order == ["s1-first", "s2", "s1-second"] and left == {}
+
+
+def test_push_options_are_never_passed_on():
+    """`git push -o merge_request.create -o merge_request.merge_when_pipeline_succeeds`
+    would have GitLab merge a session's branch into main: a push with options is refused
+    whole, its refs reported refused with the reason."""
+    command = (f"{ZERO} {'1' * 40} refs/heads/corral/s1/x\0report-status push-options\n")
+    body = (git.pkt(command.encode()) + git.FLUSH + git.pkt(b"merge_request.create")
+            + git.FLUSH + b"PACK")
+    verdict = git.judge(body, SPEC, "s1")
+    assert not verdict.allowed and "push options" in verdict.reason
+    assert b"ng refs/heads/corral/s1/x corral: push options" in git.report(verdict)
+    without = git.pkt(command.encode()) + git.FLUSH + git.FLUSH + b"PACK"  # no option sent
+    assert git.judge(without, SPEC, "s1").allowed

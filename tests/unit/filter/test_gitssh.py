@@ -112,11 +112,11 @@ def pushes(tmp_path_factory) -> dict[str, tuple[str, bytes]]:
     return sent
 
 
-ALLOWED = ("new", "forward", "existing", "options", "nothing", "quoted", "sha256-new",
-           "sha256-forward")
+ALLOWED = ("new", "forward", "existing", "nothing", "quoted", "sha256-new", "sha256-forward")
+"""Pushes judge() lets through; "options" is whole too, and refused (git push -o)."""
 
 
-@pytest.mark.parametrize("name", [*ALLOWED, "force", "delete"])
+@pytest.mark.parametrize("name", [*ALLOWED, "options", "force", "delete"])
 def test_a_push_git_sends_is_whole_at_its_last_byte_however_it_arrives(pushes, name):
     if name not in pushes:
         pytest.skip("this git makes no sha256 repositories")
@@ -149,10 +149,12 @@ def test_what_each_push_holds(pushes):
 def test_the_exec_commands_git_asks_for(pushes):
     command, _ = pushes["quoted"]
     assert command.endswith("/it'\\''s'\\!'x.git'")  # git's sq_quote, as sent
-    call = read_exec(command)
-    assert call.service == git.RECEIVE and call.repo.endswith("/it's!x")
-    assert not call.repo.startswith("/")
-    assert read_exec(pushes["new"][0]).repo == read_exec(pushes["forward"][0]).repo
+    # read as git quotes it, and refused for what it holds: no repository name has a quote
+    with pytest.raises(git.GitProtocolError, match="a character a repository name does not"):
+        read_exec(command)
+    call = read_exec(pushes["new"][0])
+    assert call.service == git.RECEIVE and not call.repo.startswith("/")
+    assert call.repo == read_exec(pushes["forward"][0]).repo
 
 
 @pytest.mark.parametrize(("command", "expected"), [
@@ -161,8 +163,7 @@ def test_the_exec_commands_git_asks_for(pushes):
     ("git-upload-archive 'acme/widget'", SshCall(git.ARCHIVE, "acme/widget")),
     ("git receive-pack '/acme/widget.GIT/'", SshCall(git.RECEIVE, "acme/widget")),
     ("git-upload-pack '~/widget.git'", SshCall(git.UPLOAD, "~/widget")),
-    ("git-upload-pack '~bob/x y.git'", SshCall(git.UPLOAD, "~bob/x y")),
-    ("git-receive-pack 'a/it'\\''s'\\!'.git'", SshCall(git.RECEIVE, "a/it's!")),
+    ("git-upload-pack '~bob/x-y_1.2.git'", SshCall(git.UPLOAD, "~bob/x-y_1.2")),
 ])
 def test_exec_commands_are_read_as_git_quotes_them(command, expected):
     assert read_exec(command) == expected
@@ -190,6 +191,13 @@ def test_exec_commands_are_read_as_git_quotes_them(command, expected):
     ("git-receive-pack '//a'", "empty"),
     ("git-receive-pack '.git'", "empty"),
     ("git-receive-pack '/'", "empty"),
+    # a glob (acme/*) matches any segment: what the gateway sends on must be a name, never
+    # a quote that ends its own and runs a command on the host's shell
+    ("git-upload-pack 'acme/x'\\''; id; echo '\\''y'", "a character a repository name"),
+    ("git-receive-pack 'a/it'\\''s'\\!'.git'", "a character a repository name"),
+    ("git-upload-pack '~bob/x y.git'", "a character a repository name"),
+    ("git-upload-pack 'acme/$(id)'", "a character a repository name"),
+    ("git-upload-pack 'acme/`id`'", "a character a repository name"),
     ("git-receive-pack '" + "a" * 1025 + "'", "longer than 1024"),
     ("git-receive-pack '" + "a" * 4096 + "'", "longer than 4096"),
 ])

@@ -12,6 +12,7 @@ import pytest
 
 from appliance.filter import secrets, sshgate
 from appliance.filter.proxy.credentials import Credentials
+from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import hardening, sshconf
 
 HELD = asyncssh.generate_private_key("ssh-ed25519")
@@ -90,7 +91,7 @@ def test_the_sessions_ssh_client_reaches_git_hosts_through_the_gateway_only(tmp_
                               capture_output=True, text=True, check=True).stdout.splitlines()
         assert {"hostname 10.89.0.1", "port 2222", f"hostkeyalias {sshconf.ALIAS}",
                 "stricthostkeychecking true", "identitiesonly yes",
-                f"setenv {sshconf.ENV_HOST}={host}"} <= set(seen), seen
+                f"setenv {SSH_HOST_VARIABLE}={host}"} <= set(seen), seen
     other = subprocess.run(["ssh", "-G", "-F", str(tmp_path / sshconf.CONFIG), "x.example"],
                            capture_output=True, text=True, check=True).stdout
     assert "hostname x.example" in other  # other hosts: as they were (the firewall decides)
