@@ -78,6 +78,12 @@ def read_exec(command: str) -> SshCall:
         if segment in ("", ".", ".."):
             raise GitProtocolError(f"the repository path {path[:100]!r} has an empty, '.' or "
                                    "'..' segment")
+        if segment[0] in "~-":
+            # `~user/x` is another user's home on a git-shell server (a `*` matched it), and
+            # a leading `-` reads as an option to the host's git-upload-pack
+            raise GitProtocolError(f"the repository path {path[:100]!r}: segment "
+                                   f"{segment[:40]!r} starts with {segment[0]!r}; name the "
+                                   "repository from the host's root (OWNER/REPO)")
         if not _SEGMENT.fullmatch(segment):
             # what a [[git]] pattern can name, and what the gateway quotes again for the
             # host's shell: a quote, `;` or `$` in a path a glob matched would run there

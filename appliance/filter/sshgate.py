@@ -138,7 +138,7 @@ class Gate:
         self.calls: dict[str, int] = {}
         self.connections: set[asyncssh.SSHServerConnection] = set()
         self._session_keys: dict[tuple[str, str], asyncssh.SSHKey] = {}
-        self._held: dict[tuple, _Held] = {}
+        self._held: dict[object, _Held] = {}
         self.store.on_change(self.rejudge)
 
     @property
@@ -175,16 +175,19 @@ class Gate:
             kex_algs=KEX, compression_algs=["none"])
 
     async def close(self) -> None:
-        """The filter is stopping: every call is cut (its client told why), every
-        connection closed, before the audit log closes."""
+        """The filter is stopping: every call is cut, with an event and its client told
+        why, then every connection closed; all before the audit log closes."""
         tasks = []
         for opened in list(self.open):
-            self._cut(opened, "the appliance's filter is stopping")
+            why = "the appliance's filter is stopping"
+            self.event(Decision(False, f"cut: {why}"), opened.session, opened.label,
+                       opened.host)
+            self._cut(opened, why)
             tasks.append(opened.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)  # their last words reach the clients
         for connection in list(self.connections):
             connection.close()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
 
     # -- deciding ------------------------------------------------------------------------
 
@@ -328,13 +331,12 @@ class Gate:
                 del self.calls[session]
 
     async def _parsed(self, secret) -> _Held:
-        index = (secret.name, secret.nonce, secret.created)
-        found = self._held.get(index)
+        found = self._held.get(secret)  # the secret itself: a replacement is another
         if found is None:
             found = await asyncio.get_running_loop().run_in_executor(None, _parse, secret)
             if len(self._held) > 256:
                 self._held.clear()
-            self._held[index] = found
+            self._held[secret] = found
         return found
 
     async def _connect(self, policy: Policy, host, secret, held: _Held, session: str):
@@ -387,19 +389,25 @@ class Gate:
                 deadline = time.monotonic() + PUSH_SECONDS
                 idle = self.proxy.config.idle_timeout
                 while True:
-                    wait = min(idle, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise TimeoutError(f"the push took more than {PUSH_SECONDS:g} s "
-                                           "to arrive")
-                    data = await asyncio.wait_for(process.stdin.read(READ), wait)
+                    data = await _read(process, copies[0], min(idle, deadline - time.monotonic()))
+                    _still(opened)
+                    if data is None:  # the host ended first: it said why (relayed)
+                        return 128
                     if not data:
                         stream.feed_eof()
                         break
                     forward.hold(session, len(data), holding)  # as it comes, never ahead
-                    if await forward.judged(session, stream.feed, data):
+                    whole = await forward.judged(session, stream.feed, data)
+                    _still(opened)
+                    if whole:
                         break
                 session_now, policy = self.store.lookup(opened.address)
-                _, spec, _ = self.decide(session_now, policy, host, opened.call)
+                if session_now != session:
+                    raise Refused(Decision(False, f"session {session} has ended"))
+                _, spec, secret = self.decide(session, policy, host, opened.call)
+                if secret is not opened.secret:
+                    raise Refused(Decision(False, f"ssh key {secret.name} for {host} was "
+                                           "replaced"))
             except (git.GitProtocolError, HttpError, TimeoutError, Refused) as exc:
                 read = stream.push  # the commands, when they were read: refused in their form
                 verdict = git.Verdict((), read.capabilities if read else frozenset(),
@@ -408,6 +416,7 @@ class Gate:
             else:
                 verdict = await forward.judged(session, judge_push, stream.body, (), spec,
                                                session)
+                _still(opened)
             if not verdict.allowed:
                 for task in copies:
                     task.cancel()
@@ -468,6 +477,29 @@ class _Server(asyncssh.SSHServer):
         return hmac.compare_digest(key.public_data, expected.public_data)
 
 
+def _still(opened: _Open) -> None:
+    """A cut that landed with the data (wait_for can return it, and keep the cancel) is
+    a cut all the same."""
+    if opened.cut is not None:
+        raise asyncio.CancelledError
+
+
+async def _read(process, host_done: asyncio.Future, seconds: float) -> bytes | None:
+    """The client's next bytes (b"" at its end); None if the host ended first. Raises
+    TimeoutError past `seconds`."""
+    if seconds <= 0:
+        raise TimeoutError(f"the push took more than {PUSH_SECONDS:g} s to arrive")
+    read = asyncio.ensure_future(process.stdin.read(READ))
+    done, _ = await asyncio.wait({read, host_done}, timeout=seconds,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if read in done:
+        return read.result()
+    read.cancel()
+    if host_done in done:
+        return None
+    raise TimeoutError("the push stopped coming")
+
+
 def _parse(secret) -> _Held:
     return _Held(asyncssh.import_private_key(secret.value),
                  [asyncssh.import_public_key(k) for k in secret.host_keys])
@@ -518,8 +550,8 @@ async def _relay(process, remote) -> int:
               asyncio.ensure_future(_copy(remote.stderr, process.stderr))]
     try:
         pending = set(copies)
-        while copies[1] in pending or copies[2] in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        while copies[1] in pending or copies[2] in pending:  # until the host has said all
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if any(not t.cancelled() and t.exception() is not None for t in done):
                 return 128
         done = await remote.wait()

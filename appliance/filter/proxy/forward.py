@@ -369,7 +369,14 @@ class Forward:
         """`work(*args)` on a judge's thread, in the session's judge slot: how a push is
         read and judged, over HTTPS and over SSH (sshgate.py) alike."""
         async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
-            return await asyncio.get_running_loop().run_in_executor(_judges(), work, *args)
+            done = asyncio.get_running_loop().run_in_executor(_judges(), work, *args)
+            try:
+                return await asyncio.shield(done)
+            except asyncio.CancelledError:
+                # the thread runs on: its slot (and the caller's budget) stay taken until
+                # it is done, so that a cut call frees nothing it still holds
+                await asyncio.wait([done])
+                raise
 
     @contextlib.asynccontextmanager
     async def _judge_slot(self, session: str | None):

@@ -32,7 +32,7 @@ allow = ["git.test:*", "nokey.test"]
 
 [[git]]
 host = "git.test"
-repos = ["acme/widget"]
+repos = ["acme/widget", "acme/tools-*"]
 
 [[git]]
 host = "nokey.test"
@@ -280,3 +280,35 @@ def test_a_policy_change_cuts_a_call_it_no_longer_allows(gated):
         gated.filter.reload(POLICY)
     event = gated.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
     assert event["kind"] == "git" and event["reason"].startswith("cut: ")
+
+
+@pytest.mark.parametrize("command", ["ls-remote", "push"])
+def test_a_repository_the_host_lacks_ends_the_call_with_the_hosts_words(gated, command):
+    """A listed pattern (acme/tools-*) the host has no repository for: the host says so and
+    ends; the call ends with it (a fetch whose client still has its side open, a push not
+    yet sent), never waits on the client."""
+    if not gated.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(gated)
+    url = "git@git.test:acme/tools-missing.git"
+    args = ["ls-remote", url] if command == "ls-remote" else ["push", url, "HEAD:x"]
+    done = gated.run(*args, cwd=gated.work, check=False)
+    assert done.returncode != 0 and "does not appear to be a git repository" in done.stderr, (
+        done.stderr)
+
+
+def test_stopping_the_gateway_cuts_its_calls_saying_so(gated):
+    seen = {e["id"] for e in gated.filter.events()}
+    fetch = subprocess.Popen(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
+                              "BatchMode=yes", "git@git.test",
+                              "git-upload-pack 'acme/widget.git'"], env=gated.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        assert fetch.stdout.read(4)
+        gated.filter.run(gated.filter.service.gate.close())
+        _, stderr = fetch.communicate(timeout=20)
+        assert b"corral: cut: the appliance's filter is stopping" in stderr, stderr
+    finally:
+        fetch.kill()
+    event = gated.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
+    assert event["kind"] == "git" and "filter is stopping" in event["reason"]

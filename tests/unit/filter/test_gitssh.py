@@ -162,8 +162,7 @@ def test_the_exec_commands_git_asks_for(pushes):
     ("git-upload-pack '/acme/widget.git'", SshCall(git.UPLOAD, "acme/widget")),
     ("git-upload-archive 'acme/widget'", SshCall(git.ARCHIVE, "acme/widget")),
     ("git receive-pack '/acme/widget.GIT/'", SshCall(git.RECEIVE, "acme/widget")),
-    ("git-upload-pack '~/widget.git'", SshCall(git.UPLOAD, "~/widget")),
-    ("git-upload-pack '~bob/x-y_1.2.git'", SshCall(git.UPLOAD, "~bob/x-y_1.2")),
+    ("git-upload-pack 'bob/x-y_1.2~.git'", SshCall(git.UPLOAD, "bob/x-y_1.2~")),
 ])
 def test_exec_commands_are_read_as_git_quotes_them(command, expected):
     assert read_exec(command) == expected
@@ -195,7 +194,12 @@ def test_exec_commands_are_read_as_git_quotes_them(command, expected):
     # a quote that ends its own and runs a command on the host's shell
     ("git-upload-pack 'acme/x'\\''; id; echo '\\''y'", "a character a repository name"),
     ("git-receive-pack 'a/it'\\''s'\\!'.git'", "a character a repository name"),
-    ("git-upload-pack '~bob/x y.git'", "a character a repository name"),
+    ("git-upload-pack 'acme/x y.git'", "a character a repository name"),
+    # another user's home on a git-shell server, whatever glob matched it; an option
+    ("git-upload-pack '~alice/widget.git'", "starts with '~'"),
+    ("git-upload-pack '~/widget.git'", "starts with '~'"),
+    ("git-upload-pack '--help'", "starts with '-'"),
+    ("git-upload-pack 'acme/-x'", "starts with '-'"),
     ("git-upload-pack 'acme/$(id)'", "a character a repository name"),
     ("git-upload-pack 'acme/`id`'", "a character a repository name"),
     ("git-receive-pack '" + "a" * 1025 + "'", "longer than 1024"),
