@@ -490,11 +490,14 @@ async def _read(process, host_done: asyncio.Future, seconds: float) -> bytes | N
     if seconds <= 0:
         raise TimeoutError(f"the push took more than {PUSH_SECONDS:g} s to arrive")
     read = asyncio.ensure_future(process.stdin.read(READ))
-    done, _ = await asyncio.wait({read, host_done}, timeout=seconds,
-                                 return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({read, host_done}, timeout=seconds,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not read.done():  # a timeout, the host's end, or a cut: no read left behind
+            read.cancel()
     if read in done:
         return read.result()
-    read.cancel()
     if host_done in done:
         return None
     raise TimeoutError("the push stopped coming")
