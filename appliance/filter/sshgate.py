@@ -185,7 +185,14 @@ class Gate:
             self._cut(opened, why)
             tasks.append(opened.task)
         if tasks:
-            await asyncio.wait(tasks, timeout=5)  # their last words reach the clients
+            await asyncio.wait(tasks, timeout=5)  # their last words are sent
+            # and the clients leave once told (ssh ends with its channel): closing first
+            # would reset connections over what their clients have not read yet
+            leaving = [asyncio.ensure_future(c.wait_closed()) for c in self.connections]
+            if leaving:
+                _, late = await asyncio.wait(leaving, timeout=2)
+                for waiting in late:
+                    waiting.cancel()
         for connection in list(self.connections):
             connection.close()
 
