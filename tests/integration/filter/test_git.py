@@ -34,7 +34,35 @@ repos = ["acme/widget"]
 """
 
 
-class Git:
+class GitClient:
+    """The agent's side: real git in `work`, with `env`; the server's bare repositories in
+    `root`; a `filter` and a `server` to stop (here over HTTPS, test_sshgate.py over SSH)."""
+
+    def run(self, *args, cwd: Path | None = None, check: bool = True):
+        done = subprocess.run(["git", *args], cwd=cwd, env=self.env, capture_output=True,
+                              text=True, timeout=60)
+        if check and done.returncode:
+            raise AssertionError(f"git {' '.join(args)} failed:\n{done.stderr}")
+        return done
+
+    def refs(self, repo: str = "acme/widget") -> dict[str, str]:
+        return fakes.GitHttp.refs(self.root / f"{repo}.git")
+
+    def commit(self, message: str) -> str:
+        (self.work / "notes").write_text(message + "\n")
+        self.run("add", "notes", cwd=self.work)
+        self.run("commit", "-q", "-m", message, cwd=self.work)
+        return self.run("rev-parse", "HEAD", cwd=self.work).stdout.strip()
+
+    def push(self, *args):
+        return self.run("push", "origin", *args, cwd=self.work, check=False)
+
+    def close(self):
+        self.filter.stop()
+        self.server.close()
+
+
+class Git(GitClient):
     """A git origin on the World's address, and a filter whose session s1 may reach it."""
 
     def __init__(self, origins: World, interception: Path, root: Path):  # noqa: F811
@@ -67,29 +95,6 @@ upstream_ca = "{origins.ca.ca_path}"
 
     def url(self, repo: str) -> str:
         return f"https://git.test:{self.server.port}/{repo}.git"
-
-    def run(self, *args, cwd: Path | None = None, check: bool = True):
-        done = subprocess.run(["git", *args], cwd=cwd, env=self.env, capture_output=True,
-                              text=True, timeout=60)
-        if check and done.returncode:
-            raise AssertionError(f"git {' '.join(args)} failed:\n{done.stderr}")
-        return done
-
-    def refs(self, repo: str = "acme/widget") -> dict[str, str]:
-        return fakes.GitHttp.refs(self.root / f"{repo}.git")
-
-    def commit(self, message: str) -> str:
-        (self.work / "notes").write_text(message + "\n")
-        self.run("add", "notes", cwd=self.work)
-        self.run("commit", "-q", "-m", message, cwd=self.work)
-        return self.run("rev-parse", "HEAD", cwd=self.work).stdout.strip()
-
-    def push(self, *args):
-        return self.run("push", "origin", *args, cwd=self.work, check=False)
-
-    def close(self):
-        self.filter.stop()
-        self.server.close()
 
 
 @pytest.fixture(scope="module")

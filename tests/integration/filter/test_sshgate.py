@@ -19,6 +19,7 @@ from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
 
+from .test_git import GitClient
 from .test_inspect import (  # noqa: F401  (fixtures)
     InProcessFilter,
     World,
@@ -44,7 +45,7 @@ listen = ["127.0.0.1:0"]
 """
 
 
-class Gated:
+class Gated(GitClient):
     """A git server over SSH on the World's address, a filter whose gateway holds the key
     it knows, and session s1's ssh client files (as `secret-environment` gives them)."""
 
@@ -102,28 +103,16 @@ ca_key = "{interception / 'intercept-ca.key'}"
             "127.0.0.1", self.port, answer["hosts"], str(self.client)))
         return answer
 
-    def run(self, *args, cwd: Path | None = None, check: bool = True):
-        done = subprocess.run(["git", *args], cwd=cwd, env=self.env, capture_output=True,
-                              text=True, timeout=60)
-        if check and done.returncode:
-            raise AssertionError(f"git {' '.join(args)} failed:\n{done.stderr}")
-        return done
-
-    def refs(self, repo: str = "acme/widget") -> dict[str, str]:
-        return fakes.GitHttp.refs(self.root / f"{repo}.git")
-
-    def commit(self, message: str) -> str:
-        (self.work / "notes").write_text(message + "\n")
-        self.run("add", "notes", cwd=self.work)
-        self.run("commit", "-q", "-m", message, cwd=self.work)
-        return self.run("rev-parse", "HEAD", cwd=self.work).stdout.strip()
-
-    def push(self, *args):
-        return self.run("push", "origin", *args, cwd=self.work, check=False)
-
-    def close(self):
-        self.filter.stop()
-        self.server.close()
+    def ssh(self, command: str, *options: str, config: Path | None = None,
+            popen: bool = False):
+        """ssh to git.test as the session's config has it (or `config`), running `command`:
+        completed, or with popen a process to talk to."""
+        argv = ["ssh", "-F", str(config or self.client / sshconf.CONFIG), "-o",
+                "BatchMode=yes", *options, "git@git.test", command]
+        if popen:
+            return subprocess.Popen(argv, env=self.env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +200,7 @@ def test_every_other_push_is_refused_with_its_reason_and_changes_nothing(gated, 
 def test_other_commands_and_repositories_are_refused_before_the_host_is_reached(gated, command,
                                                                               why):
     before = list(gated.server.commands)
-    done = subprocess.run(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
-                           "BatchMode=yes", "git@git.test", command], env=gated.env,
-                          capture_output=True, text=True, timeout=30)
+    done = gated.ssh(command)
     assert done.returncode != 0 and why in done.stderr, done.stderr
     assert gated.server.commands == before
 
@@ -245,19 +232,14 @@ def test_a_key_that_is_not_the_sessions_is_refused_at_login(gated, tmp_path):
     config = (gated.client / sshconf.CONFIG).read_text().replace(
         str(gated.client / sshconf.KEY), str(tmp_path / "key"))
     (tmp_path / "config").write_text(config)
-    done = subprocess.run(["ssh", "-F", str(tmp_path / "config"), "-o", "BatchMode=yes",
-                           "git@git.test", "git-upload-pack 'acme/widget.git'"],
-                          env=gated.env, capture_output=True, text=True, timeout=30)
+    done = gated.ssh("git-upload-pack 'acme/widget.git'", config=tmp_path / "config")
     assert done.returncode == 255 and "Permission denied" in done.stderr, done.stderr
 
 
 def test_a_sessions_key_from_another_sessions_address_is_refused_at_login(gated):
     """s1's key, sent from s2's subnet (127.0.1.0/24): the gateway knows a session by its
     address, and wants that session's key."""
-    done = subprocess.run(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
-                           "BatchMode=yes", "-b", "127.0.1.7", "git@git.test",
-                           "git-upload-pack 'acme/widget.git'"], env=gated.env,
-                          capture_output=True, text=True, timeout=30)
+    done = gated.ssh("git-upload-pack 'acme/widget.git'", "-b", "127.0.1.7")
     assert done.returncode == 255 and "Permission denied" in done.stderr, done.stderr
 
 
@@ -265,11 +247,7 @@ def test_a_policy_change_cuts_a_call_it_no_longer_allows(gated):
     """A fetch waiting on the host (upload-pack has shown its refs and waits for wants)
     is cut when the session's [[git]] table goes, with an event saying so."""
     seen = {e["id"] for e in gated.filter.events()}
-    fetch = subprocess.Popen(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
-                              "BatchMode=yes", "git@git.test",
-                              "git-upload-pack 'acme/widget.git'"], env=gated.env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    fetch = gated.ssh("git-upload-pack 'acme/widget.git'", popen=True)
     try:
         assert fetch.stdout.read(4)  # the refs' first pkt-line: the call is open
         gated.filter.reload('[http]\nallow = ["git.test:*"]\n')
@@ -298,11 +276,7 @@ def test_a_repository_the_host_lacks_ends_the_call_with_the_hosts_words(gated, c
 
 def test_stopping_the_gateway_cuts_its_calls_saying_so(gated):
     seen = {e["id"] for e in gated.filter.events()}
-    fetch = subprocess.Popen(["ssh", "-F", str(gated.client / sshconf.CONFIG), "-o",
-                              "BatchMode=yes", "git@git.test",
-                              "git-upload-pack 'acme/widget.git'"], env=gated.env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    fetch = gated.ssh("git-upload-pack 'acme/widget.git'", popen=True)
     try:
         assert fetch.stdout.read(4)
         gated.filter.run(gated.filter.service.gate.close())
