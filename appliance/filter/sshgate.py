@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from appliance.atomic import write_atomic
-from appliance.policy import ConfigError, Decision, HostNameError, Policy, parse_host
+from appliance.policy import HOST_NAME, ConfigError, Decision, HostNameError, Policy, parse_host
 from appliance.policy.git import SSH_HOST_VARIABLE
 
 from . import gitssh
@@ -240,8 +240,8 @@ class Gate:
                     raise Refused(Decision(False, f"ssh key {secret.name} for {opened.host} "
                                            "was replaced or removed"))
                 if opened.upstream is not None:
-                    check = policy.decide_address(ipaddress.ip_address(opened.upstream),
-                                                  parse_host(opened.host), secret.port)
+                    check = _address_check(policy, ipaddress.ip_address(opened.upstream),
+                                           parse_host(opened.host), secret.port)
                     if not check.allowed:
                         raise Refused(check)
             except Refused as refused:
@@ -350,13 +350,21 @@ class Gate:
         """An SSH connection to the first of `host`'s addresses the policy lets the filter
         dial, the host checked against the secret's pinned keys only."""
         config = self.proxy.config
-        try:
-            addresses = await self.proxy.resolver.addresses(host.name, session)
-        except Exception as exc:
-            raise Refused(Decision(False, f"cannot resolve {host}: {exc}")) from None
+        if host.name == HOST_NAME:  # the VM host: the address the appliance was given
+            if self.proxy.gateway is None:
+                raise Refused(Decision(False, f"{HOST_NAME} is no address here: the filter "
+                                       "has no [host] gateway", hint=(
+                                           "set corral_filter_host_gateway (the Vagrantfile "
+                                           "sets the VM host's address)")))
+            addresses = [self.proxy.gateway]
+        else:
+            try:
+                addresses = await self.proxy.resolver.addresses(host.name, session)
+            except Exception as exc:
+                raise Refused(Decision(False, f"cannot resolve {host}: {exc}")) from None
         refusal, failure = None, None
         for address in addresses:
-            check = policy.decide_address(address, host, secret.port)
+            check = _address_check(policy, address, host, secret.port)
             if not check.allowed:
                 refusal = refusal or check
                 continue
@@ -482,6 +490,15 @@ class _Server(asyncssh.SSHServer):
             return False
         expected = self.gate.key_for(self.session)
         return hmac.compare_digest(key.public_data, expected.public_data)
+
+
+def _address_check(policy: Policy, address, host, port: int) -> Decision:
+    """May the filter dial `address` for `host`? host.corral's one address is the VM host's,
+    which the appliance was given ([host] gateway), as the proxy dials it; every other host's
+    addresses are checked against the blocked ranges and cidr rules."""
+    if host.name == HOST_NAME:
+        return Decision(True, f"{HOST_NAME} is the VM host")
+    return policy.decide_address(address, host, port)
 
 
 def _still(opened: _Open) -> None:

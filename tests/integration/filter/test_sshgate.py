@@ -7,6 +7,7 @@ reason printed by `git push`, the server's refs untouched."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ from appliance.filter import secrets
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
+from tests.integration.conftest import ORIGIN
 
 from .test_git import GitClient
 from .test_inspect import (  # noqa: F401  (fixtures)
@@ -37,6 +39,10 @@ repos = ["acme/widget", "acme/tools-*"]
 
 [[git]]
 host = "nokey.test"
+repos = ["acme/widget"]
+
+[[git]]
+host = "host.corral"
 repos = ["acme/widget"]
 """
 SSHGATE = """
@@ -82,14 +88,19 @@ ca_key = "{interception / 'intercept-ca.key'}"
                     "GIT_SSH_COMMAND": f"ssh -F {self.client / sshconf.CONFIG} -o BatchMode=yes"}
         self.work = root / "work"
 
-    def set_secret(self, key: str, host_keys: list[str]) -> None:
-        secret = secrets.parse({"name": "GIT_DEPLOY_KEY", "value": key, "hosts": ["git.test"],
-                                "scheme": "ssh", "port": self.server.port,
-                                "host_keys": host_keys})
+    def set_secret(self, key: str, host_keys: list[str], host: str = "git.test",
+                   name: str = "GIT_DEPLOY_KEY", port: int | None = None) -> None:
+        secret = secrets.parse({"name": name, "value": key, "hosts": [host], "scheme": "ssh",
+                                "port": port or self.server.port, "host_keys": host_keys})
 
         async def store():
             self.filter.service.secrets.set(secret)
         self.filter.run(store())
+
+    def remove_secret(self, name: str) -> None:
+        async def remove():
+            self.filter.service.secrets.remove(name)
+        self.filter.run(remove())
 
     def write_client(self, session: str) -> dict:
         async def files():
@@ -223,6 +234,51 @@ def test_a_host_without_a_held_key_or_with_another_host_key_is_never_reached(gat
         assert gated.server.commands == before
     finally:
         gated.set_secret(gated.held, [gated.server.public])
+
+
+def test_the_vm_host_is_host_corral_dialled_at_the_address_the_appliance_was_given(gated,
+                                                                                  tmp_path):
+    """host.corral names the VM host: the gateway dials the filter's [host] gateway for it
+    (here ORIGIN, where a second server runs), never a lookup, with the key held for
+    host.corral; its pushes are confined as anywhere."""
+    vm_host = fakes.GitSsh(gated.server.loop, gated.root,
+                           asyncssh.import_private_key(gated.held).export_public_key().decode(),
+                           ORIGIN)
+    gated.set_secret(gated.held, [vm_host.public], "host.corral", "VM_HOST_GIT", vm_host.port)
+    proxy = gated.filter.service.proxy
+    work = tmp_path / "work"
+    try:
+        assert gated.write_client("s1")["hosts"] == ["git.test", "host.corral"]
+        assert "SetEnv CORRAL_GIT_HOST=host.corral" in (gated.client / sshconf.CONFIG).read_text()
+        seen = {e["id"] for e in gated.filter.events()}
+        gated.run("clone", "-q", "git@host.corral:acme/widget.git", str(work))
+        (work / "notes").write_text("from the VM host's clone\n")
+        gated.run("add", "notes", cwd=work)
+        gated.run("commit", "-q", "-m", "vm host", cwd=work)
+        tip = gated.run("rev-parse", "HEAD", cwd=work).stdout.strip()
+        done = gated.run("push", "origin", "HEAD:refs/heads/corral/s1/vm-host", cwd=work,
+                         check=False)
+        assert done.returncode == 0, done.stderr
+        assert gated.refs()["refs/heads/corral/s1/vm-host"] == tip
+        before = gated.refs()
+        done = gated.run("push", "origin", "HEAD:main", cwd=work, check=False)
+        assert "[remote rejected]" in done.stderr and "may push only" in done.stderr
+        assert gated.refs() == before
+        assert "git-receive-pack 'acme/widget.git'" in vm_host.commands
+        allowed = gated.filter.wait_event(lambda e: e["id"] not in seen and e["kind"] == "git"
+                                          and e["verdict"] == "allow")
+        assert allowed["name"] == "host.corral" and allowed["address"] == ORIGIN
+        # no [host] gateway: host.corral is no address, and nothing is looked up for it
+        calls = len(vm_host.commands)
+        proxy.gateway = None
+        done = gated.run("ls-remote", "git@host.corral:acme/widget.git", check=False)
+        assert done.returncode != 0 and "the filter has no [host] gateway" in done.stderr
+        assert len(vm_host.commands) == calls
+    finally:
+        proxy.gateway = ipaddress.IPv4Address(ORIGIN)
+        gated.remove_secret("VM_HOST_GIT")
+        gated.write_client("s1")
+        vm_host.close()
 
 
 def test_a_key_that_is_not_the_sessions_is_refused_at_login(gated, tmp_path):
