@@ -89,6 +89,14 @@ def test_filter_config_renders_into_what_the_filter_loads(tmp_path):
     assert config.state_dir == str(tmp_path / "state")
 
 
+def test_host_corral_is_written_only_when_the_role_is_given_an_address(tmp_path):
+    fixed = {"corral_filter_upstream": ["9.9.9.9:53"], "corral_filter_resolv_conf": "unused"}
+    assert "[host]" not in render("corral_filter", "etc/corral/filter.toml.j2", **fixed)
+    text = render("corral_filter", "etc/corral/filter.toml.j2", **fixed,
+                  corral_filter_host_gateway="192.168.121.1")
+    assert tomllib.loads(text)["host"] == {"gateway": "192.168.121.1"}
+
+
 def test_filter_config_with_fixed_upstreams(tmp_path):
     text = render("corral_filter", "etc/corral/filter.toml.j2",
                   corral_filter_upstream=["9.9.9.9:53"], corral_filter_resolv_conf="unused")
@@ -149,6 +157,8 @@ DIFFER_ON_PURPOSE = {
                                    "interface, which Vagrant forwards to the host's loopback",
     ("api.toml", "api", "pidfile"): "code: none unless asked; the role: in the unit's "
                                     "RuntimeDirectory, which only systemd creates",
+    ("filter.toml", "host", "gateway"): "code: none; the role: none as well (empty, and the "
+                                        "table is written only when it is set)",
     ("filter.toml", "inspect", "ca_dir"): "code: inspection off unless a CA is given; the "
                                           "role: the filter's own CA in its state directory",
 }

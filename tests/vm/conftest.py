@@ -96,8 +96,8 @@ def playbook(name: str, inventory: Path, config_home: Path, log_dir: Path, timeo
            "XDG_CONFIG_HOME": str(config_home), "ANSIBLE_FORCE_COLOR": "0",
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / name)]
-    for key, value in extra.items():
-        argv += ["-e", f"{key}={value}" if isinstance(value, str) else json.dumps({key: value})]
+    for key, value in extra.items():  # JSON: a value may be a template, spaces and all
+        argv += ["-e", json.dumps({key: value})]
     log = log_dir / f"{name}.log"  # tail it to watch a run
     print(f"vm: {name}: output in {log}")
     with open(log, "w") as out:

@@ -9,7 +9,8 @@ which provisions it with playbooks/site.yml. Then, on that one VM:
 - the units' hardening as systemd reports it, the boot ruleset, nothing of the appliance on
   this host;
 - the CLI over the forwarded API: a session, a rule, a denial seen live in `corral monitor`,
-  an inspected flow verified upstream, `corral destroy`.
+  an inspected flow verified upstream, a push confined by the git gateway to a git server
+  on this machine (host.corral), `corral destroy`.
 One VM, because each boot and provisioning costs a quarter of an hour under TCG.
 """
 
@@ -25,9 +26,13 @@ import shutil
 import subprocess
 import threading
 import time
+import tomllib
 from pathlib import Path
 
+import asyncssh
 import pytest
+
+from tests import fakes
 
 from . import host
 from .conftest import BIN, CACHE, free_port, playbook, recap, timed
@@ -90,7 +95,8 @@ class Appliance:
     def extra_vars(self) -> dict:
         """What the Vagrantfile hands site.yml, as an inventory user would give it."""
         return {"corral_pki_appliance": NAME, "corral_pki_endpoint": f"127.0.0.1:{self.api_port}",
-                "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS}
+                "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS,
+                "corral_filter_host_gateway": "{{ ansible_default_ipv4.gateway | default('') }}"}
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +284,71 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(appliance, tmp
         assert "700 corral-filter\n600 corral-filter" in out, out
     finally:
         appliance.corral("rm", "--appliance", NAME, "inspected", timeout=300)
+
+
+GIT_PROJECT = """
+[[git]]
+host = "host.corral"
+repos = ["acme/widget"]
+"""
+
+
+def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp_path):
+    """git over SSH from a session in the VM through the appliance's git gateway to a git
+    server on this machine, host.corral (the Vagrantfile gives the filter the VM's default
+    gateway), with a key only the appliance holds: the session's branch is pushed, main is
+    refused with the words git prints, the battery's probe passes, and the server's own port
+    stays closed to the session."""
+    config = tomllib.loads(appliance.ssh("sudo cat /etc/corral/filter.toml").stdout)
+    address = config.get("host", {}).get("gateway")
+    assert address, "the role wrote no [host] gateway: host.corral is no address"
+    root = tmp_path / "repos"
+    root.mkdir()
+    fakes.GitHttp.seed(root, ["acme/widget"])
+    held = asyncssh.generate_private_key("ssh-ed25519")
+    loop = fakes.Loop()
+    server = fakes.GitSsh(loop, root, held.export_public_key().decode(), address)
+    (tmp_path / "known_hosts").write_text(f"host.corral {server.public}\n")
+    (tmp_path / "corral.toml").write_text(GIT_PROJECT)
+    stored = appliance.corral("secret", "set", "VM_HOST_GIT", "--appliance", NAME, "--ssh",
+                              "--host", "host.corral", "--port", str(server.port),
+                              "--known-hosts", str(tmp_path / "known_hosts"),
+                              input=held.export_private_key().decode())
+    assert stored.returncode == 0, stored.stderr
+    try:
+        started = appliance.corral("run", "--appliance", NAME, "--project", str(tmp_path),
+                                   "--name", "pusher", "--detach", timeout=600)
+        assert started.returncode == 0, started.stderr
+        script = ("git config --global user.email agent@corral.test && "
+                  "git config --global user.name agent && cd /tmp && "
+                  "git clone -q git@host.corral:acme/widget.git w && cd w && "
+                  "git commit -q --allow-empty -m vm && "
+                  "git push -q origin HEAD:refs/heads/corral/pusher/vm && "
+                  "echo pushed $(git rev-parse HEAD) && "
+                  "{ git push origin HEAD:main 2>&1 || echo main refused; } && "
+                  f"{{ ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o ConnectTimeout=5 "
+                  f"-p {server.port} git@{address} true; echo direct $?; }}")
+        done = appliance.corral("shell", "--appliance", NAME, "pusher", "--", "sh", "-c",
+                                script, timeout=300)
+        out = done.stdout
+        assert done.returncode == 0, out + done.stderr
+        pushed = re.search(r"^pushed ([0-9a-f]{40})$", out, re.M)
+        refs = fakes.GitHttp.refs(root / "acme/widget.git")
+        assert pushed and refs["refs/heads/corral/pusher/vm"] == pushed.group(1), (out, refs)
+        assert "[remote rejected]" in out and "may push only" in out and "main refused" in out
+        assert refs["refs/heads/main"] != pushed.group(1)
+        assert "direct 255" in out, out  # no tcp rule: only the gateway reaches the host
+        battery = appliance.corral("selftest", "--appliance", NAME, "pusher", "--git-ssh",
+                                   "host.corral", "--git-repo", "acme/widget", "--only",
+                                   "ssh-push-refused", "--json", timeout=300)
+        answer = json.loads(battery.stdout)
+        assert battery.returncode == 0 and answer["passed"], battery.stdout + battery.stderr
+        assert fakes.GitHttp.refs(root / "acme/widget.git") == refs
+    finally:
+        appliance.corral("rm", "--appliance", NAME, "pusher", timeout=300)
+        appliance.corral("secret", "rm", "VM_HOST_GIT", "--appliance", NAME)
+        server.close()
+        loop.close()
 
 
 def test_destroy_removes_the_domain(appliance):
