@@ -91,6 +91,9 @@ def create():
         if size > limit:
             raise ApiError(413, f"the project archive is {size} bytes; the limit is {limit} "
                            "([api] max_upload)")
+        # the app's limit is a JSON body's ([api] max_body): without this, request.stream
+        # refuses every project larger than that (Werkzeug checks it there too)
+        request.max_content_length = limit
         answer = call({"op": "create", **settings}, "sandbox", payload=request.stream, size=size)
     else:
         settings = body({"name": str}, {"presets": list, "project_id": str, "uid": int,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import os
 import socket
 import tarfile
 
@@ -88,6 +89,12 @@ def test_project_uploads_are_checked_before_anything_is_made(api):
     status, answer = send(api, "POST", "/v1/sessions?name=up1&colour=red",
                           archive(("a", b"1")), "application/gzip")
     assert status == 400 and "colour" in answer["error"]["message"]
+    # larger than a JSON body may be ([api] max_body, 16 KiB), within max_upload: it reaches
+    # the sandbox service, which reads it (and refuses its path)
+    larger = archive(("../escape.txt", os.urandom(30000)))
+    assert 16 * 1024 < len(larger) < 65536
+    status, answer = send(api, "POST", "/v1/sessions?name=up1", larger, "application/gzip")
+    assert status == 400 and "outside the destination" in answer["error"]["message"], answer
     big = b"\0" * 70000  # [api] max_upload = 65536 in this fixture
     status, answer = send(api, "POST", "/v1/sessions?name=up1", big, "application/gzip")
     assert status == 413 and "max_upload" in answer["error"]["message"]
