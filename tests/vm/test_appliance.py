@@ -17,6 +17,7 @@ One VM, because each boot and provisioning costs a quarter of an hour under TCG.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import queue
@@ -309,14 +310,20 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
     loop = fakes.Loop()
     server = fakes.GitSsh(loop, root, held.export_public_key().decode(), address)
     (tmp_path / "known_hosts").write_text(f"host.corral {server.public}\n")
-    (tmp_path / "corral.toml").write_text(GIT_PROJECT)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "corral.toml").write_text(GIT_PROJECT)
+    # larger packed than a JSON body may be ([api] max_body, 16 KiB): uploads have a limit
+    # of their own, and a project of any real size must pass
+    blob = os.urandom(64 * 1024)
+    (project / "blob.bin").write_bytes(blob)
     stored = appliance.corral("secret", "set", "VM_HOST_GIT", "--appliance", NAME, "--ssh",
                               "--host", "host.corral", "--port", str(server.port),
                               "--known-hosts", str(tmp_path / "known_hosts"),
                               input=held.export_private_key().decode())
     assert stored.returncode == 0, stored.stderr
     try:
-        started = appliance.corral("run", "--appliance", NAME, "--project", str(tmp_path),
+        started = appliance.corral("run", "--appliance", NAME, "--project", str(project),
                                    "--name", "pusher", "--detach", timeout=600)
         assert started.returncode == 0, started.stderr
         script = ("git config --global user.email agent@corral.test && "
@@ -327,7 +334,8 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
                   "echo pushed $(git rev-parse HEAD) && "
                   "{ git push origin HEAD:main 2>&1 || echo main refused; } && "
                   f"{{ ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o ConnectTimeout=5 "
-                  f"-p {server.port} git@{address} true; echo direct $?; }}")
+                  f"-p {server.port} git@{address} true; echo direct $?; }} && "
+                  "sha256sum /work/blob.bin")
         done = appliance.corral("shell", "--appliance", NAME, "pusher", "--", "sh", "-c",
                                 script, timeout=300)
         out = done.stdout
@@ -338,6 +346,7 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
         assert "[remote rejected]" in out and "may push only" in out and "main refused" in out
         assert refs["refs/heads/main"] != pushed.group(1)
         assert "direct 255" in out, out  # no tcp rule: only the gateway reaches the host
+        assert hashlib.sha256(blob).hexdigest() in out, out
         battery = appliance.corral("selftest", "--appliance", NAME, "pusher", "--git-ssh",
                                    "host.corral", "--git-repo", "acme/widget", "--only",
                                    "ssh-push-refused", "--json", timeout=300)
