@@ -131,9 +131,21 @@ class Tunnels:
     async def _inspect(self, client: Client, server: TlsServer, hello: bytes, host: Host,
                        port: int, up: Upstream, event: dict) -> None:
         proxy, config = self.proxy, self.config
+        # Both handshakes at once: the host was allowed by its name and dialled already, so
+        # TLS to it reveals nothing the client's handshake would decide, and its round
+        # trips overlap the client's instead of following them (a new connection's added
+        # latency). Nothing is sent upstream but the handshake until the client's is done.
+        async def upstream_handshake() -> None:  # made in the task: it may never start
+            await within(up.writer.start_tls(proxy.inspector.upstream,
+                                             server_hostname=host.key,
+                                             ssl_handshake_timeout=config.connect_timeout),
+                         config.connect_timeout)
+
+        upstream_tls = asyncio.ensure_future(upstream_handshake())
         try:
             await server.handshake(hello, config.header_timeout)
         except (ssl.SSLError, ConnectionError, TimeoutError) as exc:  # never a splice instead
+            await _abandon(upstream_tls)
             reason = getattr(exc, "reason", None)  # TLSV1_ALERT_UNKNOWN_CA, as curl says it
             reason = reason.lower().replace("_", " ") if reason else str(exc) or "timed out"
             self._tunnel_denied(client, Denied(Decision(
@@ -141,11 +153,11 @@ class Tunnels:
                 "trust the corral interception CA to reach an inspected host"), str(host)),
                 event, host, port)
             return
+        except BaseException:  # cut, or the filter stopping: the upstream handshake too
+            await _abandon(upstream_tls)
+            raise
         try:
-            await within(up.writer.start_tls(proxy.inspector.upstream,
-                                             server_hostname=host.key,
-                                             ssl_handshake_timeout=config.connect_timeout),
-                         config.connect_timeout)
+            await upstream_tls
         except ssl.SSLCertVerificationError as exc:  # a decision: 403
             refusal = Denied(Decision(False, f"upstream {host}:{port} failed TLS verification:"
                                       f" {exc.verify_message}"), f"{host}:{port}")
@@ -289,3 +301,13 @@ class Tunnels:
                 proxy.closed(event, counters)
         finally:
             proxy.flows.tunnels.release(client.session)
+
+
+async def _abandon(task: asyncio.Future) -> None:
+    """Cancel work this connection no longer needs and wait for it to end (its own error
+    taken, so that nothing logs it as never retrieved); a cut of the caller still ends the
+    caller."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()
