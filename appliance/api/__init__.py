@@ -7,8 +7,9 @@ resource under /v1; every answer, errors included, is JSON.
 
 from __future__ import annotations
 
+import flask
 from flask import Flask, jsonify
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from appliance.control_client import ControlClient, ServiceUnavailable
 
@@ -47,6 +48,13 @@ def create_app(config: ApiConfig) -> Flask:
     @app.errorhandler(ServiceUnavailable)
     def service_down(exc: ServiceUnavailable):
         return jsonify(error={"status": 503, "message": str(exc)}), 503
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def too_large(exc: RequestEntityTooLarge):
+        limit = flask.request.max_content_length  # (`request` here is our module of that name)
+        return jsonify(error={"status": 413, "message": (
+            f"the request body is larger than {limit} bytes, all this request may send"
+            + (" ([api] max_body)" if limit == config.max_body else ""))}), 413
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

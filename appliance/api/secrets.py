@@ -3,7 +3,7 @@ name each secret, its hosts and how it is sent."""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, current_app, jsonify, request
 
 from .request import body, call
 
@@ -15,8 +15,14 @@ def listing():
     return jsonify(call({"op": "secret-list"}))
 
 
+SECRET_BODY = 48 * 1024
+"""The largest secret the filter takes (an 8 KiB value, 32 hosts, 16 host keys) is more than
+a JSON body may be ([api] max_body); the filter's control requests stop at 64 KiB."""
+
+
 @blueprint.put("/secrets/<name>")
 def store(name: str):
+    request.max_content_length = max(SECRET_BODY, current_app.config["MAX_CONTENT_LENGTH"])
     data = body({"value": str, "hosts": list},
                 {"scheme": str, "header": str, "user": str, "requests": list,
                  "host_keys": list, "port": int})

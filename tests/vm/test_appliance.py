@@ -97,7 +97,7 @@ class Appliance:
         """What the Vagrantfile hands site.yml, as an inventory user would give it."""
         return {"corral_pki_appliance": NAME, "corral_pki_endpoint": f"127.0.0.1:{self.api_port}",
                 "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS,
-                "corral_filter_host_gateway": "{{ ansible_default_ipv4.gateway | default('') }}"}
+                "corral_filter_host_gateway": "{{ ansible_facts.default_ipv4.gateway | default('') }}"}
 
 
 @pytest.fixture(scope="module")
