@@ -87,7 +87,14 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                up_w.close()
+                if up_w.get_extra_info("ssl_object") is not None:
+                    # TLS the filter began (inspected): a close would send close_notify and
+                    # wait for the host's, which a host we stopped reading never delivers,
+                    # keeping the socket past the tunnel's share for TLS's 30 s shutdown
+                    # timeout. HTTP framed what was exchanged: nothing is owed to the host.
+                    up_w.transport.abort()
+                else:
+                    up_w.close()
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         except Denied as denied:  # refused before the tunnel opened: answered in HTTP
@@ -163,7 +170,7 @@ class Tunnels:
                                       f" {exc.verify_message}"), f"{host}:{port}")
         except (ssl.SSLError, OSError, TimeoutError) as exc:  # a failure: 502
             refusal = Denied(Decision(False, f"TLS to upstream {host}:{port} failed: "
-                                      f"{exc or 'timed out'}"), f"{host}:{port}", 502)
+                                      f"{str(exc) or 'timed out'}"), f"{host}:{port}", 502)
         else:
             refusal = None
         if refusal is not None:
@@ -296,7 +303,14 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                up_w.close()
+                if up_w.get_extra_info("ssl_object") is not None:
+                    # TLS the filter began (inspected): a close would send close_notify and
+                    # wait for the host's, which a host we stopped reading never delivers,
+                    # keeping the socket past the tunnel's share for TLS's 30 s shutdown
+                    # timeout. HTTP framed what was exchanged: nothing is owed to the host.
+                    up_w.transport.abort()
+                else:
+                    up_w.close()
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         finally:

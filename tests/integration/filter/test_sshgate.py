@@ -281,6 +281,45 @@ def test_the_vm_host_is_host_corral_dialled_at_the_address_the_appliance_was_giv
         vm_host.close()
 
 
+SPELLINGS = ["host.corral", "HOST.CORRAL.", "host.corral ", "ho\u017ft.corral",
+             "host\u3002corral", "host.corra\u217c", "host.cor\u00adral"]
+"""How an agent may write host.corral in CORRAL_GIT_HOST: each is read as host.corral, once,
+for the table, the deny rules, the key and the address alike (from an attack round)."""
+
+
+def test_every_spelling_of_host_corral_needs_its_own_key_and_a_deny_wins(gated):
+    vm_host = fakes.GitSsh(gated.server.loop, gated.root,
+                           asyncssh.import_private_key(gated.held).export_public_key().decode(),
+                           ORIGIN)
+
+    def upload(name):
+        return gated.ssh("git-upload-pack 'acme/widget.git'", "-o",
+                         f"SetEnv={SSH_HOST_VARIABLE}={name}")
+    try:
+        for name in SPELLINGS:  # only git.test's key is held: nothing reaches the VM host
+            done = upload(name)
+            assert done.returncode != 0 and "holds no ssh key for host.corral" in done.stderr
+        assert upload(ORIGIN).returncode != 0  # its address: no table, no key names it
+        assert vm_host.commands == []
+        gated.set_secret(gated.held, [vm_host.public], "host.corral", "VM_HOST_GIT",
+                         vm_host.port)
+        for name in SPELLINGS:
+            before = len(vm_host.commands)
+            upload(name)
+            assert len(vm_host.commands) == before + 1, name
+        calls = len(vm_host.commands)
+        for deny in ("host.corral", "HOST.Corral.", "corral", "*.corral"):
+            gated.filter.reload(POLICY + f'\n[deny]\nnames = ["{deny}"]\n')
+            for name in SPELLINGS:
+                done = upload(name)
+                assert done.returncode != 0 and "denied" in done.stderr, (deny, name)
+        assert len(vm_host.commands) == calls
+    finally:
+        gated.filter.reload(POLICY)
+        gated.remove_secret("VM_HOST_GIT")
+        vm_host.close()
+
+
 def test_a_key_that_is_not_the_sessions_is_refused_at_login(gated, tmp_path):
     stranger = asyncssh.generate_private_key("ssh-ed25519")
     (tmp_path / "key").write_bytes(stranger.export_private_key())
