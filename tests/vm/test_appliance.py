@@ -97,7 +97,8 @@ class Appliance:
         """What the Vagrantfile hands site.yml, as an inventory user would give it."""
         return {"corral_pki_appliance": NAME, "corral_pki_endpoint": f"127.0.0.1:{self.api_port}",
                 "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS,
-                "corral_filter_host_gateway": "{{ ansible_facts.default_ipv4.gateway | default('') }}"}
+                "corral_filter_host_gateway":
+                    "{{ ansible_facts.default_ipv4.gateway | default('') }}"}
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +289,9 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(appliance, tmp
 
 
 GIT_PROJECT = """
+[http]
+allow = ["deb.debian.org"]    # the battery's allowed host (`--allowed`)
+
 [[git]]
 host = "host.corral"
 repos = ["acme/widget"]
@@ -347,11 +351,14 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
         assert refs["refs/heads/main"] != pushed.group(1)
         assert "direct 255" in out, out  # no tcp rule: only the gateway reaches the host
         assert hashlib.sha256(blob).hexdigest() in out, out
-        battery = appliance.corral("selftest", "--appliance", NAME, "pusher", "--git-ssh",
+        battery = appliance.corral("selftest", "--appliance", NAME, "pusher", "--allowed",
+                                   "deb.debian.org", "--git-ssh",
                                    "host.corral", "--git-repo", "acme/widget", "--only",
                                    "ssh-push-refused", "--json", timeout=300)
+        assert battery.returncode == 0, battery.stdout + battery.stderr
         answer = json.loads(battery.stdout)
-        assert battery.returncode == 0 and answer["passed"], battery.stdout + battery.stderr
+        assert answer["passed"] and [p["id"] for p in answer["probes"]] == ["ssh-push-refused"]
+        assert answer["tally"]["unrecorded"] == 0, answer["tally"]
         assert fakes.GitHttp.refs(root / "acme/widget.git") == refs
     finally:
         appliance.corral("rm", "--appliance", NAME, "pusher", timeout=300)
