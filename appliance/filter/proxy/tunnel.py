@@ -87,14 +87,7 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                if up_w.get_extra_info("ssl_object") is not None:
-                    # TLS the filter began (inspected): a close would send close_notify and
-                    # wait for the host's, which a host we stopped reading never delivers,
-                    # keeping the socket past the tunnel's share for TLS's 30 s shutdown
-                    # timeout. HTTP framed what was exchanged: nothing is owed to the host.
-                    up_w.transport.abort()
-                else:
-                    up_w.close()
+                _close_upstream(up_w)
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         except Denied as denied:  # refused before the tunnel opened: answered in HTTP
@@ -303,14 +296,7 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                if up_w.get_extra_info("ssl_object") is not None:
-                    # TLS the filter began (inspected): a close would send close_notify and
-                    # wait for the host's, which a host we stopped reading never delivers,
-                    # keeping the socket past the tunnel's share for TLS's 30 s shutdown
-                    # timeout. HTTP framed what was exchanged: nothing is owed to the host.
-                    up_w.transport.abort()
-                else:
-                    up_w.close()
+                _close_upstream(up_w)
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         finally:
@@ -325,3 +311,15 @@ async def _abandon(task: asyncio.Future) -> None:
     await asyncio.wait([task])
     if not task.cancelled():
         task.exception()
+
+
+def _close_upstream(writer) -> None:
+    """End a tunnel's upstream connection with the tunnel. TLS the filter began (an
+    inspected host) is aborted: a close would send close_notify and wait for the host's,
+    which a host the filter stopped reading never delivers, keeping the socket past the
+    tunnel's share until TLS's 30 s shutdown timeout. HTTP framed what was exchanged:
+    nothing more is owed to the host."""
+    if writer.get_extra_info("ssl_object") is not None:
+        writer.transport.abort()
+    else:
+        writer.close()
