@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-import tests.integration.filter.test_inspect as ti
 from tests.integration.filter.test_inspect import (
     InProcessFilter,
     World,
     client_context,
+    inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
     read_response,
@@ -53,20 +53,9 @@ class Captured(logging.Handler):
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
-    config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-upstream_ca = "{origins.ca.ca_path}"
-"""
-    original = ti.write_config
-    ti.write_config = lambda d, u, **kw: original(d, u, proxy_extra="connect_timeout = 1",
-                                                  **kw)
-    try:
-        process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
-                                  request.param, config, POLICY)
-    finally:
-        ti.write_config = original
+    process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
+                              request.param, inspect_config(interception, origins.ca.ca_path),
+                              POLICY, proxy_extra="connect_timeout = 1")
     handled: list[dict] = []
     process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
                                       lambda loop, context: handled.append(context))
@@ -158,6 +147,32 @@ def clean(lab, before_tasks):
 
 
 # -- scenarios -----------------------------------------------------------------------------
+
+
+def test_the_upstream_handshake_overlaps_the_clients_and_ends_with_it(
+        lab, interception):  # noqa: F811
+    """Both TLS handshakes at once (a new connection waits for one, not two in a row): the
+    origin is sent the filter's ClientHello while the client has sent only its own, and a
+    client that leaves then takes the upstream connection with it."""
+    listener = socket.create_server((World.ADDRESS, 0))
+    listener.settimeout(10)
+    sock = tunnel(lab.proxy_port, f"inspected.test:{listener.getsockname()[1]}")
+    origin, _ = listener.accept()  # dialled at CONNECT, as for every tunnel
+    try:
+        bios = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = client_context(interception).wrap_bio(*bios, server_hostname="inspected.test")
+        with pytest.raises(ssl.SSLWantReadError):
+            obj.do_handshake()
+        sock.sendall(bios[1].read())  # the client's hello, and nothing more
+        origin.settimeout(10)
+        hello = origin.recv(65536)
+        assert hello[:1] == b"\x16" and b"inspected.test" in hello  # the filter's own hello
+        sock.close()  # the client leaves mid-handshake: the upstream goes too
+        while origin.recv(65536):
+            pass
+    finally:
+        for each in (sock, origin, listener):
+            each.close()
 
 
 @pytest.mark.parametrize("client", ["stall", "garbage", "rst", "close"])

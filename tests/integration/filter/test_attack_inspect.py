@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -22,9 +21,9 @@ from cryptography import x509
 from tests.integration.conftest import connect, recv_all
 from tests.integration.filter.test_inspect import (
     InProcessFilter,
-    World,
     client_context,
     get,
+    inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
     read_response,
@@ -49,12 +48,7 @@ deny = ["DELETE /**"]
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def real(request, origins, interception, tmp_path_factory):  # noqa: F811
-    config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-upstream_ca = "{origins.ca.ca_path}"
-"""
+    config = inspect_config(interception, origins.ca.ca_path)
     process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
                               request.param, config, POLICY)
     yield process
@@ -302,32 +296,6 @@ def test_every_failure_path_closes_both_sides(real, origins, interception):  # n
     while open_descriptors() > baseline and time.monotonic() < deadline:
         time.sleep(0.1)
     assert open_descriptors() <= baseline
-
-
-def test_the_upstream_handshake_overlaps_the_clients_and_ends_with_it(
-        real, origins, interception):  # noqa: F811
-    """Both TLS handshakes at once (a new connection waits for one, not two in a row): the
-    origin is sent the filter's ClientHello while the client has sent only its own, and a
-    client that leaves then takes the upstream connection with it."""
-    listener = socket.create_server((World.ADDRESS, 0))
-    listener.settimeout(10)
-    sock = tunnel(real.proxy_port, f"inspected.test:{listener.getsockname()[1]}")
-    origin, _ = listener.accept()  # dialled at CONNECT, as for every tunnel
-    try:
-        bios = ssl.MemoryBIO(), ssl.MemoryBIO()
-        obj = client_context(interception).wrap_bio(*bios, server_hostname="inspected.test")
-        with pytest.raises(ssl.SSLWantReadError):
-            obj.do_handshake()
-        sock.sendall(bios[1].read())  # the client's hello, and nothing more
-        origin.settimeout(10)
-        hello = origin.recv(65536)
-        assert hello[:1] == b"\x16" and b"inspected.test" in hello  # the filter's own hello
-        sock.close()  # the client leaves mid-handshake: the upstream goes too
-        while origin.recv(65536):
-            pass
-    finally:
-        for each in (sock, origin, listener):
-            each.close()
 
 
 def test_a_stalled_handshake_is_cut_within_the_header_timeout(real, origins, interception):  # noqa: F811

@@ -18,6 +18,7 @@ from .test_inspect import (
     InProcessFilter,
     client_context,
     get,
+    inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
     read_response,
@@ -35,13 +36,7 @@ def holding(origins, interception, tmp_path_factory):  # noqa: F811
     x-api-key, GH_TOKEN for plain.test (not named: inspected because it is bound) as a
     bearer token."""
     directory = tmp_path_factory.mktemp("filter")
-    config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-upstream_ca = "{origins.ca.ca_path}"
-scan_bytes = {SCAN_BYTES}
-"""
+    config = inspect_config(interception, origins.ca.ca_path, f"scan_bytes = {SCAN_BYTES}\n")
     process = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
     socket = directory / "filter.sock"
     answers = [

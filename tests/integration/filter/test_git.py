@@ -19,6 +19,7 @@ from .test_inspect import (  # noqa: F401  (fixtures)
     World,
     client_context,
     get,
+    inspect_config,
     interception,
     origins,
     tls_through,
@@ -78,12 +79,7 @@ class Git(GitClient):
         origins.dns.zone["git.test"] = [("A", World.ADDRESS, 300)]
         self.server = fakes.GitHttp(origins.loop, self.root,
                                     origins.ca.server_context(["git.test"]), World.ADDRESS)
-        config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-upstream_ca = "{origins.ca.ca_path}"
-"""
+        config = inspect_config(interception, origins.ca.ca_path)
         directory = root / "filter"
         directory.mkdir()
         self.filter = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)

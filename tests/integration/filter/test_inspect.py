@@ -38,12 +38,24 @@ MINT_BURST = 20
 # -- the filter, in this process ---------------------------------------------------------------
 
 
+def inspect_config(interception: Path, upstream_ca: str | None = None, extra: str = "") -> str:
+    """The filter's [inspect] table: the interception CA `interception` holds, `upstream_ca`
+    (the origins' CA) as what upstreams are verified against, and `extra` lines after them
+    (more keys of the table, or tables of their own)."""
+    lines = ["[inspect]", f'ca_cert = "{interception / "intercept-ca.crt"}"',
+             f'ca_key = "{interception / "intercept-ca.key"}"']
+    if upstream_ca is not None:
+        lines.append(f'upstream_ca = "{upstream_ca}"')
+    return "\n" + "\n".join(lines) + "\n" + extra
+
+
 class InProcessFilter:
     """corral-filter's Service on a loop thread."""
 
     def __init__(self, directory: Path, dns, event_loop: str, inspect: str, policy: str,
-                 dns_extra: str = ""):
-        config_path = write_config(directory, dns, extra_config=inspect, dns_extra=dns_extra)
+                 dns_extra: str = "", proxy_extra: str = ""):
+        config_path = write_config(directory, dns, extra_config=inspect, dns_extra=dns_extra,
+                                   proxy_extra=proxy_extra)
         self.directory = directory
         (directory / "s1.toml").write_text(policy)
         (directory / "s2.toml").write_text(policy)
@@ -192,15 +204,10 @@ table with no allow list lets every request through that no deny matches)."""
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def inspecting(request, origins, interception, tmp_path_factory):
-    config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-upstream_ca = "{origins.ca.ca_path}"
-leaf_cache = {LEAF_CACHE}
+    config = inspect_config(interception, origins.ca.ca_path, f"""leaf_cache = {LEAF_CACHE}
 mint_burst = {MINT_BURST}
 mint_rate = 0.01
-"""
+""")
     process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
                               request.param, config, POLICY,
                               dns_extra="exfil_names = 1000")

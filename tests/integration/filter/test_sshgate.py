@@ -25,6 +25,7 @@ from .test_git import GitClient
 from .test_inspect import (  # noqa: F401  (fixtures)
     InProcessFilter,
     World,
+    inspect_config,
     interception,
     origins,
 )
@@ -64,11 +65,7 @@ class Gated(GitClient):
                                    held.export_public_key().decode(), World.ADDRESS)
         origins.dns.zone["git.test"] = [("A", World.ADDRESS, 300)]
         origins.dns.zone["nokey.test"] = [("A", World.ADDRESS, 300)]
-        config = f"""
-[inspect]
-ca_cert = "{interception / 'intercept-ca.crt'}"
-ca_key = "{interception / 'intercept-ca.key'}"
-{SSHGATE}"""
+        config = inspect_config(interception, extra=SSHGATE)
         directory = root / "filter"
         directory.mkdir()
         self.filter = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
