@@ -313,20 +313,20 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
     held = asyncssh.generate_private_key("ssh-ed25519")
     loop = fakes.Loop()
     server = fakes.GitSsh(loop, root, held.export_public_key().decode(), address)
-    (tmp_path / "known_hosts").write_text(f"host.corral {server.public}\n")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "corral.toml").write_text(GIT_PROJECT)
-    # larger packed than a JSON body may be ([api] max_body, 16 KiB): uploads have a limit
-    # of their own, and a project of any real size must pass
-    blob = os.urandom(64 * 1024)
-    (project / "blob.bin").write_bytes(blob)
-    stored = appliance.corral("secret", "set", "VM_HOST_GIT", "--appliance", NAME, "--ssh",
-                              "--host", "host.corral", "--port", str(server.port),
-                              "--known-hosts", str(tmp_path / "known_hosts"),
-                              input=held.export_private_key().decode())
-    assert stored.returncode == 0, stored.stderr
     try:
+        (tmp_path / "known_hosts").write_text(f"host.corral {server.public}\n")
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "corral.toml").write_text(GIT_PROJECT)
+        # larger packed than a JSON body may be ([api] max_body, 16 KiB): uploads have a limit
+        # of their own, and a project of any real size must pass
+        blob = os.urandom(64 * 1024)
+        (project / "blob.bin").write_bytes(blob)
+        stored = appliance.corral("secret", "set", "VM_HOST_GIT", "--appliance", NAME, "--ssh",
+                                  "--host", "host.corral", "--port", str(server.port),
+                                  "--known-hosts", str(tmp_path / "known_hosts"),
+                                  input=held.export_private_key().decode())
+        assert stored.returncode == 0, stored.stderr
         started = appliance.corral("run", "--appliance", NAME, "--project", str(project),
                                    "--name", "pusher", "--detach", timeout=600)
         assert started.returncode == 0, started.stderr
@@ -360,7 +360,7 @@ def test_a_confined_push_from_a_real_session_inside_the_appliance(appliance, tmp
         assert answer["passed"] and [p["id"] for p in answer["probes"]] == ["ssh-push-refused"]
         assert answer["tally"]["unrecorded"] == 0, answer["tally"]
         assert fakes.GitHttp.refs(root / "acme/widget.git") == refs
-    finally:
+    finally:  # each whether or not it was made: what was not says so and changes nothing
         appliance.corral("rm", "--appliance", NAME, "pusher", timeout=300)
         appliance.corral("secret", "rm", "VM_HOST_GIT", "--appliance", NAME)
         server.close()
