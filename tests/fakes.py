@@ -9,8 +9,10 @@ synchronous socket code.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import errno
+import hashlib
 import ipaddress
 import json
 import os
@@ -142,11 +144,20 @@ class FakeDns:
         self.tcp.close()
 
 
+def websocket_accept(key: str) -> str:
+    """The Sec-WebSocket-Accept a server answers `key` with (RFC 6455 §4.2.2)."""
+    digest = hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()
+    return base64.b64encode(digest).decode()
+
+
 class FakeHttp:
     """An HTTP/1.1 origin. Every response body is JSON describing the request it got.
 
     /chunked answers with a chunked body; /close with a close-delimited one; /upgrade
-    switches protocols and then echoes bytes back; anything else answers with a length.
+    switches to a WebSocket and then echoes bytes back; /status/101 answers 101 as httpbin
+    does, switching nothing (/status/101/wrong-accept with WebSocket fields and a wrong
+    Sec-WebSocket-Accept) and reads the next request as HTTP; anything else answers with a
+    length.
     """
 
     def __init__(self, loop: Loop, ssl_context: ssl.SSLContext | None = None, port: int = 0,
@@ -196,12 +207,21 @@ class FakeHttp:
                             "ssl_object")) else None}
                 self.requests.append(info)
                 payload = json.dumps(info).encode()
-                if path == "/upgrade":
-                    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\n"
-                                 b"Connection: Upgrade\r\n\r\n")
+                if path == "/upgrade":  # a real WebSocket switch, then an echo of the bytes
+                    accept = websocket_accept(headers.get("sec-websocket-key", ""))
+                    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                 b"Connection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n\r\n"
+                                 % accept.encode())
                     while data := await reader.read(65536):
                         writer.write(data)
                     break
+                if path.startswith("/status/101"):  # httpbin's: a 101 that switches nothing,
+                    writer.write(b"HTTP/1.1 101 Switching Protocols\r\n"  # then more HTTP
+                                 + (b"Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                                    b"Sec-WebSocket-Accept: d3JvbmcgYWNjZXB0IGtleQ==\r\n"
+                                    if path.endswith("/wrong-accept") else b"") + b"\r\n")
+                    await writer.drain()
+                    continue
                 if path == "/chunked":
                     writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
                     for i in range(0, len(payload), 7):

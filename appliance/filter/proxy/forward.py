@@ -46,6 +46,7 @@ from .pipeline import (
     response,
     route,
     strip_empty_lines,
+    switch_refusal,
     wants_close,
     websocket,
 )
@@ -577,6 +578,9 @@ class Forward:
         if status == 101:
             if not upgrade:
                 raise HttpError(502, "the upstream switched protocols unasked")
+            refusal = switch_refusal(head, reply)
+            if refusal is not None:  # not a switch: never raw relay (the upstream is dropped)
+                raise HttpError(502, f"{refusal}: not relayed")
             # the frames are not inspected (the WebSocket's own protocol); relayed by the
             # streams, not spliced: a splice would take descriptors no cap counts
             client.writer.write(serialise_response(reply, keep=frozenset({"upgrade"})))

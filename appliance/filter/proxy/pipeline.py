@@ -19,6 +19,8 @@ Routing rules:
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -204,8 +206,40 @@ def websocket(head: Head) -> bool:
     """Does the request ask to switch to a WebSocket (the one upgrade the proxy relays)? Any
     other (h2c above all: HTTP/2 would carry requests to any :authority past the proxy) goes
     on as a plain request without its Upgrade, and the upstream cannot switch."""
-    return ("upgrade" in head.tokens("connection") and head.tokens("upgrade") == {"websocket"}
-            and head.get("sec-websocket-key") is not None)
+    return (head.start[0] == "GET" and head.start[2] == "HTTP/1.1"
+            and "upgrade" in head.tokens("connection")
+            and head.tokens("upgrade") == {"websocket"}
+            and len(head.get_all("sec-websocket-key")) == 1)
+
+
+WEBSOCKET_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def switch_refusal(request: Head, reply: Head) -> str | None:
+    """Why a 101 the upstream sent to a WebSocket request is not a real switch (None: it
+    is one). Only then does the connection stop being HTTP: a 101 that switched nothing
+    (httpbin's /status/101 answers one and reads on) would turn the connection into raw
+    relay, and the requests after it would reach the origin unread. A real switch names
+    the protocol asked for and proves the server read this request's key (RFC 6455
+    §4.2.2): `Upgrade: websocket`, `Connection: upgrade` and the right
+    `Sec-WebSocket-Accept`."""
+    if reply.tokens("upgrade") != {"websocket"}:
+        return "the upstream answered 101 without switching to the WebSocket asked for"
+    if "upgrade" not in reply.tokens("connection"):
+        return "the upstream answered 101 without Connection: upgrade"
+    key = (request.get("sec-websocket-key") or "").strip()
+    accept = reply.get_all("sec-websocket-accept")
+    if len(accept) != 1 or accept[0].strip() != websocket_accept(key):
+        return ("the upstream answered 101 without the Sec-WebSocket-Accept that proves it "
+                "switched")
+    return None
+
+
+def websocket_accept(key: str) -> str:
+    """The Sec-WebSocket-Accept a server that read `key` answers with."""
+    digest = hashlib.sha1((key + WEBSOCKET_GUID).encode("latin-1"),  # RFC 6455 names SHA-1
+                          usedforsecurity=False).digest()
+    return base64.b64encode(digest).decode()
 
 
 def strip_empty_lines(data: bytes) -> tuple[bytes, int]:

@@ -10,6 +10,7 @@ filter or the policy is replaced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -416,6 +417,29 @@ def test_a_websocket_upgrade_is_relayed_after_inspection(inspecting, origins, in
         while len(echoed) < 24:
             echoed += tls.recv(4096)
         assert echoed == b"frames are not inspected"
+
+
+WEBSOCKET_ASK = ("Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+
+
+@pytest.mark.parametrize("path", ["/status/101", "/status/101/wrong-accept"])
+def test_a_101_that_switches_nothing_leaves_no_request_unread(inspecting, origins,
+                                                              interception, path):
+    """httpbin's /status/101 answers 101 and goes on reading HTTP: relaying raw bytes after
+    it would carry the next requests (a denied DELETE, a token) past every check."""
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with tls_through(inspecting, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", path, extra=WEBSOCKET_ASK)
+        assert status == 502 and "101" in headers["x-corral-error"]
+        with contextlib.suppress(OSError):
+            tls.sendall(f"DELETE /repos/x HTTP/1.1\r\nHost: inspected.test:{port}\r\n"
+                        "\r\n".encode())
+            tls.recv(4096)
+    assert [r["path"] for r in origins["good"].requests[before:]] == [path]
+    inspecting.wait_event(lambda e: e.get("verdict") == "error"
+                          and "answered 101 without" in (e.get("reason") or ""))
 
 
 def test_transparent_443_to_an_inspected_host(inspecting, origins, interception):

@@ -281,6 +281,15 @@ def test_a_websocket_upgrade_switches_to_a_tunnel(corral_filter):
         assert sock.recv(4) == b"ping"
 
 
+def test_a_101_that_switches_nothing_is_not_relayed_as_a_tunnel(corral_filter):
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(b"GET http://allowed.test/status/101 HTTP/1.1\r\nHost: allowed.test\r\n"
+                     b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        data = recv_all(sock)
+    assert status_of(data) == 502 and b"answered 101 without switching" in data
+
+
 def test_host_corral_reaches_only_listed_host_ports(corral_filter):
     raw = exchange(corral_filter.proxy_port,
                    b"GET http://host.corral:8080/h HTTP/1.1\r\nHost: host.corral:8080\r\n\r\n")

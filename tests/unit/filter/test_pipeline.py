@@ -257,3 +257,38 @@ def test_only_a_websocket_upgrade_is_relayed(fields, relayed):
     assert websocket(request) is relayed
     sent = outgoing(request, route(request, Explicit()), upgrade=websocket(request))
     assert (b"Upgrade:" in sent) is relayed and b"HTTP2-Settings" not in sent
+
+
+@pytest.mark.parametrize("line", ["POST http://a.test/ HTTP/1.1", "GET http://a.test/ HTTP/1.0"])
+def test_a_websocket_is_asked_for_by_a_get_in_http_1_1_only(line):
+    from appliance.filter.proxy.pipeline import websocket
+
+    assert not websocket(head(f"{line}\nConnection: Upgrade\nUpgrade: websocket\n"
+                              "Sec-WebSocket-Key: k\n"))
+
+
+KEY = "dGhlIHNhbXBsZSBub25jZQ=="
+ACCEPT = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # RFC 6455 §1.3's own example
+
+
+@pytest.mark.parametrize(("fields", "switched"), [
+    (f"Upgrade: websocket\nConnection: Upgrade\nSec-WebSocket-Accept: {ACCEPT}\n", True),
+    (f"Upgrade: WebSocket\nConnection: keep-alive, upgrade\nSec-WebSocket-Accept:  {ACCEPT}\n",
+     True),
+    ("", False),  # httpbin's /status/101
+    ("Upgrade: websocket\nConnection: Upgrade\n", False),
+    ("Upgrade: websocket\nConnection: Upgrade\nSec-WebSocket-Accept: d3Jvbmc=\n", False),
+    (f"Upgrade: websocket\nConnection: Upgrade\nSec-WebSocket-Accept: {ACCEPT}\n"
+     f"Sec-WebSocket-Accept: {ACCEPT}\n", False),
+    (f"Upgrade: h2c\nConnection: Upgrade\nSec-WebSocket-Accept: {ACCEPT}\n", False),
+    (f"Upgrade: websocket, h2c\nConnection: Upgrade\nSec-WebSocket-Accept: {ACCEPT}\n", False),
+    (f"Upgrade: websocket\nSec-WebSocket-Accept: {ACCEPT}\n", False),
+])
+def test_only_a_101_that_proves_the_switch_ends_http_on_the_connection(fields, switched):
+    from appliance.filter.proxy.pipeline import switch_refusal
+
+    request = head(f"GET http://a.test/ws HTTP/1.1\nConnection: Upgrade\nUpgrade: websocket\n"
+                   f"Sec-WebSocket-Key: {KEY}\n")
+    reply = parse_response(("HTTP/1.1 101 Switching Protocols\n" + fields + "\n")
+                           .replace("\n", "\r\n").encode())
+    assert (switch_refusal(request, reply) is None) is switched
