@@ -37,6 +37,9 @@ NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 FIELD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 SCHEMES = ("bearer", "basic", "header", "ssh")
 MAX_VALUE = 8192
+MIN_VALUE = 8
+"""The shortest value the leak scanner looks for (proxy/leaks.py): shorter ones would be
+found in ordinary text, so a secret is never given one (it would go unscanned)."""
 MAX_HOSTS = 32
 MAX_REQUESTS = 32
 MAX_HOST_KEYS = 16
@@ -133,8 +136,12 @@ def parse(request: dict) -> Secret:
     if scheme == "ssh":
         return _ssh(name, request, value)
     if len(value) > MAX_VALUE or not all(" " < c <= "~" for c in value):
-        raise SecretError(f"secret {name}: the value must be 1-{MAX_VALUE} printable ASCII "
-                          "characters without spaces (it goes into an HTTP header)")
+        raise SecretError(f"secret {name}: the value must be {MIN_VALUE}-{MAX_VALUE} printable "
+                          "ASCII characters without spaces (it goes into an HTTP header)")
+    if len(value) < MIN_VALUE:
+        raise SecretError(f"secret {name}: a value of {len(value)} characters; at least "
+                          f"{MIN_VALUE}, the shortest the leak scanner looks for (a shorter one "
+                          "would match ordinary text, and would go out unscanned)")
     normal = _hosts(name, request.get("hosts"))
     if scheme not in SCHEMES:
         raise SecretError(f"secret {name}: 'scheme' must be one of {', '.join(SCHEMES)}")

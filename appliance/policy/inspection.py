@@ -57,6 +57,9 @@ class HostRules:
     denies: tuple[Rule, ...]
     reads_query: bool
     """Whether some pattern names a query parameter (else the query is never parsed)."""
+    names_methods: bool = False
+    """Whether some pattern names a method (else a method override changes nothing, and a
+    body is never read to find one)."""
 
     @classmethod
     def merge(cls, rules: Iterable[Rule]) -> HostRules:
@@ -67,7 +70,8 @@ class HostRules:
             else:
                 (denies if rule.request.deny else allows).append(rule)
         return cls(tuple(marks), tuple(allows) if allows else None, tuple(denies),
-                   any(r.request.query for r in (*allows, *denies)))
+                   any(r.request.query for r in (*allows, *denies)),
+                   any(r.request.method is not None for r in (*allows, *denies)))
 
 
 Pairs = tuple[tuple[str, str], ...]
@@ -109,6 +113,12 @@ class Inspection:
     def restricted(self) -> bool:
         """Whether a request needs an allow pattern (some covering table has `allow`)."""
         return self.rules.allows is not None
+
+    @property
+    def names_methods(self) -> bool:
+        """Do the host's request rules tell methods apart (so that what a request asks to
+        be read as matters, bodies included)?"""
+        return self.rules.names_methods
 
     @property
     def scanned(self) -> bool:

@@ -17,7 +17,6 @@ filter, so this check is a tripwire that names what an agent tried, not the boun
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from urllib.parse import unquote
 from appliance.policy import PLACEHOLDER_MARK, Host
 
 from ..secrets import Secret
-from .leaks import Leaks
+from .leaks import Leaks, basic_credential
 
 DIGEST_HEX = 32
 
@@ -129,12 +128,25 @@ class Credentials:
                     raise self._leak(f"the field {name[:40]}", name + value, session)
         for name, value in out:
             if name.lower() in ("authorization", "proxy-authorization"):
-                decoded = _basic(value)
+                decoded = basic_credential(value)
                 if decoded is not None and _marked(decoded):
                     raise self._leak(f"the basic-auth credential in {name}", decoded, session)
         if _marked(target) or ("%" in target and _marked(unquote(target))):
             raise self._leak("the request target", unquote(target), session)
         return Applied(tuple(out), tuple(used))
+
+    def unpermitted(self, used: tuple[str, ...], methods: list[str], target: str) -> str | None:
+        """Why a request that was given these secrets may not keep them once its body asks
+        to be read as `methods` (a secret limited to request patterns goes only with what
+        they allow, for every method the request asks for); None when all may."""
+        for name in used:
+            secret = self.secrets.get(name)
+            refused = next((m for m in methods if secret is None
+                            or not secret.permits(m, target)), None)
+            if refused is not None:
+                return (f"secret {name} goes only with its request patterns, and the body "
+                        f"asks for the request to be read as {refused[:20]!r}")
+        return None
 
     def _leak(self, where: str, text: str, session: str | None) -> Leak:
         """Which secret a placeholder in `text` stands for, when it is one of this
@@ -165,7 +177,7 @@ def _swap(secret: Secret, field: str, value: str, placeholder: str) -> str | Non
         return None
     if scheme.lower() != "basic":  # basic: the placeholder as password (or as user, alone)
         return None
-    decoded = _basic(value)
+    decoded = basic_credential(value)
     if decoded is None:
         return None
     user, _, password = decoded.partition(":")
@@ -173,17 +185,3 @@ def _swap(secret: Secret, field: str, value: str, placeholder: str) -> str | Non
         pair = f"{secret.user}:{secret.value}".encode()
         return f"{scheme} {base64.b64encode(pair).decode()}"
     return None
-
-
-def _basic(value: str) -> str | None:
-    """The user:password of a basic-auth field, or None if it is not one. Read as leniently
-    as servers do (no padding, URL-safe letters, spaces inside): this is what the leak check
-    looks into, and a strict reading would let a placeholder by."""
-    scheme, _, credential = value.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    text = "".join(credential.split()).replace("-", "+").replace("_", "/")
-    try:
-        return base64.b64decode(text + "=" * (-len(text) % 4)).decode("latin-1")
-    except (binascii.Error, ValueError):
-        return None

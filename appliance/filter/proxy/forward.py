@@ -29,19 +29,22 @@ from ..http import (
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
 from . import git
+from .content import codings
 from .credentials import Leak
+from .overrides import body_kinds
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
     Explicit,
     InTunnel,
     Mode,
+    asked_methods,
     deny_response,
     error_response,
+    judge_asked,
     judge_request,
     keeps_after_refusal,
     outgoing,
-    override_methods,
     request_fields,
     response,
     route,
@@ -50,6 +53,7 @@ from .pipeline import (
     wants_close,
     websocket,
 )
+from .reading import BodyReading, examine
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
@@ -300,11 +304,15 @@ class Forward:
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
         ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
+        read = inspection is not None or ended  # a secret's host is read without a table too
+        if read:  # a value the agent holds, written into a field (before any is attached)
+            leaked = proxy.credentials.leaks(session).in_fields(head.headers)
+            if leaked is not None:
+                return await self._leaked(client, head, where, session, fields, leaked), kept
         try:
-            overrides = tuple(m.upper() if m.isascii() else m for _, m in override_methods(
-                head, where.path)) if ended else ()
+            asked = tuple(m for _, m in asked_methods(head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0], overrides)
+                                              ended, head.start[0], asked)
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
@@ -326,14 +334,22 @@ class Forward:
                                             holding)
             if refused is not None:
                 return refused, kept
-        if inspection is not None or ended:  # a secret's host is read without a table too
-            leaked, body = await self._scan(client, head, where, inspection, session, body,
-                                            holding)
-            if leaked is not None:
-                decision = Decision(False, leaked.reason)
-                proxy.event(decision, client, session, "leak", where.host, where.port,
-                            **fields, detector=leaked.detector)
-                return await self._refuse(client, head, Denied(decision, where.target),
+        if read:
+            reading, body = await self._read(client, head, inspection, session, body, holding)
+            if reading.finding is not None:
+                return await self._leaked(client, head, where, session, fields,
+                                          reading.finding, body is not None), kept
+            refusal = Decision(False, reading.refusal) if reading.refusal else None
+            if refusal is None and reading.methods:
+                methods = list(reading.methods)
+                refusal = judge_asked(inspection, head, where, methods)
+                unpermitted = proxy.credentials.unpermitted(
+                    applied.used, [m for _, m in methods], head.start[1])
+                if refusal is None and unpermitted:
+                    refusal = Decision(False, unpermitted)
+            if refusal is not None:
+                proxy.event(refusal, client, session, "http", where.host, where.port, **fields)
+                return await self._refuse(client, head, Denied(refusal, where.target),
                                           read=body is not None), kept
         key = (str(where.host), where.port)
         if isinstance(mode, InTunnel) or (
@@ -467,24 +483,41 @@ class Forward:
         await drain(client.writer, self.config.idle_timeout)
         return keep, None
 
-    async def _scan(self, client: Client, head, where, inspection, session: str | None,
-                    body: bytes | None, holding: list):
-        """Read what a request to an inspected host carries out for leaks (leaks.py): (the
-        finding or None, the body if it has been read whole). The target always; the body
-        unless the host says `scan = false` or it was read already (a push on a [[git]]
-        host: its pack is compressed, judged by its refs). Raises HttpError for a body too
-        large to hold."""
+    async def _leaked(self, client: Client, head, where, session: str | None, fields: dict,
+                      found, read: bool = False) -> bool:
+        """Refuse a request that carries a leak out (leaks.py): an event of kind `leak`
+        naming the detector and where, never the value."""
+        decision = Decision(False, found.reason)
+        self.proxy.event(decision, client, session, "leak", where.host, where.port, **fields,
+                         detector=found.detector)
+        return await self._refuse(client, head, Denied(decision, where.target), read=read)
+
+    async def _read(self, client: Client, head, inspection, session: str | None,
+                    body: bytes | None, holding: list) -> tuple[BodyReading, bytes | None]:
+        """Read what a request to an inspected host carries out (reading.py): (what was
+        found, the body if it has been read whole). The target is always scanned for leaks;
+        the body is read whole when it is scanned (unless the host says `scan = false`) or
+        may carry a method override its host's rules would judge, and was not read already
+        (a push on a [[git]] host: its pack is compressed, judged by its refs). Raises
+        HttpError for a body too large to hold."""
         leaks = self.proxy.credentials.leaks(session)
         found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
-        if (found is not None or body is not None or not (head.chunked or head.content_length)
-                or (inspection is not None and not inspection.scanned)):
-            return found, body
+        if found is not None or body is not None or not (head.chunked or head.content_length):
+            return BodyReading(finding=found), body
+        scanned = inspection is None or inspection.scanned
+        methods = inspection is not None and inspection.names_methods and bool(
+            body_kinds(head))
+        if not scanned and not methods:
+            return BodyReading(), None
         inspector = self.proxy.inspector
         limit = inspector.config.scan_bytes if inspector is not None else SCAN_BYTES
+        why = ("for leaks; a host that takes bulk uploads says scan = false in its [[inspect]] "
+               "table") if scanned else (
+               "to find a method override (its type can carry one, and the host's request "
+               "rules name methods)")
         if (head.content_length or 0) > limit:  # before a 100 Continue sends it on its way
             raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
-                            f"reads at most {limit} for leaks, and a host that takes bulk "
-                            "uploads says scan = false in its [[inspect]] table")
+                            f"reads at most {limit} {why}")
         self.hold(session, head.content_length or limit, holding)
         if (head.get("expect") or "").lower() == "100-continue":
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -492,12 +525,12 @@ class Forward:
             body = await read_body(head, client.reader, limit, self.config.idle_timeout)
         except HttpError as exc:
             if exc.status == 413:
-                raise HttpError(413, f"{exc} for leaks; a host that takes bulk uploads says "
-                                "scan = false in its [[inspect]] table") from None
+                raise HttpError(413, f"{exc} {why}") from None
             raise
-        if len(body) > OFF_LOOP:  # a regex pass over a MiB is milliseconds: not on the loop
-            return await asyncio.to_thread(leaks.scan, body, "the body"), body
-        return leaks.scan(body, "the body"), body
+        args = (body, head, leaks if scanned else None, methods)
+        if len(body) > OFF_LOOP or codings(head):  # a regex pass over a MiB, or inflating a
+            return await asyncio.to_thread(examine, *args), body  # body: not here
+        return examine(*args), body
 
     async def _agent_ask(self, client: Client, head, where) -> bool:
         """An agent asking a person for a host (request.corral): answered here, in JSON, and

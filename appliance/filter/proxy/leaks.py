@@ -10,21 +10,45 @@ heuristics (entropy, keywords) belong to the scan of a project before it enters 
 where detect-secrets runs (not here).
 
 What is read: a body up to `[inspect] scan_bytes` (held whole before any of it is sent: a
-finding means nothing of it left); a larger one is refused unless its host is `unscanned`
-(bulk uploads). Not read: header fields for token formats (a request's own credentials ride
-there; credentials.py watches placeholders in them), encodings other than the raw bytes
-and percent-escapes (gzip, base64: an agent that encodes a secret on purpose is not stopped
-by this; it is a tripwire for the accidents and the careless, the firewall is the boundary),
-git pushes (their packs are compressed; git.py judges them by ref), and WebSocket frames
-after an upgrade (relayed, not read). JSON's escapes are read as far as the token's start
-(a token right after `\\n` is found), not inside the token (`\\u0067hp_...` is not).
+finding means nothing of it left), as sent and as the origin decodes it (reading.py:
+content codings and multipart transfer encodings undone); a larger one is refused unless its
+host is `unscanned` (bulk uploads). Header fields are read for secret values only
+(`in_fields`, as the agent wrote them, before a secret is attached): a request's own
+credentials ride there, so token formats are not looked for, and placeholders in them are
+credentials.py's. Not read: encodings a request does not declare (base64 inside a JSON
+string: an agent that encodes a secret on purpose is not stopped by this; it is a tripwire
+for the accidents and the careless, the firewall is the boundary), git pushes (their packs
+are compressed; git.py judges them by ref), and WebSocket frames after an upgrade (relayed,
+not read). JSON's escapes are read as far as the token's start (a token right after `\\n`
+is found), not inside the token (`\\u0067hp_...` is not).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
+
+from ..secrets import MIN_VALUE
+
+AUTH_FIELDS = frozenset({"authorization", "proxy-authorization"})
+
+
+def basic_credential(value: str) -> str | None:
+    """The user:password of a basic-auth field, or None if it is not one. Read as leniently
+    as servers do (no padding, URL-safe letters, spaces inside): leak checks look into it,
+    and a strict reading would let a value or a placeholder by."""
+    scheme, _, credential = value.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    text = "".join(credential.split()).replace("-", "+").replace("_", "/")
+    try:
+        return base64.b64decode(text + "=" * (-len(text) % 4)).decode("latin-1")
+    except (binascii.Error, ValueError):
+        return None
+
 
 _WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _UPPER = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
@@ -80,7 +104,9 @@ DETECTORS: tuple[Detector, ...] = (
         rb"eyJ[A-Za-z0-9_-]{10,}+\.eyJ[A-Za-z0-9_-]{10,}+\.[A-Za-z0-9_-]{16}"), _WORD),
 )
 """Token formats that are secrets whatever host they go to."""
-PLACEHOLDER = re.compile(rb"corral-secret-[a-z0-9-]{1,80}-[0-9a-f]{32}")
+PLACEHOLDER = re.compile(rb"corral-secret-[a-z0-9-]{1,80}-[0-9a-f]{32}", re.IGNORECASE)
+"""A placeholder in any letter case: servers that fold case (header values, hex digits)
+would read it as the same placeholder, so the tripwire must too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +129,40 @@ class Leaks:
     __slots__ = ("_own", "_values")
 
     def __init__(self, values: dict[str, bytes], own: frozenset[bytes] = frozenset()):
-        self._values = {name: value for name, value in values.items() if len(value) >= 8}
+        self._values = {name: value for name, value in values.items()
+                        if len(value) >= MIN_VALUE}
         self._own = own
+
+    def in_fields(self, fields: tuple[tuple[str, str], ...]) -> Finding | None:
+        """The first secret value in a request's header fields, as the agent wrote them
+        (before a secret is attached): in any field's name or value, percent-decoded too
+        (cookies), and inside basic-auth credentials. Only values: a request's own
+        credentials ride in its fields, so token formats are not looked for here, and
+        placeholders are the credentials module's."""
+        if not self._values:
+            return None
+        for name, value in fields:
+            held = self._value_in(name.encode("latin-1", "replace"))
+            if held is not None:  # never quoted: the name is the value
+                return Finding(held, "a field's name")
+            where = f"the field {name[:40]}"
+            texts = [value.encode("latin-1", "replace")]
+            decoded = basic_credential(value) if name.lower() in AUTH_FIELDS else None
+            if decoded is not None:
+                texts.append(decoded.encode("latin-1", "replace"))
+            for text in texts:
+                found = self._value_in(text)
+                if found is None and b"%" in text:
+                    found = self._value_in(unquote_to_bytes(text))
+                if found is not None:
+                    return Finding(found, where)
+        return None
+
+    def _value_in(self, data: bytes) -> str | None:
+        for name, value in self._values.items():
+            if value in data:
+                return f"the secret {name}"
+        return None
 
     def scan(self, data: bytes, where: str) -> Finding | None:
         """The first leak in `data` (also read percent-decoded when it holds escapes)."""
@@ -114,11 +172,11 @@ class Leaks:
         return found
 
     def _scan(self, data: bytes, where: str) -> Finding | None:
-        for name, value in self._values.items():
-            if value in data:
-                return Finding(f"the secret {name}", where)
+        held = self._value_in(data)
+        if held is not None:
+            return Finding(held, where)
         for match in PLACEHOLDER.finditer(data):
-            if match.group() not in self._own:
+            if match.group().lower() not in self._own:
                 return Finding("a placeholder that is not this session's", where)
         for detector in DETECTORS:
             if detector.search(data):

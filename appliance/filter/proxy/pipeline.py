@@ -23,13 +23,12 @@ import base64
 import hashlib
 from dataclasses import dataclass
 from http import HTTPStatus
-from urllib.parse import unquote
 
 from appliance.policy import Decision, Host, HostNameError, parse_host
-from appliance.policy.targets import Ambiguous, query_pairs
 
 from ..approvals import request_hint
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
+from . import overrides
 
 OWN = frozenset({"host", "content-length", "transfer-encoding"})
 """Fields the upstream gets as the proxy writes them (from what it judged and how it reads
@@ -250,47 +249,50 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
     return data, count
 
 
-METHOD_OVERRIDES = ("x-http-method-override", "x-http-method", "x-method-override")
-"""Fields that frameworks read as the request's real method (Rack and so Rails and GitLab,
-Express's method-override, Symfony and Laravel, ASP.NET, Google's APIs): a `POST` that
-says `X-HTTP-Method-Override: DELETE` is a DELETE to them. Symfony and Laravel also read a
-`_method` query parameter. (A `_method` in a form body is not read here: bodies are not.)"""
-
-
-def override_methods(head: Head, path: str) -> list[tuple[str, str]]:
-    """(where, method) for every other method the request asks an upstream to read it as."""
-    found = [(name, value.strip()) for name in METHOD_OVERRIDES
-             for value in head.get_all(name)]
+def asked_methods(head: Head, path: str) -> list[tuple[str, str]]:
+    """(where, method) for every other method the request's head asks an upstream to read
+    it as: override fields, and `_method` in the query (overrides.py)."""
+    found = overrides.header_methods(head)
     query = path.partition("?")[2]
     if query:
-        try:
-            pairs = query_pairs(query)
-        except Ambiguous:  # unreadable: if it may name _method, it is refused
-            pairs = (("_method", "?"),) if "method" in unquote(query).lower() else ()
-        found += [("the _method query parameter", v) for n, v in pairs
-                  if n.lower() == "_method"]
+        found += overrides.form_methods(query, "the _method query parameter")
     return found
 
 
 def judge_request(inspection, head: Head, where: Route, host_decision: Decision) -> Decision:
     """The decision for one request: its host's (already allowed), then, on a host the
     policy inspects, its request rules by method and origin-form target — for its own
-    method and for every method it asks to be read as (`METHOD_OVERRIDES`): a deny of
-    either refuses it, and an allow must hold for each."""
+    method and target and for every other its head asks to be read as (overrides.py:
+    override fields, `_method` in the query, rewrite fields naming another path): a deny
+    of any refuses it, and an allow must hold for each. What its body asks for is judged
+    once it is read (`judge_asked`)."""
     if inspection is None:
         return host_decision
     method = head.start[0]
     decision = inspection.decide(method, where.path)
     if not decision.allowed:
         return decision
-    for how, other in override_methods(head, where.path):
-        other = other.upper() if other.isascii() else other  # as the frameworks read it
-        found = inspection.decide(other, where.path)
+    return judge_asked(inspection, head, where, asked_methods(head, where.path),
+                       overrides.header_paths(head)) or decision
+
+
+def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, str]],
+                paths: list[tuple[str, str]] = ()) -> Decision | None:
+    """The refusal of the first reading of the request its rules deny (None: all pass):
+    each method asked for with the request's target, and the request's own method and
+    each asked one with each path a rewrite field names."""
+    method = head.start[0]
+    readings = [(how, other, where.path, "") for how, other in methods]
+    for how_path, path in paths:
+        readings += [(how_path, m, path, f" at {printable(path)[:80]}")
+                     for _, m in [("", method), *methods]]
+    for how, other, path, at in readings:
+        found = inspection.decide(other, path)
         if not found.allowed:
             return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks by "
-                            f"{how} to be read as {printable(other)[:40]}: {found.reason}",
+                            f"{how} to be read as {printable(other)[:40]}{at}: {found.reason}",
                             found.rule, found.hint)
-    return decision
+    return None
 
 
 def request_fields(where: Route, head: Head) -> dict[str, str]:

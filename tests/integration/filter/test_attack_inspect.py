@@ -9,6 +9,7 @@ in-process filter, but leaves the store's policies as they load from the policy 
 
 from __future__ import annotations
 
+import gzip
 import os
 import shutil
 import ssl
@@ -101,6 +102,108 @@ def test_a_method_override_query_parameter_does_not_carry_a_denied_method(
                                  method="POST", body=b"{}")
     assert status == 403, headers
     assert seen_since(origins, before) == []
+
+
+def _multipart(fields: dict[str, str], boundary: str = "b0undary", eol: str = "\r\n") -> bytes:
+    parts = "".join(f"--{boundary}{eol}Content-Disposition: form-data; name=\"{name}\"{eol}"
+                    f"{eol}{value}{eol}" for name, value in fields.items())
+    return f"{parts}--{boundary}--{eol}".encode()
+
+
+FORM = "Content-Type: application/x-www-form-urlencoded\r\n"
+MULTIPART = "Content-Type: multipart/form-data; boundary=b0undary\r\n"
+JSON = "Content-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize(("extra", "body"), [
+    # header names as CGI/WSGI and Puma read them: '_' and '-' are one
+    ("X_HTTP_Method_Override: DELETE\r\n", b"{}"),
+    ("X-HTTP_METHOD-OVERRIDE: DELETE\r\n", b"{}"),
+    ("x_method_override: DELETE\r\n", b"{}"),
+    ("X-HTTP-Method-Override: DELETE, GET\r\n", b"{}"),  # Express takes the first
+    # bodies Rack, Symfony, Laravel and Spring read `_method` from
+    (FORM, b"a=1&_method=DELETE"),
+    (FORM, b"_method=delete"),
+    (FORM, b"a=1;_method=DELETE"),
+    (FORM, b"%5Fmethod=DELETE"),
+    (FORM, b"+_method=DELETE"),  # PHP drops leading spaces of a name
+    (FORM, b".method=DELETE"),  # and reads '.', ' ' and a lone '[' as '_'
+    (FORM, b"[method=DELETE"),
+    (FORM, b"_method[]=DELETE"),
+    ("", b"_method=DELETE"),  # Rack reads a POST without Content-Type as a form
+    ("Content-Type: APPLICATION/X-WWW-FORM-URLENCODED; charset=utf-8\r\n",
+     b"_method=DELETE"),
+    (MULTIPART, _multipart({"title": "x", "_method": "DELETE"})),
+    (MULTIPART, _multipart({"_method": "DELETE"}, eol="\n")),
+    ('Content-Type: multipart/form-data; boundary="b0undary"\r\n',
+     _multipart({"_method": "DELETE"})),
+    (JSON, b'{"title": "x", "_method": "DELETE"}'),
+    (JSON, b'{"_method": "GET", "_method": "DELETE"}'),  # parsers keep the first or the last
+    ("Content-Type: application/vnd.api+json\r\n", b'{"_method": "DELETE"}'),
+    (JSON, b'{"_method": "DELETE", '),  # unreadable, and it names _method: refused
+])
+def test_a_method_override_in_any_form_a_server_stack_reads_is_judged(
+        real, origins, interception, extra, body):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
+                                 method="POST", extra=extra, body=body)
+    assert status == 403, headers
+    assert seen_since(origins, before) == []
+
+
+@pytest.mark.parametrize("query", [".method=DELETE", "+_method=DELETE", "%20_method=DELETE",
+                                   "[method=DELETE", "_method[]=DELETE", "_METHOD=DELETE"])
+def test_query_names_that_php_style_parsers_read_as_method_are_judged(
+        real, origins, interception, query):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", f"/repos/acme/widget?{query}",
+                                 method="POST", body=b"{}")
+    assert status == 403, headers
+    assert seen_since(origins, before) == []
+
+
+def test_an_override_in_a_chunked_gzipped_form_body_is_judged(real, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    body = gzip.compress(b"a=1&_method=DELETE")
+    with inspected(real, interception, port) as tls:
+        tls.sendall(f"POST /repos/acme/widget HTTP/1.1\r\nHost: inspected.test:{port}\r\n"
+                    f"{FORM}Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    .encode() + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        status, headers, _ = read_response(tls)
+    assert status == 403, headers
+    assert seen_since(origins, before) == []
+
+
+@pytest.mark.parametrize("header", ["X-Original-URL", "X-Rewrite-URL", "x_original_url"])
+def test_a_path_given_in_a_rewrite_header_is_judged_as_a_target(
+        real, origins, interception, header):  # noqa: F811
+    """Symfony (before 5.x) and IIS's URL Rewrite route by these: the path they name must
+    pass the rules as the request line's does."""
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
+                                 extra=f"{header}: /gists/new\r\n")
+    assert status == 403, headers
+    assert seen_since(origins, before) == []
+
+
+def test_forms_and_json_without_an_override_still_pass(real, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        for extra, body in [(FORM, b"method=DELETE&title=_method"), (JSON, b'{"method": "x"}'),
+                            (MULTIPART, _multipart({"file": "_method=DELETE"})),
+                            ("Content-Type: text/plain\r\n", b"_method=DELETE")]:
+            status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
+                                     method="POST", extra=extra, body=body)
+            assert status == 200, (extra, body, headers)
+    assert len(seen_since(origins, before)) == 4
 
 
 def test_an_override_to_an_allowed_method_still_passes(real, origins, interception):  # noqa: F811

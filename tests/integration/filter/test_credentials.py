@@ -6,7 +6,10 @@ anything is dialled. The value never shows up in an answer, an event or the audi
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
 import json
+import zlib
 
 import pytest
 
@@ -282,3 +285,103 @@ def test_a_secret_limited_to_requests_reaches_only_those(holding, origins, inter
         assert [r["path"] for r in origins["good"].requests[before:]] == ["/v1/read/x"]
     finally:
         control(holding.socket, {"op": "secret-remove", "name": "LIMITED_TOKEN"})
+
+
+# -- a held value in a field, and bodies as the origin decodes them ----------------------------
+
+
+HELD_IN_FIELDS = [
+    f"Authorization: Bearer {VALUE}\r\n",
+    f"Cookie: a=1; s={VALUE}\r\n",
+    "Authorization: Basic " + base64.b64encode(f"me:{VALUE}".encode()).decode() + "\r\n",
+    f"X-Note: {VALUE}\r\n",
+    f"{VALUE}: a field named after it\r\n",
+]
+
+
+@pytest.mark.parametrize("field", HELD_IN_FIELDS)
+def test_a_value_the_agent_holds_goes_nowhere_in_a_field(
+        holding, origins, interception, field):  # noqa: F811
+    """An agent may come to hold a value (a bound host that echoes it): written into any
+    field, or as a field's name, to another inspected host, it is a leak."""
+    port = origins["good"].port
+    host = f"upgrade.test:{port}"
+    before, seen = len(origins["good"].requests), {e["id"] for e in holding.events()}
+    with tls_through(holding, client_context(interception), "upgrade.test", port) as tls:
+        status, headers, _ = get(tls, host, "/x", extra=field)
+        assert status == 403 and "the secret API_TOKEN" in headers["x-corral-deny"], headers
+        assert get(tls, host, "/after")[0] == 200
+    assert [r["path"] for r in origins["good"].requests[before:]] == ["/after"]
+    event = holding.wait_event(lambda e: e["id"] not in seen and e.get("kind") == "leak")
+    assert VALUE not in json.dumps(event)
+
+
+AWS = b"aws_access_key_id=AKIAIOSFODNN7EXAMPLE"
+KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEA\n"
+
+
+def _deflate_raw(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-15)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(("coding", "encode", "plain", "detector"), [
+    ("gzip", gzip.compress, AWS, "AWS access key"),
+    ("x-gzip", gzip.compress, KEY, "a private key"),
+    ("deflate", zlib.compress, VALUE.encode(), "the secret API_TOKEN"),
+    ("deflate", _deflate_raw, AWS, "AWS access key"),
+    ("gzip, deflate", lambda d: zlib.compress(gzip.compress(d)), KEY, "a private key"),
+    ("GZIP", lambda d: gzip.compress(d[:10]) + gzip.compress(d[10:]), AWS,
+     "AWS access key"),  # two members, as gzip(1) concatenates them
+])
+def test_a_compressed_body_is_scanned_as_the_origin_inflates_it(
+        holding, origins, interception, coding, encode, plain, detector):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/upload", "POST",
+                                 extra=f"Content-Encoding: {coding}\r\n", body=encode(plain))
+    assert status == 403 and detector in headers["x-corral-deny"], headers
+    assert len(origins["good"].requests) == before
+
+
+@pytest.mark.parametrize(("coding", "body", "complaint"), [
+    ("br", b"\x1b\x03\x00\xf8\xa5\x40\x02\x10", "cannot decode"),
+    ("zstd", b"\x28\xb5\x2f\xfd\x00\x58\x11\x00\x00", "cannot decode"),
+    ("gzip", b"not gzip at all", "not valid gzip"),
+    ("gzip", gzip.compress(b"x")[:-4], "ends before its stream"),
+    ("gzip", gzip.compress(b"0" * (16 << 20)), "expands past"),
+    ("gzip", gzip.compress(b"x") + b"trailing", "after the gzip stream"),
+])
+def test_a_body_the_filter_cannot_decode_is_refused_on_a_host_that_scans(
+        holding, origins, interception, coding, body, complaint):  # noqa: F811
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/upload", "POST",
+                                 extra=f"Content-Encoding: {coding}\r\n", body=body)
+    assert status == 403 and complaint in headers["x-corral-deny"], headers
+    assert len(origins["good"].requests) == before
+
+
+def test_a_clean_compressed_body_reaches_the_origin_as_it_was_sent(
+        holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    sent = gzip.compress(b'{"note": "nothing to see"}')
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, _, answer = get(tls, f"inspected.test:{port}", "/upload", "POST",
+                                extra="Content-Encoding: gzip\r\n", body=sent)
+    assert status == 200
+    assert json.loads(answer)["body"].encode("latin-1") == sent
+
+
+def test_a_token_in_a_base64_multipart_part_is_found(holding, origins, interception):  # noqa: F811
+    port = origins["good"].port
+    body = (b"--xyz\r\nContent-Disposition: form-data; name=\"file\"\r\n"
+            b"Content-Transfer-Encoding: base64\r\n\r\n" + base64.encodebytes(KEY)
+            + b"\r\n--xyz--\r\n")
+    with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/upload", "POST",
+                                 extra="Content-Type: multipart/form-data; boundary=xyz\r\n",
+                                 body=body)
+    assert status == 403 and "a private key" in headers["x-corral-deny"], headers

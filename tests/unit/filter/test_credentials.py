@@ -130,6 +130,7 @@ def test_names_carrying_a_placeholder_are_never_resolved_or_reached():
     ({"name": "LD_PRELOAD"}, "session's own"),
     ({"value": f"{VALUE}\r\nX-Injected: 1"}, "printable ASCII"),
     ({"value": "has space"}, "printable ASCII"),
+    ({"value": "short7c"}, "at least 8, the shortest the leak scanner looks for"),
     ({"hosts": []}, "1-32 host names"),
     ({"hosts": ["not a host"]}, "host 'not a host'"),
     ({"scheme": "header"}, "'header' must name a field"),

@@ -85,3 +85,46 @@ def test_scan_false_turns_body_reading_off_for_its_host_only():
     policy = Policy(document.rules)
     assert not policy.inspection(parse_host("bulk.test")).scanned
     assert policy.inspection(parse_host("api.test")).scanned
+
+
+def _two_secrets() -> Credentials:
+    bearer = Secret("API_TOKEN", "sk-live-0123456789abcdef", ("api.test",), "bearer",
+                    nonce="n1")
+    basic = Secret("DEPLOY", "hunter2-hunter2", ("deploy.test",), "basic", user="bot",
+                   nonce="n2")
+    return Credentials(b"k" * 32, {"API_TOKEN": bearer, "DEPLOY": basic})
+
+
+@pytest.mark.parametrize("fields", [
+    [("Authorization", "Bearer sk-live-0123456789abcdef")],
+    [("Cookie", "a=1; session=sk-live-0123456789abcdef")],
+    [("Cookie", "session=sk%2Dlive%2D0123456789abcdef")],
+    [("X-Anything", "x sk-live-0123456789abcdef y")],
+    [("sk-live-0123456789abcdef", "a header's name")],
+    [("Authorization", "Basic " + __import__("base64").b64encode(
+        b"me:sk-live-0123456789abcdef").decode())],
+    [("Proxy-Authorization", "basic " + __import__("base64").b64encode(
+        b"sk-live-0123456789abcdef:x").decode().rstrip("="))],
+    [("Authorization", "Basic " + __import__("base64").b64encode(
+        b"bot:hunter2-hunter2").decode())],
+    [("X-Note", "hunter2-hunter2")],
+])
+def test_a_held_value_in_any_header_or_header_name_is_found(fields):
+    found = _two_secrets().leaks("s1").in_fields(tuple(fields))
+    assert found is not None and found.detector.startswith("the secret ")
+    assert found.where.startswith("the field ") or found.where == "a field's name"
+    assert "sk-live" not in found.reason and "hunter2" not in found.reason
+
+
+def test_headers_without_a_held_value_pass_and_token_formats_there_are_not_read():
+    leaks = _two_secrets().leaks("s1")
+    assert leaks.in_fields((("Authorization", "Bearer ghp_" + "a1B2" * 9),
+                            ("Cookie", "a=b"), ("User-Agent", "curl/8"))) is None
+
+
+@pytest.mark.parametrize("spell", [str.upper, str.title, lambda p: p[:14].upper() + p[14:]])
+def test_a_foreign_placeholder_is_a_tripwire_in_any_letter_case(spell):
+    credentials = _two_secrets()
+    theirs = spell(credentials.placeholder("s2", "API_TOKEN")).encode()
+    found = credentials.leaks("s1").scan(b"note=" + theirs, "the body")
+    assert found is not None and found.detector == "a placeholder that is not this session's"

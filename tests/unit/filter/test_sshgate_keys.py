@@ -57,7 +57,8 @@ def test_an_ssh_secret_the_gateway_could_not_use_is_refused_when_set(fields, why
 
 def test_ssh_secrets_survive_the_file_and_never_become_placeholders(tmp_path):
     store = secrets.SecretStore.load(tmp_path)
-    bearer = secrets.parse({"name": "API_TOKEN", "value": "t0ken", "hosts": ["api.test"]})
+    bearer = secrets.parse({"name": "API_TOKEN", "value": "t0ken-of-the-api",
+                            "hosts": ["api.test"]})
     store.set(ssh_secret())
     store.set(bearer)
     again = secrets.SecretStore.load(tmp_path)
