@@ -205,8 +205,9 @@ class ControlServer:
         finally:
             writer.close()
 
-    @staticmethod
-    async def _send(writer, message: dict) -> None:
+    async def _send(self, writer, message: dict) -> None:
+        """An answer, its words redacted: approvals and status quote what sessions sent."""
+        self.service.proxy.redactor.fields(message)
         writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         await writer.drain()
 

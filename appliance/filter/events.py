@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from appliance.policy import Decision
 
 from .dnsguard import TokenBucket
+from .redact import NONE
 
 
 class Subscription:
@@ -79,11 +80,14 @@ class EventBus:
         self.held_total: Counter = Counter()
         """session -> events kept out of the audit log, ever (status)."""
         self._summary_due = False
+        self.redactor = NONE
+        """The secrets' values out of every event (redact.py); set with the secrets."""
 
     def next_id(self) -> int:
         return next(self._ids)
 
     def emit(self, event: dict) -> dict:
+        self.redactor.fields(event)  # the one door to subscribers, the ring and the audit log
         if "ts" not in event:
             event["ts"] = round(time.time(), 6)
         if "id" not in event:

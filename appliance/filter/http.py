@@ -268,7 +268,11 @@ def parse_chunk_size(line: bytes) -> int:
 
 def check_trailer_line(line: bytes) -> None:
     """A trailer field line without its CRLF (trailers are read to find the end of a chunked
-    body, then dropped). Raises HttpError."""
+    body, then dropped). Raises HttpError, which never quotes the line: an upstream's
+    trailer may hold what the filter attached to the request (a secret)."""
     if b"\r" in line or b"\n" in line:
         raise HttpError(400, "bare CR or LF in a chunked body's trailer")
-    _fields([line])
+    try:
+        _fields([line])
+    except HttpError as exc:
+        raise HttpError(exc.status, f"chunked trailer: {exc.unquoted}") from None

@@ -44,6 +44,7 @@ from .limits import Budget, raise_limit
 from .proxy import Proxy
 from .proxy.credentials import Credentials
 from .proxy.inspect import Inspector
+from .redact import LogFilter
 from .resolver import Resolver
 from .secrets import SecretStore
 from .sshgate import Gate
@@ -646,6 +647,8 @@ class Service:
 async def run(config: FilterConfig) -> int:
     service = Service(config)
     await service.start()
+    for handler in logging.getLogger().handlers:  # no secret's value in a log line either
+        handler.addFilter(LogFilter(lambda: service.proxy.redactor))
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -30,6 +30,7 @@ from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
 from ..http import HttpError
+from ..redact import Redactor
 from ..relay import Counters, original_port, within
 from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
@@ -37,7 +38,7 @@ from .credentials import Credentials, Leak
 from .flows import Cap, Flow, Flows
 from .forward import Forward
 from .inspect import Inspector
-from .pipeline import Denied, Explicit, Transparent
+from .pipeline import Denied, Explicit, Transparent, deny_response, error_response
 from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
 __all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]
@@ -113,8 +114,6 @@ class Proxy:
         """TLS inspection (the interception CA, its leaves); None when no CA is configured,
         and a host the policy inspects is then denied."""
         self.credentials = credentials or Credentials(b"", {})
-        """The secrets, as requests get them (replaced whole when one changes): a host a
-        secret is bound to is inspected, so that its placeholder can be swapped."""
         self.active = 0
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
                       "refused_tunnels": 0, "cut": 0}
@@ -126,6 +125,31 @@ class Proxy:
                                  if s not in store.sessions])
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
+
+    @property
+    def credentials(self) -> Credentials:
+        """The secrets, as requests get them (replaced whole when one changes): a host a
+        secret is bound to is inspected, so that its placeholder can be swapped. Setting
+        them sets the redaction of every event too (redact.py)."""
+        return self._credentials
+
+    @credentials.setter
+    def credentials(self, credentials: Credentials) -> None:
+        self._credentials = credentials
+        self.bus.redactor = credentials.redactor
+
+    @property
+    def redactor(self) -> Redactor:
+        """What the proxy's answers pass their words through (the secrets' values out)."""
+        return self._credentials.redactor
+
+    def refusal(self, denied: Denied, keep: bool = False) -> bytes:
+        """The answer to a request the proxy refuses (its words redacted)."""
+        return deny_response(denied, keep, redactor=self.redactor)
+
+    def failed(self, status: int, message: str) -> bytes:
+        """The answer to a request the proxy cannot serve (its words redacted)."""
+        return error_response(status, message, redactor=self.redactor)
 
     # -- listeners -----------------------------------------------------------------------
 

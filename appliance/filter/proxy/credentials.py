@@ -25,6 +25,7 @@ from urllib.parse import unquote
 
 from appliance.policy import PLACEHOLDER_MARK, Host
 
+from ..redact import Redactor
 from ..secrets import Secret
 from .leaks import Leaks, basic_credential
 
@@ -53,6 +54,12 @@ class Credentials:
     def __init__(self, key: bytes, secrets: Mapping[str, Secret]):
         self.key, self.secrets = key, dict(secrets)
         self._leaks: dict[str | None, Leaks] = {}
+        self.wire = {label: value for name in self.secrets
+                     for label, value in zip((name, f"{name} (basic auth)"),
+                                             self.values((name,)), strict=False)}
+        """Each value as it goes on the wire, by what names it (a finding, a redaction)."""
+        self.redactor = Redactor(self.wire)
+        """What every door of the filter passes its words through (redact.py)."""
 
     def placeholder(self, session: str, name: str) -> str:
         """The secret's nonce is in it: a secret removed and set again under its name has
@@ -82,15 +89,11 @@ class Credentials:
         as it goes on the wire, and every placeholder but the session's own."""
         cached = self._leaks.get(session)
         if cached is None:
-            values = {}
-            for name in self.secrets:
-                for i, value in enumerate(self.values((name,))):
-                    values[f"{name}" if not i else f"{name} (basic auth)"] = value
             own = frozenset(self.placeholder(session, n).encode() for n in self.secrets
                             ) if session is not None else frozenset()
             if len(self._leaks) > 4096:
                 self._leaks.clear()
-            cached = self._leaks[session] = Leaks(values, own)
+            cached = self._leaks[session] = Leaks(self.wire, own)
         return cached
 
     def bound(self, host: Host) -> list[str]:

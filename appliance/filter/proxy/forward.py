@@ -39,8 +39,6 @@ from .pipeline import (
     InTunnel,
     Mode,
     asked_methods,
-    deny_response,
-    error_response,
     judge_asked,
     judge_request,
     keeps_after_refusal,
@@ -157,7 +155,7 @@ class Forward:
                         self._tunnel_refused(client, mode, tunnel_event, str(exc))
                     else:
                         self.proxy.error_event(client, exc)
-                    client.writer.write(error_response(exc.status, str(exc)))
+                    client.writer.write(self.proxy.failed(exc.status, str(exc)))
                     return
                 opening, first = False, b""
                 try:
@@ -175,11 +173,11 @@ class Forward:
                         self.proxy.bus.decision(denied.decision, session=session,
                                                 client=client.label, kind=kind,
                                                 name=denied.target, port=None)
-                    client.writer.write(deny_response(denied))
+                    client.writer.write(self.proxy.refusal(denied))
                     return
                 except HttpError as exc:
                     self.proxy.error_event(client, exc)
-                    client.writer.write(error_response(exc.status, str(exc)))
+                    client.writer.write(self.proxy.failed(exc.status, str(exc)))
                     return
                 if not keep:
                     return
@@ -473,7 +471,7 @@ class Forward:
         proxy.event(decision, client, session, "git", host, where.port, **fields)
         keep = not wants_close(head, head.start[2])
         if verdict.commands and not verdict.reportable:  # it would read a 200 as success
-            client.writer.write(deny_response(Denied(decision, where.target), keep))
+            client.writer.write(self.proxy.refusal(Denied(decision, where.target), keep))
         else:
             answer = git.report(verdict)
             client.writer.write(
@@ -540,7 +538,8 @@ class Forward:
         else:
             status, answer = await self.proxy.agent_ask(client, where.path)
         client.writer.write(response(status, json.dumps(answer) + "\n",
-                                     content_type="application/json"))
+                                     content_type="application/json",
+                                     redactor=self.proxy.redactor))
         await drain(client.writer, self.config.idle_timeout)
         return False
 
@@ -551,7 +550,7 @@ class Forward:
         the upstream."""
         if read:
             keep = not wants_close(head, head.start[2])
-            client.writer.write(deny_response(denied, keep))
+            client.writer.write(self.proxy.refusal(denied, keep))
             await drain(client.writer, self.config.idle_timeout)
             return keep
         keep = keeps_after_refusal(head)
@@ -562,7 +561,7 @@ class Forward:
                 if not data:
                     raise ConnectionError("the client closed in the middle of a refused body")
                 left -= len(data)
-        client.writer.write(deny_response(denied, keep))
+        client.writer.write(self.proxy.refusal(denied, keep))
         await drain(client.writer, self.config.idle_timeout)
         return keep
 

@@ -28,6 +28,7 @@ from appliance.policy import Decision, Host, HostNameError, parse_host
 
 from ..approvals import request_hint
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
+from ..redact import Redactor
 from . import overrides
 
 OWN = frozenset({"host", "content-length", "transfer-encoding"})
@@ -317,16 +318,18 @@ def wants_close(head: Head, version: str) -> bool:
 
 
 def response(status: int, body: str, extra: dict[str, str] | None = None, keep: bool = False,
-             content_type: str = "text/plain; charset=utf-8") -> bytes:
-    """A complete response of the proxy's own, which closes the connection unless `keep`."""
-    payload = body.encode()
+             content_type: str = "text/plain; charset=utf-8", *, redactor: Redactor) -> bytes:
+    """A complete response of the proxy's own, which closes the connection unless `keep`.
+    Its words pass through `redactor` (the secrets' values out: the client may be an agent
+    a reason quotes a value to)."""
+    payload = redactor.text(body).encode()
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", f"Content-Type: {content_type}",
              f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
-    lines += [f"{k}: {printable(v)}" for k, v in (extra or {}).items()]
+    lines += [f"{k}: {printable(redactor.text(v))}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
-def deny_response(denied: Denied, keep: bool = False) -> bytes:
+def deny_response(denied: Denied, keep: bool = False, *, redactor: Redactor) -> bytes:
     d = denied.decision
     body = f"corral: {printable(denied.target)} denied: {printable(d.reason)}."
     if d.hint:
@@ -337,11 +340,12 @@ def deny_response(denied: Denied, keep: bool = False) -> bytes:
     if ask is not None:  # an agent reads this: ask a person instead of working around it
         body += f"\nTo ask a person for it from inside the session: {ask}"
         extra["X-Corral-Request"] = ask
-    return response(denied.status, body + "\n", extra, keep)
+    return response(denied.status, body + "\n", extra, keep, redactor=redactor)
 
 
-def error_response(status: int, message: str) -> bytes:
-    return response(status, f"corral: {printable(message)}\n", {"X-Corral-Error": message})
+def error_response(status: int, message: str, *, redactor: Redactor) -> bytes:
+    return response(status, f"corral: {printable(message)}\n", {"X-Corral-Error": message},
+                    redactor=redactor)
 
 
 def printable(text: str) -> str:

@@ -34,7 +34,7 @@ from ..tlsstream import TlsServer
 from .flows import Flow
 from .forward import Upstream
 from .inspect import no_inspector
-from .pipeline import Denied, InTunnel, deny_response, error_response, host_of
+from .pipeline import Denied, InTunnel, host_of
 
 if TYPE_CHECKING:
     from . import Client, Proxy
@@ -59,7 +59,7 @@ class Tunnels:
             proxy.refused(client, client.session, proxy.flows.tunnels)
             message = (f"too many tunnels open for this session ([proxy] "
                        f"max_tunnels_per_session = {proxy.flows.tunnels.limit})")
-            client.writer.write(error_response(503, message))
+            client.writer.write(self.proxy.failed(503, message))
             return
         try:
             up_r, up_w, event, flow = await proxy.open(client, host, port, "connect", target)
@@ -93,7 +93,7 @@ class Tunnels:
         except Denied as denied:  # refused before the tunnel opened: answered in HTTP
             if not denied.recorded:
                 proxy.event(denied.decision, client, client.session, "connect", host, port)
-            client.writer.write(deny_response(denied))
+            client.writer.write(self.proxy.refusal(denied))
         finally:
             proxy.flows.tunnels.release(client.session)
 
@@ -189,7 +189,7 @@ class Tunnels:
         with contextlib.suppress(asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                                  ConnectionError, TimeoutError):
             await within(server.reader.readuntil(b"\r\n\r\n"), self.config.header_timeout)
-        server.writer.write(deny_response(denied))
+        server.writer.write(self.proxy.refusal(denied))
         with contextlib.suppress(ConnectionError):
             await drain(server.writer, self.config.idle_timeout)
 

@@ -385,3 +385,35 @@ def test_a_token_in_a_base64_multipart_part_is_found(holding, origins, intercept
                                  extra="Content-Type: multipart/form-data; boundary=xyz\r\n",
                                  body=body)
     assert status == 403 and "a private key" in headers["x-corral-deny"], headers
+
+
+@pytest.mark.parametrize("shape", ["a malformed trailer line", "a trailer field's name",
+                                   "a trailer after a bad chunk"])
+def test_an_origin_quoting_the_secret_in_a_broken_body_gets_no_word_of_it_out(
+        holding, origins, interception, shape):  # noqa: F811
+    """A bound host answers a chunked body whose trailer quotes the Authorization the
+    filter attached: the reason the filter gives (to the client, the events, the audit log)
+    names what is wrong without the value, or any beginning of it a cut would leave."""
+    def reply(head):
+        echoed = _authorization(head)
+        trailer = {"a malformed trailer line": echoed,
+                   "a trailer field's name": echoed.replace(b" ", b"") + b" : x",
+                   "a trailer after a bad chunk": echoed}[shape]
+        chunk = b"1\r\nx\r\n" if shape != "a trailer after a bad chunk" else b"1 " + echoed + \
+            b"\r\nx\r\n"
+        return (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk
+                + b"0\r\n" + trailer + b"\r\n\r\n")
+
+    origin = HeadEcho(origins, reply)
+    mine = placeholders(holding, "s1")["GH_TOKEN"]
+    with tls_through(holding, client_context(interception), "plain.test", origin.port) as tls:
+        tls.sendall(f"GET /echo HTTP/1.1\r\nHost: plain.test:{origin.port}\r\n"
+                    f"Authorization: Bearer {mine}\r\n\r\n".encode())
+        answer = recv_all(tls)
+    assert GH_VALUE.encode() in origin.heads[0]  # it was attached
+    said = [answer.decode("latin-1"), json.dumps(holding.events()),
+            b"".join(p.read_bytes() for p in (holding.directory / "state").glob("audit*"))
+            .decode("latin-1")]
+    for text in said:
+        assert GH_VALUE[:8] not in text, text[-400:]
+    origins.loop.loop.call_soon_threadsafe(origin.server.close)

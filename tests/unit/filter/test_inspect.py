@@ -35,6 +35,7 @@ from appliance.filter.proxy.pipeline import (
     deny_response,
     keeps_after_refusal,
 )
+from appliance.filter.redact import NONE
 from appliance.filter.relay import Counters
 from appliance.filter.tlsstream import TlsServer
 from appliance.policy import ConfigError, Decision, Host, parse_host
@@ -445,9 +446,9 @@ def test_a_refused_request_keeps_its_connection_only_where_http_allows(text, kee
 
 def test_a_refusal_that_keeps_the_connection_says_so():
     denied = Denied(Decision(False, "POST /gists denied"), "POST /gists on a.test:443")
-    kept = deny_response(denied, keep=True)
+    kept = deny_response(denied, keep=True, redactor=NONE)
     assert b"Connection: keep-alive\r\n" in kept and b"X-Corral-Deny: POST /gists denied" in kept
-    assert b"Connection: close\r\n" in deny_response(denied)
+    assert b"Connection: close\r\n" in deny_response(denied, redactor=NONE)
 
 
 # -- the [inspect] table -------------------------------------------------------------------------

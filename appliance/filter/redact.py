@@ -1,0 +1,111 @@
+"""Secret values out of everything the filter says. Sans-IO.
+
+The filter quotes what it is sent in its reasons: a malformed field, a request line, a path
+refused by a request rule, a DNS name. What it is sent may hold a secret's value: a bound
+host's response that quotes the `Authorization` the filter attached (a malformed trailer
+line, say), or a value an agent came to hold and writes into a name. A reason goes to the
+client (an agent, who must never learn a value), to events and to the hash-chained audit
+log (where it can never be scrubbed), and to the filter's log. So every text leaves
+through one of four doors, and each door passes it through the same `Redactor`, built
+once per snapshot of the secrets (proxy/credentials.py):
+
+- the event bus (`EventBus.emit`: subscribers, the recent ring, the audit log);
+- the proxy's own answers (`pipeline.response`, which every 403, 4xx and 5xx is built by);
+- the control socket's answers (approvals and status quote what sessions sent);
+- the filter's log records (`LogFilter`).
+
+A value is replaced by `[secret NAME]` in every form it travels in (as written; as basic
+auth encodes it; percent-encoded; escaped as `repr` writes it), and so is any run of at
+least `MIN_VALUE` of its first characters: reasons cut what they quote (`line[:60]`),
+and a cut keeps a value's beginning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from urllib.parse import quote
+
+from .secrets import MIN_VALUE
+
+
+class Redactor:
+    """Replaces the secrets' values in text; falsy when there are none (then free)."""
+
+    __slots__ = ("_forms", "_heads")
+
+    def __init__(self, values: Mapping[str, bytes] | None = None):
+        forms: dict[str, str] = {}
+        for name, value in (values or {}).items():
+            text = value.decode("latin-1")
+            if len(text) < MIN_VALUE:
+                continue
+            for form in (text, repr(text)[1:-1], quote(text, safe=""),
+                         quote(text, safe="").lower(), quote(text, safe="/:@!$&'()*+,;=")):
+                forms.setdefault(form, name)
+        self._forms = sorted(forms.items(), key=lambda item: -len(item[0]))
+        self._heads = tuple(form[:MIN_VALUE] for form, _ in self._forms)
+
+    def __bool__(self) -> bool:
+        return bool(self._forms)
+
+    def text(self, text: str) -> str:
+        """`text` with every value, and every cut-off beginning of one, replaced."""
+        if not self._forms or not any(head in text for head in self._heads):
+            return text
+        for form, name in self._forms:
+            if form[:MIN_VALUE] in text:
+                text = _replaced(text, form, f"[secret {name}]")
+        return text
+
+    def fields(self, record: dict) -> dict:
+        """A flat record (an event, a control answer) with its strings redacted, in place
+        (nested lists and dicts too); the same dict."""
+        if self._forms:
+            for key, value in record.items():
+                record[key] = self._value(value)
+        return record
+
+    def _value(self, value):
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return self.fields(value)
+        if isinstance(value, list | tuple):
+            return type(value)(self._value(v) for v in value)
+        return value
+
+
+def _replaced(text: str, form: str, mark: str) -> str:
+    """Each run of `form`'s characters from its start, MIN_VALUE long or more, as `mark`."""
+    head, out, at = form[:MIN_VALUE], [], 0
+    while (found := text.find(head, at)) >= 0:
+        end = found + MIN_VALUE
+        while end < len(text) and end - found < len(form) and text[end] == form[end - found]:
+            end += 1
+        out += [text[at:found], mark]
+        at = end
+    out.append(text[at:])
+    return "".join(out)
+
+
+NONE = Redactor()
+
+
+class LogFilter(logging.Filter):
+    """A log handler's filter that redacts each record's message and traceback with the
+    redactor in force (`current`, asked per record: secrets change while the filter runs)."""
+
+    def __init__(self, current: Callable[[], Redactor]):
+        super().__init__()
+        self.current = current
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        redactor = self.current()
+        if redactor:
+            record.msg, record.args = redactor.text(record.getMessage()), None
+            if record.exc_info:
+                record.exc_text = redactor.text(logging.Formatter().formatException(
+                    record.exc_info))
+                record.exc_info = None
+        return True
