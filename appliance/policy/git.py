@@ -22,7 +22,8 @@ A `git` rule is `HOST REPO [REF ...] [-o OPTION ...]`, written in corral.toml as
   (`merge_request.title=*`). Printable ASCII without spaces (a `*` stands for them), and not
   `*` alone. Without any, a push carrying push options is refused: they ask the host to act
   beyond the refs (GitLab's `merge_request.create` and `merge_request.target=main` merge
-  the session's branch into main; `ci.variable=...` steers its CI).
+  the session's branch into main; `ci.variable=...` steers its CI). Tables for one
+  repository add up: their ref patterns and their option patterns together.
 - Whatever the patterns say, a push never deletes a ref, never moves one anywhere but
   forward (a fast-forward the proxy can show from the pushed commits), and never moves a
   tag (creating one needs a pattern under `refs/tags/`).
