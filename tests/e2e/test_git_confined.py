@@ -73,6 +73,8 @@ def test_the_session_clones_fetches_and_pushes_its_own_branch(world, confined):
     assert done.returncode == 0, done.stdout + done.stderr
     head = done.stdout.strip().splitlines()[-1]
     assert GitHttp.refs(confined / "acme/widget.git")["refs/heads/corral/g1/work"] == head
+    # the server's hook ran for these pushes, handed no option
+    assert "push 0" in (confined / "acme/widget.git" / PUSH_OPTIONS_LOG).read_text()
 
 
 @pytest.mark.parametrize(("push", "why"), [
