@@ -297,7 +297,8 @@ def parser() -> argparse.ArgumentParser:
                          ("denied-request", "'METHOD /PATH' a request rule denies on "
                           "--inspected (a throwaway session has one)"),
                          ("git-repo", "OWNER/REPO a [[git]] table lists for --inspected, "
-                          "refs/heads/main not pushable (a throwaway session has one)"),
+                          "refs/heads/main not pushable, no push option allowed (a "
+                          "throwaway session has one)"),
                          ("git-ssh", "a git host the session reaches over SSH through "
                           "the git gateway, its [[git]] table listing --git-repo"),
                          ("other-gateway", "another session's gateway")):

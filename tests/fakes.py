@@ -429,6 +429,47 @@ class GitHttp:
         return dict(line.split(" ") for line in listed.splitlines())
 
 
+PUSH_OPTIONS_LOG = "push-options.log"
+
+
+ADVERTISE_PUSH_OPTIONS = "[receive]\n\tadvertisePushOptions = true\n"
+
+
+def hear_push_options(bare: Path) -> Path:
+    """Make the bare repository advertise push options (`receive.advertisePushOptions`),
+    as GitLab's do, and give it a pre-receive hook that writes what a forge acts on: a
+    line `push COUNT` per push that reached the hook, then one `option VALUE` per push option
+    it was handed (GIT_PUSH_OPTION_i). Returns the log's path (empty); `forget_push_options`
+    undoes it."""
+    log = bare / PUSH_OPTIONS_LOG
+    config = bare / "config"
+    if ADVERTISE_PUSH_OPTIONS not in config.read_text():
+        with config.open("a") as f:
+            f.write(ADVERTISE_PUSH_OPTIONS)
+    hook = bare / "hooks" / "pre-receive"
+    hook.parent.mkdir(exist_ok=True)
+    hook.write_text(f"#!/bin/sh\ncat > /dev/null\necho \"push ${{GIT_PUSH_OPTION_COUNT:-none}}\" "
+                    f">> '{log}'\nenv | sed -n 's/^GIT_PUSH_OPTION_[0-9][0-9]*=/option /p' "
+                    f">> '{log}'\n")
+    hook.chmod(0o755)
+    log.write_text("")
+    return log
+
+
+def forget_push_options(bare: Path) -> None:
+    config = bare / "config"
+    config.write_text(config.read_text().replace(ADVERTISE_PUSH_OPTIONS, ""))
+    (bare / "hooks" / "pre-receive").unlink(missing_ok=True)
+    (bare / PUSH_OPTIONS_LOG).unlink(missing_ok=True)
+
+
+def options_heard(log: Path) -> list[str]:
+    """The push options the hook of `hear_push_options` was handed, all pushes together
+    (sorted: the hook reads them from its environment, in no order)."""
+    return sorted(line[len("option "):] for line in log.read_text().splitlines()
+                  if line.startswith("option "))
+
+
 class GitSsh:
     """A git server over SSH, as forges run one: an SSH server (asyncssh) that lets in one
     client key and runs each exec request through `git-shell -c COMMAND` (git's commands

@@ -13,7 +13,8 @@ sq_quote writes it (`'`, and `'\\''` or `'\\!'` for a quote or a `!` inside):
 and refuses everything else: the gateway runs no shell, so nothing else may pass as one.
 
 A push on SSH has no length: the body is the client's stream. `PushStream` is fed what the
-client sends and says when the push is whole (commands, options, the pack and its trailer),
+client sends and says when the push is whole (commands, options, the pack and its trailer;
+the commands and options read by gitcommands.read_push, as over HTTP),
 so the gateway can judge it before any of it reaches the upstream. Whole means the pack's
 trailer is read: git closes its side after the pack, but a delete-only push ends with its
 commands, and the client then waits for the report with the channel open.
@@ -26,16 +27,14 @@ import re
 import zlib
 from dataclasses import dataclass
 
+from appliance.filter.gitcommands import PKT_LENGTH, GitProtocolError, read_push
 from appliance.filter.proxy import git
-from appliance.filter.proxy.git import GitProtocolError, read_push
 
 MAX_COMMAND = 4096
 MAX_PATH = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SEGMENT = re.compile(r"[A-Za-z0-9._~-]+")
 """A repository path's segment: policy/git.py's repository characters, less its glob."""
-_PKT_LENGTH = re.compile(rb"[0-9a-f]{4}", re.IGNORECASE)
-"""Four hex digits, nothing int() would also take (`+0af`, ` 0af`, `0x1f`)."""
 _KINDS = (git.COMMIT, git.TREE, git.BLOB, git.TAG, git.OFS_DELTA, git.REF_DELTA)
 _FIRST_PIECE = 64
 """What an object's inflater is fed first; each later piece is as long as all before it
@@ -188,7 +187,7 @@ class PushStream:
         head = bytes(self._data[self._pos : self._pos + 4])
         if len(head) < 4:
             return False
-        if not _PKT_LENGTH.fullmatch(head):
+        if not PKT_LENGTH.fullmatch(head):
             raise GitProtocolError(f"not a pkt-line length at byte {self._pos}: {head!r}")
         length = int(head, 16)
         if 0 < length < 4:
@@ -213,7 +212,7 @@ class PushStream:
         if not push.commands or all(c.deletes for c in push.commands):
             self._stage = "done"  # git sends no pack for these
             return
-        sha256 = ("object-format=sha256" in push.capabilities
+        sha256 = (push.object_format == "sha256"
                   or any(len(c.new) == 64 for c in push.commands))
         self._digest = hashlib.new("sha256" if sha256 else "sha1", usedforsecurity=False)
         self._hashed = self._pos

@@ -435,10 +435,8 @@ class Gate:
             if not verdict.allowed:
                 for task in copies:
                     task.cancel()
-                pushes = spec.pushes[0] if spec is not None else "refs/heads/corral/{session}"
-                decision = Decision(False, verdict.reason[:500], hint=(
-                    f"push to a branch under {pushes.replace('{session}', session)}, or name "
-                    f"the ref in push of the [[git]] table for {host}"))
+                decision = Decision(False, verdict.reason[:500],
+                                    hint=git.hint(verdict, spec, session, host))
                 self.event(decision, session, opened.label, host, address=event.get("address"))
                 process.stdout.write(git.report(verdict))
                 return 0  # git prints each ref's refusal and fails the push itself

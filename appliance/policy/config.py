@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
+from .git import OPTION_FLAG, GitRuleError, check_push_option
 from .patterns import PatternError, RequestSpec
 from .rules import Rule, RuleError
 
@@ -34,9 +35,10 @@ request patterns (patterns.py). A table becomes an `inspect` rule for its host a
 which restricts), while a missing `allow` restricts nothing."""
 INSPECT_KEYS = ("host", "allow", "deny", "scan")
 GIT = "git"
-"""The array of tables `[[git]]`: one host each, the repositories git may reach there and
-the refs a push may write (git.py); each repository becomes a `git` rule."""
-GIT_KEYS = ("host", "repos", "push")
+"""The array of tables `[[git]]`: one host each, the repositories git may reach there, the
+refs a push may write and the push options it may carry (git.py); each repository becomes a
+`git` rule."""
+GIT_KEYS = ("host", "repos", "push", "push_options")
 APPROVAL = "approval"
 """`[approval] mode = "ask" | "deny"`, `hold = SECONDS`: whether a request the policy does not
 name waits for a person's decision (approvals.py); becomes one `approval` rule."""
@@ -245,7 +247,7 @@ def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
             raise ConfigError(path, "[[git]] host", "missing or not a string: name the git "
                               'host, e.g. host = "github.com"', line)
         lists = {}
-        for field in ("repos", "push"):
+        for field in ("repos", "push", "push_options"):
             items = table.get(field, [])
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise ConfigError(path, f"[[git]] {field}", "must be a list of strings",
@@ -255,14 +257,23 @@ def _git_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
             raise ConfigError(path, "[[git]] repos", "name the repositories git may reach, "
                               'e.g. repos = ["acme/widget"]', locate.key(where, "repos")
                               or locate.array_table(GIT, index))
-        for field, items in lists.items():
-            for item in items:
+        for field in ("repos", "push"):
+            for item in lists[field]:
                 if not item or any(c.isspace() for c in item):
                     raise ConfigError(path, f"[[git]] {field}", f"{item!r}: one path or "
                                       "pattern per string, without spaces",
                                       locate.value(where, item))
+        for option in lists["push_options"]:
+            try:
+                check_push_option(option)
+            except GitRuleError as exc:
+                raise ConfigError(path, "[[git]] push_options", str(exc),
+                                  locate.value(where, option) or locate.key(where,
+                                                                            "push_options")
+                                  ) from None
+        options = [w for option in lists["push_options"] for w in (OPTION_FLAG, option)]
         for repo in lists["repos"]:
-            text = " ".join([host, repo, *lists["push"]])
+            text = " ".join([host, repo, *lists["push"], *options])
             try:
                 rules.append(Rule.parse("git", text, layer, path))
             except RuleError as exc:

@@ -2,12 +2,14 @@
 a push may write. Parsed once into matchers; the proxy (filter/proxy/git.py) reads the
 protocol and asks these.
 
-A `git` rule is `HOST REPO [REF ...]`, written in corral.toml as a `[[git]]` table:
+A `git` rule is `HOST REPO [REF ...] [-o OPTION ...]`, written in corral.toml as a
+`[[git]]` table:
 
     [[git]]
     host = "github.com"
     repos = ["acme/widget", "acme/tools-*"]
     push = ["refs/heads/corral/{session}/**"]     # the default
+    push_options = ["ci.skip"]                    # none by default
 
 - **REPO**: the repository's path on the host without `.git` (`acme/widget`); `*` matches
   within one segment (`acme/*`, `acme/tools-*`). Matched exactly, case included: on a host
@@ -15,6 +17,13 @@ A `git` rule is `HOST REPO [REF ...]`, written in corral.toml as a `[[git]]` tab
 - **REF**: the refs a push may create or move forward, `*` within one segment, `**` any
   number of them; `{session}` stands for the session's name. Without any: the default
   above, so that an agent's work lands on branches of its own and nothing else.
+- **OPTION**: a push option the host may be sent (`git push -o ci.skip`), matched against
+  the whole option as git sends it, case included; `*` matches any run of characters
+  (`merge_request.title=*`). Printable ASCII without spaces (a `*` stands for them), and not
+  `*` alone. Without any, a push carrying push options is refused: they ask the host to act
+  beyond the refs (GitLab's `merge_request.create` and `merge_request.target=main` merge
+  the session's branch into main; `ci.variable=...` steers its CI). Tables for one
+  repository add up: their ref patterns and their option patterns together.
 - Whatever the patterns say, a push never deletes a ref, never moves one anywhere but
   forward (a fast-forward the proxy can show from the pushed commits), and never moves a
   tag (creating one needs a pattern under `refs/tags/`).
@@ -37,6 +46,11 @@ SSH_HOST_VARIABLE = "CORRAL_GIT_HOST"
 DEFAULT_PUSH = ("refs/heads/corral/{session}/**",)
 _SEGMENT = re.compile(r"[A-Za-z0-9._\-*@+{}]+")
 _REPO_SEGMENT = re.compile(r"[A-Za-z0-9._\-*~]+")
+OPTION_FLAG = "-o"
+"""What introduces a push option pattern in a rule's text, as on git's command line."""
+MAX_OPTION = 256
+_OPTION = re.compile(r"[!-~]+")
+"""A push option pattern's characters: printable ASCII, no space."""
 
 
 class GitRuleError(ValueError):
@@ -68,20 +82,48 @@ def _check(pattern: str, what: str, segment: re.Pattern[str]) -> None:
             raise GitRuleError(f"{what} {pattern!r}: '**' must be a segment of its own")
 
 
+def check_push_option(pattern: str) -> None:
+    """Raises GitRuleError unless `pattern` can name push options."""
+    if not _OPTION.fullmatch(pattern):
+        raise GitRuleError(f"push option {pattern!r}: write printable ASCII without spaces ('*' "
+                           "matches any run of characters, spaces included)")
+    if len(pattern) > MAX_OPTION:
+        raise GitRuleError(f"push option {pattern[:40]!r}...: longer than {MAX_OPTION} "
+                           "characters")
+    if set(pattern) == {"*"}:
+        raise GitRuleError(f"push option {pattern!r} would pass every option (merge requests "
+                           "into main, CI variables): name the options")
+
+
+def _option_glob(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One alternation of the patterns, `*` any run of characters (never matches when there
+    are none)."""
+    if not patterns:
+        return re.compile(r"(?!)")
+    return re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in patterns), re.DOTALL)
+
+
 @dataclass(frozen=True, slots=True)
 class GitSpec:
-    """One repository pattern of a host and the refs a push to it may write."""
+    """One repository pattern of a host, the refs a push to it may write and the push
+    options it may carry."""
 
     repo: str
     pushes: tuple[str, ...] = DEFAULT_PUSH
+    push_options: tuple[str, ...] = ()
+    """Patterns of the push options the host may be sent; none by default."""
     _repo: re.Pattern[str] = field(default=None, compare=False, repr=False)  # type: ignore
+    _options: re.Pattern[str] = field(default=None, compare=False, repr=False)  # type: ignore
 
     @property
     def text(self) -> str:
-        return " ".join((self.repo, *self.pushes)) if self.pushes != DEFAULT_PUSH else self.repo
+        words = [self.repo, *(self.pushes if self.pushes != DEFAULT_PUSH else ())]
+        words += [w for option in self.push_options for w in (OPTION_FLAG, option)]
+        return " ".join(words)
 
     @classmethod
-    def parse(cls, repo: str, pushes: tuple[str, ...] | None = None) -> GitSpec:
+    def parse(cls, repo: str, pushes: tuple[str, ...] | None = None,
+              push_options: tuple[str, ...] = ()) -> GitSpec:
         repo = repo[:-4] if repo.lower().endswith(".git") else repo
         _check(repo, "repository", _REPO_SEGMENT)
         if "**" in repo.split("/"):
@@ -94,12 +136,23 @@ class GitSpec:
                                    "refs/heads/corral/{session}/**")
             if "{" in ref.replace(SESSION, "") or "}" in ref.replace(SESSION, ""):
                 raise GitRuleError(f"ref pattern {ref!r}: the one placeholder is {SESSION}")
-        spec = cls(repo, pushes)
-        object.__setattr__(spec, "_repo", _glob(repo))
+        for option in push_options:
+            check_push_option(option)
+        return cls._compiled(repo, pushes, tuple(dict.fromkeys(push_options)), _glob(repo))
+
+    @classmethod
+    def _compiled(cls, repo, pushes, push_options, compiled_repo) -> GitSpec:
+        spec = cls(repo, pushes, push_options)
+        object.__setattr__(spec, "_repo", compiled_repo)
+        object.__setattr__(spec, "_options", _option_glob(push_options))
         return spec
 
     def covers(self, repo: str) -> bool:
         return self._repo.fullmatch(repo) is not None
+
+    def push_option(self, option: str) -> bool:
+        """May a push carry this push option (as git sends it)?"""
+        return self._options.fullmatch(option) is not None
 
     def pushable(self, ref: str, session: str) -> str | None:
         """The pattern that lets `session` push `ref`, None if none does."""
@@ -122,11 +175,20 @@ def _ref_glob(pattern: str) -> re.Pattern[str]:
 
 
 def parse_rule_text(text: str) -> tuple[str, GitSpec]:
-    """`HOST REPO [REF ...]` -> (host text, spec). Raises GitRuleError."""
+    """`HOST REPO [REF ...] [-o OPTION ...]` -> (host text, spec). Raises GitRuleError."""
     words = text.split()
     if len(words) < 2:
-        raise GitRuleError(f"git rule {text!r} is not 'HOST REPO [REF-PATTERN ...]'")
-    return words[0], GitSpec.parse(words[1], tuple(words[2:]))
+        raise GitRuleError(f"git rule {text!r} is not 'HOST REPO [REF-PATTERN ...] "
+                           "[-o PUSH-OPTION ...]'")
+    refs, options, rest = [], [], iter(words[2:])
+    for word in rest:
+        if word != OPTION_FLAG:
+            refs.append(word)
+        elif (option := next(rest, None)) is None:
+            raise GitRuleError(f"git rule {text!r}: {OPTION_FLAG} names no push option")
+        else:
+            options.append(option)
+    return words[0], GitSpec.parse(words[1], tuple(refs), tuple(options))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +207,10 @@ class GitAccess:
             return None
         if len(covering) == 1:
             return covering[0]
-        merged = GitSpec(covering[0].repo, tuple(dict.fromkeys(
-            p for spec in covering for p in spec.pushes)))
-        object.__setattr__(merged, "_repo", covering[0]._repo)
-        return merged
+        return GitSpec._compiled(
+            covering[0].repo, tuple(dict.fromkeys(p for s in covering for p in s.pushes)),
+            tuple(dict.fromkeys(o for s in covering for o in s.push_options)),
+            covering[0]._repo)
 
     def listed(self) -> str:
         return ", ".join(spec.repo for spec in self.specs)

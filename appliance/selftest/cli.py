@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 from collections import Counter
 from urllib.parse import urlsplit
@@ -66,10 +67,13 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
                         help="a request a request rule of the session denies on --inspected")
     parser.add_argument("--git-repo", metavar="OWNER/REPO",
                         help="a repository a [[git]] table lists for --inspected, whose "
-                        "refs/heads/main the session may not push")
+                        "refs/heads/main the session may not push, and no push option")
     parser.add_argument("--git-ssh", metavar="HOST",
                         help="a git host the session reaches over SSH through the git gateway "
-                        "(its [[git]] table lists --git-repo): the push probe runs over SSH")
+                        "(its [[git]] table lists --git-repo): the push probes run over SSH")
+    parser.add_argument("--session", default=socket.gethostname(),
+                        help="the session's name, for a branch of its own (default: the "
+                        "hostname, which corral sets to it)")
     parser.add_argument("--other-gateway", help="another session's gateway")
     parser.add_argument("--ask-hold", type=float, metavar="SECONDS",
                         help="the session is in ask mode with this hold: the approval probes "

@@ -5,11 +5,14 @@ corral CA fails, however often it tries, and the host is never tunnelled instead
 inside the TLS the filter ends, a request for another host is refused (T13) and so is a
 body carrying a token (T24). Each sends nothing to the origin.
 
-Two more run when the harness says what the session's policy forbids there: a request a
-request rule denies (`--denied-request "METHOD /PATH"`, T12), and a git push onto
+More run when the harness says what the session's policy forbids there: a request a
+request rule denies (`--denied-request "METHOD /PATH"`, T12), a git push onto
 refs/heads/main of a repository a [[git]] table lists for the host (`--git-repo
-OWNER/REPO`, T25: only the session's own branches may be pushed). The throwaway session of
-`corral selftest --inspected HOST` has both (cli/sessions.py, `PROBE_DENIED`, `PROBE_REPO`).
+OWNER/REPO`, T25: only the session's own branches may be pushed), and a push onto the
+session's own branch carrying push options (T31: none named in the table), asked for as
+git's receive-pack reads them, not as `git push` writes them. The throwaway session of
+`corral selftest --inspected HOST` has them (cli/sessions.py, `PROBE_DENIED`, `PROBE_REPO`).
+With `--git-ssh HOST` the pushes go over SSH through the git gateway instead.
 """
 
 from __future__ import annotations
@@ -152,14 +155,47 @@ def inspected_request_denied(ctx):
                    {"kind": "http", "reason": "denied by request rule"})
 
 
-def _push_to_main() -> bytes:
-    """A receive-pack request creating refs/heads/main, with an empty pack: what `git push
-    origin HEAD:main` sends, less the objects (the ref is refused before they matter)."""
-    new = secrets.token_hex(20)
-    command = f"{'0' * 40} {new} refs/heads/main\0report-status side-band-64k\n".encode()
+ZERO = "0" * 40
+MERGE = ("merge_request.create", "merge_request.target=main")
+"""Push options that have GitLab open a merge request of the pushed branch into main."""
+
+
+def receive_pack(lines: list[str], options: tuple[str, ...] = ()) -> bytes:
+    """A receive-pack request body: the command lines, a flush, the push options and a
+    flush when there are any, and an empty pack (the push is refused before it matters)."""
     pack = b"PACK" + struct.pack(">II", 2, 0)
     trailer = hashlib.sha1(pack, usedforsecurity=False).digest()  # git's checksum
-    return b"%04x" % (len(command) + 4) + command + b"0000" + pack + trailer
+    body = b"".join(_pkt(line.encode()) for line in lines) + b"0000"
+    if options:
+        body += b"".join(_pkt(option.encode()) for option in options) + b"0000"
+    return body + pack + trailer
+
+
+def _pkt(data: bytes) -> bytes:
+    return b"%04x" % (len(data) + 4) + data
+
+
+def _push_to_main() -> bytes:
+    """What `git push origin HEAD:main` sends, less the objects (the ref is refused before
+    they matter)."""
+    new = secrets.token_hex(20)
+    return receive_pack([f"{ZERO} {new} refs/heads/main\0report-status side-band-64k\n"])
+
+
+def push_with_options(session: str) -> tuple[str, bytes]:
+    """(the first ref, the body) of a push onto two new branches of the session's own, which
+    it may push, carrying MERGE: asked for on the second command line as `push-options=1`
+    (git's receive-pack reads a capability list on every line, and `feature=value`)."""
+    ref = f"refs/heads/corral/{session}/selftest-{secrets.token_hex(4)}"
+    new = secrets.token_hex(20)
+    return ref, receive_pack([f"{ZERO} {new} {ref}\0report-status side-band-64k\n",
+                              f"{ZERO} {new} {ref}-2\0push-options=1\n"], MERGE)
+
+
+def _session(args) -> str:
+    if not _BRANCH.fullmatch(args.session or ""):
+        raise NotRun(f"--session {args.session!r}: not a session name")
+    return args.session
 
 
 @probe("inspected-push-refused", 25, needs="git_repo",
@@ -171,11 +207,7 @@ def inspected_push_refused(ctx):
     a = ctx.args
     if not a.inspected:
         raise NotRun("needs --inspected (the host whose [[git]] table lists --git-repo)")
-    body = _push_to_main()
-    head = _inside(a, f"POST /{a.git_repo}.git/git-receive-pack HTTP/1.1\r\nHost: "
-                   f"{a.inspected}\r\nContent-Type: application/x-git-receive-pack-request\r\n"
-                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                   + body, whole=True)
+    head = _inspected_push(a, _push_to_main())
     ok = status(head) == 200 and b"ng refs/heads/main corral: " in head
     said = head.split(b"ng refs/heads/main ", 1)[-1].split(b"\n", 1)[0][:160] if ok else b""
     return Outcome(ok, f"push to refs/heads/main of {a.git_repo} on {a.inspected}: "
@@ -183,8 +215,46 @@ def inspected_push_refused(ctx):
                    {"kind": "git", "reason": "git push to refs/heads/main refused"})
 
 
+def _inspected_push(a, body: bytes) -> bytes:
+    """A receive-pack POST of `body` to --git-repo inside TLS the filter ends: the answer."""
+    if not a.inspected:
+        raise NotRun("needs --inspected (the host whose [[git]] table lists --git-repo)")
+    return _inside(a, f"POST /{a.git_repo}.git/git-receive-pack HTTP/1.1\r\nHost: "
+                   f"{a.inspected}\r\nContent-Type: application/x-git-receive-pack-request\r\n"
+                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                   + body, whole=True)
+
+
+@probe("inspected-push-options-refused", 31, needs="git_repo",
+       records="git event, reason \"push option 'merge_request.create'\"")
+def inspected_push_options_refused(ctx):
+    """A push onto the session's own branch carrying push options that would have GitLab
+    merge it into main, asked for on a later command line as `push-options=1`: refused
+    whole by the filter in git's report-status, never sent to the origin."""
+    a = ctx.args
+    ref, body = push_with_options(_session(a))
+    head = _inspected_push(a, body)
+    said = _refusal(head, ref)
+    return Outcome(status(head) == 200 and said is not None,
+                   f"push with options onto {ref} of {a.git_repo} on {a.inspected}: "
+                   f"{first_line(head)}" + (f" ({said})" if said else ""),
+                   {"kind": "git", "reason": "push option 'merge_request.create'"})
+
+
+def _refusal(answer: bytes, ref: str) -> str | None:
+    """The filter's reason for refusing `ref`'s push options in git's report, if it is
+    there."""
+    line = f"ng {ref} corral: push option 'merge_request.create'".encode()
+    if line not in answer:
+        return None
+    return answer.split(f"ng {ref} ".encode(), 1)[1].split(b"\n", 1)[0][:160].decode(
+        errors="replace")
+
+
 _SSH_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
 _REPO = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")
+_BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A session name, as it is written in a ref."""
 
 
 @probe("ssh-push-refused", 25, needs="git_ssh",
@@ -194,16 +264,37 @@ def ssh_push_refused(ctx):
     host only through the appliance's git gateway, which reads the push whole and refuses
     it in git's report-status before a byte of it goes on."""
     a = ctx.args
-    if not a.git_repo:
-        raise NotRun("needs --git-repo (a repository the [[git]] table of --git-ssh lists)")
-    if not _SSH_HOST.fullmatch(a.git_ssh) or not _REPO.fullmatch(a.git_repo):
-        raise NotRun("--git-ssh must be a host name and --git-repo OWNER/REPO")
-    done = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
-                           f"git@{a.git_ssh}", f"git-receive-pack '{a.git_repo}.git'"],
-                          input=_push_to_main(), capture_output=True, timeout=60, check=False)
+    done = _ssh_push(a, _push_to_main())
     ok = b"ng refs/heads/main corral: " in done.stdout
     said = (done.stdout.split(b"ng refs/heads/main ", 1)[-1].split(b"\n", 1)[0] if ok
             else (done.stderr.strip().splitlines() or [b"no answer"])[-1])
     return Outcome(ok, f"push to refs/heads/main of {a.git_repo} on {a.git_ssh} over SSH: "
                    f"{said[:160].decode(errors='replace')}",
                    {"kind": "git", "reason": "git push to refs/heads/main refused"})
+
+
+@probe("ssh-push-options-refused", 31, needs="git_ssh",
+       records="git event, reason \"push option 'merge_request.create'\"")
+def ssh_push_options_refused(ctx):
+    """The push with options over SSH: the git gateway reads it whole and refuses it in
+    git's report-status before a byte of it goes on to the host."""
+    a = ctx.args
+    ref, body = push_with_options(_session(a))
+    done = _ssh_push(a, body)
+    said = _refusal(done.stdout, ref)
+    detail = said or (done.stderr.strip().splitlines() or [b"no answer"])[-1][:160].decode(
+        errors="replace")
+    return Outcome(said is not None, f"push with options onto {ref} of {a.git_repo} on "
+                   f"{a.git_ssh} over SSH: {detail}",
+                   {"kind": "git", "reason": "push option 'merge_request.create'"})
+
+
+def _ssh_push(a, body: bytes) -> subprocess.CompletedProcess:
+    """git-receive-pack on --git-repo of --git-ssh, through the gateway, fed `body`."""
+    if not a.git_repo:
+        raise NotRun("needs --git-repo (a repository the [[git]] table of --git-ssh lists)")
+    if not _SSH_HOST.fullmatch(a.git_ssh) or not _REPO.fullmatch(a.git_repo):
+        raise NotRun("--git-ssh must be a host name and --git-repo OWNER/REPO")
+    return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+                           f"git@{a.git_ssh}", f"git-receive-pack '{a.git_repo}.git'"],
+                          input=body, capture_output=True, timeout=60, check=False)

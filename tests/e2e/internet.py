@@ -7,7 +7,9 @@ HTTP :80 and HTTPS :443 (certificate from DIR's test CA) on every address, every
 logged to DIR/http-requests.log; an SSH-like
 banner on :22; TLS on :853 (DNS-over-TLS stand-in); UDP echo on :443 and :53 of the other
 addresses; a git server (`git http-backend`, smart HTTP over TLS) for git.test on
-WEB:GIT_PORT, its bare repositories under DIR/git, and the same repositories over SSH
+WEB:GIT_PORT, its bare repositories under DIR/git (advertising push options, as GitLab's
+do; a pre-receive hook writes those it is handed to REPO.git/push-options.log, see
+fakes.hear_push_options), and the same repositories over SSH
 (git-shell) on WEB:GIT_SSH_PORT for the key in DIR/git-ssh-held-key (made here: the key
 the appliance is to hold; its host key is DIR/git-ssh-host.pub); a long-lived TCP service on
 STREAM_HOST:STREAM_PORT (`stream`: every connection and how it ended goes to
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import asyncssh
 
-from tests.fakes import FakeDns, FakeHttp, GitHttp, GitSsh, Loop, TestCA
+from tests.fakes import FakeDns, FakeHttp, GitHttp, GitSsh, Loop, TestCA, hear_push_options
 
 WEB = "203.0.113.10"
 RESOLVER = "203.0.113.53"
@@ -122,6 +124,8 @@ def main(directory: str) -> None:
                  log=path / "http-requests.log")
         (path / "git").mkdir(exist_ok=True)
         GitHttp.seed(path / "git", GIT_REPOS)
+        for repo in GIT_REPOS:
+            hear_push_options(path / "git" / f"{repo}.git")
         GitHttp(loop, path / "git", ca.server_context(["git.test"]), host=WEB, port=GIT_PORT)
         held = asyncssh.generate_private_key("ssh-ed25519")
         (path / "git-ssh-held-key").write_bytes(held.export_private_key())

@@ -47,7 +47,7 @@ def battery(world):
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
         "--inspected", "inspected.test",
         "--denied-request", "GET /corral-selftest-denied/probe",
-        "--git-repo", "corral-selftest/probe",
+        "--git-repo", "corral-selftest/probe", "--session", "s1",  # not in a container here
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--silence", "6",  # the e2e filter's header_timeout is 5
         "--connections", "2000")
@@ -61,23 +61,24 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25, 31} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
             "inspected-request-denied", "inspected-push-refused",
+            "inspected-push-options-refused",
             "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
             "tcp-rule-by-name", "host-port-rewritten", "tunnel-http10-without-host"} <= legit
     assert set(summary["skipped_groups"]) == {"kernel", "review"}  # said, not silently dropped
     # the approval probes need a session in ask mode: run apart (test_ask_mode_holds_...);
-    # the push over SSH a session with the git gateway's ssh config (test_git_confined)
+    # the pushes over SSH a session with the git gateway's ssh config (test_git_confined)
     assert set(summary["unselected"]) == {"held-request-sends-nothing", "approval-flood-bounded",
-                                          "ssh-push-refused"}
+                                          "ssh-push-refused", "ssh-push-options-refused"}
 
 
 def test_what_inspection_refused_never_reached_the_origin(world, battery):
     """The fake internet's origins log every request they get: the inspected probes' denied
-    request and their push never arrived."""
+    request and their pushes (onto main; with push options) never arrived."""
     seen = world.origin_requests()
     assert "/corral-selftest-denied/" not in seen
     assert "corral-selftest/probe.git" not in seen

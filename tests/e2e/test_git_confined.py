@@ -7,7 +7,12 @@ prints, and the server's refs stay as they were; a repository not listed cannot 
 
 The same over SSH (`git@git.test:acme/widget.git`): the fake internet's SSH server runs
 git-shell for one key, which `corral secret set --ssh` gives the appliance; the session's
-ssh reaches it only through the filter's git gateway, with a key of its own."""
+ssh reaches it only through the filter's git gateway, with a key of its own.
+
+The server's repositories advertise push options, as GitLab's do, and a hook writes down
+the options a push hands it: a push onto the session's own branch with `git push -o
+merge_request.create -o merge_request.target=main` is refused over HTTPS and SSH, and the
+hook never runs."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import subprocess
 
 import pytest
 
-from tests.fakes import GitHttp
+from tests.fakes import PUSH_OPTIONS_LOG, GitHttp
 
 from .conftest import APPLIANCE_NAME
 from .internet import GIT_PORT, GIT_SSH_PORT, WEB
@@ -68,6 +73,8 @@ def test_the_session_clones_fetches_and_pushes_its_own_branch(world, confined):
     assert done.returncode == 0, done.stdout + done.stderr
     head = done.stdout.strip().splitlines()[-1]
     assert GitHttp.refs(confined / "acme/widget.git")["refs/heads/corral/g1/work"] == head
+    # the server's hook ran for these pushes, handed no option
+    assert "push 0" in (confined / "acme/widget.git" / PUSH_OPTIONS_LOG).read_text()
 
 
 @pytest.mark.parametrize(("push", "why"), [
@@ -87,6 +94,22 @@ def test_every_other_push_is_refused_with_the_reason_git_prints(world, confined,
     assert done.returncode != 0, done.stdout + done.stderr
     assert "[remote rejected]" in done.stderr and why in done.stderr, done.stderr
     assert GitHttp.refs(confined / "acme/widget.git") == before
+
+
+@pytest.mark.parametrize("url", [f"{URL}/acme/widget.git", "git@git.test:acme/widget.git"],
+                         ids=["https", "ssh"])
+def test_a_push_with_options_onto_the_sessions_own_branch_is_refused_unheard(world, confined,
+                                                                           url):
+    log = confined / "acme/widget.git" / PUSH_OPTIONS_LOG
+    before, heard = GitHttp.refs(confined / "acme/widget.git"), log.read_text()
+    done = inside(world, f"rm -rf o && git clone -q {url} o && cd o && "
+                  "git commit -qm options --allow-empty && git push -o merge_request.create "
+                  "-o merge_request.target=main origin HEAD:refs/heads/corral/g1/options")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "[remote rejected]" in done.stderr, done.stderr
+    assert "push option 'merge_request.create' (and 1 more)" in done.stderr, done.stderr
+    assert GitHttp.refs(confined / "acme/widget.git") == before
+    assert log.read_text() == heard  # the server's hook never ran
 
 
 def test_a_repository_not_listed_is_not_cloned(world, confined):
@@ -139,15 +162,22 @@ def test_over_ssh_nothing_but_the_gateway_reaches_the_host(world, confined):
     assert done.returncode != 0 and "not listed" in done.stderr, done.stderr
 
 
-def test_the_batterys_push_over_ssh_is_refused_and_recorded(world, confined):
-    """`corral selftest --git-ssh`: the probe pushes onto main through the gateway; the
-    appliance finds the refusal in what the filter recorded, and the host's refs hold."""
+def test_the_batterys_pushes_over_ssh_are_refused_and_recorded(world, confined):
+    """`corral selftest --git-ssh`: the probes push onto main, and onto the session's own
+    branch with push options asked for as receive-pack reads them, through the gateway;
+    the appliance finds each refusal in what the filter recorded, and the host's refs and
+    its hook hold."""
     before = GitHttp.refs(confined / "acme/widget.git")
+    log = confined / "acme/widget.git" / PUSH_OPTIONS_LOG
+    heard = log.read_text()
+    probes = ["ssh-push-refused", "ssh-push-options-refused"]
     result = corral(world, "selftest", SESSION, "--allowed", "git.test", "--git-ssh",
-                    "git.test", "--git-repo", "acme/widget", "--only", "ssh-push-refused",
-                    "--json", check=False, timeout=300)
+                    "git.test", "--git-repo", "acme/widget",
+                    *[a for p in probes for a in ("--only", p)], "--json", check=False,
+                    timeout=300)
     answer = json.loads(result.stdout)
     assert result.returncode == 0 and answer["passed"], json.dumps(answer["probes"])
-    assert [p["id"] for p in answer["probes"]] == ["ssh-push-refused"]
+    assert [p["id"] for p in answer["probes"]] == probes
     assert answer["tally"]["unrecorded"] == 0
     assert GitHttp.refs(confined / "acme/widget.git") == before
+    assert log.read_text() == heard

@@ -14,7 +14,7 @@ import stat
 import pytest
 from dnslib import DNSRecord
 
-from appliance.selftest import cli, kernel, review, wire
+from appliance.selftest import cli, inspection, kernel, review, wire
 from appliance.selftest.kernel import judge_attempts
 from appliance.selftest.registry import (
     FAILED,
@@ -56,7 +56,7 @@ def test_every_probe_has_a_group_a_class_and_says_what_records_its_denial():
 
 def test_the_battery_covers_every_class_a_sandbox_can_try():
     attacks = {p.threat for p in REGISTRY if not p.legit}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 18, 20, 21, 22, 23} <= attacks
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 18, 20, 21, 22, 23, 31} <= attacks
     groups = {p.group: set() for p in REGISTRY}
     for p in REGISTRY:
         groups[p.group].add(p.id)
@@ -65,6 +65,29 @@ def test_the_battery_covers_every_class_a_sandbox_can_try():
             "packet-socket"} == groups["kernel"]
     assert groups["review"] == {"review-hostile-files"}
     assert "slow-connections" not in REGISTRY.probes  # the cap replaced it
+
+
+def test_the_push_options_probes_push_what_the_filter_refuses_for_its_options_alone():
+    """The probes' push (inspected-push-options-refused, ssh-push-options-refused): two
+    branches of the session's own, push options asked for on the second command line as
+    `push-options=1`, a merge request into main. The filter's own judge refuses it for the
+    options; the same push without them it would let through."""
+    from appliance.filter.proxy import git
+    from appliance.policy.git import GitSpec
+
+    ref, body = inspection.push_with_options("s1")
+    assert ref.startswith("refs/heads/corral/s1/selftest-")
+    verdict = git.judge(body, GitSpec.parse("corral-selftest/probe"), "s1")
+    assert not verdict.allowed and verdict.options == ("merge_request.create",
+                                                       "merge_request.target=main")
+    assert f"ng {ref} corral: push option 'merge_request.create'".encode() in git.report(verdict)
+    plain = inspection.receive_pack([f"{'0' * 40} {'1' * 40} {ref}\0report-status\n"])
+    assert git.judge(plain, GitSpec.parse("corral-selftest/probe"), "s1").allowed
+
+
+def test_the_session_is_the_hostname_unless_named():
+    assert args().session == socket.gethostname()
+    assert args("--session", "s1").session == "s1"
 
 
 def test_a_probe_id_is_registered_once_and_groups_are_known():

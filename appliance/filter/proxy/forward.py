@@ -465,9 +465,8 @@ class Forward:
                                     tuple(head.get_all("content-encoding")), spec, session)
         if verdict.allowed:
             return None, raw
-        decision = Decision(False, verdict.reason[:500], hint=(
-            f"push to a branch under {spec.pushes[0].replace('{session}', session)}, or name "
-            f"the ref in push of the [[git]] table for {host}"))
+        decision = Decision(False, verdict.reason[:500],
+                            hint=git.hint(verdict, spec, session, host))
         proxy.event(decision, client, session, "git", host, where.port, **fields)
         keep = not wants_close(head, head.start[2])
         if verdict.commands and not verdict.reportable:  # it would read a 200 as success

@@ -7,13 +7,15 @@ a verdict and git's own answer out (policy/git.py holds the rules).
     GET  /REPO[.git]/info/refs?service=git-receive-pack    push: the refs as they are
     POST /REPO[.git]/git-receive-pack                       push: commands, then a pack
 
-A push's body is pkt-lines (4 hex digits of length, then data; `0000` a flush): one command
-per ref, `OLD NEW REF` (the first with NUL and the client's capabilities), a flush, push
-options when asked for, then the pack. Each command must pass `judge`: a valid ref name the
-rule's patterns name for this session, never a delete, never a tag moved, and an update
-only when the pack shows NEW descends from OLD (a fast-forward). One refused command
-refuses the whole push (none reaches the upstream), and the client is answered in git's
-report-status format, so that `git push` prints each ref's reason:
+A push's body is commands (`OLD NEW REF`, one per ref, each line may carry capabilities
+after a NUL), a flush, push options when a line asked for them, then the pack: read as
+git's receive-pack reads them (gitcommands.py). Each command must pass `judge`: a valid ref
+name the rule's patterns name for this session, never a delete, never a tag moved, and an
+update only when the pack shows NEW descends from OLD (a fast-forward); each push option
+must be one the rule's `push_options` name (GitLab's `merge_request.create` with
+`merge_request.target=main` would merge the session's branch into main). One refused
+command or option refuses the whole push (none of it reaches the upstream), and the client
+is answered in git's report-status format, so that `git push` prints each ref's reason:
 
     ! [remote rejected] main -> main (corral: refs/heads/main is not yours to push: ...)
 
@@ -32,6 +34,16 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from appliance.filter.gitcommands import (  # noqa: F401  (git's wire, named here too)
+    FLUSH,
+    MAX_COMMANDS,
+    Command,
+    GitProtocolError,
+    Push,
+    pkt,
+    pkt_lines,
+    read_push,
+)
 from appliance.policy.git import GitSpec
 from appliance.policy.targets import ENCODED_SLASH, Ambiguous, query_pairs, read_target
 
@@ -41,10 +53,11 @@ OTHER = "other"
 """A path of a git repository outside the smart protocol: dumb reads, WebDAV, LFS."""
 MAX_PUSH = 64 << 20
 """The largest push body (as decoded) the proxy holds to judge; a larger one is refused."""
-MAX_COMMANDS = 1000
 MAX_UPDATES = 32
 """Refs a push may move (not create) at once: each is shown a fast-forward by a walk of the
 pushed commits."""
+OPTION_SHOWN = 60
+"""The characters of a refused push option a reason quotes."""
 JUDGE_SECONDS = 20.0
 """How long judging one push may take (on a worker thread) before it is refused."""
 _OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
@@ -62,10 +75,6 @@ WEBDAV = frozenset({"MOVE", "COPY", "LOCK", "UNLOCK", "MKCOL", "PROPFIND", "PROP
 name where to write in a header, `Destination`, not in the target)."""
 _FORBIDDEN_IN_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|/\.|\.lock(?:/|$)")
 COMMIT, TREE, BLOB, TAG, OFS_DELTA, REF_DELTA = 1, 2, 3, 4, 6, 7
-
-
-class GitProtocolError(ValueError):
-    """A body that is not what git sends; the message says where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,94 +145,7 @@ def _repo(path: str, suffix: int) -> str:
     return repo[:-4] if repo.lower().endswith(".git") else repo
 
 
-# -- pkt-lines -------------------------------------------------------------------------
-
-
-def pkt(data: bytes) -> bytes:
-    return b"%04x" % (len(data) + 4) + data
-
-
-FLUSH = b"0000"
-
-
-def pkt_lines(data: bytes, offset: int = 0):
-    """(payload or None for a flush, offset after it), until a flush has been yielded."""
-    while True:
-        if offset + 4 > len(data):
-            raise GitProtocolError("the push ends inside its commands (no flush-pkt)")
-        try:
-            length = int(data[offset : offset + 4], 16)
-        except ValueError:
-            raise GitProtocolError(f"not a pkt-line length at byte {offset}") from None
-        if length == 0:
-            yield None, offset + 4
-            return
-        if length < 4 or offset + length > len(data):
-            raise GitProtocolError(f"a pkt-line of {length} bytes at byte {offset} does not fit")
-        yield data[offset + 4 : offset + length], offset + length
-        offset += length
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    old: str
-    new: str
-    ref: str
-
-    @property
-    def creates(self) -> bool:
-        return set(self.old) == {"0"}
-
-    @property
-    def deletes(self) -> bool:
-        return set(self.new) == {"0"}
-
-
-@dataclass(frozen=True, slots=True)
-class Push:
-    commands: tuple[Command, ...]
-    capabilities: frozenset[str]
-    pack: int
-    """Where the pack starts in the decoded body (its length when there is none)."""
-    options: int = 0
-    """Push options sent (`git push -o`): never passed on (see judge)."""
-
-
-def read_push(body: bytes) -> Push:
-    """The commands and capabilities of a receive-pack request body (decoded). Raises
-    GitProtocolError."""
-    commands: list[Command] = []
-    capabilities: frozenset[str] = frozenset()
-    end = 0
-    for payload, after in pkt_lines(body):
-        end = after
-        if payload is None:
-            break
-        line, nul, caps = payload.rstrip(b"\n").partition(b"\0")
-        if not commands and nul:
-            capabilities = frozenset(caps.decode("ascii", "replace").split())
-        if line.startswith(b"shallow "):
-            continue
-        if line.startswith(b"push-cert"):
-            raise GitProtocolError("signed pushes (push-cert) are not read by corral; push "
-                                   "without --signed")
-        parts = line.split(b" ")
-        if len(parts) != 3 or not _OID.fullmatch(parts[0]) or not _OID.fullmatch(parts[1]):
-            raise GitProtocolError(f"command {len(commands) + 1} is not 'OLD NEW REF'")
-        if len(commands) >= MAX_COMMANDS:
-            raise GitProtocolError(f"more than {MAX_COMMANDS} refs in one push")
-        try:
-            ref = parts[2].decode("utf-8")
-        except UnicodeDecodeError:
-            raise GitProtocolError(f"command {len(commands) + 1}: a ref name that is not "
-                                   "UTF-8") from None
-        commands.append(Command(parts[0].decode(), parts[1].decode(), ref))
-    options = 0
-    if "push-options" in capabilities and commands:
-        for payload, after in pkt_lines(body, end):
-            end = after
-            options += payload is not None
-    return Push(tuple(commands), capabilities, end, options)
+# -- refs ------------------------------------------------------------------------------
 
 
 def valid_ref(ref: str) -> bool:
@@ -476,7 +398,10 @@ class Verdict:
     capabilities: frozenset[str]
     commands: tuple[Command, ...] = ()
     error: str | None = None
-    """Why the push could not be read at all (then `refusals` is empty)."""
+    """Why the push could not be read at all, or its options are refused (then `refusals`
+    is empty)."""
+    options: tuple[str, ...] = ()
+    """The push options the rule does not name (the error says so)."""
 
     @property
     def allowed(self) -> bool:
@@ -526,13 +451,12 @@ def judge(body: bytes, spec: GitSpec, session: str | None,
         push = read_push(body)
     except GitProtocolError as exc:
         return Verdict((), frozenset(), (), str(exc))
-    if push.options:
-        # options steer the host past the refs: GitLab's merge_request.create with
-        # merge_when_pipeline_succeeds merges a session's branch into main, ci.skip and
-        # ci.variable steer its CI. Not read one by one: none is passed on
-        return Verdict((), push.capabilities, push.commands, "push options (git push -o) "
-                       "are not passed on by corral: they ask the host to act beyond the "
-                       "refs (merge requests, CI); push without them")
+    refused = tuple(option for option in push.options if not spec.push_option(option))
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        return Verdict((), push.capabilities, push.commands, f"push option {shown(refused[0])}"
+                       f"{more} is not one the [[git]] table allows (push_options): options ask "
+                       "the host to act beyond the refs (merge requests, CI)", refused)
     refusals: list[tuple[Command, str]] = []
     updates: list[Command] = []
     for command in push.commands:
@@ -555,6 +479,22 @@ def judge(body: bytes, spec: GitSpec, session: str | None,
                       "force-push, no rewritten history); push a new branch under the same "
                       "prefix instead") for command in unproven]
     return Verdict(tuple(refusals), push.capabilities, push.commands)
+
+
+def shown(option: str) -> str:
+    """A push option as a reason shows it: cut, quoted, anything but printable ASCII escaped
+    (git prints the reason on the agent's terminal; events and the audit log keep it)."""
+    return ascii(option[:OPTION_SHOWN]) + ("..." if len(option) > OPTION_SHOWN else "")
+
+
+def hint(verdict: Verdict, spec: GitSpec | None, session: str, host: str) -> str:
+    """What to do about a refused push (the event's hint), over HTTPS and SSH alike."""
+    if verdict.options:
+        return (f"push without -o, or name the option in push_options of the [[git]] table "
+                f"for {host}")
+    pushes = spec.pushes[0] if spec is not None else "refs/heads/corral/{session}"
+    return (f"push to a branch under {pushes.replace('{session}', session)}, or name the ref "
+            f"in push of the [[git]] table for {host}")
 
 
 def _fast_forwards(pack: bytes, updates: list[Command], deadline: float) -> list[Command]:

@@ -28,6 +28,7 @@ from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
 
+from .test_git import LATER, handmade_push
 from .test_inspect import (  # noqa: F401  (fixtures)
     World,
     interception,
@@ -553,63 +554,25 @@ def test_a_push_of_many_commands_is_refused_whole_when_one_is_refused(gated):
     assert gated.refs() == before
 
 
-def test_capabilities_on_a_later_command_line_do_not_make_a_stream_the_judge_misreads(gated):
-    """git's receive-pack reads capabilities on every command line with a NUL; the judge on
-    the first only. With push-options asked on line 2, git (when it advertises them) reads
-    options where corral sees the pack: nothing must be written either way."""
-    config = gated.root / "acme/widget.git/config"
-    text = config.read_text()
-    config.write_text(text + "[receive]\n\tadvertisePushOptions = true\n")
+@pytest.mark.parametrize("form", LATER)
+def test_push_options_asked_for_on_a_later_line_or_with_a_value_are_refused(gated, form):
+    """git's receive-pack reads capabilities on every command line, `feature=value` too: a
+    push onto the session's own branch asking for push options that way is refused whole,
+    and the host's hook (it advertises push options) never runs."""
+    bare = gated.root / "acme/widget.git"
+    log = fakes.hear_push_options(bare)
     try:
-        tip = gated.refs()["refs/heads/main"]
-        new = local_commit(gated, "caps", parent=tip)
-        pack = pack_of(gated, f"{new}\n^{tip}")
-        before = gated.refs()
-
-        def make(refs):
-            return (git.pkt(f"{ZERO} {new} refs/heads/corral/s1/caps\n".encode())
-                    + git.pkt(f"{tip} {new} refs/heads/main\0report-status push-options\n"
-                              .encode()) + git.FLUSH + pack)
+        before, ref = gated.refs(), f"refs/heads/corral/s1/{form}"
+        body = handmade_push(gated, gated.local, ref, LATER[form])
 
         async def attack():
             async with await connect(gated) as conn:
-                return await push_raw(conn, make)
-        arun(attack())
-        assert gated.refs() == before
+                return await push_raw(conn, lambda refs: body)
+        _status, out, _err = arun(attack())
+        assert f"ng {ref}-0 corral: push option 'merge_request.create'".encode() in out, out
+        assert gated.refs() == before and log.read_text() == ""
     finally:
-        config.write_text(text)
-
-
-def test_push_options_are_not_sent_to_the_host_unjudged(gated):
-    """FINDING candidate (design). Push options go to the host as the session wrote them
-    (proxy/git.py: "read past, not judged"). Hosts act on them: GitLab's
-    `merge_request.create`, `merge_request.target=main` and
-    `merge_request.merge_when_pipeline_succeeds` open a merge request of the session's
-    branch into main and merge it when CI passes; `ci.skip`/`ci.variable=...` steer CI.
-    The push is to the session's own branch and passes every rule corral has."""
-    config = gated.root / "acme/widget.git/config"
-    text = config.read_text()
-    hook = gated.root / "acme/widget.git/hooks/pre-receive"
-    seen = gated.root / "options-seen"
-    config.write_text(text + "[receive]\n\tadvertisePushOptions = true\n")
-    hook.write_text("#!/bin/sh\ni=0\nwhile [ $i -lt \"${GIT_PUSH_OPTION_COUNT:-0}\" ]; do\n"
-                    f"  eval \"echo \\$GIT_PUSH_OPTION_$i\" >> {seen}\n  i=$((i+1))\ndone\n")
-    hook.chmod(0o755)
-    try:
-        gated.run("checkout", "-q", "--detach", gated.refs()["refs/heads/main"],
-                  cwd=gated.local)
-        local_commit(gated, "options")
-        gated.run("remote", "add", "gw", "git@git.test:acme/widget.git", cwd=gated.local,
-                  check=False)
-        done = gated.run("push", "-o", "merge_request.create", "-o",
-                         "merge_request.target=main", "-o",
-                         "merge_request.merge_when_pipeline_succeeds", "gw",
-                         "HEAD:refs/heads/corral/s1/options", cwd=gated.local, check=False)
-        options = seen.read_text().split() if seen.exists() else []
-        assert not options, f"the host acted on push options {options} ({done.stderr})"
-    finally:
-        config.write_text(text)
-        hook.unlink()
+        fakes.forget_push_options(bare)
 
 
 def test_a_create_of_an_existing_branch_cannot_force_it(gated):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.filter.proxy import git
 from tests import fakes
 
 from .test_inspect import (  # noqa: F401  (fixtures)
@@ -204,3 +205,103 @@ def test_a_push_is_read_for_leaks_in_its_target_and_refused_at_once_by_its_heade
         status, _, _ = get(tls, f"git.test:{port}", "/acme/widget.git/HEAD")
         assert status == 200
     assert served.server.requests[before:] == ["GET /acme/widget.git/HEAD"]
+
+
+# -- push options: what a forge acts on beyond the refs ------------------------------------
+
+ZERO = "0" * 40
+MERGE = ("merge_request.create", "merge_request.target=main")
+"""What would have GitLab open a merge request of the session's branch into main."""
+
+
+@pytest.fixture
+def heard(served):
+    """acme/widget advertises push options, as GitLab's repositories do, and its
+    pre-receive hook writes down those it is handed: the log, emptied."""
+    if not served.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(served)
+    yield fakes.hear_push_options(served.root / "acme/widget.git")
+    fakes.forget_push_options(served.root / "acme/widget.git")
+
+
+def options_are_refused_unheard(world: GitClient, log: Path) -> None:
+    """`git push -o ...` to the session's own branch: refused in git's report, naming the
+    first option, an event saying so; the server's refs untouched, its hook never run."""
+    world.commit("with options")
+    before, seen = world.refs(), {e["id"] for e in world.filter.events()}
+    done = world.push(*[a for o in MERGE for a in ("-o", o)], "HEAD:refs/heads/corral/s1/opt")
+    assert done.returncode != 0
+    assert "[remote rejected]" in done.stderr, done.stderr
+    assert "push option 'merge_request.create' (and 1 more)" in done.stderr, done.stderr
+    assert world.refs() == before and log.read_text() == ""
+    event = world.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
+    assert event["kind"] == "git" and "push option 'merge_request.create'" in event["reason"]
+    assert "push_options of the [[git]] table for git.test" in event["hint"]
+
+
+def named_options_reach_the_hook(world: GitClient, log: Path, policy: str, table: str) -> None:
+    """With `push_options = ["ci.skip"]` in the table (after its line `table`), `git push
+    -o ci.skip` goes through and the server's hook is handed it; an option not named still
+    refuses the push."""
+    assert table in policy
+    world.filter.reload(policy.replace(table, table + 'push_options = ["ci.skip"]\n'))
+    try:
+        world.commit("skip ci")
+        done = world.push("-o", "ci.skip", "HEAD:refs/heads/corral/s1/skip")
+        assert done.returncode == 0, done.stderr
+        assert fakes.options_heard(log) == ["ci.skip"]
+        world.commit("and merge")
+        before = world.refs()
+        done = world.push("-o", "ci.skip", "-o", "merge_request.create",
+                          "HEAD:refs/heads/corral/s1/skip")
+        assert done.returncode != 0 and "push option 'merge_request.create'" in done.stderr
+        assert world.refs() == before and fakes.options_heard(log) == ["ci.skip"]
+    finally:
+        world.filter.reload(policy)
+
+
+def handmade_push(world: GitClient, clone: Path, ref: str, listings: list[bytes]) -> bytes:
+    """A push creating `ref`-N per listing (each a command line's capabilities after NUL),
+    with merge-request options after the commands and a real pack of one new commit on main
+    (made in `clone`, a clone of the server's repository)."""
+    main = world.refs()["refs/heads/main"]
+    tree = world.run("rev-parse", f"{main}^{{tree}}", cwd=clone).stdout.strip()
+    new = world.run("commit-tree", tree, "-p", main, "-m", f"handmade {ref}",
+                    cwd=clone).stdout.strip()
+    pack = subprocess.run(["git", "pack-objects", "--revs", "--stdout", "-q"], cwd=clone,
+                          env=world.env, input=f"{new}\n^{main}\n".encode(),
+                          capture_output=True, check=True).stdout
+    lines = b"".join(git.pkt(f"{ZERO} {new} {ref}-{i}".encode() + b"\0" + listing + b"\n")
+                     for i, listing in enumerate(listings))
+    options = b"".join(git.pkt(o.encode()) for o in MERGE)
+    return lines + git.FLUSH + options + git.FLUSH + pack
+
+
+LATER = {"later-line": [b"report-status side-band-64k", b"push-options"],
+         "with-value": [b"report-status side-band-64k push-options=1"]}
+"""Push options asked for as git's receive-pack reads them, not as `git push` writes them."""
+
+
+def test_push_options_are_refused_and_never_reach_the_servers_hook(served, heard):
+    options_are_refused_unheard(served, heard)
+
+
+@pytest.mark.parametrize("form", LATER)
+def test_push_options_asked_for_on_a_later_line_or_with_a_value_are_refused(served, heard,
+                                                                            form):
+    port, before = served.server.port, served.refs()
+    body = handmade_push(served, served.work, f"refs/heads/corral/s1/{form}", LATER[form])
+    requests = len(served.server.requests)
+    with tls_through(served.filter, served.context, "git.test", port) as tls:
+        status, _, answer = get(tls, f"git.test:{port}", "/acme/widget.git/git-receive-pack",
+                                "POST", body=body, extra="Content-Type: application/"
+                                "x-git-receive-pack-request\r\n")
+    assert status == 200
+    assert (f"ng refs/heads/corral/s1/{form}-0 corral: push option 'merge_request.create'"
+            .encode()) in answer, answer
+    assert served.server.requests[requests:] == [] and served.refs() == before
+    assert heard.read_text() == ""
+
+
+def test_push_options_the_table_names_reach_the_servers_hook(served, heard):
+    named_options_reach_the_hook(served, heard, POLICY, 'repos = ["acme/widget"]\n')

@@ -21,7 +21,7 @@ from appliance.sandbox import sshconf
 from tests import fakes
 from tests.integration.conftest import ORIGIN
 
-from .test_git import GitClient
+from .test_git import GitClient, named_options_reach_the_hook, options_are_refused_unheard
 from .test_inspect import (  # noqa: F401  (fixtures)
     InProcessFilter,
     World,
@@ -378,3 +378,20 @@ def test_stopping_the_gateway_cuts_its_calls_saying_so(gated):
         fetch.kill()
     event = gated.filter.wait_event(lambda e: e["id"] not in seen and e["verdict"] == "deny")
     assert event["kind"] == "git" and "filter is stopping" in event["reason"]
+
+
+@pytest.fixture
+def heard(gated):
+    """acme/widget advertises push options and its hook writes down those it is handed."""
+    if not gated.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(gated)
+    yield fakes.hear_push_options(gated.root / "acme/widget.git")
+    fakes.forget_push_options(gated.root / "acme/widget.git")
+
+
+def test_push_options_are_refused_and_never_reach_the_servers_hook(gated, heard):
+    options_are_refused_unheard(gated, heard)
+
+
+def test_push_options_the_table_names_reach_the_servers_hook(gated, heard):
+    named_options_reach_the_hook(gated, heard, POLICY, 'repos = ["acme/widget", "acme/tools-*"]\n')

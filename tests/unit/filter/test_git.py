@@ -394,15 +394,125 @@ def test_a_session_has_one_judge_at_a_time_and_never_holds_them_all():
     assert order == ["s1-first", "s2", "s1-second"] and left == {}
 
 
-def test_push_options_are_never_passed_on():
-    """`git push -o merge_request.create -o merge_request.merge_when_pipeline_succeeds`
-    would have GitLab merge a session's branch into main: a push with options is refused
-    whole, its refs reported refused with the reason."""
-    command = (f"{ZERO} {'1' * 40} refs/heads/corral/s1/x\0report-status push-options\n")
-    body = (git.pkt(command.encode()) + git.FLUSH + git.pkt(b"merge_request.create")
-            + git.FLUSH + b"PACK")
-    verdict = git.judge(body, SPEC, "s1")
-    assert not verdict.allowed and "push options" in verdict.reason
-    assert b"ng refs/heads/corral/s1/x corral: push options" in git.report(verdict)
-    without = git.pkt(command.encode()) + git.FLUSH + git.FLUSH + b"PACK"  # no option sent
-    assert git.judge(without, SPEC, "s1").allowed
+# -- push options (git push -o): read where receive-pack reads them ---------------------
+
+OWN = "refs/heads/corral/s1/x"
+EMPTY_PACK = b"PACK\0\0\0\2\0\0\0\0" + hashlib.sha1(b"PACK\0\0\0\2\0\0\0\0").digest()
+MERGE = (b"merge_request.create", b"merge_request.target=main",
+         b"merge_request.merge_when_pipeline_succeeds")
+
+
+def optioned(listings: list[bytes | None], options=MERGE, refs=None) -> bytes:
+    """A push creating a branch of s1's own per listing (None: a line without NUL), then a
+    flush, the option block (when `options` is not None) and an empty pack."""
+    lines = b""
+    for i, listing in enumerate(listings):
+        ref = (refs or [f"{OWN}{i}" for i in range(len(listings))])[i]
+        lines += git.pkt(f"{ZERO} {'1' * 40} {ref}".encode()
+                         + (b"\0" + listing if listing is not None else b"") + b"\n")
+    block = b"".join(git.pkt(o) for o in options) + git.FLUSH if options is not None else b""
+    return lines + git.FLUSH + block + EMPTY_PACK
+
+
+@pytest.mark.parametrize("listings", [
+    [b"report-status side-band-64k push-options"],  # what `git push -o` sends
+    [b"report-status", b"push-options"],  # on a later line: receive-pack reads every one
+    [b"report-status push-options=1"],  # feature=value: the feature all the same
+    [b"report-status", None, b"agent=x\rpush-options=yes"],  # \r is git's space too
+    [b"report-status\tpush-options"],
+], ids=["first-line", "later-line", "with-value", "after-cr", "after-tab"])
+def test_push_options_are_refused_wherever_receive_pack_would_read_them(listings):
+    """GitLab would merge the session's branch into main: the options name a merge request
+    and its target. Refused whole, naming the first option, in git's report."""
+    verdict = git.judge(optioned(listings), SPEC, "s1")
+    assert not verdict.allowed
+    assert "push option 'merge_request.create'" in verdict.reason, verdict.reason
+    assert verdict.options == tuple(o.decode() for o in MERGE)
+    report = git.report(verdict)
+    assert b"ng refs/heads/corral/s1/x0 corral: push option 'merge_request.create'" in report
+
+
+@pytest.mark.parametrize("listings", [
+    [b"report-status push-optionsx"], [b"report-status xpush-options"],
+    [b"report-status agent=push-options"], [b"report-status\x0bpush-options"],  # \v: not
+    [b"report-status\0push-options"],  # after a second NUL: the C string ended
+    [b"report-status PUSH-OPTIONS"],  # compared as written
+], ids=["suffix", "prefix", "a-value", "after-vt", "after-nul", "upper-case"])
+def test_what_receive_pack_does_not_read_as_push_options_is_not_read_as_them(listings):
+    """No option block follows: what comes after the flush is the pack, for corral as for
+    the server."""
+    verdict = git.judge(optioned(listings, options=None), SPEC, "s1")
+    assert verdict.allowed, verdict.reason
+
+
+def test_push_options_the_git_table_names_pass_and_others_are_refused_by_name():
+    spec = GitSpec.parse("acme/widget", None, ("ci.skip", "merge_request.title=*"))
+    allowed = optioned([b"report-status push-options"],
+                       (b"ci.skip", b"merge_request.title=fix the parser"))
+    assert git.judge(allowed, spec, "s1").allowed
+    refused = git.judge(optioned([b"report-status push-options"],
+                                 (b"ci.skip", b"ci.variable=X=1", b"merge_request.create")),
+                        spec, "s1")
+    assert not refused.allowed and refused.options == ("ci.variable=X=1",
+                                                       "merge_request.create")
+    assert "push option 'ci.variable=X=1' (and 1 more)" in refused.reason
+    assert git.judge(optioned([b"push-options"], ()), SPEC, "s1").allowed  # none sent
+    # the refs are judged as ever: an allowed option carries no ref through
+    to_main = git.judge(optioned([b"report-status push-options"], (b"ci.skip",),
+                                 refs=["refs/heads/main"]), spec, "s1")
+    assert "may push only" in to_main.reason
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (b"ci.skip\0merge_request.create", "control character"),
+    (b"ci.skip\nmerge_request.create", "control character"),
+    (b"ci.skip\x1b[2J", "control character"),
+    (b"ci.\xffskip", "not UTF-8"),
+])
+def test_an_option_git_does_not_send_is_refused_unread(option, message):
+    spec = GitSpec.parse("acme/widget", None, ("ci.*",))
+    verdict = git.judge(optioned([b"report-status push-options"], (option,)), spec, "s1")
+    assert not verdict.allowed and message in verdict.reason, verdict.reason
+    assert b"\x1b" not in git.report(verdict)
+
+
+def test_an_option_shown_in_a_reason_is_escaped_and_cut():
+    option = "merge_request.title=" + "\u202e" + "x" * 300
+    verdict = git.judge(optioned([b"push-options"], (option.encode(),)), SPEC, "s1")
+    assert "\u202e" not in verdict.reason and "\\u202e" in verdict.reason
+    assert len(verdict.reason) < 300 and "x" * 80 not in verdict.reason
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('push_options = ["ci skip"]', "without spaces"),
+    ('push_options = ["*"]', "every option"),
+    ('push_options = ["**"]', "every option"),
+    ('push_options = [""]', "without spaces"),
+    ('push_options = ["ci.skip\\u0007"]', "printable ASCII"),
+    ('push_options = "ci.skip"', "list of strings"),
+])
+def test_a_bad_push_option_pattern_is_an_error_naming_file_line_and_key(text, message):
+    with pytest.raises(ConfigError, match=message) as raised:
+        parse_policy(f'[[git]]\nhost = "g.test"\nrepos = ["a/b"]\n{text}\n', "corral.toml",
+                     "project")
+    assert raised.value.line == 4 and raised.value.key == "[[git]] push_options"
+    assert str(raised.value).startswith("corral.toml:4: [[git]] push_options:")
+
+
+def test_push_options_of_tables_add_up_and_keep_to_their_rule_text():
+    document = parse_policy('[[git]]\nhost = "g.test"\nrepos = ["acme/*"]\n'
+                            'push_options = ["ci.skip"]\n'
+                            '[[git]]\nhost = "g.test"\nrepos = ["acme/widget"]\n'
+                            'push_options = ["merge_request.title=*"]\n',
+                            "corral.toml", "project")
+    assert [r.text for r in document.rules] == [
+        "g.test acme/* -o ci.skip", "g.test acme/widget -o merge_request.title=*"]
+    access = Policy(document.rules).git(parse_host("g.test"))
+    merged = access.repository("acme/widget")
+    assert merged.push_option("ci.skip") and merged.push_option("merge_request.title=x y")
+    assert not merged.push_option("merge_request.create")
+    assert not access.repository("acme/other").push_option("merge_request.title=x")
+    from appliance.policy.rules import Rule
+    again = Rule.parse("git", "g.test acme/widget refs/heads/x/** -o ci.skip", "session")
+    assert again.git.pushes == ("refs/heads/x/**",) and again.git.push_options == ("ci.skip",)
+    assert again.text == "g.test acme/widget refs/heads/x/** -o ci.skip"
