@@ -301,6 +301,10 @@ def parser() -> argparse.ArgumentParser:
                           "throwaway session has one)"),
                          ("git-ssh", "a git host the session reaches over SSH through "
                           "the git gateway, its [[git]] table listing --git-repo"),
+                         ("fake-upgrade", "a path on --inspected that answers 101 without "
+                          "switching (httpbin's /status/101)"),
+                         ("echo-secret", "NAME@HOST: a bearer secret whose host echoes the "
+                          "request (httpbin's /headers)"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

@@ -447,7 +447,8 @@ def cmd_selftest(args) -> int:
             options.update(denied_request=PROBE_DENIED, git_repo=PROBE_REPO)
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
                     "inspected", "other_gateway", "silence", "connections", "ask_hold", "only",
-                    "skip_group", "denied_request", "git_repo", "git_ssh"):
+                    "skip_group", "denied_request", "git_repo", "git_ssh", "fake_upgrade",
+                    "echo_secret"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")

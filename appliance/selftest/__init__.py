@@ -26,6 +26,8 @@ verify.yml and the e2e suite all go through that check.
   smuggling   T20: request smuggling on a shared IP
   inspection  T13, T24 on a host the session inspects (--inspected); T25 over SSH
               through the git gateway (--git-ssh)
+  readings    T14, T27, T28, T30 on --inspected: a request the origin reads another way
+              (overrides, a fake 101, encoded bodies, a value the agent came to hold)
   approvals   T15, T21 in a session in ask mode (--ask-hold; run apart, with --only)
   starvation  T21: starving the neighbours (runs last of the network group)
   kernel      T22: system calls refused, each tried in a child process
@@ -35,8 +37,8 @@ verify.yml and the e2e suite all go through that check.
 
 import importlib
 
-PROBE_MODULES = ("network", "smuggling", "inspection", "approvals", "starvation", "kernel",
-                 "review")
+PROBE_MODULES = ("network", "smuggling", "inspection", "readings", "approvals", "starvation",
+                 "kernel", "review")
 """Imported in this order, which is the order the probes register in, run in and are listed
 in (`--list`, the --json lines)."""
 

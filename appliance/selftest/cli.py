@@ -71,6 +71,13 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
     parser.add_argument("--git-ssh", metavar="HOST",
                         help="a git host the session reaches over SSH through the git gateway "
                         "(its [[git]] table lists --git-repo): the push probes run over SSH")
+    parser.add_argument("--fake-upgrade", metavar="PATH",
+                        help="a path on --inspected that answers 101 without switching "
+                        "(httpbin's /status/101): the fake-upgrade probe runs")
+    parser.add_argument("--echo-secret", metavar="NAME@HOST",
+                        help="a bearer secret of the session (its placeholder in $NAME) whose "
+                        "host echoes the request (httpbin's /headers): the probes of a value "
+                        "the agent came to hold run")
     parser.add_argument("--session", default=socket.gethostname(),
                         help="the session's name, for a branch of its own (default: the "
                         "hostname, which corral sets to it)")

@@ -41,7 +41,7 @@ def _skip_reason() -> str | None:
 
 S1_POLICY = """
 [http]
-allow = ["allowed.test", "private.test", "inspected.test"]
+allow = ["allowed.test", "private.test", "inspected.test", "echo.test"]
 [tcp]
 allow = ["ssh.test:22"]
 [[inspect]]

@@ -42,6 +42,7 @@ ZONE = {
     "allowed.test": [("A", WEB, 300), ("AAAA", WEB_V6, 300)],
     "other.test": [("A", WEB, 300)],
     "inspected.test": [("A", WEB, 300)],
+    "echo.test": [("A", WEB, 300)],
     "denied.test": [("A", WEB, 300)],
     "private.test": [("A", "10.0.0.5", 300)],
     "ssh.test": [("A", SSH_HOST, 300)],

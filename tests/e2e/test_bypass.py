@@ -19,6 +19,7 @@ from appliance.sandbox import battery as check
 from appliance.selftest.approvals import HELD_PATH
 
 from . import netns
+from .conftest import APPLIANCE_NAME
 
 ROOT = netns.Path(__file__).resolve().parents[2]  # the checkout
 
@@ -29,16 +30,32 @@ ROOT = netns.Path(__file__).resolve().parents[2]  # the checkout
 HOST_ONLY = ["--skip-group", "kernel", "--skip-group", "review"]
 
 
-def selftest(world, index: int, *extra: str):
-    result = world.in_sandbox(index, sys.executable, "-m", "appliance.selftest", "--json",
-                              *HOST_ONLY, *extra, timeout=300)
+def selftest(world, index: int, *extra: str, env: dict[str, str] | None = None):
+    variables = [f"{k}={v}" for k, v in (env or {}).items()]
+    result = world.in_sandbox(index, "env", *variables, sys.executable, "-m",
+                              "appliance.selftest", "--json", *HOST_ONLY, *extra, timeout=300)
     probes, summary = check.parse(result.stdout)
     assert probes and summary, f"selftest printed no probe:\n{result.stdout}\n{result.stderr}"
     return result.returncode, probes, summary
 
 
+ECHO_VALUE = "sk-e2e-echoed-0123456789abcdef"
+"""The value of ECHO_TOKEN, a bearer secret for echo.test, which echoes every request (the
+fake internet's origin): the held-value probes come to hold it as an agent would."""
+
+
 @pytest.fixture(scope="module")
-def battery(world):
+def echo_secret(world):
+    stored = world.corral("secret", "set", "ECHO_TOKEN", "--appliance", APPLIANCE_NAME,
+                          "--host", "echo.test", input=ECHO_VALUE + "\n")
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    environment = world.control({"op": "secret-environment", "session": "s1"})
+    yield environment["environment"]["ECHO_TOKEN"]
+    world.corral("secret", "rm", "ECHO_TOKEN", "--appliance", APPLIANCE_NAME)
+
+
+@pytest.fixture(scope="module")
+def battery(world, echo_secret):
     """The whole battery in s1, then the appliance's check against what was recorded."""
     mark = check.mark_before(world.control)
     returncode, probes, summary = selftest(
@@ -48,9 +65,10 @@ def battery(world):
         "--inspected", "inspected.test",
         "--denied-request", "GET /corral-selftest-denied/probe",
         "--git-repo", "corral-selftest/probe", "--session", "s1",  # not in a container here
+        "--fake-upgrade", "/status/101", "--echo-secret", "ECHO_TOKEN@echo.test",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--silence", "6",  # the e2e filter's header_timeout is 5
-        "--connections", "2000")
+        "--connections", "2000", env={"ECHO_TOKEN": echo_secret})
     judged = check.confirm(probes, world.control, mark, "s1")
     return returncode, probes, summary, judged
 
@@ -61,10 +79,13 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25, 31} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 24, 25, 27, 28,
+            30, 31} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
             "inspected-request-denied", "inspected-push-refused",
-            "inspected-push-options-refused",
+            "inspected-push-options-refused", "inspected-override-denied",
+            "inspected-fake-upgrade", "inspected-encoded-token", "held-value-in-a-field",
+            "held-value-never-quoted",
             "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
@@ -82,6 +103,18 @@ def test_what_inspection_refused_never_reached_the_origin(world, battery):
     seen = world.origin_requests()
     assert "/corral-selftest-denied/" not in seen
     assert "corral-selftest/probe.git" not in seen
+
+
+def test_a_value_the_agent_came_to_hold_is_named_never_shown_in_any_record(world, battery):
+    """The held-value probes fetched ECHO_TOKEN's value through echo.test (which echoes what
+    the filter attached), then sent it out again and had it quoted: every record names it."""
+    _, probes, _, _ = battery
+    held = [p for p in probes if p["id"].startswith("held-value-")]
+    assert [p["state"] for p in held] == ["passed", "passed"], held
+    records = json.dumps(world.events()) + "".join(
+        p.read_text(errors="replace") for p in world.dir.rglob("audit*") if p.is_file())
+    assert "[secret ECHO_TOKEN]" in records
+    assert ECHO_VALUE[:8] not in records
 
 
 def test_the_icmp_probe_really_ran(battery):
