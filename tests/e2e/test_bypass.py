@@ -46,7 +46,7 @@ def battery(world):
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
         "--inspected", "inspected.test",
-        "--denied-request", "GET /corral-selftest-denied/probe",
+        "--denied-request", "GET /corral-selftest-denied",  # its '/**' deny covers it
         "--git-repo", "corral-selftest/probe",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
         "--silence", "6",  # the e2e filter's header_timeout is 5
@@ -61,9 +61,10 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25, 27} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
-            "inspected-request-denied", "inspected-push-refused",
+            "inspected-request-denied", "inspected-format-suffix", "inspected-escaped-separator",
+            "inspected-unicode-lookalike", "inspected-push-refused",
             "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",
@@ -77,9 +78,13 @@ def test_every_probe_passes(battery):
 
 def test_what_inspection_refused_never_reached_the_origin(world, battery):
     """The fake internet's origins log every request they get: the inspected probes' denied
-    request and their push never arrived."""
+    request, its other spellings (`/corral-selftest-denied.json`, `%3Bx`, a fullwidth `c`)
+    and their push never arrived."""
+    _, probes, _, _ = battery
+    spelt = [p["detail"] for p in probes if p["threat"] == 27]
+    assert len(spelt) == 3 and any("/corral-selftest-denied.json " in d for d in spelt), spelt
     seen = world.origin_requests()
-    assert "/corral-selftest-denied/" not in seen
+    assert "orral-selftest-denied" not in seen
     assert "corral-selftest/probe.git" not in seen
 
 
