@@ -157,6 +157,11 @@ def test_refusals_say_why(github, method, target, reason):
 def test_escaped_reserved_characters_are_read_both_ways():
     """Django, Flask and Go route the decoded path (`%40` is `@`), Express the path as sent:
     a deny matches either reading, an allow must match both."""
+    guard = policy_of('[[inspect]]\nhost = "g.example"\ndeny = ["PUT /@acme/**"]\n')
+    inspection = guard.inspection(parse_host("g.example"))  # no allow list: denies alone
+    for target in ("/%40acme/x", "/%40ACME%2Fx", "/%40acme.json", "/%EF%BC%A0acme/x"):
+        assert not inspection.decide("PUT", target).allowed, target
+    assert inspection.decide("PUT", "/@other/x").allowed
     policy = policy_of("""
 [[inspect]]
 host = "registry.example"
