@@ -391,9 +391,10 @@ def _default_allowed(client: Client, session: str, inspected: str | None = None)
                    "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
 
 
-PROBE_DENIED = "GET /corral-selftest-denied/probe"
-"""A request the throwaway session's request rule denies on its inspected host (the
-battery's --denied-request)."""
+PROBE_DENIED = "GET /corral-selftest-denied"
+"""A request the throwaway session's request rule (`GET /corral-selftest-denied/**`) denies
+on its inspected host (the battery's --denied-request; `/corral-selftest-denied.json` is
+how the format-suffix probe spells it)."""
 PROBE_REPO = "corral-selftest/probe"
 """The repository its [[git]] table lists for that host, only the session's own branches
 pushable (the battery's --git-repo)."""
@@ -411,7 +412,7 @@ def _empty_project(inspected: str | None = None) -> tuple[io.BytesIO, int]:
             host = json.dumps(inspected)  # a TOML basic string, quoted as JSON quotes it
             method, path = PROBE_DENIED.split(" ")
             text = (f'[http]\nallow = [{host}]\n\n[[inspect]]\nhost = {host}\n'
-                    f'deny = ["{method} {path.rsplit("/", 1)[0]}/**"]\n\n'
+                    f'deny = ["{method} {path}/**"]\n\n'
                     f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n').encode()
             info = tarfile.TarInfo("corral.toml")
             info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())

@@ -20,8 +20,12 @@ from every table, layer and preset:
   `OPTIONS *` (it names no path for a rule to judge) and a target not in origin-form
   (the filter passes the path it sends upstream; anything else is a wiring mistake, and a
   mistake denies).
-- **Two readings of `%2F`.** A deny that matches either reading denies; an allow must
-  hold under both, else the request is refused as ambiguous.
+- **Every reading.** A target that servers read in more than one way (`targets.py`: an
+  encoded slash, an escaped `@` or `:`, Unicode a server normalises) is judged under each:
+  a deny that matches any reading denies; an allow must hold under all, else the request
+  is refused, the reason naming the reading it does not hold under.
+- **Format suffixes.** A deny covers its path with a `.suffix` on the last segment
+  (`patterns.py`: Rails and Grape route `/gists.json` as `/gists`); an allow does not.
 
 The per-host rule sets are merged when the Policy is built (an exact host with the
 wildcards above it, a wildcard with the wildcards above it), so `Policy.inspection(host)`
@@ -39,10 +43,11 @@ from .decision import Decision
 from .names import Host, parse_address
 from .patterns import TOKEN
 from .rules import LAYERS, Rule
-from .targets import ENCODED_SLASH, Ambiguous, Target, query_pairs, read_target
+from .targets import Ambiguous, Target, query_pairs, read_target
 
-AMBIGUOUS_HINT = ("send the target in plain form (no dot segments, '//', backslashes, ';' or "
-                  "double encoding); no rule allows an ambiguous one on a host with request rules")
+AMBIGUOUS_HINT = ("send the target in plain form (no dot segments, '//', backslashes, ';', "
+                  "escaped ';', '?' or '#', double encoding or Unicode lookalikes); no rule "
+                  "allows an ambiguous one on a host with request rules")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +161,7 @@ class Inspection:
         try:
             deny = self._deny(method, parsed, pairs)
             if deny is not None:
-                return self._denied(deny, method, parsed)
+                return self._denied(*deny, method, parsed)
             if rules.allows is None:
                 return Decision(True, f"{method} {parsed.path} on {host}: no deny pattern "
                                 f"matches and no allow list restricts {host}",
@@ -170,25 +175,33 @@ class Inspection:
             return Decision(True, f"{method} {parsed.path} on {host} allowed by request rule "
                             f"{found[0].text}", found[0])
         hint = self._allow_hint(method, parsed)
-        some = next((r for r in found if r is not None), None)
+        some = next((i for i, r in enumerate(found) if r is not None), None)
         if some is not None:
+            missed = found.index(None)
             return Decision(False, f"{method} {parsed.path} on {host}: request rule "
-                            f"{some.text} allows it only if the encoded slash (%2F) is read "
-                            "one way; an allow must hold both ways", None, hint)
+                            f"{found[some].text} allows it {parsed.how[some]} but not "
+                            f"{parsed.how[missed]}; servers read it either way, and an allow "
+                            "must hold under every reading", None, hint)
         return Decision(False, f"no allow pattern matches {method} {parsed.path} on {host}",
                         None, hint)
 
-    def _deny(self, method: str, parsed: Target, pairs: Pairs | None) -> Rule | None:
-        """The first deny matching under any reading, all of it case-folded."""
+    def _deny(self, method: str, parsed: Target, pairs: Pairs | None
+              ) -> tuple[Rule, str] | None:
+        """The first deny matching under any reading, all of it case-folded, and how it
+        matched in words ("" as sent and as written)."""
         if not self.rules.denies:
             return None
         upper = method.upper()
         readings = parsed.folded()
         folded = None if pairs is None else tuple((n.lower(), v.lower()) for n, v in pairs)
         for rule in self.rules.denies:
-            if any(rule.request.matches_head(upper, r) for r in readings) and _query(
-                    rule, folded):
-                return rule
+            spec = rule.request
+            matched = [i for i, r in enumerate(readings) if spec.matches_head(upper, r)]
+            if matched and _query(rule, folded):
+                how = [] if 0 in matched else [parsed.how[matched[0]]]
+                if not any(spec.matches_as_written(readings[i]) for i in matched):
+                    how.append("which covers its format suffixes")
+                return rule, ", ".join(how)
         return None
 
     def _allow(self, method: str, reading: tuple[str, ...], pairs: Pairs | None
@@ -202,10 +215,10 @@ class Inspection:
     def _refused(self, reason: str, hint: str = AMBIGUOUS_HINT) -> Decision:
         return Decision(False, reason, None, hint)
 
-    def _denied(self, rule: Rule, method: str, parsed: Target) -> Decision:
+    def _denied(self, rule: Rule, how: str, method: str, parsed: Target) -> Decision:
         return Decision(
             False, f"{method} {parsed.path} on {self.host} denied by request rule {rule.text} "
-            f"({rule.layer} layer)", rule,
+            f"({rule.layer} layer)" + (f", {how}" if how else ""), rule,
             f"remove request rule {rule.text} from the {rule.layer} layer"
             + (f" ({rule.source})" if rule.source else ""))
 
@@ -214,8 +227,8 @@ class Inspection:
             return "HTTP methods are case-sensitive and patterns name them in upper case: " \
                    "send the method in upper case"
         path = parsed.path
-        if ENCODED_SLASH in path:  # a pattern cannot name %2F: allow what lies below
-            head = path[: path.index(ENCODED_SLASH)].rpartition("/")[0]
+        if len(parsed.readings) > 1:  # read several ways: allow what lies below the first
+            head = path[: path.index("%")].rpartition("/")[0]  # segment an escape is in
             path = f"{head}/**"
         host = self.host
         name = f"[{host}]" if host.address is not None and host.address.version == 6 else host

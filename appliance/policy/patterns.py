@@ -7,9 +7,20 @@
 - **Path**: starts with `/`; `*` alone matches exactly one segment, `**` alone any number
   of segments (zero included: `/gists/**` covers `/gists`), `*` inside a segment any run of
   characters within it (`/@*/*`, `/*.json`). The path is canonicalised like a request
-  (`targets.py`: `%67` is `g`, a trailing slash dropped), and what a request may not
-  contain (dot segments, `//`, `;`, backslashes, `%25`) a pattern may not either. An
-  encoded slash `%2F` is refused too: write the path as the upstream routes it.
+  (`targets.py`: `%67` is `g`, a trailing slash dropped, `%40` is `@`, as servers that
+  decode route it), and what a request may not contain (dot segments, `//`, `;` and `%3B`,
+  `%3F`, `%23`, backslashes, `%25`, Unicode read as those) a pattern may not either. An
+  encoded slash `%2F` is refused too, and so are an encoded `*` (a glob's `*` matches one)
+  and Unicode that servers normalise (a fullwidth `g`): write the path as the upstream routes it.
+- **Format suffixes**: a deny also covers its path with a `.suffix` on the last segment —
+  `/gists/**` covers `/gists.json`, `PUT /repos/*/*/pulls/*/merge` covers `merge.json` and
+  `merge.json.xml` — because Rails (`(.:format)`), Grape, Django REST framework's
+  `format_suffix_patterns`, Symfony's `{_format}` and Spring's suffix patterns route them
+  to the same handler, each taking a different part of the segment for the format; so
+  the deny's last segment matches the path's up to any of its dots. Only the last segment:
+  `/gists.json/1` is not `/gists/1` to any of them. Dotted names are covered too (a deny
+  of `/repos/*/widget` denies `/repos/o/widget.js`): the safe side. An allow covers what it
+  names and nothing more: `GET /x` does not allow `/x.json`.
 - **Query**: ignored unless the pattern has one. `?name=glob&other` names parameters: each
   must be present (`other` alone: with any value); other parameters are free. A deny
   matches when any value of each named parameter matches its glob (a server may read the
@@ -31,7 +42,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .targets import ENCODED_SLASH, Ambiguous, decode, path_segments
+from .targets import ENCODED_SLASH, Ambiguous, decode, decode_reserved, normalised, path_segments
 
 NOTHING = "nothing"
 """The pattern text of an empty allow list."""
@@ -62,6 +73,10 @@ class RequestSpec:
     runs: tuple[Run, ...] | None = field(default=None, compare=False, repr=False)
     """The path split at its `**`s: one run for a fixed depth, k+1 runs for k `**`s;
     None for `nothing`, which matches no request."""
+    suffixed: tuple[Run, ...] | None = field(default=None, compare=False, repr=False)
+    """A deny's runs for the path with a format suffix (a trailing `**` taken as none, the
+    last glob extended by `.*`); None for an allow, and where `runs` cover it already (the
+    last glob ends in `*`, or the path is `/` or `/**`)."""
     query: tuple[tuple[str, Glob | None], ...] = field(default=(), compare=False, repr=False)
     """Named parameters and the glob each value must match (None: present, any value)."""
 
@@ -93,14 +108,8 @@ class RequestSpec:
             canonical += "?" + "&".join(n if g is None else f"{n}={'*'.join(g)}"
                                         for n, g in conditions)
         fold = str.lower if deny else str
-        runs: list[list[Glob]] = [[]]
-        for segment in segments:
-            if segment == ANY_SEGMENTS:
-                runs.append([])
-            else:
-                runs[-1].append(tuple(fold(segment).split("*")))
         return cls(canonical, deny, None if method == "*" else method,
-                   tuple(tuple(run) for run in runs),
+                   _runs(segments, fold), _suffixed(segments) if deny else None,
                    tuple((fold(n), None if g is None else tuple(fold(p) for p in g))
                          for n, g in conditions))
 
@@ -111,10 +120,16 @@ class RequestSpec:
         return self.matches_head(method, segments) and self.matches_query(pairs)
 
     def matches_head(self, method: str, segments: tuple[str, ...]) -> bool:
-        """Do the method and path match (the query aside)?"""
+        """Do the method and path match (the query aside)? A deny's path matches with a
+        format suffix too."""
         if self.runs is None or (self.method is not None and method != self.method):
             return False
-        return _path(self.runs, segments)
+        return _path(self.runs, segments) or (
+            self.suffixed is not None and _path(self.suffixed, segments))
+
+    def matches_as_written(self, segments: tuple[str, ...]) -> bool:
+        """Does the path match without a format suffix taken off (how reasons tell)?"""
+        return self.runs is not None and _path(self.runs, segments)
 
     def matches_query(self, pairs: tuple[tuple[str, str], ...]) -> bool:
         """Do the named parameters match (always, when the pattern names none)?"""
@@ -128,12 +143,42 @@ class RequestSpec:
         return True
 
 
+def _runs(segments: tuple[str, ...], fold) -> tuple[Run, ...]:
+    runs: list[list[Glob]] = [[]]
+    for segment in segments:
+        if segment == ANY_SEGMENTS:
+            runs.append([])
+        else:
+            runs[-1].append(tuple(fold(segment).split("*")))
+    return tuple(tuple(run) for run in runs)
+
+
+def _suffixed(segments: tuple[str, ...]) -> tuple[Run, ...] | None:
+    """The runs of a deny for its path's suffixed forms: `/gists/**` -> `/gists.*`, `/a/b`
+    -> `/a/b.*` (`G.*` matches a segment whenever `G` matches it up to one of its dots)."""
+    items = list(segments[:-1] if segments and segments[-1] == ANY_SEGMENTS else segments)
+    if not items or items[-1].endswith("*"):
+        return None
+    items[-1] += ".*"
+    return _runs(tuple(items), str.lower)
+
+
 def _pattern_segments(path: str) -> tuple[str, ...]:
     try:
         segments = path_segments(path)
+        canonical = "/" + "/".join(segments)
+        if "%2A" in canonical:
+            raise PatternError(f"path {path!r}: an encoded '*' (%2A); a '*' matches one")
+        decoded = decode_reserved(canonical)
+        normal = normalised(decoded)
     except Ambiguous as exc:
         raise PatternError(f"path {path!r}: {exc}; requests spelt so are refused anyway"
                            ) from None
+    if normal is not None:
+        raise PatternError(f"path {path!r}: servers that normalise Unicode read it as "
+                           f"{normal}; write that")
+    if decoded != canonical:
+        segments = tuple(decoded[1:].split("/"))
     previous = None
     for segment in segments:
         if ENCODED_SLASH in segment:

@@ -6,13 +6,15 @@ inside the TLS the filter ends, a request for another host is refused (T13) and 
 body carrying a token (T24). Each sends nothing to the origin.
 
 More run when the harness says what the session's policy forbids there: a request a
-request rule denies (`--denied-request "METHOD /PATH"`, T12), a git push onto
-refs/heads/main of a repository a [[git]] table lists for the host (`--git-repo
-OWNER/REPO`, T25: only the session's own branches may be pushed), and a push onto the
-session's own branch carrying push options (T31: none named in the table), asked for as
-git's receive-pack reads them, not as `git push` writes them. The throwaway session of
-`corral selftest --inspected HOST` has them (cli/sessions.py, `PROBE_DENIED`, `PROBE_REPO`).
-With `--git-ssh HOST` the pushes go over SSH through the git gateway instead.
+request rule denies (`--denied-request "METHOD /PATH"`, T12) and spellings of it that
+servers route to the same handler (T27: a format suffix, an encoded ';', a fullwidth
+letter), a git push onto refs/heads/main of a repository a [[git]] table lists for the
+host (`--git-repo OWNER/REPO`, T25: only the session's own branches may be pushed), and a
+push onto the session's own branch carrying push options (T31: none named in the table),
+asked for as git's receive-pack reads them, not as `git push` writes them. The throwaway
+session of `corral selftest --inspected HOST` has them (cli/sessions.py, `PROBE_DENIED`,
+`PROBE_REPO`). With `--git-ssh HOST` the pushes go over SSH through the git gateway
+instead.
 """
 
 from __future__ import annotations
@@ -138,21 +140,82 @@ def inspected_token_in_body(ctx):
                    {"kind": "leak", "reason": "GitHub token"})
 
 
-@probe("inspected-request-denied", 12, needs="denied_request",
-       records="http event, reason 'denied by request rule'")
-def inspected_request_denied(ctx):
-    """A method and path the session's request rules deny on an inspected host: answered
-    by the filter (403, X-Corral-Deny), never sent to the origin."""
-    a = ctx.args
+def _denied_request(a) -> tuple[str, str]:
+    """The method and path of `--denied-request` (NotRun without `--inspected`)."""
     if not a.inspected:
         raise NotRun("needs --inspected (the host whose request rule denies it)")
     method, _, path = a.denied_request.partition(" ")
     if not method or not path.startswith("/"):
         raise NotRun(f"--denied-request {a.denied_request!r}: give METHOD /PATH")
+    return method, path
+
+
+def _sent(a, method: str, path: str, what: str, reason: str) -> Outcome:
     head = _inside(a, f"{method} {path} HTTP/1.1\r\nHost: {a.inspected}\r\n"
                    "Connection: close\r\n\r\n".encode())
-    return _denied(head, f"{method} {path} on {a.inspected}",
-                   {"kind": "http", "reason": "denied by request rule"})
+    return _denied(head, f"{what}{method} {path} on {a.inspected}",
+                   {"kind": "http", "reason": reason})
+
+
+@probe("inspected-request-denied", 12, needs="denied_request",
+       records="http event, reason 'denied by request rule'")
+def inspected_request_denied(ctx):
+    """A method and path the session's request rules deny on an inspected host: answered
+    by the filter (403, X-Corral-Deny), never sent to the origin."""
+    method, path = _denied_request(ctx.args)
+    return _sent(ctx.args, method, path, "", "denied by request rule")
+
+
+def suffixed(path: str) -> str:
+    """The path with a format suffix on its last segment (`/gists` -> `/gists.json`)."""
+    if path.rstrip("/") == "":
+        raise NotRun("--denied-request names '/': no segment to suffix")
+    return path.rstrip("/") + ".json"
+
+
+def escaped_separator(path: str) -> str:
+    """The path with `%3Bx` after its first segment (`/a/b` -> `/a%3Bx/b`)."""
+    head, _, rest = path[1:].partition("/")
+    return f"/{head}%3Bx" + (f"/{rest}" if rest else "")
+
+
+def fullwidth(path: str) -> str:
+    """The path with its first letter or digit in fullwidth form, percent-encoded."""
+    at = next((i for i, c in enumerate(path) if c.isascii() and c.isalnum()), None)
+    if at is None:
+        raise NotRun(f"--denied-request {path!r} has no letter or digit to spell otherwise")
+    wide = "".join(f"%{b:02X}" for b in chr(ord(path[at]) + 0xFEE0).encode())
+    return path[:at] + wide + path[at + 1:]
+
+
+@probe("inspected-format-suffix", 27, needs="denied_request",
+       records="http event, reason 'denied by request rule'")
+def inspected_format_suffix(ctx):
+    """The denied request with a format suffix on its last segment (`/gists.json`, which
+    Rails, Grape and Django REST framework route as `/gists`): the deny covers it."""
+    method, path = _denied_request(ctx.args)
+    return _sent(ctx.args, method, suffixed(path), "with a format suffix, ",
+                 "denied by request rule")
+
+
+@probe("inspected-escaped-separator", 27, needs="denied_request",
+       records="http event, reason \"encoded ';' (%3B)\"")
+def inspected_escaped_separator(ctx):
+    """The denied path with `%3Bx` after its first segment: a server that decodes before it
+    drops path parameters reads the denied path; refused as `;` is, whatever the rules."""
+    method, path = _denied_request(ctx.args)
+    return _sent(ctx.args, method, escaped_separator(path), "an encoded ';', ",
+                 "encoded ';' (%3B)")
+
+
+@probe("inspected-unicode-lookalike", 27, needs="denied_request",
+       records="http event, reason 'denied by request rule'")
+def inspected_unicode_lookalike(ctx):
+    """The denied path with its first letter in fullwidth form (U+FF41.., percent-encoded),
+    which servers that normalise Unicode (NFKC) read as the letter: the deny covers it."""
+    method, path = _denied_request(ctx.args)
+    return _sent(ctx.args, method, fullwidth(path), "in fullwidth form, ",
+                 "denied by request rule")
 
 
 ZERO = "0" * 40

@@ -63,7 +63,7 @@ def battery(world, echo_secret):
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
         "--inspected", "inspected.test",
-        "--denied-request", "GET /corral-selftest-denied/probe",
+        "--denied-request", "GET /corral-selftest-denied",  # its '/**' deny covers it
         "--git-repo", "corral-selftest/probe", "--session", "s1",  # not in a container here
         "--fake-upgrade", "/status/101", "--echo-secret", "ECHO_TOKEN@echo.test",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
@@ -82,7 +82,8 @@ def test_every_probe_passes(battery):
     assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 24, 25, 27, 28,
             30, 31} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
-            "inspected-request-denied", "inspected-push-refused",
+            "inspected-request-denied", "inspected-format-suffix", "inspected-escaped-separator",
+            "inspected-unicode-lookalike", "inspected-push-refused",
             "inspected-push-options-refused", "inspected-override-denied",
             "inspected-fake-upgrade", "inspected-encoded-token", "held-value-in-a-field",
             "held-value-never-quoted",
@@ -99,9 +100,16 @@ def test_every_probe_passes(battery):
 
 def test_what_inspection_refused_never_reached_the_origin(world, battery):
     """The fake internet's origins log every request they get: the inspected probes' denied
-    request and their pushes (onto main; with push options) never arrived."""
+    request, its other spellings (`/corral-selftest-denied.json`, `%3Bx`, a fullwidth `c`,
+    overrides, behind a 101 that switched nothing) and their pushes (onto main; with push
+    options) never arrived."""
+    _, probes, _, _ = battery
+    spelt = [p["detail"] for p in probes if p["id"] in ("inspected-format-suffix",
+                                                          "inspected-escaped-separator",
+                                                          "inspected-unicode-lookalike")]
+    assert len(spelt) == 3 and any("/corral-selftest-denied.json " in d for d in spelt), spelt
     seen = world.origin_requests()
-    assert "/corral-selftest-denied/" not in seen
+    assert "orral-selftest-denied" not in seen
     assert "corral-selftest/probe.git" not in seen
 
 

@@ -181,7 +181,9 @@ def test_selftest_inspected_on_a_throwaway_session_inspects_that_host(world, san
     (a request rule and a [[git]] table for the battery to run into), and the inspection
     probes pass in a real session (the CA in its trust store)."""
     probes = ["inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
-              "inspected-request-denied", "inspected-push-refused"]
+              "inspected-request-denied", "inspected-format-suffix",
+              "inspected-escaped-separator", "inspected-unicode-lookalike",
+              "inspected-push-refused"]
     result = corral(world, "selftest", "--allowed", "allowed.test", "--inspected",
                     "inspected.test", *[a for p in probes for a in ("--only", p)], "--json",
                     check=False)

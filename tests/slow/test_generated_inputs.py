@@ -1,4 +1,5 @@
-"""100k generated inputs per parser: each may refuse, none may crash or misbehave.
+"""100k generated inputs per parser: each may refuse, none may crash or misbehave; and 100k
+request targets, none allowed where a lax server reads a denied path.
 
 Inputs are mutations (bit flips, truncations, insertions, deletions, duplications, splices)
 of real seeds, from a fixed random seed so a failure reproduces. These are the same parsers
@@ -22,8 +23,9 @@ from appliance.filter.proxy.pipeline import OWN, Route, outgoing
 from appliance.filter.resolver import Resolver
 from appliance.filter.sni import TlsError, parse_client_hello
 from appliance.filter.store import PolicyStore
-from appliance.policy import Host
+from appliance.policy import Host, Policy, Rule, parse_host
 from tests.unit.filter.hello import client_hello, split_records
+from tests.unit.policy import lax
 
 pytestmark = pytest.mark.slow
 CASES = 100_000
@@ -134,3 +136,36 @@ def test_client_hello_parser_survives_generated_hellos():
             parsed += 1
             assert hello.sni is None or hello.sni == hello.sni.lower()
     assert parsed > 1000
+
+
+DENIED_PATHS = ("* /gists/**", "PUT /repos/*/*/pulls/*/merge", "PUT /@acme/**", "POST /v1/*:run")
+
+
+def test_request_targets_are_never_allowed_where_a_lax_server_reads_a_deny():
+    """Mutations of targets spelt with every known trick (escapes once and twice, overlong
+    and fullwidth forms, invisible characters, dotless i, '%3B', '%3F', '%23', format
+    suffixes), judged on a host whose only allow is `* /**`: whenever one is allowed, no
+    reading a lax server makes of it (tests/unit/policy/lax.py) is one a deny covers."""
+    rules = [Rule.parse("request", "h.example * /**")]
+    rules += [Rule.parse("request", f"!h.example {d}") for d in DENIED_PATHS]
+    inspection = Policy(rules).inspection(parse_host("h.example"))
+    denies = [d.split() for d in DENIED_PATHS]
+    seeds = [s.encode() for s in (
+        "/gists.json", "/%67ists/1", "/x/..%252F%EF%BD%87ists", "/g%C4%B1sts%3Bx",
+        "/gi%E2%80%8Bsts.json.xml", "/repos/o/r/pulls/1/merge.json", "/%40acme/w%3Fx",
+        "/v1/x%3Arun%23f", "/repos/o/r/pulls/1/%EF%BD%8Derge", "/ok/gists%C0%AF..%C0%AFx",
+        "/a%EF%BC%8F..%EF%BC%8Fgists", "/gists%C2%AD?a=b", "/x/%E2%80%A5/gists", "/v1/x:run.")]
+    allowed = 0
+    for data in mutations(seeds, CASES, random.Random(21)):
+        target = data.decode("latin-1")
+        for method in ("GET", "PUT", "POST"):
+            decision = inspection.decide(method, target)
+            assert decision.reason
+            if not decision.allowed:
+                continue
+            allowed += 1
+            for reading in lax.readings(target):
+                for deny_method, deny_path in denies:
+                    assert not (deny_method in ("*", method) and lax.covers(deny_path, reading)), (
+                        method, target, reading)
+    assert allowed > 1000

@@ -14,6 +14,7 @@ import stat
 import pytest
 from dnslib import DNSRecord
 
+from appliance.policy import Policy, Rule, parse_host
 from appliance.selftest import cli, inspection, kernel, review, wire
 from appliance.selftest.kernel import judge_attempts
 from appliance.selftest.registry import (
@@ -400,3 +401,27 @@ def test_what_an_echoing_origin_got_is_checked_and_a_real_origin_is_taken_at_its
     assert wire.host_seen(no_host, "a.test") == (False, "the origin got no Host")
     assert wire.host_seen(b"<html>", "a.test") == (True, "the origin does not echo what "
                                                     "it got")
+
+
+@pytest.mark.parametrize(("spell", "path", "spelt"), [
+    (inspection.suffixed, "/corral-selftest-denied", "/corral-selftest-denied.json"),
+    (inspection.suffixed, "/a/b/", "/a/b.json"),
+    (inspection.escaped_separator, "/corral-selftest-denied", "/corral-selftest-denied%3Bx"),
+    (inspection.escaped_separator, "/a/b", "/a%3Bx/b"),
+    (inspection.fullwidth, "/corral-selftest-denied", "/%EF%BD%83orral-selftest-denied"),
+    (inspection.fullwidth, "/-/9", "/-/%EF%BC%99"),
+])
+def test_the_path_probes_spell_the_denied_request_as_servers_route_it(spell, path, spelt):
+    """Each T27 probe's spelling of `--denied-request`, and the policy's verdict on it where
+    the throwaway session's rule denies the plain path (cli/sessions.py)."""
+    assert spell(path) == spelt
+    if path == "/corral-selftest-denied":
+        policy = Policy([Rule.parse("request", f"!h.example GET {path}/**")])
+        assert not policy.inspection(parse_host("h.example")).decide("GET", spelt).allowed
+
+
+@pytest.mark.parametrize(("spell", "path"), [(inspection.suffixed, "/"),
+                                             (inspection.fullwidth, "/-/_")])
+def test_a_path_probe_without_anything_to_spell_is_not_run(spell, path):
+    with pytest.raises(NotRun):
+        spell(path)

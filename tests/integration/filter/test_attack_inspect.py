@@ -226,6 +226,14 @@ def test_an_override_to_an_allowed_method_still_passes(real, origins, intercepti
     ("PATCH", "/repos/a/b"), ("HEAD", "/repos/a/b"), ("OPTIONS", "*"),
     ("GET", "http://inspected.test:{port}/gists"), ("GET", "https://inspected.test:{port}/x"),
     ("GET", "http://inspected.test:{port}/x/..%2Fgists"),
+    # paths as routers read them: format suffixes, escaped forms of what is refused raw,
+    # Unicode a server normalises, an escaped '@'
+    ("GET", "/gists.json"), ("GET", "/Gists.JSON/"), ("PUT", "/repos/a/b/pulls/1/merge.json"),
+    ("PUT", "/repos/a/b/pulls/1/merge.json.xml"), ("GET", "/gists%3Bx"),
+    ("GET", "/x/..%3B/gists"), ("GET", "/gists%3F.json"), ("GET", "/gists%23x"),
+    ("GET", "/%EF%BD%87ists"), ("GET", "/g%C4%B1sts/1"), ("GET", "/gi%E2%80%8Bsts"),
+    ("GET", "/x%EF%BC%8F..%EF%BC%8Fgists"), ("GET", "/x%u002F..%u002Fgists"),
+    ("PUT", "/repos/a/b/pulls/1/%EF%BD%8Derge"), ("POST", "/repos/a/b?a=1;_method=DELETE"),
 ])
 def test_spellings_of_a_denied_or_unlisted_request_never_reach_the_origin(
         real, origins, interception, method, target):  # noqa: F811

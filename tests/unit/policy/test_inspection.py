@@ -20,6 +20,8 @@ from appliance.policy import (
     preset_rules,
 )
 
+from . import lax
+
 HOST = parse_host("api.github.com")
 EXAMPLE = """
 [http]
@@ -59,6 +61,16 @@ def github():
     ("PUT", "/repos/acme/widget/pulls/7/merge", False,
      "!api.github.com PUT /repos/*/*/pulls/*/merge"),
     ("GET", "/repos/acme/widget/pulls/7/merge", True, "api.github.com GET /**"),
+    # a deny covers its path's format suffixes (Rails and Grape route /gists.json as /gists)
+    ("GET", "/gists.json", False, "!api.github.com * /gists/**"),
+    ("GET", "/Gists.JSON", False, "!api.github.com * /gists/**"),
+    ("PUT", "/repos/acme/widget/pulls/7/merge.json", False,
+     "!api.github.com PUT /repos/*/*/pulls/*/merge"),
+    ("PUT", "/repos/acme/widget/pulls/7/merge.json.xml", False,
+     "!api.github.com PUT /repos/*/*/pulls/*/merge"),
+    ("GET", "/gistsy.json", True, "api.github.com GET /**"),
+    ("GET", "/repos/acme/widget.js", True, "api.github.com GET /**"),
+    ("POST", "/repos/acme/widget/pulls.json", False, None),  # an allow: what it names only
 ])
 def test_the_documented_example(github, method, target, allowed, rule):
     decision = github.decide(method, target)
@@ -101,6 +113,28 @@ def test_the_documented_example(github, method, target, allowed, rule):
     ("OPTIONS", "*"),  # asterisk-form names no path
     ("G ET", "/gists"),
     ("", "/gists"),
+    ("GET", "/gists.json"),  # format suffixes
+    ("GET", "/%67ists%2Ejson"),
+    ("GET", "/gists.json/"),
+    ("GET", "/gists%EF%BC%8Ejson"),  # a fullwidth '.'
+    ("PUT", "/repos/acme/widget/pulls/1/merge.json"),
+    ("GET", "/gists%3Bx/1"),  # escaped forms of what is refused raw
+    ("GET", "/gists%3b"),
+    ("GET", "/gists%3F/x"),
+    ("GET", "/gists%23x"),
+    ("GET", "/gists%253B"),
+    ("GET", "/x/..%3B/gists"),
+    ("GET", "/x%u002F..%u002Fgists"),
+    ("GET", "/x%EF%BC%8F..%EF%BC%8Fgists"),  # fullwidth '/'
+    ("GET", "/x%C2%A5..%C2%A5gists"),  # the yen sign is '\\' in Japanese Windows
+    ("GET", "/x/%EF%BC%8E%EF%BC%8E/gists"),
+    ("GET", "/%EF%BD%87ists"),  # Unicode a server normalises
+    ("GET", "/%EF%BD%87%EF%BD%89%EF%BD%93%EF%BD%94%EF%BD%93/1"),
+    ("GET", "/g%C4%B1sts"),  # dotless i: 'GISTS' upper-cased
+    ("GET", "/gi%C5%BFts"),  # long s
+    ("GET", "/gi%E2%80%8Bsts"),  # zero-width space
+    ("GET", "/gis%C2%ADts"),  # soft hyphen
+    ("PUT", "/repos/acme/widget/pulls/1/%E2%80%8Bmerge"),
 ])
 def test_no_spelling_evades_a_deny(github, method, target):
     decision = github.decide(method, target)
@@ -118,6 +152,41 @@ def test_no_spelling_evades_a_deny(github, method, target):
 ])
 def test_refusals_say_why(github, method, target, reason):
     assert reason in github.decide(method, target).reason
+
+
+def test_escaped_reserved_characters_are_read_both_ways():
+    """Django, Flask and Go route the decoded path (`%40` is `@`), Express the path as sent:
+    a deny matches either reading, an allow must match both."""
+    guard = policy_of('[[inspect]]\nhost = "g.example"\ndeny = ["PUT /@acme/**"]\n')
+    inspection = guard.inspection(parse_host("g.example"))  # no allow list: denies alone
+    for target in ("/%40acme/x", "/%40ACME%2Fx", "/%40acme.json", "/%EF%BC%A0acme/x"):
+        assert not inspection.decide("PUT", target).allowed, target
+    assert inspection.decide("PUT", "/@other/x").allowed
+    policy = policy_of("""
+[[inspect]]
+host = "registry.example"
+allow = ["GET /**", "PUT /@acme/*", "PUT /plain/*"]
+deny = ["PUT /@acme/secret", "POST /v1/*:cancel"]
+""")
+    inspection = policy.inspection(parse_host("registry.example"))
+
+    def allowed(method: str, target: str) -> bool:
+        return inspection.decide(method, target).allowed
+
+    assert not allowed("PUT", "/%40acme/secret")
+    assert not allowed("PUT", "/%40acme/secret.json")
+    assert not allowed("POST", "/v1/job%3Acancel")
+    assert allowed("PUT", "/@acme/widget")
+    decision = inspection.decide("PUT", "/%40acme/widget")  # Express routes it elsewhere
+    assert not decision.allowed and "@" in decision.reason, decision.reason
+    assert allowed("PUT", "/plain/a%2Cb")  # one segment either way
+
+
+def test_the_reason_says_a_format_suffix_or_a_normalised_reading_was_denied(github):
+    reason = github.decide("GET", "/gists.json").reason
+    assert reason.endswith("(project layer), which covers its format suffixes"), reason
+    reason = github.decide("GET", "/%EF%BD%87ists").reason
+    assert "as servers that normalise Unicode read it (/gists)" in reason, reason
 
 
 def test_a_request_rule_with_query_matches_by_parameter():
@@ -269,7 +338,8 @@ def test_an_allow_must_hold_under_both_readings_of_an_encoded_slash():
     inspection = policy.inspection(parse_host("registry.example"))
     assert inspection.decide("GET", "/left-pad").allowed
     decision = inspection.decide("GET", "/@types%2Fnode")
-    assert not decision.allowed and "allows it only if the encoded slash" in decision.reason
+    assert not decision.allowed and "not with the encoded slash (%2F) read as '/'" in \
+        decision.reason
     both = policy_of('[[inspect]]\nhost = "registry.example"\nallow = ["GET /**"]\n')
     assert both.inspection(parse_host("registry.example")).decide("GET", "/@types%2fnode").allowed
 
@@ -395,7 +465,8 @@ def test_github_presets_allow_their_hosts_and_no_ssh():
 
 # -- properties ---------------------------------------------------------------------------
 
-segment = st.text("abcXYZ019-_~.", min_size=1, max_size=4).filter(lambda s: s not in (".", ".."))
+segment = st.text("abcXYZ019-_~.@:+i", min_size=1, max_size=4).filter(
+    lambda s: s not in (".", ".."))
 pattern_item = st.one_of(segment, st.just("*"), st.just("**"))
 METHODS = ("GET", "PUT", "POST", "DELETE")
 
@@ -421,26 +492,43 @@ def _encode(char: str, upper: bool) -> str:
     return text if upper else text.lower()
 
 
+LOOKALIKES = {"i": ["%C4%B1", "%C4%B0"], "s": ["%C5%BF"], "K": ["%E2%84%AA"], ".": [
+    "%EF%BC%8E", "%EF%B9%92", "%E2%80%A4"]}
+"""Escaped characters that servers normalising Unicode (NFKC, case mapping) read as ASCII."""
+
+
+def _fullwidth(char: str) -> str:
+    return "".join(f"%{b:02X}" for b in chr(ord(char) + 0xFEE0).encode())
+
+
 @st.composite
 def spelling(draw, path: list[str], fold: bool):
-    """A target an upstream may route to `path`: escapes, case (when `fold`), a trailing
-    slash, and the tricks that some servers resolve (dot segments, '//', backslashes, ';',
-    encoded and double-encoded slashes)."""
+    """A target an upstream may route to `path`: escapes, case and Unicode lookalikes (when
+    `fold`), a trailing slash, a format suffix (when `fold`: a deny covers it), and the
+    tricks that some servers resolve (dot segments, '//', backslashes, ';', '%3B', encoded
+    and double-encoded slashes, fullwidth and invisible characters)."""
     out = []
     for index, seg in enumerate(path):
         chars = []
         for char in seg:
-            if draw(st.booleans()):
+            trick = draw(st.sampled_from(["plain", "escape", "case", "unicode"]))
+            if trick == "escape":
                 char = _encode(char, draw(st.booleans()))
-            elif fold and draw(st.booleans()):
+            elif trick == "case" and fold:
                 char = char.swapcase()
+            elif trick == "unicode" and fold:
+                char = draw(st.sampled_from([*LOOKALIKES.get(char, []), _fullwidth(char),
+                                             "%E2%80%8B" + char, char + "%C2%AD"]))
             chars.append(char)
         sep = "/" if index == 0 else draw(st.sampled_from(
             ["/", "/", "/", "%2F", "%2f", "\\", "%5C", "//", "/./", "/x/../", "/%2e%2e/../",
-             "/x;y/", "%252F"]))
+             "/x;y/", "%252F", "/x%3By/", "%EF%BC%8F", "/%EF%BC%8E%EF%BC%8E/../"]))
         out.append(sep + "".join(chars))
     target = "".join(out) or "/"
-    target += draw(st.sampled_from(["", "", "/", "?a=b", "/?x", ";p", "#f"]))
+    if fold and path:
+        target += draw(st.sampled_from(["", "", ".json", ".json.xml", "%2Ejson", "."]))
+    target += draw(st.sampled_from(["", "", "/", "?a=b", "/?x", ";p", "#f", "%3Bp", "%3Fx",
+                                    "%23f"]))
     return target
 
 
@@ -476,6 +564,85 @@ def test_another_spelling_never_gains_what_the_plain_path_is_denied(data, method
     target = data.draw(spelling(path, fold=False))
     if inspection.decide(method, target).allowed:
         assert inspection.decide(method, plain).allowed, (target, plain)
+
+
+@settings(max_examples=300)
+@given(allows=st.lists(st.tuples(st.sampled_from((*METHODS, "*")), pattern_and_path()),
+                       min_size=1, max_size=3),
+       path=st.lists(segment, max_size=4), method=st.sampled_from(METHODS))
+def test_allows_cover_what_they_name_and_no_suffixed_form(allows, path, method):
+    """A format suffix widens denies only: with allows alone, a plain target passes exactly
+    when an allow pattern matches it as written."""
+    rules = [Rule.parse("request", f"h.example {m} {p}") for m, (p, _) in allows]
+    inspection = Policy(rules).inspection(parse_host("h.example"))
+    target = "/" + "/".join(path)
+    expected = any(r.request.matches(method, tuple(path), ()) for r in rules)
+    assert inspection.decide(method, target).allowed is expected
+
+
+LAX_DENIES = ("* /gists/**", "PUT /repos/*/*/pulls/*/merge", "PUT /@acme/**", "POST /v1/*:run")
+LAX_PATHS = ("/gists", "/gists/1", "/repos/o/r/pulls/1/merge", "/@acme/w", "/v1/x:run",
+             "/repos/o/r", "/ok/gists", "/v1/x:walk", "/@acme2/w")
+TRICKS = st.sampled_from(["plain"] * 6 + ["escape", "twice", "upper", "fullwidth", "invisible",
+                                          "lookalike", "overlong"])
+
+
+@st.composite
+def lax_target(draw):
+    """A path (denied or not) spelt with the tricks a lax server undoes."""
+    path = draw(st.sampled_from(LAX_PATHS))
+    out = []
+    for char in path:
+        trick = draw(TRICKS)
+        if char == "/" and trick != "plain":
+            char = draw(st.sampled_from(["%2F", "%252F", "\\", "%5C", "%EF%BC%8F", "%C0%AF",
+                                         "//", "/./", "/x/../", "/%2e%2E/", ";x/", "%3Bx/"]))
+        elif trick == "escape":
+            char = _encode(char, draw(st.booleans()))
+        elif trick == "twice":
+            char = "%25" + _encode(char, True)[1:]
+        elif trick == "upper":
+            char = char.upper()
+        elif trick == "fullwidth" and "!" <= char <= "~":
+            char = _fullwidth(char)
+        elif trick == "invisible":
+            char = draw(st.sampled_from(["%E2%80%8B", "%C2%AD", "%EF%BB%BF"])) + char
+        elif trick == "lookalike" and char in LOOKALIKES:
+            char = draw(st.sampled_from(LOOKALIKES[char]))
+        elif trick == "overlong" and char in "./":
+            char = "%C0%AE" if char == "." else "%C0%AF"
+        out.append(char)
+    tail = draw(st.sampled_from(["", "", ".json", ".json.json", "/", "%3Fx", "%23x", ";x",
+                                 "%3Bx", "?a=b", "%2Ejson"]))
+    return "".join(out) + tail
+
+
+@settings(max_examples=1000)
+@given(target=lax_target(), method=st.sampled_from(("GET", "PUT", "POST")))
+def test_no_path_a_lax_server_reads_as_denied_is_allowed(target, method):
+    """The differential: whatever a lax server (tests/unit/policy/lax.py: decoding once or
+    twice, overlong UTF-8, NFKC and best fit, '\\', '%3F' and '%23' split after decoding,
+    path parameters, merged slashes, dot segments, format suffixes) routes a target to, if
+    a deny covers it, the proxy does not allow the target."""
+    rules = [Rule.parse("request", "h.example * /**")]
+    rules += [Rule.parse("request", f"!h.example {d}") for d in LAX_DENIES]
+    inspection = Policy(rules).inspection(parse_host("h.example"))
+    if not inspection.decide(method, target).allowed:
+        return
+    for reading in lax.readings(target):
+        for deny in LAX_DENIES:
+            deny_method, deny_path = deny.split()
+            assert not (deny_method in ("*", method) and lax.covers(deny_path, reading)), (
+                target, reading, deny)
+
+
+def test_the_lax_differential_is_not_vacuous():
+    """The reference does read the tricks, and the proxy does allow plain targets."""
+    assert ("gists",) in lax.readings("/x/..%252F%EF%BD%87ists%3Bq.json")
+    assert ("repos", "o", "r", "pulls", "1", "merge") in lax.readings(
+        "/repos/o/r/pulls/1/merge.json.json")
+    rules = [Rule.parse("request", "h.example * /**")]
+    assert Policy(rules).inspection(parse_host("h.example")).decide("GET", "/ok/gists").allowed
 
 
 @given(method=st.text(max_size=10), target=st.text(max_size=60))
