@@ -33,6 +33,9 @@ from urllib.parse import unquote
 
 from ..http import Head
 
+MAX_PARTS = 1000
+"""The most parts a multipart body may have to be read (Werkzeug's own default cap): more is
+`Unreadable`, refused where reading matters."""
 MAX_RATIO = 1000
 """The most a layer of coding may expand (zlib's own ceiling is 1032:1; a stack of layers
 multiplies, which is how bombs are built)."""
@@ -153,7 +156,9 @@ def parts(body: bytes, mark: str) -> list[Part]:
     """The parts of a multipart body with boundary `mark`. Raises Unreadable when a part's
     head cannot be read."""
     delimiter = b"--" + mark.encode("latin-1")
-    chunks = body.split(delimiter)
+    chunks = body.split(delimiter, MAX_PARTS + 1)
+    if len(chunks) > MAX_PARTS + 1 and not chunks[-1].startswith(b"--"):
+        raise Unreadable(f"a multipart body of more than {MAX_PARTS} parts")
     found = []
     for chunk in chunks[1:]:  # the preamble before the first delimiter is no part
         if chunk.startswith(b"--"):  # the close delimiter: the epilogue follows

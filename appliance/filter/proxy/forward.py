@@ -29,7 +29,6 @@ from ..http import (
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
 from . import git
-from .content import codings
 from .credentials import Leak
 from .overrides import body_kinds
 from .pipeline import (
@@ -51,12 +50,10 @@ from .pipeline import (
     wants_close,
     websocket,
 )
-from .reading import BodyReading, examine
+from .reading import BodyReading, costly, examine
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
-OFF_LOOP = 64 << 10
-"""Bodies larger than this are read for leaks on a worker thread."""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
@@ -525,8 +522,8 @@ class Forward:
                 raise HttpError(413, f"{exc} {why}") from None
             raise
         args = (body, head, leaks if scanned else None, methods)
-        if len(body) > OFF_LOOP or codings(head):  # a regex pass over a MiB, or inflating a
-            return await asyncio.to_thread(examine, *args), body  # body: not here
+        if costly(body, head, methods):  # a MiB scanned, a body inflated or parsed: not here
+            return await asyncio.to_thread(examine, *args), body
         return examine(*args), body
 
     async def _agent_ask(self, client: Client, head, where) -> bool:

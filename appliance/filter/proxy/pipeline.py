@@ -250,6 +250,10 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
     return data, count
 
 
+MAX_ASKED = 8
+"""Other methods a request may ask to be read as (each is judged); more are refused."""
+
+
 def asked_methods(head: Head, path: str) -> list[tuple[str, str]]:
     """(where, method) for every other method the request's head asks an upstream to read
     it as: override fields, and `_method` in the query (overrides.py)."""
@@ -283,10 +287,17 @@ def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, s
     each method asked for with the request's target, and the request's own method and
     each asked one with each path a rewrite field names."""
     method = head.start[0]
-    readings = [(how, other, where.path, "") for how, other in methods]
+    asked = {}  # each method once, by where it was first asked for: bounded work
+    for how, other in methods:
+        asked.setdefault(other, how)
+    if len(asked) > MAX_ASKED or len(paths) > MAX_ASKED:
+        return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks to be "
+                        f"read in more than {MAX_ASKED} other ways; no client does that",
+                        None, "send the request as its method and target say")
+    readings = [(how, other, where.path, "") for other, how in asked.items()]
     for how_path, path in paths:
         readings += [(how_path, m, path, f" at {printable(path)[:80]}")
-                     for _, m in [("", method), *methods]]
+                     for m in (method, *asked)]
     for how, other, path, at in readings:
         found = inspection.decide(other, path)
         if not found.allowed:

@@ -18,6 +18,13 @@ from ..http import Head
 from . import content, overrides
 from .leaks import Finding, Leaks
 
+OFF_LOOP = 64 << 10
+"""A body larger than this is scanned for leaks on a worker thread (a regex pass over a MiB
+is milliseconds)."""
+ON_LOOP = 2 << 10
+"""A form, multipart or JSON body larger than this is parsed on a worker thread, not on the
+event loop: parsing costs up to ~0.4 ms a KiB in the worst shapes (a multipart body of empty
+parts), and no request may hold the loop for more than about a millisecond."""
 DECODED_MAX = 8 << 20
 """The most a body is inflated to, whatever its codings (and never more than
 content.MAX_RATIO times a layer's input)."""
@@ -31,6 +38,17 @@ class BodyReading:
     """The first leak found."""
     refusal: str | None = None
     """Why the body cannot be read as the origin would (never quoting it)."""
+
+
+def costly(body: bytes, head: Head, methods: bool) -> bool:
+    """Would `examine` cost the loop more than about a millisecond? (Then it runs on a
+    thread.) Inflating always may; a regex pass over the bytes does only past OFF_LOOP;
+    parsing does past ON_LOOP."""
+    if content.codings(head) or len(body) > OFF_LOOP:
+        return True
+    kinds = overrides.body_kinds(head)
+    parses = (methods and kinds) or overrides.MULTIPART in kinds
+    return bool(parses) and len(body) > ON_LOOP
 
 
 def examine(body: bytes, head: Head, leaks: Leaks | None, methods: bool) -> BodyReading:

@@ -192,3 +192,41 @@ def test_examine_scans_what_the_origin_inflates_and_finds_what_it_asks_for():
     assert examine(b"_method=PATCH", head(fields), None, methods=False).refusal is not None
     reading = examine(quote("_method=PATCH").encode(), head(), None, methods=False)
     assert reading == type(reading)()
+
+
+def test_a_multipart_body_of_more_parts_than_a_server_reads_is_unreadable():
+    body = b"--zz\r\n\r\nx\r\n" * (content.MAX_PARTS + 1) + b"--zz--\r\n"
+    with pytest.raises(content.Unreadable, match="more than 1000 parts"):
+        content.parts(body, "zz")
+    assert len(content.parts(b"--zz\r\n\r\nx\r\n" * content.MAX_PARTS + b"--zz--\r\n",
+                             "zz")) == content.MAX_PARTS
+
+
+@pytest.mark.parametrize(("fields", "size", "costly"), [
+    ("", 1000, False),  # a small form: parsed on the loop
+    ("", 4000, True),  # a larger one: on a thread
+    ("Content-Type: text/plain\r\n", 60 << 10, False),  # scanned only: a regex pass
+    ("Content-Type: text/plain\r\n", 70 << 10, True),
+    ("Content-Type: multipart/form-data; boundary=zz\r\n", 4000, True),
+    ("Content-Encoding: gzip\r\nContent-Type: text/plain\r\n", 10, True),
+])
+def test_bodies_that_may_hold_the_loop_for_more_than_a_millisecond_are_read_off_it(
+        fields, size, costly):
+    from appliance.filter.proxy.reading import costly as is_costly
+
+    assert is_costly(b"x" * size, head(fields), methods=True) is costly
+
+
+def test_a_request_asking_to_be_read_in_more_ways_than_any_client_does_is_refused():
+    from appliance.filter.proxy.pipeline import Route, judge_asked
+    from appliance.policy import Host
+    from appliance.policy.config import parse_policy
+    from appliance.policy.decide import Policy
+
+    rules = parse_policy('[[inspect]]\nhost = "a.test"\ndeny = ["DELETE /**"]\n', "t", "project")
+    inspection = Policy(rules.rules).inspection(Host(name="a.test"))
+    where = Route(Host(name="a.test"), 443, "/x")
+    many = [("a field", f"M{i}") for i in range(9)] + [("a field", "GET")] * 500
+    refused = judge_asked(inspection, head(), where, many)
+    assert refused is not None and "more than 8" in refused.reason
+    assert judge_asked(inspection, head(), where, [("a field", "GET")] * 500) is None
