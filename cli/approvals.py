@@ -57,8 +57,10 @@ def cmd_approve(args) -> int:
     approval = answer["approval"]
     what = f"{approval['kind']} {approval['target']} in session {approval['session']}"
     if request["grant"] == "once":
-        output.line(f"approved once: {what} (the {approval['waiting']} request(s) waiting: a "
-                    "tunnel for its life, a plain HTTP request alone; no rule added)")
+        released = answer.get("released", 0)
+        output.line(f"approved once: {what}: {released} request{'s' * (released != 1)} let "
+                    "through (a tunnel for its life, a plain HTTP request alone; no rule "
+                    "added)")
     elif answer.get("expires"):
         output.line(f"approved {what} until {clock(answer['expires'])} (a runtime rule, taken "
                     "back then)")

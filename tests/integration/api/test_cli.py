@@ -348,8 +348,9 @@ def test_ask_mode_approve_and_refuse_from_the_cli(home, corral_filter):
             assert approval["id"] in table and "http allowed.test:8080" in table
             if grant:
                 decided = corral(home, "approve", approval["id"], *grant)
-                assert decided.stdout.startswith("approved once: http allowed.test:8080"), (
-                    decided)
+                assert decided.stdout.startswith(
+                    "approved once: http allowed.test:8080 in session s2: 1 request let "
+                    "through"), decided
             else:
                 decided = corral(home, "refuse", approval["id"], "--reason", "not now")
                 assert decided.stdout == ("refused http allowed.test:8080 in session s2\n"), (
