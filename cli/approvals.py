@@ -89,8 +89,9 @@ def _always(client, args) -> int:
         raise CliError(f"no pending approval {args.id!r} (decided already, or expired)",
                        "`corral approvals` lists the open ones", exitcodes.USAGE)
     if approval.get("kind") not in projectfile.KINDS:
-        raise CliError(f"approval {args.id} would add a {approval.get('kind')!r} rule, which "
-                       "corral.toml has no list for", "grant it with --session instead")
+        raise CliError(f"approval {args.id} would add a {render.text(approval.get('kind'))!r} "
+                       "rule, which corral.toml has no list for",
+                       "grant it with --session instead")
     project = learn.project_of(client, approval["session"], args.project, args.force)
     path, before = projectfile.read(project)
     projectfile.policy_of(path, before)  # a file that is broken already is named as such
@@ -108,8 +109,9 @@ def _always(client, args) -> int:
         try:
             projectfile.replace(path, before, after)
         except CliError as exc:
-            raise CliError(f"session {approval['session']} has the rule, but {exc}",
-                           f"add `{approval['target']}` to [{approval['kind']}] allow in "
+            raise CliError(f"session {render.text(approval['session'])} has the rule, but "
+                           f"{exc}", f"add `{render.host(approval['target'])}` to "
+                           f"[{render.text(approval['kind'])}] allow in "
                            f"{path} by hand") from None
     if args.json:
         output.data({**answer, "file": str(path), "written": after != before})
@@ -291,7 +293,8 @@ def monitor_ask(client, args, color: bool) -> int:
                     _decide(client, asking, asking.waiting[on_screen], KEYS[key], args, fd,
                             saved)
                 else:
-                    output.notice(f"{on_screen} was decided meanwhile: that key is dropped")
+                    output.notice(f"{render.text(on_screen)} was decided meanwhile: that key "
+                                  "is dropped")
             first = asking.first
             if first is not None and (first["id"] != shown_id or key in KEYS):
                 termios.tcflush(fd, termios.TCIFLUSH)  # nothing typed before it is for it
