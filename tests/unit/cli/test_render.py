@@ -153,3 +153,56 @@ def test_no_value_in_an_approval_can_draw_the_mark(note, target, session):
                                       "target": target, "note": note})
     for text in [*said, *decided]:
         assert output.MARK not in text and one_printable_line(text)
+
+
+def test_on_a_real_terminal_raw_records_and_the_prompt_arrive_as_drawn(tmp_path):
+    """What an older filter wrote raw into the audit log, replayed on a pseudo-terminal
+    through the CLI's printer, then a prompt: the bytes the terminal gets hold nothing it
+    acts on but the CLI's own line ends, and the prompt's marked lines are the last."""
+    import os
+    import pty
+    import select
+    import sys
+
+    records = tmp_path / "records.json"
+    records.write_text(json.dumps([hostile_event(value) for value in HOSTILE]))
+    script = (
+        "import json, sys\n"
+        "from cli import approvals, output\n"
+        f"for record in json.load(open({str(records)!r})):\n"
+        "    output.event(record, color=True)\n"
+        "said, decided = approvals.prompt({'id': 'ap-1', 'session': 's2', 'kind': 'http',\n"
+        f"    'target': 'github.com.login.example.evil.test:443', 'note': {HOSTILE[0]!r}}})\n"
+        "for text in said:\n"
+        "    output.line(text)\n"
+        "output.decision(decided)\n")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", script],
+                  {**os.environ, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"})
+    seen = b""
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 10)
+            assert ready, seen
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child is done: the terminal hung up
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, seen
+    shown = seen.decode("utf-8")
+    colours = re.compile("\x1b\\[(?:3[123]|1;35|0)m")  # the CLI's own, around whole lines
+    lines = colours.sub("", shown).split("\r\n")
+    assert lines[-1] == ""
+    for text in lines[:-1]:
+        assert not TERMINAL_ACTS.search(text) and "\x1b" not in text, ascii(text)
+    assert lines[-3:-1] == [
+        f"{output.MARK} ap-1: session s2 asks for http github.com.login.example.evil.test:443",
+        f"{output.MARK} [o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit: a key decides ap-1"]
+    assert sum(text.startswith(output.MARK) for text in lines) == 2
