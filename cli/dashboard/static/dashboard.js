@@ -84,12 +84,12 @@ function clock(ts) {
 
 // A table is rebuilt only when what it shows changed: a button must not be replaced
 // under the pointer that is about to click it.
-const shown = {};
+const onPage = {};
 
 function changed(name, data) {
   const text = JSON.stringify(data);
-  if (shown[name] === text) return false;
-  shown[name] = text;
+  if (onPage[name] === text) return false;
+  onPage[name] = text;
   return true;
 }
 
@@ -115,7 +115,7 @@ async function loadApprovals() {
       if (ask && !confirm(`${ask} ${shown(a.kind)} ${shown(a.target)} for session `
                           + `${shown(a.session)}?`)) return;
       await api("POST", `/api/approvals/${encodeURIComponent(a.id)}`, { grant, ...extra });
-      delete shown.approvals;
+      delete onPage.approvals;
       await loadApprovals();
     };
     const once = button("once", "grant once", decide("once"));
@@ -156,7 +156,7 @@ async function loadSessions() {
       actions.append(button("stop", "danger", async () => {
         if (confirm(`Stop ${shown(s.name)}? Its workspace stays for diff and apply.`)) {
           await api("POST", `/api/sessions/${encodeURIComponent(s.name)}/stop`);
-          delete shown.sessions;
+          delete onPage.sessions;
           await loadSessions();
         }
       }));
@@ -164,7 +164,7 @@ async function loadSessions() {
     actions.append(button("remove", "danger", async () => {
       if (confirm(`Remove ${shown(s.name)} and its workspace?`)) {
         await api("DELETE", `/api/sessions/${encodeURIComponent(s.name)}`);
-        delete shown.sessions;
+        delete onPage.sessions;
         await loadSessions();
       }
     }));
@@ -194,9 +194,9 @@ function fillSessions(id) {
 function renderDecisions() {
   const session = document.getElementById("decisions-session").value;
   const verdict = document.getElementById("decisions-verdict").value;
-  const shown = state.events.filter((e) => (!session || e.session === session)
+  const picked = state.events.filter((e) => (!session || e.session === session)
     && (!verdict || e.verdict === verdict)).slice(-200).reverse();
-  document.getElementById("decisions-rows").replaceChildren(...shown.map((e) => {
+  document.getElementById("decisions-rows").replaceChildren(...picked.map((e) => {
     const target = (e.name || e.target || "-") + (e.port ? `:${e.port}` : "");
     const reason = e.closed ? `${e.up || 0} B up, ${e.down || 0} B down, ${e.duration || 0}s`
       : (e.reason || "");

@@ -72,3 +72,24 @@ def test_the_page_gives_text_nodes_only_literals_or_what_shown_drew():
             assert placed == "ask" or placed.startswith("shown("), (asked, placed)
     page = STATIC.joinpath("index.html").read_text()
     assert page.index("/static/render.js") < page.index("/static/dashboard.js")
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed (Debian: nodejs)")
+def test_the_pages_scripts_load_together_as_a_browser_loads_them():
+    """Classic scripts share one global scope: a name declared in two of them stops the
+    second from running at all (the whole page then shows nothing)."""
+    page = STATIC.joinpath("index.html").read_text()
+    names = re.findall(r'<script src="/static/([^"]+)"', page)
+    assert names[0] == "render.js" and "dashboard.js" in names
+    script = """
+const vm = require("vm");
+const context = vm.createContext({});
+for (const [name, code] of JSON.parse(require("fs").readFileSync(0, "utf8"))) {
+  try { new vm.Script(code, { filename: name }).runInContext(context); }
+  catch (error) { if (error.name === "SyntaxError") console.log(`${name}: ${error}`); }
+}
+"""
+    sources = [[name, STATIC.joinpath(name).read_text()] for name in names]
+    done = subprocess.run([NODE, "-e", script], input=json.dumps(sources), capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout == "", done.stdout
