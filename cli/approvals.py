@@ -12,9 +12,17 @@ from urllib.parse import quote
 
 from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
 
-from . import exitcodes, learn, output, projectfile
+from . import exitcodes, learn, output, projectfile, render
 from .client import CliError
 from .control import client_for, clock, parse_duration, pick_session
+
+NOTE_WIDTH = 60
+"""Characters of an agent's reason shown in a table or above a prompt (`--json` has all)."""
+
+
+def _what(approval: dict) -> str:
+    """`KIND TARGET` of an approval, as render draws them: the target whole."""
+    return f"{render.text(approval.get('kind'))} {render.host(approval.get('target'))}"
 
 
 def cmd_approvals(args) -> int:
@@ -24,9 +32,9 @@ def cmd_approvals(args) -> int:
     if args.json:
         output.data(answer)
         return exitcodes.OK
-    rows = [[a["id"], a["session"], f"{a['kind']} {a['target']}", str(a["asked"]),
-             "yes" if a["waiting"] else "", _ago(a["created"]), a["origin"],
-             _shown(a.get("note") or "")] for a in answer["approvals"]]
+    rows = [[a["id"], a["session"], _what(a), a["asked"], "yes" if a["waiting"] else "",
+             _ago(a["created"]), a["origin"], render.text(a.get("note") or "", NOTE_WIDTH)]
+            for a in answer["approvals"]]
     if not rows:
         output.line("no approvals are open (a session in ask mode opens one for each host "
                     "the policy does not name)")
@@ -55,10 +63,12 @@ def cmd_approve(args) -> int:
         output.data(answer)
         return exitcodes.OK
     approval = answer["approval"]
-    what = f"{approval['kind']} {approval['target']} in session {approval['session']}"
+    what = f"{_what(approval)} in session {render.text(approval['session'])}"
     if request["grant"] == "once":
-        output.line(f"approved once: {what} (the {approval['waiting']} request(s) waiting: a "
-                    "tunnel for its life, a plain HTTP request alone; no rule added)")
+        released = answer.get("released", 0)
+        output.line(f"approved once: {what}: {released} request{'s' * (released != 1)} let "
+                    "through (a tunnel for its life, a plain HTTP request alone; no rule "
+                    "added)")
     elif answer.get("expires"):
         output.line(f"approved {what} until {clock(answer['expires'])} (a runtime rule, taken "
                     "back then)")
@@ -79,8 +89,9 @@ def _always(client, args) -> int:
         raise CliError(f"no pending approval {args.id!r} (decided already, or expired)",
                        "`corral approvals` lists the open ones", exitcodes.USAGE)
     if approval.get("kind") not in projectfile.KINDS:
-        raise CliError(f"approval {args.id} would add a {approval.get('kind')!r} rule, which "
-                       "corral.toml has no list for", "grant it with --session instead")
+        raise CliError(f"approval {args.id} would add a {render.text(approval.get('kind'))!r} "
+                       "rule, which corral.toml has no list for",
+                       "grant it with --session instead")
     project = learn.project_of(client, approval["session"], args.project, args.force)
     path, before = projectfile.read(project)
     projectfile.policy_of(path, before)  # a file that is broken already is named as such
@@ -98,16 +109,16 @@ def _always(client, args) -> int:
         try:
             projectfile.replace(path, before, after)
         except CliError as exc:
-            raise CliError(f"session {approval['session']} has the rule, but {exc}",
-                           f"add `{approval['target']}` to [{approval['kind']}] allow in "
+            raise CliError(f"session {render.text(approval['session'])} has the rule, but "
+                           f"{exc}", f"add `{render.host(approval['target'])}` to "
+                           f"[{render.text(approval['kind'])}] allow in "
                            f"{path} by hand") from None
     if args.json:
         output.data({**answer, "file": str(path), "written": after != before})
     else:
-        output.line(f"approved {approval['kind']} {approval['target']}: in {path} for every "
-                    f"new session of the project" + (" (it was there already)"
-                                                     if after == before else "")
-                    + f", and in session {approval['session']} for its life")
+        output.line(f"approved {_what(approval)}: in {path} for every new session of the "
+                    "project" + (" (it was there already)" if after == before else "")
+                    + f", and in session {render.text(approval['session'])} for its life")
     return exitcodes.OK
 
 
@@ -119,8 +130,8 @@ def cmd_refuse(args) -> int:
         output.data(answer)
     else:
         approval = answer["approval"]
-        output.line(f"refused {approval['kind']} {approval['target']} in session "
-                    f"{approval['session']}")
+        output.line(f"refused {_what(approval)} in session "
+                    f"{render.text(approval['session'])}")
     return exitcodes.OK
 
 
@@ -145,13 +156,6 @@ def cmd_ask(args) -> int:
                     f"{args.hold or HOLD_DEFAULT}s for `corral approve` (`corral approvals` "
                     "lists them)")
     return exitcodes.OK
-
-
-def _shown(text: str, width: int = 60) -> str:
-    """The agent's words, as untrusted text: printable ASCII only (the appliance cleaned
-    them already; a terminal must not act on anything whatever the appliance sent)."""
-    text = "".join(c if " " <= c <= "~" else "?" for c in text)
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _ago(ts: float) -> str:
@@ -199,14 +203,22 @@ class Asking:
             self.waiting[first["id"]] = first
 
 
-def prompt_line(approval: dict) -> str:
-    said = f" - the agent says {_shown(approval['note'])!r}" if approval.get("note") else ""
-    return (f"ask {_shown(str(approval['id']))}: session {_shown(str(approval['session']))} "
-            f"wants {_shown(str(approval['kind']))} {_shown(str(approval['target']))}{said}  "
-            f"{PROMPT}")
+def prompt(approval: dict) -> tuple[list[str], list[str]]:
+    """What `monitor --ask` prints for an approval: (the agent's words, the decision). The
+    agent's words come first, cut and escaped, after a label of the CLI's; the decision
+    last, for output.decision to draw with its mark: the id a key applies to, the session,
+    the kind and the exact target, whole (a long name is never cut to look like another),
+    then the keys. Nothing the agent wrote is on a decision line, and nothing printed
+    before one can pass for it: every value in a line is drawn by render."""
+    ident = render.text(approval.get("id"))
+    said = ([f"  {ident}: the agent says: {render.text(approval['note'], NOTE_WIDTH)}"]
+            if approval.get("note") else [])
+    return said, [f"{ident}: session {render.text(approval.get('session'))} asks for "
+                  f"{_what(approval)}",
+                  f"{PROMPT}: a key decides {ident}"]
 
 
-def monitor_ask(client, args, show) -> int:
+def monitor_ask(client, args, color: bool) -> int:
     """`corral monitor --ask`: the live decisions, and the oldest open approval with a key
     for each grant, read from the terminal without Enter. The stream is read in a thread
     (and reconnects, listing the open approvals again each time it has subscribed); keys
@@ -270,7 +282,7 @@ def monitor_ask(client, args, show) -> int:
                     asking = Asking(event["listed"])
                 else:
                     if not args.denied or event.get("verdict") == "deny":
-                        show(event)
+                        output.event(event, color)
                     asking.see(event)
             if key == "q":
                 return exitcodes.OK
@@ -281,11 +293,15 @@ def monitor_ask(client, args, show) -> int:
                     _decide(client, asking, asking.waiting[on_screen], KEYS[key], args, fd,
                             saved)
                 else:
-                    output.notice(f"{on_screen} was decided meanwhile: that key is dropped")
+                    output.notice(f"{render.text(on_screen)} was decided meanwhile: that key "
+                                  "is dropped")
             first = asking.first
             if first is not None and (first["id"] != shown_id or key in KEYS):
                 termios.tcflush(fd, termios.TCIFLUSH)  # nothing typed before it is for it
-                output.line(prompt_line(first))
+                said, decided = prompt(first)
+                for text in said:
+                    output.line(text)
+                output.decision(decided, color)
             shown_id = first["id"] if first is not None else None
     except KeyboardInterrupt:
         return exitcodes.OK
@@ -323,9 +339,12 @@ def _decide(client, asking: Asking, approval: dict, grant: str, args, fd: int, s
             if code != exitcodes.OK:
                 return
         else:
-            client.request("POST", f"/approvals/{quote(approval['id'], safe='')}",
-                           {"grant": grant})
-            output.line(f"{grant}: {approval['kind']} {approval['target']} ({approval['id']})")
+            answer = client.request("POST", f"/approvals/{quote(approval['id'], safe='')}",
+                                    {"grant": grant})
+            released = (f", {answer.get('released', 0)} request(s) let through"
+                        if grant == "once" else "")
+            output.line(f"{grant}: {_what(approval)} ({render.text(approval['id'])}"
+                        f"{released})")
     except CliError as exc:
         output.error(str(exc), exc.hint)
         return

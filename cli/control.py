@@ -11,7 +11,7 @@ import time
 
 from appliance import pki
 
-from . import exitcodes, output
+from . import exitcodes, output, render
 from .client import Client, CliError, load_appliance
 
 KIND_OF_COMMAND = {"allow-http": "http", "allow-dns": "dns", "allow-tcp": "tcp", "deny": "deny",
@@ -54,7 +54,8 @@ def cmd_allow(args) -> int:
         ends = answer.get("expires")
         until = f", until {clock(ends)}" if ends else (
             ", for good (it was already)" if args.duration is not None else "")
-        output.line(f"{verb} {kind} {answer['rule']['rule']} (session {session}{until})")
+        output.line(f"{verb} {kind} {render.text(answer['rule']['rule'])} (session {session}"
+                    f"{until})")
     return exitcodes.OK
 
 
@@ -100,7 +101,8 @@ def cmd_revoke(args) -> int:
     if args.json:
         output.data(answer)
     else:
-        output.line(f"revoked {kind} {answer['rule']['rule']} (session {session})")
+        output.line(f"revoked {kind} {render.text(answer['rule']['rule'])} (session "
+                    f"{session})")
     return exitcodes.OK
 
 
@@ -122,7 +124,7 @@ def cmd_monitor(args) -> int:
     if args.ask:
         from .approvals import monitor_ask
 
-        return monitor_ask(client, args, lambda e: output.event(e, color=_color(args)))
+        return monitor_ask(client, args, _color(args))
     if args.project is not None:
         raise CliError("--project: only with --ask (where `a` writes the rule)",
                        code=exitcodes.USAGE)
@@ -189,12 +191,12 @@ def cmd_audit(args) -> int:
                         f"{verdict.get('segments', 1)} segment(s), chain verified from seq "
                         f"{first} to seq {head}")
             if verdict.get("note"):
-                output.line(f"note: {verdict['note']}")
+                output.line(f"note: {render.text(verdict['note'])}")
         else:
-            where = verdict.get("segment") or "its end"
+            where = render.text(verdict.get("segment") or "its end")
             if verdict.get("line"):
-                where += f" line {verdict['line']}"
-            output.error(f"audit log broken at {where}: {verdict['error']}")
+                where += f" line {render.text(verdict['line'])}"
+            output.error(f"audit log broken at {where}: {render.text(verdict['error'])}")
         return exitcodes.OK if verdict["intact"] else exitcodes.AUDIT_BROKEN
     since = parse_since(args.since) if args.since else None
     after, shown, records = 0, 0, []
@@ -244,19 +246,21 @@ def cmd_status(args) -> int:
         output.line(f"filter: healthy, up {health['uptime']:.0f}s, {health['sessions']} sessions,"
                     f" {health['active_connections']} connections")
     else:
-        output.line(f"filter: DOWN: {health['error']}")
+        output.line(f"filter: DOWN: {render.text(health['error'])}")
+    trouble = render.text(firewall.get("error", "unknown"))
     output.line("firewall: " + (f"loaded, {firewall['rules']} rules" if firewall.get("loaded")
-                                else f"NOT LOADED: {firewall.get('error', 'unknown')}"))
+                                else f"NOT LOADED: {trouble}"))
     audit = health.get("audit") or {}
     if audit.get("head"):
         output.line(f"audit: up to seq {audit['head']['seq']}, {audit.get('segments', 1)} "
                     f"segment(s), {audit.get('bytes', 0) / 2**20:.1f} MiB"
-                    + (f"; ERROR: {audit['error']}" if audit.get("error") else ""))
+                    + (f"; ERROR: {render.text(audit['error'])}" if audit.get("error")
+                       else ""))
     sandbox = status.get("sandbox")
     if sandbox is not None:
         output.line(f"sandbox: healthy, {sandbox['sessions']} sessions, image {sandbox['image']}"
                     + ("" if sandbox["image_present"] else " MISSING: `corral image build`")
-                    if sandbox["healthy"] else f"sandbox: DOWN: {sandbox['error']}")
+                    if sandbox["healthy"] else f"sandbox: DOWN: {render.text(sandbox['error'])}")
     return exitcodes.OK if health["healthy"] and firewall.get("loaded") and (
         sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
 
@@ -282,7 +286,7 @@ def cmd_certs_interception(args) -> int:
         output.line("inspection is off: the filter has no interception CA (set [inspect] "
                     "ca_dir in its config, as the roles do)")
     elif args.pem:
-        sys.stdout.write(ca["pem"])
+        output.line(ca["pem"].rstrip("\n"))
     else:
         _show_ca(ca)
     return exitcodes.OK

@@ -34,13 +34,15 @@ from appliance.policy import (
 from appliance.policy.grants import approvable, grant_of
 from appliance.policy.names import HostNameError, split_host_port
 
-from . import exitcodes, output, projectfile
+from . import exitcodes, output, projectfile, render
 from .client import CliError
 from .control import client_for, pick_session
 
 PRESET_MIN = 2
 WILDCARD_MIN = 3
 DEFAULT_PORTS = {"80", "443"}
+REASON_WIDTH = 50
+"""Characters of the agent's reasons shown in the table (`--json` has them whole)."""
 PAGES = 500
 """Audit pages of 1,000 records read at most (the session's records are among them)."""
 
@@ -305,7 +307,7 @@ def learn(client, session: str, project: Path, yes: bool, as_json: bool,
         return exitcodes.OK  # the proposal alone: --yes writes it
     if not as_json:
         output.table([[c.kind, c.name, str(c.asked), c.annotation().split("(", 1)[1][:-1],
-                       _shown("; ".join(c.reasons))] for c in found
+                       render.text("; ".join(c.reasons), REASON_WIDTH)] for c in found
                       if c.name not in proposal.already],
                      ["KIND", "NAME", "ASKED", "BY", "AGENT'S REASON"])
         if proposal.foldable:
@@ -350,7 +352,3 @@ def cmd_learn(args) -> int:
     project = project_of(client, session, args.project, args.force)
     return learn(client, session, project, args.yes, args.json, args.fold)
 
-
-def _shown(text: str, width: int = 50) -> str:
-    text = "".join(c if " " <= c <= "~" else "?" for c in text)
-    return text if len(text) <= width else text[:width - 3] + "..."

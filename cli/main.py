@@ -145,8 +145,9 @@ def parser() -> argparse.ArgumentParser:
     monitor.add_argument("--denied", action="store_true", help="only denials")
     monitor.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     monitor.add_argument("--ask", action="store_true", help="also the open approvals, oldest "
-                         "first, each decided with a key: o once, s session, a always (the "
-                         "project's corral.toml, after a diff), r refuse, n next, q quit")
+                         "first, each shown whole on lines of the CLI's own (marked) and "
+                         "decided with a key: o once, s session, a always (the project's "
+                         "corral.toml, after a diff), r refuse, n next, q quit")
     monitor.add_argument("--project", metavar="DIR", help="with --ask: where `a` writes "
                          "(default: the current directory)")
     audit = appliance_command("audit", "read the audit log, or verify its hash chain",
@@ -181,8 +182,9 @@ def parser() -> argparse.ArgumentParser:
     approve.add_argument("id", metavar="ID", help="as `corral approvals` shows it")
     how = approve.add_mutually_exclusive_group()
     how.add_argument("--once", action="store_true",
-                     help="the requests waiting now go on (a tunnel for its life, a plain HTTP "
-                     "request alone), no rule is added (the default)")
+                     help="the requests waiting now whose client is still there go on (a "
+                     "tunnel for its life, a plain HTTP request alone), no rule is added (the "
+                     "default); refused when every client has left")
     how.add_argument("--for", dest="duration", metavar="DURATION",
                      help="a runtime rule for this long (90s, 10m, 1h30m, 2d)")
     how.add_argument("--session", dest="session_grant", action="store_true",

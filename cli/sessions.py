@@ -24,7 +24,7 @@ from pathlib import Path
 from appliance import workspace
 from appliance.policy.config import ConfigError, parse_policy
 
-from . import exitcodes, output, scan
+from . import exitcodes, output, render, scan
 from .client import Client, CliError, load_appliance
 from .control import client_for, parse_duration, pick_session
 
@@ -253,7 +253,7 @@ def cmd_ls(args) -> int:
     output.table(rows, ["SESSION", "STATE", "AGE", "LEFT", "SUBNET", "ALLOWED", "DENIED",
                         "MEM/CPU/PIDS"])
     if answer.get("sandbox_error"):
-        output.notice(f"sandbox service: {answer['sandbox_error']}")
+        output.notice(f"sandbox service: {render.text(answer['sandbox_error'])}")
     return exitcodes.OK
 
 
@@ -311,8 +311,8 @@ def _fold(client: Client, name: str, applied: list[workspace.Change]) -> list[st
         answer = client.request("POST", f"/sessions/{name}/applied",
                                 {"changes": [workspace.to_json(c) for c in batch]},
                                 timeout=SLOW)
-        missed += [f"{workspace.shown(str(r.get('path', '?')))}: {r.get('reason', '')}"
-                   for r in answer.get("refused", [])]
+        missed += [f"{workspace.shown(str(r.get('path', '?')))}: "
+                   f"{render.text(r.get('reason', ''))}" for r in answer.get("refused", [])]
     return missed
 
 
@@ -326,8 +326,8 @@ def _changes(client: Client, name: str, paths: list[str] | None):
                        "upgrade corral on this host or on the appliance (they ship together)")
     try:
         changes = [workspace.from_json(c) for c in answer["changes"]]
-        notes = [f"{workspace.shown(workspace.path_from(n, 'a note'))}: {n['text']}"
-                 for n in answer.get("notes", [])]
+        notes = [f"{workspace.shown(workspace.path_from(n, 'a note'))}: "
+                 f"{render.text(n['text'])}" for n in answer.get("notes", [])]
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(f"the appliance sent a changeset this corral cannot read: {exc}") from None
     return changes, notes

@@ -441,6 +441,9 @@ class Holds:
         self.book = book or Approvals()
         self.emit = emit
         self._decided: dict[str, asyncio.Future[Verdict]] = {}
+        self._held: dict[str, list[Callable[[], bool]]] = {}
+        """Approval id -> how to ask each counted request held for it whether its client
+        is still there (a grant `once` is for those alone)."""
 
     def ask(self, session: str, decision: Decision, origin: str, client: str | None = None,
             name: str | None = None, port: int | None = None, note: str = ""
@@ -467,6 +470,9 @@ class Holds:
         future = self._decided.get(pending.id)
         if future is None:
             future = self._decided[pending.id] = asyncio.get_running_loop().create_future()
+        there = (lambda: not gone()) if gone is not None else (lambda: True)
+        if counted:
+            self._held.setdefault(pending.id, []).append(there)
         pending.waiting += counted
         pending.held += 1
         try:
@@ -478,7 +484,12 @@ class Holds:
                     if gone is not None and not future.done() and gone():
                         return Verdict(None, "the client left while it waited; the approval "
                                        f"{pending.id} stays open")
-                return future.result()
+                verdict = future.result()
+            if verdict.grant is not None and not there():
+                # its turn came after the grant: a client gone since is dialled nothing
+                return Verdict(None, f"the client left before the grant ({pending.id}) "
+                               "reached it")
+            return verdict
         except TimeoutError:
             return Verdict(None, f"no decision within {hold:g}s (ask mode); the approval "
                            f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "
@@ -486,20 +497,61 @@ class Holds:
         finally:
             pending.waiting -= counted
             pending.held -= 1
+            if counted:
+                self._unhold(pending.id, there)
+
+    def _unhold(self, approval_id: str, there: Callable[[], bool]) -> None:
+        held = self._held.get(approval_id)
+        if held is not None:
+            held.remove(there)
+            if not held:
+                del self._held[approval_id]
+
+    def present(self, approval_id: str) -> int:
+        """The counted requests held for an approval whose client is still there, asked of
+        each client now (the half-second look may not have seen one leave yet)."""
+        return sum(there() for there in self._held.get(approval_id, ()))
+
+    def check(self, approval_id: str, grant: str | None) -> Pending:
+        """Approvals.check, and for `once`: a request whose client is still there waits."""
+        pending = self.book.check(approval_id, grant)
+        if grant == "once":
+            self._someone_there(approval_id)
+        return pending
+
+    def _someone_there(self, approval_id: str) -> None:
+        if not self.present(approval_id):
+            raise ApprovalError(f"{approval_id}: the request(s) that waited for it left "
+                                "before the grant, so nothing was let through; grant it for "
+                                "a while (--for 10m) or for the session (--session) for the "
+                                "agent's next attempt")
+
+    def claim(self, approval_id: str, grant: str | None) -> Pending:
+        """Approvals.claim, after check() (ApprovalError as it raises)."""
+        self.check(approval_id, grant)
+        return self.book.claim(approval_id, grant)
 
     def decide(self, approval_id: str, grant: str | None, by: str, note: str = "",
-               detail: str = "", claimed: bool = False) -> Pending:
+               detail: str = "", claimed: bool = False) -> int:
         """Close the approval and tell the requests held for it (a grant's rule must be in
-        force already). Raises ApprovalError as Approvals.check does."""
+        force already). Returns how many held requests a grant lets go on: those whose
+        client is there now (each asks again when its turn comes). Raises ApprovalError as
+        check() does (a `once` that finds every client gone too, claimed or not)."""
+        if not claimed:
+            self.check(approval_id, grant)
+        elif grant == "once":
+            self._someone_there(approval_id)
         pending = self.book.take(approval_id, grant, claimed)
+        released = self.present(approval_id) if grant is not None else 0
         if grant is None:
             reason = f"refused by {by}" + (f": {clean(note)}" if note else "")
         else:
             reason = f"approved by {by}: {grant}{detail}" + (f" ({clean(note)})" if note
                                                               else "")
         self._resolve(pending, Verdict(grant, reason))
-        self._event(pending, "approved" if grant else "refused", reason, grant=grant, by=by)
-        return pending
+        self._event(pending, "approved" if grant else "refused", reason, grant=grant, by=by,
+                    **({"released": released} if grant is not None else {}))
+        return released
 
     def settle(self, judge: Callable[[Pending], tuple[bool | None, str]]) -> None:
         """The policy changed: each open approval is judged again. `judge` answers (True,

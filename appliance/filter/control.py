@@ -32,7 +32,9 @@ the client hangs up. Requests:
   {"op": "approvals", "session": S?}                 open approvals (ask mode)
   {"op": "approval-decide", "id": ID, "grant": G, "duration": SECONDS?, "by": WHO?,
    "note": TEXT?}    G: once | for (with duration) | session | refuse; a grant's rule is in
-                     force before the held requests go on
+                     force before the held requests go on; "released" in the answer: how
+                     many held requests went on (a `once` that finds every client gone is
+                     refused)
 
 The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
 waits on a disk or on nftables on it: audit pages and the firewall check run on the
@@ -409,7 +411,7 @@ class ControlServer:
                                f"seconds, got {seconds}")
         holds, store = self.service.holds, self.service.store
         # claimed while its rule is written: no other decision, expiry or settling meanwhile
-        pending = holds.book.claim(approval_id, None if grant == "refuse" else grant)
+        pending = holds.claim(approval_id, None if grant == "refuse" else grant)
         detail, ends = "", None
         try:
             if grant in ("for", "session"):
@@ -433,19 +435,21 @@ class ControlServer:
                     self.service.rule_event(pending.session, rule, "added", ends)
                 detail = f", {pending.kind} {rule.text}" + (
                     f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
+            # the rule is in force (or none is needed): the held requests may learn of it;
+            # a `once` asks their clients again, now (gone: ApprovalError, nothing granted)
+            released = holds.decide(approval_id, None if grant == "refuse" else grant, by,
+                                    note, detail, claimed=True)
         except BaseException:
             holds.book.release(pending)
             raise
-        # the rule is in force (or none is needed): the held requests may learn of it
-        holds.decide(approval_id, None if grant == "refuse" else grant, by, note, detail,
-                     claimed=True)
         try:  # answered once a crash cannot bring it back
             await self.service.approvals.save(strict=True)
         except Unwritten as exc:
             raise ControlError(f"{approval_id} was decided ({grant}), but {exc}") from None
         log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
                  by, pending.kind, pending.target, pending.session)
-        return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends}
+        return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends,
+                "released": released}
 
     def _secrets_changed(self, reason: str) -> None:
         store = self.service.secrets

@@ -292,9 +292,9 @@ class DnsFilter:
         qtype = query.qtype
         qtype_name = QTYPE.get(qtype)
         if host is None or host.name is None:
-            shown = text if text is not None else repr(b".".join(query.labels))[2:-1]
-            self._event(Decision(False, f"{shown!r} is not a valid host name"),
-                        session, client, shown[:255], qtype_name)
+            shown = query.shown  # the agent's bytes: recorded escaped, never as sent
+            self._event(Decision(False, f"'{shown}' is not a valid host name"),
+                        session, client, shown, qtype_name)
             reply.header.rcode = RCODE.NXDOMAIN
             return reply
         name = host.name

@@ -132,6 +132,19 @@ class Query:
             return None
         return ".".join(texts)
 
+    @property
+    def shown(self) -> str:
+        """The question name as events and the audit log record one that is no host name:
+        printable ASCII, every other byte of a label (and a label's own dot, space and
+        backslash) as \\xNN. Nothing in it can act on a terminal that shows it, wherever
+        the record is read, and no two names look alike."""
+        return ".".join("".join(chr(b) if 0x21 <= b <= 0x7E and b not in _ESCAPED
+                                else f"\\x{b:02x}" for b in label) for label in self.labels)
+
+
+_ESCAPED = frozenset(b".\\")
+"""Printable bytes a name shown escapes too: a label's dot would read as a label's end."""
+
 
 def parse_query(data: bytes, budget: Budget | None = None) -> Query | None:
     """The query in `data`; None for what gets no answer at all (too short to carry an ID,

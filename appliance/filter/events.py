@@ -13,6 +13,12 @@ a second event with `closed: true` and the byte counts when it ends; both share 
 
 Subscribers are bounded queues: a subscriber that cannot keep up loses its oldest events
 (counted in `dropped`), never slows the proxy down.
+
+Text in an event may quote what a session sent (a name, a header, a path). Whatever a
+producer put in, an event leaves `emit` with every character a terminal would act on or
+hide (controls, bidi and zero-width characters, line separators) escaped (`printable`):
+what subscribers, `corral monitor` and the audit log get, and what the log replays
+whenever it is read, is safe to show. Printable text is left as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +34,42 @@ from appliance.policy import Decision
 
 from .dnsguard import TokenBucket
 from .redact import NONE
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (str.isprintable: C0 and C1
+    controls, DEL, format characters such as bidi overrides and zero-width ones, line and
+    paragraph separators, surrogates) as `\\xNN`, `\\uNNNN` or `\\UNNNNNNNN`."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(ch, f"\\x{code:02x}")
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _printable_values(container: dict | list, keys: bool = False) -> None:
+    """Make every string in an event (in its lists and tables, their keys too) printable, in
+    place: the event's identity is kept (a flow's second event is made from its first).
+    An event's own keys are the code's; each value is looked at once, by its type."""
+    items = container.items() if type(container) is dict else enumerate(container)
+    for key, value in items:
+        kind = type(value)
+        if kind is str:
+            if not value.isprintable():
+                container[key] = printable(value)
+        elif kind is dict or kind is list:
+            _printable_values(value, keys=True)
+        elif kind is tuple:
+            container[key] = value = list(value)
+            _printable_values(value, keys=True)
+    if keys and type(container) is dict:
+        for key in [k for k in container if type(k) is str and not k.isprintable()]:
+            container[printable(key)] = container.pop(key)
 
 
 class Subscription:
@@ -87,7 +129,8 @@ class EventBus:
         return next(self._ids)
 
     def emit(self, event: dict) -> dict:
-        self.redactor.fields(event)  # the one door to subscribers, the ring and the audit log
+        _printable_values(event)  # what a terminal acts on, escaped; then the one door
+        self.redactor.fields(event)  # for the secrets' values to subscribers, the ring, the log
         if "ts" not in event:
             event["ts"] = round(time.time(), 6)
         if "id" not in event:

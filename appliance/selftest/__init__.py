@@ -22,7 +22,7 @@ verify.yml and the e2e suite all go through that check.
 
   registry    Probe, the registry and `@probe`, the states, selection, the runner
   wire        DNS, TCP, HTTP, TLS and CONNECT helpers; the Context a probe gets
-  network     legitimate flows, then T1-T11, T13, T18
+  network     legitimate flows, then T1-T11, T13, T18, T33
   smuggling   T20: request smuggling on a shared IP
   inspection  T13, T24 on a host the session inspects (--inspected); T25 over SSH
               through the git gateway (--git-ssh)

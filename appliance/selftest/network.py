@@ -1,6 +1,7 @@
 """The network group: the legitimate flows the policy allows, then an attack for each class
-of THREATS.md the filter and the firewall stop (T1-T11, T13, T18). Each says which event or
-counter must record its denial (`expect`); appliance/sandbox/battery.py checks it.
+of THREATS.md the filter and the firewall stop (T1-T11, T13, T18, and T33: text a person's
+terminal would act on, recorded escaped). Each says which event or counter must record its
+denial (`expect`); appliance/sandbox/battery.py checks it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .wire import (
     Stream,
     connect_via_proxy,
     dns_query,
+    dns_query_labels,
     first_line,
     from_origin,
     host_seen,
@@ -24,6 +26,7 @@ from .wire import (
     read_head,
     refused,
     resolve,
+    resolve_query,
     status,
     tcp,
     tls_denied,
@@ -113,6 +116,31 @@ def dns_exfiltration(ctx):
     rcode, _ = resolve(ctx.args, name)
     return Outcome(rcode == 3, f"{name}: rcode {rcode} (NXDOMAIN = 3)",
                    {"kind": "dns", "name": name})
+
+
+def recorded_name(labels: list[bytes]) -> str:
+    """How the filter records a name that is no host name: its labels' printable ASCII as
+    is, every other byte (and a label's own dot, space and backslash) as \\xNN."""
+    return ".".join("".join(chr(b) if 0x21 <= b <= 0x7E and b not in b".\\" else
+                            f"\\x{b:02x}" for b in label) for label in labels)
+
+
+@probe("hostile-name-recorded-escaped", 33, records="dns event for the name, escaped (\\xNN "
+       "for every byte a terminal would act on), never as sent")
+def hostile_name_recorded_escaped(ctx):
+    """What `corral monitor`, `monitor --ask` and `corral audit` show a person: a name whose
+    labels hold an OSC 52 clipboard write, a title change, CR and an erase that redraw a
+    line, a raw C1 CSI, a right-to-left override, a zero-width space, and words imitating
+    corral's own prompt. NXDOMAIN, and the record carries it escaped, so that it replays
+    safely wherever it is read."""
+    token = secrets.token_hex(4).encode()
+    labels = [b"\x1b]52;c;Y29ycmFs\x07\x1b]0;ok\x07", b"\r\x1b[2K\x1b[1A\x9b2J\xc2\x9b",
+              b"\xe2\x80\xae" + token + b"\xe2\x80\x8b\x08\x7f",
+              b"ap-" + token + b": session s1 asks for http github", b"com"]
+    rcode, _ = resolve_query(ctx.args, dns_query_labels(labels))
+    shown = recorded_name(labels)
+    return Outcome(rcode == 3, f"{shown}: rcode {rcode} (NXDOMAIN = 3)",
+                   {"kind": "dns", "name": shown})
 
 
 @probe("foreign-resolver-udp", 2, records="firewall event for the resolver, port 53")

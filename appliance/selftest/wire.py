@@ -21,9 +21,14 @@ from .registry import FAST, NotRun
 
 
 def dns_query(name, qtype=1, qid=None):
+    return dns_query_labels([p.encode() for p in name.rstrip(".").split(".")], qtype, qid)
+
+
+def dns_query_labels(labels: list[bytes], qtype=1, qid=None):
+    """A query for the name of these labels, whatever bytes they hold."""
     qid = qid if qid is not None else secrets.randbelow(65536)
-    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.rstrip(".").split("."))
-    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack(
+    name = b"".join(bytes([len(label)]) + label for label in labels)
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + name + b"\0" + struct.pack(
         "!HH", qtype, 1)
 
 
@@ -54,10 +59,14 @@ def dns_answer(data):
 
 
 def resolve(args, name, qtype=1):
+    return resolve_query(args, dns_query(name, qtype))
+
+
+def resolve_query(args, query: bytes):
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.settimeout(FAST)
         sock.connect((args.gateway, args.dns_port))
-        sock.send(dns_query(name, qtype))
+        sock.send(query)
         return dns_answer(sock.recv(4096))
 
 

@@ -10,8 +10,9 @@ Who may use it: whoever holds the random token in the URL it prints. Every reque
 static assets must carry it (`X-Corral-Token`, or `?token=` for the page and the event
 stream, which a browser cannot give a header); the Host header must name this loopback
 server (a DNS-rebound name cannot reach it); no cookies, so a cross-site form cannot act
-with it. The page shows what agents wrote (reasons, names) as text, never as markup, and
-its Content-Security-Policy allows no script but its own.
+with it. The page shows what agents wrote (reasons, names) as text, never as markup,
+drawn as the CLI draws it (static/render.js: printable ASCII, the rest escaped), and its
+Content-Security-Policy allows no script but its own.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ MAX_BODY = 16 * 1024
 MAX_STREAMS = 4
 """Event streams open at once (each holds a thread here and one of the API's: its other
 calls must still find one)."""
-STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+STATIC = {"render.js": "text/javascript", "dashboard.js": "text/javascript",
+          "dashboard.css": "text/css"}
 EVENTS_BACKLOG = 200
 """Recent events the stream starts with, before the live ones."""
 

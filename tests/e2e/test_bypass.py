@@ -80,7 +80,7 @@ def test_every_probe_passes(battery):
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
     assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 24, 25, 27, 28,
-            30, 31} <= classes
+            30, 31, 33} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
             "inspected-request-denied", "inspected-format-suffix", "inspected-escaped-separator",
             "inspected-unicode-lookalike", "inspected-push-refused",
@@ -140,6 +140,31 @@ def test_every_denial_was_recorded(world, battery):
     assert counters.keys() == loaded.keys()  # the filter's status reports what nftables holds
     assert all(counters[name] <= loaded[name] for name in counters)
     assert counters["deny_s1"] > 0 and counters["deny_ipv6"] > 0
+
+
+def test_what_sessions_sent_is_recorded_with_nothing_a_terminal_acts_on(world, battery):
+    """The battery sent names, headers, paths and bodies a terminal would act on (escape
+    sequences, CR, C1 controls, bidi and zero-width characters): every text in every
+    audit record, read back, is printable, so `corral audit` replays nothing raw."""
+    _, probes, _, _ = battery
+    (hostile,) = [p for p in probes if p["id"] == "hostile-name-recorded-escaped"]
+    assert hostile["state"] == "passed" and "\\x1b]52;c;" in hostile["expect"]["name"]
+
+    def texts(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from texts(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from texts(item)
+
+    records = world.events()
+    raw = [r for r in records if not all(text.isprintable() for text in texts(r))]
+    assert not raw, json.dumps(raw[:3], indent=1)
+    assert any(r.get("name") == hostile["expect"]["name"] for r in records)
 
 
 def test_exfiltrated_name_never_reached_upstream(world, battery):

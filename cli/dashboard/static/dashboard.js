@@ -1,5 +1,7 @@
-// corral dashboard: plain DOM, no framework. Everything an agent could have written
-// (names, reasons, rules) goes in with textContent, never as markup.
+// corral dashboard: plain DOM, no framework. Everything from the appliance (names,
+// reasons, rules, errors: what an agent could have written) goes in with textContent,
+// never as markup, and drawn by shown() (render.js): printable ASCII, on one line, the
+// rest escaped. A text node is given a literal of this file's or shown(...), nothing else.
 "use strict";
 
 const token = new URLSearchParams(location.search).get("token") || "";
@@ -30,7 +32,7 @@ async function api(method, path, body) {
 
 function el(tag, text, className) {
   const node = document.createElement(tag);
-  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (text !== undefined && text !== null) node.textContent = shown(text);
   if (className) node.className = className;
   return node;
 }
@@ -65,7 +67,7 @@ function button(label, className, action) {
 
 function trouble(message) {
   const p = document.getElementById("trouble");
-  p.textContent = message;
+  p.textContent = shown(message);
   p.hidden = !message;
 }
 
@@ -82,27 +84,27 @@ function clock(ts) {
 
 // A table is rebuilt only when what it shows changed: a button must not be replaced
 // under the pointer that is about to click it.
-const shown = {};
+const onPage = {};
 
 function changed(name, data) {
   const text = JSON.stringify(data);
-  if (shown[name] === text) return false;
-  shown[name] = text;
+  if (onPage[name] === text) return false;
+  onPage[name] = text;
   return true;
 }
 
 async function loadApprovals() {
   const { approvals } = await api("GET", "/api/approvals");
-  document.getElementById("pending-count").textContent = approvals.length || "";
+  document.getElementById("pending-count").textContent = shown(approvals.length || "");
   const body = document.getElementById("approvals-rows");
   const steady = approvals.map(({ id, session, kind, target, origin, note }) =>
     ({ id, session, kind, target, origin, note }));
   if (!changed("approvals", steady)) {  // counts and ages move on in place
     approvals.forEach((a, i) => {
       const cells = body.rows[i].cells;
-      cells[3].textContent = a.asked;
+      cells[3].textContent = shown(a.asked);
       cells[4].textContent = a.waiting ? "yes" : "";
-      cells[5].textContent = ago(a.created);
+      cells[5].textContent = shown(ago(a.created));
       const once = cells[8].querySelector("button.once");
       once.disabled = !a.waiting;
     });
@@ -110,9 +112,10 @@ async function loadApprovals() {
   }
   body.replaceChildren(...approvals.map((a) => {
     const decide = (grant, extra, ask) => async () => {
-      if (ask && !confirm(`${ask} ${a.kind} ${a.target} for session ${a.session}?`)) return;
+      if (ask && !confirm(`${ask} ${shown(a.kind)} ${shown(a.target)} for session `
+                          + `${shown(a.session)}?`)) return;
       await api("POST", `/api/approvals/${encodeURIComponent(a.id)}`, { grant, ...extra });
-      delete shown.approvals;
+      delete onPage.approvals;
       await loadApprovals();
     };
     const once = button("once", "grant once", decide("once"));
@@ -139,9 +142,9 @@ async function loadSessions() {
   const steady = sessions.map(({ created, left, ...rest }) => rest);
   if (!changed("sessions", steady)) {  // the times move on in place
     sessions.forEach((s, i) => {
-      body.rows[i].cells[2].textContent = s.created ? ago(s.created) : "-";
-      body.rows[i].cells[3].textContent = s.left === undefined || s.left === null ? "-"
-        : duration(s.left);
+      body.rows[i].cells[2].textContent = shown(s.created ? ago(s.created) : "-");
+      body.rows[i].cells[3].textContent = shown(s.left === undefined || s.left === null ? "-"
+        : duration(s.left));
     });
     return;
   }
@@ -151,17 +154,17 @@ async function loadSessions() {
     const actions = cellWith();
     if (s.state !== "stopped") {
       actions.append(button("stop", "danger", async () => {
-        if (confirm(`Stop ${s.name}? Its workspace stays for diff and apply.`)) {
+        if (confirm(`Stop ${shown(s.name)}? Its workspace stays for diff and apply.`)) {
           await api("POST", `/api/sessions/${encodeURIComponent(s.name)}/stop`);
-          delete shown.sessions;
+          delete onPage.sessions;
           await loadSessions();
         }
       }));
     }
     actions.append(button("remove", "danger", async () => {
-      if (confirm(`Remove ${s.name} and its workspace?`)) {
+      if (confirm(`Remove ${shown(s.name)} and its workspace?`)) {
         await api("DELETE", `/api/sessions/${encodeURIComponent(s.name)}`);
-        delete shown.sessions;
+        delete onPage.sessions;
         await loadSessions();
       }
     }));
@@ -191,9 +194,9 @@ function fillSessions(id) {
 function renderDecisions() {
   const session = document.getElementById("decisions-session").value;
   const verdict = document.getElementById("decisions-verdict").value;
-  const shown = state.events.filter((e) => (!session || e.session === session)
+  const picked = state.events.filter((e) => (!session || e.session === session)
     && (!verdict || e.verdict === verdict)).slice(-200).reverse();
-  document.getElementById("decisions-rows").replaceChildren(...shown.map((e) => {
+  document.getElementById("decisions-rows").replaceChildren(...picked.map((e) => {
     const target = (e.name || e.target || "-") + (e.port ? `:${e.port}` : "");
     const reason = e.closed ? `${e.up || 0} B up, ${e.down || 0} B down, ${e.duration || 0}s`
       : (e.reason || "");
@@ -284,8 +287,8 @@ async function verifyAudit() {
   const out = document.getElementById("verify-result");
   out.textContent = "reading every segment…";
   const verdict = await api("GET", "/api/audit/verify");
-  out.textContent = verdict.intact ? `intact: ${verdict.lines} records`
-    : `broken: ${verdict.error || JSON.stringify(verdict)}`;
+  out.textContent = shown(verdict.intact ? `intact: ${verdict.lines} records`
+    : `broken: ${verdict.error || JSON.stringify(verdict)}`);
   out.className = verdict.intact ? "ok" : "bad";
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -348,8 +349,9 @@ def test_ask_mode_approve_and_refuse_from_the_cli(home, corral_filter):
             assert approval["id"] in table and "http allowed.test:8080" in table
             if grant:
                 decided = corral(home, "approve", approval["id"], *grant)
-                assert decided.stdout.startswith("approved once: http allowed.test:8080"), (
-                    decided)
+                assert decided.stdout.startswith(
+                    "approved once: http allowed.test:8080 in session s2: 1 request let "
+                    "through"), decided
             else:
                 decided = corral(home, "refuse", approval["id"], "--reason", "not now")
                 assert decided.stdout == ("refused http allowed.test:8080 in session s2\n"), (
@@ -443,28 +445,50 @@ def test_approve_always_writes_the_rule_into_the_project_and_lets_the_request_go
         corral(home, "revoke", "allowed.test:8080", "--session", "s2")
 
 
+class Terminal:
+    """`corral ARGS` on a real pseudo-terminal: what it writes, byte for byte, as a
+    terminal would be given it, and keys typed into it."""
+
+    def __init__(self, home: Path, *args: str):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the CLI on the terminal
+            os.execve(CORRAL, [CORRAL, *args], {**os.environ, "XDG_CONFIG_HOME": str(home),
+                                               "LANG": "C.UTF-8"})
+        self.seen = b""
+
+    def expect(self, marker: bytes, timeout: float = 15, count: int = 1) -> None:
+        deadline = time.monotonic() + timeout
+        while self.seen.count(marker) < count:
+            ready, _, _ = select.select([self.fd], [], [], max(0, deadline - time.monotonic()))
+            assert ready, f"no {marker!r} (x{count}); saw {self.seen[-1500:]!r}"
+            self.seen += os.read(self.fd, 65536)
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = 0
+        return os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        if self.pid:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
 def test_monitor_ask_decides_the_oldest_approval_with_a_key(home, corral_filter):
     """`corral monitor --ask` on a real terminal: a held request's approval is shown with
     the keys, `o` lets it through, `r` refuses the next, `q` quits."""
-    import pty
     import threading
 
     from tests.integration.conftest import S2_CLIENT
 
     assert corral(home, "ask", "--session", "s2", "--hold", "20").returncode == 0
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the CLI on the terminal
-        os.execve(CORRAL, [CORRAL, "monitor", "--ask", "--session", "s2", "--color", "never"],
-                  {**os.environ, "XDG_CONFIG_HOME": str(home)})
-    seen = b""
-
-    def expect(marker: bytes, timeout: float = 15) -> None:
-        nonlocal seen
-        deadline = time.monotonic() + timeout
-        while marker not in seen:
-            ready, _, _ = select.select([fd], [], [], max(0, deadline - time.monotonic()))
-            assert ready, f"no {marker!r}; saw {seen[-800:]!r}"
-            seen += os.read(fd, 65536)
+    terminal = Terminal(home, "monitor", "--ask", "--session", "s2", "--color", "never")
 
     def held(answers: list):
         with connect(corral_filter.proxy_port, source=S2_CLIENT, timeout=30) as sock:
@@ -473,25 +497,126 @@ def test_monitor_ask_decides_the_oldest_approval_with_a_key(home, corral_filter)
 
     try:
         for key, expected in ((b"o", b"HTTP/1.1 200"), (b"r", b"HTTP/1.1 403")):
-            seen = b""
+            terminal.seen = b""
             answers: list[bytes] = []
             thread = threading.Thread(target=held, args=(answers,), daemon=True)
             thread.start()
-            expect(b"wants http allowed.test:8080  [o]nce [s]ession [a]lways [r]efuse")
-            os.write(fd, b"\x1bOP\x1b[A" + key.upper())  # F1, Up, a capital: no decision
+            terminal.expect(b"session s2 asks for http allowed.test:8080\r\n")
+            terminal.expect(b"[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit: a key decides")
+            terminal.type(b"\x1bOP\x1b[A" + key.upper())  # F1, Up, a capital: no decision
             time.sleep(0.6)
-            assert thread.is_alive() and not answers, seen
-            os.write(fd, key)
+            assert thread.is_alive() and not answers, terminal.seen
+            terminal.type(key)
             thread.join(10)
-            assert answers and answers[0].startswith(expected), (key, answers, seen)
-        expect(b"refuse: http allowed.test:8080")
-        os.write(fd, b"q")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        pid = 0
+            assert answers and answers[0].startswith(expected), (key, answers, terminal.seen)
+            if key == b"o":
+                terminal.expect(b"once: http allowed.test:8080 (ap-")
+                terminal.expect(b", 1 request(s) let through)")
+        terminal.expect(b"refuse: http allowed.test:8080")
+        terminal.type(b"q")
+        assert terminal.wait() == 0
     finally:
-        if pid:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        terminal.close()
         corral(home, "ask", "--session", "s2", "--off")
+
+
+def dns_query(port: int, labels: list[bytes], source: str) -> bytes:
+    """A query for a name of these labels, whatever bytes they hold, as a session sends it."""
+    import secrets
+    import socket
+    import struct
+
+    name = b"".join(bytes([len(label)]) + label for label in labels) + b"\0"
+    wire = struct.pack("!6H", secrets.randbits(16), 0x0100, 1, 0, 0, 0) + name + b"\0\1\0\1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.bind((source, 0))
+        sock.sendto(wire, ("127.0.0.1", port))
+        return sock.recvfrom(65535)[0]
+
+
+FAKE_PROMPT = b"ap-00000000: session s2 asks for http github.com:443"
+HOSTILE_LABELS = [
+    [b"\r\x1b[2K\x1b[1A", FAKE_PROMPT[:60], b"test"],  # CR, erase, cursor up: redraw a line
+    [b"\x1b]8;;https://evil", b"\x1b\\github\x1b]8;;\x1b\\", b"test"],  # an OSC 8 link
+    [b"\x1b]52;c;cm0gLXJmIH4=\x07", b"\x1b]0;corral\x07x", b"test"],  # clipboard, title
+    [b"\x9b2J\xc2\x9b2J", b"\xe2\x80\xaemoc\xe2\x81\xa6", b"test"],  # C1 CSI, bidi
+    [b"git\xe2\x80\x8bhub\xe2\x80\xa8x", b"\x08\x08\x7f", b"test"],  # zero-width, LS
+    [b" " * 60, b" " * 40 + FAKE_PROMPT[:20], b"test"],  # spaces to push text to a line
+]
+ACTS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                  "\u2060-\u206f\ufeff]")
+"""What a terminal acts on or hides, but the line ends the CLI writes (CR LF on a pty)."""
+
+
+def test_hostile_text_from_a_session_reaches_the_terminal_escaped_and_the_prompt_whole(
+        home, corral_filter):
+    """A session asks DNS for names whose labels hold escape sequences, C1 controls, CR,
+    backspace, bidi and zero-width characters and runs of spaces, asks for a host with a
+    reason padded to look like a prompt, and holds a request for a long name that begins
+    like github.com. On a real terminal, `corral monitor --ask` writes none of what a
+    terminal acts on; the only lines with the decision's mark are the CLI's, naming the
+    exact target whole; `corral audit` replays the records as safely, and its --json
+    stays valid ASCII."""
+    import threading
+
+    from tests.integration.conftest import S2_CLIENT
+
+    target = "github.com.login.secure.account.verify.example.evil.test:8080"
+    assert corral(home, "ask", "--session", "s2", "--hold", "30").returncode == 0
+    started = time.time()
+    terminal = Terminal(home, "monitor", "--ask", "--session", "s2", "--color", "never")
+    answers: list[bytes] = []
+
+    def held():
+        with connect(corral_filter.proxy_port, source=S2_CLIENT, timeout=40) as sock:
+            sock.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+            answers.append(recv_all(sock, 12))
+
+    thread = threading.Thread(target=held, daemon=True)
+    try:
+        time.sleep(1.0)  # subscribed
+        thread.start()
+        terminal.expect(b"github.com.login")
+        for labels in HOSTILE_LABELS:
+            dns_query(corral_filter.dns_port, labels, S2_CLIENT)
+        terminal.expect(b" DENY  dns ", count=len(HOSTILE_LABELS))  # a long reason is cut
+        reason = "ok" + "%20" * 150 + FAKE_PROMPT.decode().replace(" ", "+") + "%0d%1b[2K"
+        with connect(corral_filter.proxy_port, source=S2_CLIENT) as sock:
+            sock.sendall(f"GET http://request.corral/?host=docs.test&reason={reason} HTTP/1.1"
+                         "\r\nHost: request.corral\r\nConnection: close\r\n\r\n".encode())
+            assert recv_all(sock).startswith(b"HTTP/1.1 202")
+        terminal.expect(b"docs.test")
+        time.sleep(0.5)
+        shown = terminal.seen.decode("utf-8")  # strict: no stray byte of a sequence
+        assert "\x1b" not in shown and not ACTS.search(shown.replace("\r\n", "\n")), ascii(
+            [line for line in shown.split("\r\n") if ACTS.search(line)])
+        lines = shown.split("\r\n")
+        marks = [line for line in lines if line.startswith(("\u25b6", ">>"))]
+        approval = next(a for a in json.loads(corral(home, "approvals", "--json").stdout)[
+            "approvals"] if a["target"] == target)
+        assert marks[:2] == [
+            f"\u25b6 {approval['id']}: session s2 asks for http {target}",
+            f"\u25b6 [o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit: a key decides "
+            f"{approval['id']}"], marks
+        assert all(FAKE_PROMPT.decode() not in line for line in marks)
+        assert [line for line in lines if "[150 spaces]" in line or "[60 spaces]" in line]
+        terminal.type(b"r")
+        thread.join(10)
+        assert answers and answers[0].startswith(b"HTTP/1.1 403"), answers
+        terminal.expect(f"refuse: http {target} ({approval['id']})".encode())
+        terminal.type(b"q")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+        corral(home, "ask", "--session", "s2", "--off")
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started - 1))
+    replayed = subprocess.run([CORRAL, "audit", "--since", since], capture_output=True,
+                              env={**os.environ, "XDG_CONFIG_HOME": str(home)}, timeout=30)
+    text = replayed.stdout.decode("ascii")  # every record drawn as printable ASCII
+    assert text.count(" DENY  dns ") >= len(HOSTILE_LABELS)
+    assert not ACTS.search(text.replace("\n", "")), ascii(text)
+    records = corral(home, "audit", "--since", since, "--json").stdout
+    assert records.isascii() and not ACTS.search(records.replace("\n", ""))
+    assert sum("is not a valid host name" in (json.loads(line).get("reason") or "")
+               for line in records.splitlines()) >= len(HOSTILE_LABELS)

@@ -260,6 +260,34 @@ def test_a_held_request_whose_client_left_is_not_counted_nor_sent_on_a_grant(ask
     assert left["verdict"] == "deny" and "the client left" in left["reason"], left
 
 
+def test_a_once_grant_right_after_the_client_left_finds_nobody_and_dials_nothing(asking,
+                                                                                 internet):
+    """The grant comes before the filter's half-second look at the client: the grant asks
+    the client itself, so the person is told that it found nobody, and nothing is sent."""
+    f = asking
+    seen = len(internet.http8080.requests)
+    sock = connect(f.proxy_port, timeout=10)
+    sock.sendall(b"POST http://other.test:8080/left-just-now HTTP/1.1\r\nHost: other.test:8080"
+                 b"\r\nContent-Length: 4\r\n\r\nbody")
+    approval = wait_approval(f, target="other.test:8080", waiting=1)
+    sock.close()
+    answer = decide(f, approval, "once")  # within the half second: no look has seen it yet
+    assert not answer["ok"], answer
+    assert "left" in answer["error"] and "nothing was let through" in answer["error"], answer
+    time.sleep(0.7)
+    assert len(internet.http8080.requests) == seen  # nothing was dialled for it
+    assert open_approvals(f, id=approval["id"])  # still open: a person may grant it otherwise
+
+
+def test_a_grant_says_how_many_requests_it_let_through(asking):
+    f = asking
+    held = [Held(f.proxy_port) for _ in range(2)]
+    approval = wait_approval(f, target="other.test:8080", waiting=2)
+    answer = decide(f, approval, "once")
+    assert answer["ok"] and answer["released"] == 2, answer
+    assert [h.status() for h in held] == [200, 200]
+
+
 def agent_asks(f: FilterProcess, query: str, source: str | None = None) -> tuple[int, dict]:
     """GET http://request.corral/?QUERY through the proxy, as curl in a session would."""
     from tests.integration.conftest import S1_CLIENT

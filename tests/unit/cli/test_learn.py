@@ -193,7 +193,7 @@ def test_a_preset_goes_before_the_tables_and_comments_stay_with_their_keys():
 
 
 def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
-    from cli.approvals import Asking, prompt_line
+    from cli.approvals import Asking, prompt
 
     asking = Asking([{"id": "ap-1", "session": "s1", "kind": "http", "target": "a.test:443",
                       "note": "", "waiting": 1}])
@@ -203,9 +203,10 @@ def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
     asking.see({"kind": "connect", "verdict": "deny", "approval": None})
     assert asking.first["id"] == "ap-1"
     asking.later()
-    assert prompt_line(asking.first) == (
-        "ask ap-2: session s1 wants tcp b.test:22 - the agent says 'push?[31m'  "
-        "[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit")
+    assert prompt(asking.first) == (
+        ["  ap-2: the agent says: push\\x1b[31m"],
+        ["ap-2: session s1 asks for tcp b.test:22",
+         "[o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit: a key decides ap-2"])
     asking.see({"kind": "approval", "verdict": "change", "action": "refused",
                 "approval": "ap-2"})
     assert asking.first["id"] == "ap-1"

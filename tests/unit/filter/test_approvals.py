@@ -440,3 +440,46 @@ def test_a_bad_approvals_file_restores_nothing_and_says_what_is_wrong(change, er
 def test_a_file_that_is_not_an_approvals_file_is_named_so(text, error):
     with pytest.raises(ValueError, match=error):
         Approvals().restore(text.encode(), {}, now=0.0, wall=1.0)
+
+
+def test_a_once_grant_that_finds_every_client_gone_is_refused_and_lets_nothing_through(
+        monkeypatch):
+    """The client left a moment ago, before the half-second look noticed: the grant asks
+    each held request's client itself, finds nobody, and says so; the approval stays."""
+    monkeypatch.setattr("appliance.filter.approvals.GONE_POLL", 60.0)
+
+    async def scenario():
+        holds = Holds(lambda event: None)
+        pending = holds.ask("s1", DEFAULT_DENY, "proxy")
+        left = {"now": False}
+        held = asyncio.create_task(holds.wait(pending, 5, gone=lambda: left["now"]))
+        await asyncio.sleep(0)
+        left["now"] = True  # gone, and no poll has seen it yet
+        with pytest.raises(ApprovalError, match="left before the grant"):
+            holds.claim(pending.id, "once")
+        assert holds.book.pending[pending.id] is pending and not pending.deciding
+        assert not held.done()  # still held: it learns at its next look, not from a grant
+        holds.decide(pending.id, None, "tester")
+        assert (await held).grant is None
+    asyncio.run(scenario())
+
+
+def test_a_grant_lets_through_only_the_requests_whose_client_is_still_there():
+    """Counted when the grant is taken (what `corral approve` reports), and asked again
+    when each request takes its turn: one that left in between dials nothing."""
+    async def scenario():
+        holds = Holds(lambda event: None)
+        pending = holds.ask("s1", DEFAULT_DENY, "proxy")
+        there = {"a": True, "b": True, "c": False}
+        waits = {k: asyncio.create_task(holds.wait(pending, 5, gone=lambda k=k: not there[k]))
+                 for k in there}
+        await asyncio.sleep(0)
+        holds.claim(pending.id, "once")
+        released = holds.decide(pending.id, "once", "tester", claimed=True)
+        assert released == 2  # a and b: c had left already
+        there["b"] = False  # b goes before its turn comes
+        verdicts = {k: await t for k, t in waits.items()}
+        assert verdicts["a"].grant == "once"
+        assert verdicts["b"].grant is None and "left" in verdicts["b"].reason
+        assert verdicts["c"].grant is None and "left" in verdicts["c"].reason
+    asyncio.run(scenario())

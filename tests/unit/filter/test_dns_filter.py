@@ -248,3 +248,26 @@ def test_a_session_that_goes_leaves_no_state_behind(dns, tmp_path):
     dns.store.unregister("s3")
     assert "s3" not in dns.stats()["sessions"] and "s3" not in dns.limits.buckets
     assert dns.wire.entries.owned("s3") == 0
+
+
+def raw_query(labels: list[bytes], qid: int = 21) -> bytes:
+    """A query for a name of these labels, whatever bytes they hold (dnslib would refuse)."""
+    name = b"".join(bytes([len(label)]) + label for label in labels) + b"\x00"
+    return struct.pack("!6H", qid, 0x0100, 1, 0, 0, 0) + name + b"\x00\x01\x00\x01"
+
+
+@pytest.mark.parametrize("labels, shown", [
+    ([b"\r\x1b[2Kgithub", b"com"], "\\x0d\\x1b[2Kgithub.com"),
+    ([b"\x1b]52;c;eA==\x07", b"test"], "\\x1b]52;c;eA==\\x07.test"),
+    ([b"a.b", b"c d", b"e\\f"], "a\\x2eb.c\\x20d.e\\x5cf"),  # a label's dot is not a label's end
+    ([b"\x9b2J\xe2\x80\xae", b"test"], "\\x9b2J\\xe2\\x80\\xae.test"),  # C1, UTF-8 of an RLO
+], ids=["csi-cr", "osc52", "dot-space-backslash", "c1-bidi"])
+def test_a_name_that_is_no_host_name_is_recorded_escaped_never_as_sent(dns, labels, shown):
+    """Its event and audit record carry the labels' bytes as printable ASCII, every byte
+    outside it (and a label's own dot, space, backslash) as \\xNN: the record replays
+    safely wherever it is read, and no two names look alike."""
+    reply = answer(dns, raw_query(labels))
+    assert rcode(reply) == RCODE.NXDOMAIN
+    event = dns.bus.recent[-1]
+    assert event["name"] == shown and event["verdict"] == "deny"
+    assert event["reason"] == f"'{shown}' is not a valid host name"
