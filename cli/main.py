@@ -277,6 +277,13 @@ def parser() -> argparse.ArgumentParser:
                                  help="only this file or directory (repeatable)")
             command.add_argument("--force", action="store_true",
                                  help="overwrite files changed on this host meanwhile")
+            command.add_argument("--digest", metavar="D",
+                                 help="apply exactly the changeset `corral diff` showed under "
+                                 "this digest (or refuse); without it, a diff is taken and "
+                                 "shown now, and applied when you say so")
+            command.add_argument("--yes", action="store_true",
+                                 help="without --digest: apply the diff shown now without "
+                                 "asking")
     selftest = appliance_command(
         "selftest", "the bypass battery inside a session (or a throwaway one)",
         sessions.cmd_selftest, session=False,
