@@ -261,8 +261,8 @@ def parser() -> argparse.ArgumentParser:
             ("stop", "stop a session: container and network go, the workspace stays",
              sessions.cmd_stop),
             ("rm", "remove a session and its workspace", sessions.cmd_rm),
-            ("diff", "what the agent changed, as a unified diff with a summary",
-             sessions.cmd_diff),
+            ("diff", "what the agent changed, as a unified diff with a summary, and the "
+             "digest that `apply --digest` takes to apply exactly it", sessions.cmd_diff),
             ("apply", "write the agent's changes into the project on this host",
              sessions.cmd_apply)):
         command = appliance_command(name, text, run_fn, session=False)

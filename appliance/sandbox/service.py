@@ -313,9 +313,12 @@ class Sessions:
                     if p.get("state") == battery.PASSED
                     and (p.get("expect") or {}).get("kind") == "review-snapshot" else p
                     for p in probes]
-        finally:
+        finally:  # the writer's directory is moved away first: it stops, and cannot write
+            gone = f"/work/.{SNAPSHOT_DIR}-gone"  # a file back in while rm empties it
+            self.manager.podman.run("exec", container, "mv", "-T", "--", f"/work/{SNAPSHOT_DIR}",
+                                    gone, check=False)
             self.manager.podman.run("exec", container, "rm", "-rf", "--", f"/work/{REVIEW_DIR}",
-                                    f"/work/{SNAPSHOT_DIR}", check=False)
+                                    gone, check=False)
 
     def _applied(self, name: str, probe: dict, answer: dict | None, error: str | None) -> dict:
         """The diff was taken while the agent's writer ran: wait until the file changed

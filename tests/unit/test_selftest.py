@@ -315,7 +315,8 @@ def test_the_changed_after_diff_probe_leaves_a_writer_that_outlives_it(tmp_path)
         seen.add(path.read_bytes().split(b"\n", 1)[0])
         time.sleep(0.03)
     assert len(seen) >= 3, seen  # still writing, a new version each time
-    shutil.rmtree(tmp_path / review.SNAPSHOT_DIR)
+    (tmp_path / review.SNAPSHOT_DIR).rename(tmp_path / "gone")  # as the appliance does:
+    shutil.rmtree(tmp_path / "gone")  # moved away first, so it cannot write a file back in
     deadline = time.monotonic() + 10
     while os.waitpid(pid, os.WNOHANG) == (0, 0):  # it stops by itself
         assert time.monotonic() < deadline, "the writer outlived its directory"
