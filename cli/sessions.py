@@ -350,8 +350,7 @@ def _changes(client: Client, name: str, digest: str):
                        "upgrade corral on this host or on the appliance (they ship together)")
     try:
         changes = [workspace.from_json(c) for c in answer["changes"]]
-        notes = [workspace.Note(workspace.path_from(n, "a note"), n["text"])
-                 for n in answer.get("notes", [])]
+        notes = [workspace.note_from(n) for n in answer.get("notes", [])]
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(f"the appliance sent a changeset this corral cannot read: {exc}") from None
     try:

@@ -62,8 +62,7 @@ class Reviews:
             raise DamagedSnapshot(f"the kept snapshot {digest} cannot be read: {exc}") from None
         try:
             changes = [workspace.from_json(c) for c in data["changes"]]
-            notes = [workspace.Note(workspace.path_from(n, "a note"), n["text"])
-                     for n in data["notes"]]
+            notes = [workspace.note_from(n) for n in data["notes"]]
             snapshot.verify(changes, notes, digest)
         except (KeyError, TypeError, ValueError) as exc:
             raise DamagedSnapshot(f"the kept snapshot {digest} is damaged: {exc}") from None

@@ -334,8 +334,8 @@ class Sessions:
         try:
             got = self.answer({"op": "changes", "name": name, "digest": answer["digest"]}, None)
             received = [workspace.from_json(c) for c in got["changes"]]
-            workspace.verify(received, [workspace.Note(workspace.path_from(n), n["text"])
-                                        for n in got["notes"]], answer["digest"])
+            workspace.verify(received, [workspace.note_from(n) for n in got["notes"]],
+                             answer["digest"])
             kept = {c.path: c for c in received}
             shown = kept[path].after.data if kept[path].after is not None else None
             deadline = time.monotonic() + SNAPSHOT_WAIT

@@ -40,7 +40,17 @@ from .model import (
 )
 from .show import render, review
 from .snapshot import DIGEST, Snapshot, take, verify
-from .wire import FORMAT, from_json, named, note_json, path_from, to_json, unnamed, wire_path
+from .wire import (
+    FORMAT,
+    from_json,
+    named,
+    note_from,
+    note_json,
+    path_from,
+    to_json,
+    unnamed,
+    wire_path,
+)
 from .write import Applied, Conflict, Refusal, apply, fold, remove_tree
 
 __all__ = [
@@ -70,6 +80,7 @@ __all__ = [
     "from_json",
     "is_utf8",
     "named",
+    "note_from",
     "note_json",
     "path_from",
     "remove_tree",

@@ -58,6 +58,21 @@ def test_apply_gets_the_bytes_the_diff_showed_not_what_the_agent_wrote_since(tmp
     assert _changes(service, shown["digest"]) == {"app.py": b"print('reviewed')\n"}
 
 
+def test_notes_on_what_is_never_carried_do_not_stop_an_apply(tmp_path):
+    """A `.corral/` the agent makes in /work is a note (never carried); its path is not a
+    path apply could write, and the snapshot and the host still take the changeset."""
+    service, work, _ = _service(tmp_path)
+    (work / ".corral").mkdir()
+    (work / ".corral" / "client.key").write_text("planted")
+    (work / "app.py").write_text("print('v2')\n")
+    shown = service.answer({"op": "diff", "name": "s1"}, None)
+    assert [n["path"] for n in shown["notes"]] == [".corral"]
+    answer = service.answer({"op": "changes", "name": "s1", "digest": shown["digest"]}, None)
+    changes = [workspace.from_json(c) for c in answer["changes"]]
+    workspace.verify(changes, [workspace.note_from(n) for n in answer["notes"]],
+                     shown["digest"])
+
+
 def test_a_digest_no_diff_showed_is_refused_naming_both_digests(tmp_path):
     service, work, _ = _service(tmp_path)
     (work / "app.py").write_text("print('v2')\n")
