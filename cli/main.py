@@ -263,8 +263,8 @@ def parser() -> argparse.ArgumentParser:
             ("stop", "stop a session: container and network go, the workspace stays",
              sessions.cmd_stop),
             ("rm", "remove a session and its workspace", sessions.cmd_rm),
-            ("diff", "what the agent changed, as a unified diff with a summary",
-             sessions.cmd_diff),
+            ("diff", "what the agent changed, as a unified diff with a summary, and the "
+             "digest that `apply --digest` takes to apply exactly it", sessions.cmd_diff),
             ("apply", "write the agent's changes into the project on this host",
              sessions.cmd_apply)):
         command = appliance_command(name, text, run_fn, session=False)
@@ -279,6 +279,13 @@ def parser() -> argparse.ArgumentParser:
                                  help="only this file or directory (repeatable)")
             command.add_argument("--force", action="store_true",
                                  help="overwrite files changed on this host meanwhile")
+            command.add_argument("--digest", metavar="D",
+                                 help="apply exactly the changeset `corral diff` showed under "
+                                 "this digest (or refuse); without it, a diff is taken and "
+                                 "shown now, and applied when you say so")
+            command.add_argument("--yes", action="store_true",
+                                 help="without --digest: apply the diff shown now without "
+                                 "asking")
     selftest = appliance_command(
         "selftest", "the bypass battery inside a session (or a throwaway one)",
         sessions.cmd_selftest, session=False,

@@ -145,7 +145,7 @@ def confirm(path: Path, before: str, after: str, yes: bool, as_json: bool) -> bo
     if not sys.stdin.isatty():
         raise CliError(f"not written: {path} is only changed when you say so",
                        "look at the diff above, then run again with --yes", exitcodes.USAGE)
-    _drop_typeahead()  # what was typed before the question is no answer to it
+    drop_typeahead()  # what was typed before the question is no answer to it
     output.notice(f"write this into {path}? [y/N] ")
     if sys.stdin.readline().strip().lower() not in ("y", "yes"):
         output.notice(f"{path} left as it was")
@@ -153,7 +153,7 @@ def confirm(path: Path, before: str, after: str, yes: bool, as_json: bool) -> bo
     return True
 
 
-def _drop_typeahead() -> None:
+def drop_typeahead() -> None:
     try:
         import termios
 

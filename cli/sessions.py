@@ -27,6 +27,7 @@ from appliance.policy.config import ConfigError, parse_policy
 from . import exitcodes, output, render, scan
 from .client import Client, CliError, load_appliance
 from .control import client_for, parse_duration, pick_session
+from .projectfile import drop_typeahead
 
 SLOW = 600.0  # seconds for creating a session or running the battery
 
@@ -274,13 +275,36 @@ def cmd_rm(args) -> int:
     return exitcodes.OK
 
 
+def _digest(answer: dict) -> str:
+    digest = answer.get("digest")
+    if not isinstance(digest, str) or not workspace.DIGEST.fullmatch(digest):
+        raise CliError("the appliance sent a diff without the digest of what it shows",
+                       "upgrade corral on this host or on the appliance (they ship together)")
+    return digest
+
+
+def _show(answer: dict) -> str:
+    """The diff as a person reads it, then the digest that names exactly it."""
+    digest = _digest(answer)
+    # the appliance escaped what the agent wrote; this holds even if it had not
+    output.line(workspace.terminal_safe(answer["diff"]))
+    output.line(f"digest {digest}")
+    if answer.get("not_paused"):
+        output.notice(f"{workspace.terminal_safe(str(answer['not_paused']))}: it was read "
+                      "while the agent ran (what is shown is still exactly what is applied)")
+    return digest
+
+
 def cmd_diff(args) -> int:
     # a big workspace takes a while to walk (the default 10 s would break the diff)
     answer = client_for(args).request("GET", f"/sessions/{args.name}/diff", timeout=SLOW)
     if args.json:
+        _digest(answer)
         output.data(answer)  # JSON escapes every control character itself
-    else:  # the appliance escaped what the agent wrote; this holds even if it had not
-        output.line(workspace.terminal_safe(answer["diff"]))
+    else:
+        digest = _show(answer)
+        output.notice(f"`corral apply {args.name} --digest {digest}` applies exactly this; "
+                      "what the agent writes from now on is in the next diff")
     return exitcodes.OK
 
 
@@ -316,21 +340,56 @@ def _fold(client: Client, name: str, applied: list[workspace.Change]) -> list[st
     return missed
 
 
-def _changes(client: Client, name: str, paths: list[str] | None):
-    # a --path that is not UTF-8 cannot go in a URL: then all changes come and are picked here
-    query = paths if paths and all(workspace.is_utf8(p) for p in paths) else None
-    answer = client.request("GET", f"/sessions/{name}/changes", path=query, timeout=SLOW)
+def _changes(client: Client, name: str, digest: str):
+    """The snapshot a diff showed under `digest`, whole (`--path` picks from it here), its
+    digest checked on this host before anything is written."""
+    answer = client.request("GET", f"/sessions/{name}/changes", digest=digest, timeout=SLOW)
     if answer.get("format") != workspace.FORMAT:
         raise CliError(f"the appliance sends changesets in format {answer.get('format', 1)}; "
                        f"this corral reads format {workspace.FORMAT}",
                        "upgrade corral on this host or on the appliance (they ship together)")
     try:
         changes = [workspace.from_json(c) for c in answer["changes"]]
-        notes = [f"{workspace.shown(workspace.path_from(n, 'a note'))}: "
-                 f"{render.text(n['text'])}" for n in answer.get("notes", [])]
+        notes = [workspace.note_from(n) for n in answer.get("notes", [])]
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(f"the appliance sent a changeset this corral cannot read: {exc}") from None
-    return changes, notes
+    try:
+        workspace.verify(changes, notes, digest)
+    except ValueError as exc:
+        raise CliError(f"nothing applied: {exc}", "the appliance did not send what was "
+                       f"reviewed; run `corral diff {name}` again") from None
+    return changes, [f"{workspace.shown(n.path)}: {render.text(n.text)}" for n in notes]
+
+
+def _reviewed(client: Client, args) -> str:
+    """The digest to apply: --digest, or (without it) a diff taken now, shown here, and
+    confirmed by the person (or by --yes): never changes nobody was shown."""
+    if args.digest:
+        digest = args.digest.lower().removeprefix("sha256:")
+        if not workspace.DIGEST.fullmatch(digest):
+            raise CliError(f"--digest {args.digest!r} is not a changeset digest (64 hex "
+                           "digits)", f"copy it from `corral diff {args.name}`",
+                           exitcodes.USAGE)
+        return digest
+    if args.json and not args.yes:
+        raise CliError("with --json, apply needs --digest (from `corral diff --json`) or "
+                       "--yes (apply what a diff taken now shows)", code=exitcodes.USAGE)
+    answer = client.request("GET", f"/sessions/{args.name}/diff", timeout=SLOW)
+    if args.json:
+        return _digest(answer)
+    digest = _show(answer)
+    if args.yes:
+        return digest
+    if not sys.stdin.isatty():
+        raise CliError("nothing applied: without --digest, apply asks first, and there is "
+                       "no terminal to ask on", f"read the diff above, then `corral apply "
+                       f"{args.name} --digest {digest}` (or pass --yes)", exitcodes.USAGE)
+    drop_typeahead()  # what was typed before the question is no answer to it
+    output.notice(f"apply the changes above (digest {digest[:12]}...) to this project? [y/N] ")
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        raise CliError("nothing applied", f"`corral apply {args.name} --digest {digest}` "
+                       "applies exactly the diff above later", exitcodes.FAILURE)
+    return digest
 
 
 def cmd_apply(args) -> int:
@@ -344,12 +403,14 @@ def cmd_apply(args) -> int:
                        f"({session['project']}), not {project}",
                        "run it in that project, pass --project DIR, or --force",
                        exitcodes.USAGE)
-    changeset, notes = _changes(client, args.name, args.path)
+    digest = _reviewed(client, args)
+    changeset, notes = _changes(client, args.name, digest)
     try:
         result = workspace.apply(project, changeset, args.path, args.force)
     except workspace.Conflict as conflict:
         if args.json:
-            output.data({"applied": [], "conflicts": [workspace.shown(p) for p in conflict.paths],
+            output.data({"digest": digest, "applied": [],
+                         "conflicts": [workspace.shown(p) for p in conflict.paths],
                          "refused": [str(r) for r in conflict.refused]})
         raise CliError(f"nothing applied: {conflict}",
                        "look at `corral diff`; keep your edits, or pass --force to overwrite "
@@ -360,7 +421,8 @@ def cmd_apply(args) -> int:
                        ) from None
     missed = _fold(client, args.name, result.changes) if result.changes else []
     if args.json:
-        output.data({"applied": [workspace.shown(c.path) for c in result.changes],
+        output.data({"digest": digest,
+                     "applied": [workspace.shown(c.path) for c in result.changes],
                      "conflicts": [], "refused": [str(r) for r in result.refused],
                      "not_shown": notes, "not_recorded": missed})
     else:
@@ -370,7 +432,7 @@ def cmd_apply(args) -> int:
             output.line(f" refused  {refusal}")
         for note in notes:
             output.line(f"    note  {note}")
-        output.line(f"applied {len(result.changes)} change(s) to {project}"
+        output.line(f"applied {len(result.changes)} change(s) of {digest[:12]}... to {project}"
                     + (f"; refused {len(result.refused)} (named above, never written)"
                        if result.refused else ""))
         for line in missed:

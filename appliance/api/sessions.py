@@ -6,8 +6,10 @@
   GET    /sessions/NAME                one
   POST   /sessions/NAME/stop           container and network go; workspace and home stay
   DELETE /sessions/NAME[?home=1]       forget it (and the project's home)
-  GET    /sessions/NAME/diff           unified diff + summary of the agent's changes
-  GET    /sessions/NAME/changes        the changes with contents, for the host to apply
+  GET    /sessions/NAME/diff           unified diff + summary of the agent's changes, and
+                                       the digest of the snapshot it shows
+  GET    /sessions/NAME/changes?digest=D   that snapshot's changes with contents, for the
+                                       host to apply (a digest no diff showed is refused)
   POST   /sessions/NAME/applied        what the host applied: the next diff starts there
   POST   /sessions/NAME/selftest       the bypass battery inside the session
 """
@@ -144,8 +146,11 @@ def diff(name: str):
 
 @blueprint.get("/sessions/<name>/changes")
 def changes(name: str):
-    return jsonify(call({"op": "changes", "name": name, "paths": request.args.getlist("path")},
-                        "sandbox"))
+    digest = request.args.get("digest")
+    if not digest:
+        raise ApiError(400, "missing query argument 'digest': the changeset to apply, as "
+                       "`corral diff` printed it")
+    return jsonify(call({"op": "changes", "name": name, "digest": digest}, "sandbox"))
 
 
 @blueprint.post("/sessions/<name>/applied")

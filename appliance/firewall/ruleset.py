@@ -173,8 +173,14 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         {"fib": {"result": "oif", "flags": ["saddr", "iif"]}}, False), {"drop": None},
         comment="reverse path: source not routed back through this interface"))
 
+    # "in": either flag. With "==", nft compares the state with the two flags OR-ed together,
+    # which no packet has: established flows then went on only while their learned element
+    # stayed, and one of them could meet the session's reset between the element's removal
+    # and the deletion of its conntrack entry (the cut saw it closed already, and the
+    # destination's side of it was never told).
     forward_in = [_rule("filter_forward", _match({"ct": {"key": "state"}},
-                                                 ["established", "related"]), {"accept": None})]
+                                                 ["established", "related"], "in"),
+                        {"accept": None})]
     # Not only from sandbox interfaces: a bridge whose name matches no pattern must not be
     # an IPv6 way out either (IPv4 is held there by the session subnets below).
     forward_in.append(_rule("filter_forward", _match(

@@ -40,6 +40,8 @@ OPTIONS: dict[str, type] = {
 """What a caller may set for the battery (the API's body, the service's `options`)."""
 
 Control = Callable[[dict], dict]
+REVIEWED = ("review", "review-snapshot")
+"""Expectations the session's diff and apply answer, not the filter's records."""
 
 
 class RecordsUnavailable(Exception):
@@ -133,12 +135,13 @@ def _failed(probe: dict, detail: str, **extra) -> dict:
 
 def judge(probes: list[dict], events: list[dict], counters: dict[str, int]) -> list[dict]:
     """The probes, with every passed one whose denial was not recorded failed. A `review`
-    expect is the diff's to answer (`judge_review`)."""
+    expect is the diff's to answer (`judge_review`), a `review-snapshot` one the apply's
+    (`judge_snapshot`)."""
     out = list(probes)
     used: set[int] = set()
     growth = dict(counters)
     waiting = [i for i, p in enumerate(probes) if p.get("state") == PASSED and p.get("expect")
-               and p["expect"].get("kind") != "review"]
+               and p["expect"].get("kind") not in REVIEWED]
     for index in sorted(waiting, key=lambda i: _specificity(probes[i]["expect"])):
         probe = probes[index]
         if not _claim(probe["expect"], events, used, growth):
@@ -153,7 +156,7 @@ def unconfirmed(probes: list[dict], why: str) -> list[dict]:
     fails (never passes on trust)."""
     return [_failed(p, f"denial not confirmed: {why}; {p.get('detail', '')}", unrecorded=True)
             if p.get("state") == PASSED and p.get("expect")
-            and p["expect"].get("kind") != "review" else p for p in probes]
+            and p["expect"].get("kind") not in REVIEWED else p for p in probes]
 
 
 def judge_review(probes: list[dict], answer: dict | None, error: str | None) -> list[dict]:
@@ -178,6 +181,36 @@ def judge_review(probes: list[dict], answer: dict | None, error: str | None) -> 
             out.append({**probe, "detail": f"{probe.get('detail', '')}; the diff answered and "
                         f"names all {len(expect.get('paths') or [])}"})
     return out
+
+
+def judge_snapshot(probe: dict, shown: str, applied: bytes | None, now: bytes | None,
+                   error: str | None = None) -> dict:
+    """The changed-after-diff probe (T32): `shown` is the diff text a person read, `applied`
+    what an apply under that diff's digest wrote (None: nothing), `now` the file as the
+    agent's writer left it afterwards (None: it never changed after the diff, so nothing
+    was tried). It passes only if every line applied was shown and what was written after
+    the diff was neither shown nor applied."""
+    if error is not None:
+        return _failed(probe, f"{error}; {probe.get('detail', '')}")
+    if now is None:
+        return {**probe, "state": NOT_RUN, "ok": False,
+                "detail": "the agent's writer did not change the file after the diff: nothing "
+                f"to check; {probe.get('detail', '')}"}
+    if applied is None:
+        return _failed(probe, "the apply under the diff's digest wrote nothing")
+    lines = applied.decode(errors="replace").splitlines()
+    added = {line[1:] for line in shown.splitlines() if line.startswith("+")}
+    unseen = [line for line in dict.fromkeys(lines) if line not in added]
+    if unseen:
+        return _failed(probe, f"applied lines the diff did not show: {unseen[:3]}")
+    if applied == now:
+        return _failed(probe, "the apply wrote what the agent wrote after the diff")
+    late = [line for line in dict.fromkeys(now.decode(errors="replace").splitlines())
+            if line not in lines]
+    if any(line in added for line in late):
+        return _failed(probe, "the diff shows what was written after it was taken")
+    return {**probe, "detail": f"{probe.get('detail', '')}; applied {len(applied)} bytes, "
+            f"all shown by the diff; the {len(now)} written since were not applied"}
 
 
 def passed(probes: list[dict]) -> bool:

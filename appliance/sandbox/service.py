@@ -14,8 +14,10 @@ filter's control socket. A request may carry a payload (a project archive): its 
    "max_uptime": S?, "idle": S?, "memory": "8g"?, "cpus": "4"?, "pids": N?,
    "payload": BYTES?}                                  the payload is a tar of the project
   {"op": "stop", "name": N}          {"op": "remove", "name": N, "home": BOOL?}
-  {"op": "diff", "name": N}          the diff to read, the changes listed, the notes
-  {"op": "changes", "name": N, "paths": [P]?}          the changes to apply (format 2)
+  {"op": "diff", "name": N}          the diff to read, the changes listed, the notes, and
+                                     the digest of the snapshot it was rendered from
+  {"op": "changes", "name": N, "digest": D}            that snapshot's changes, to apply
+                                                       (format 2), or a refusal
   {"op": "fold", "name": N, "changes": [CHANGE]}       what the host applied
   {"op": "selftest", "name": N, "options": {...}}      the battery inside the session, its
                                                        denials checked against the records
@@ -46,8 +48,10 @@ from typing import BinaryIO
 from appliance import workspace
 from appliance.control_client import ControlClient, ServiceUnavailable
 from appliance.policy import ConfigError, preset_names
-from appliance.selftest.review import REVIEW_DIR
+from appliance.selftest.review import REVIEW_DIR, SNAPSHOT_DIR
 from appliance.settings import load_table, non_empty, positive
+from appliance.workspace.compare import Reader
+from appliance.workspace.tree import Unreadable
 
 from . import battery, image, lifetime
 from .podman import Podman, PodmanError
@@ -59,6 +63,8 @@ MAX_LINE = 64 * 1024 * 1024
 them, or one file of at most workspace.MAX_FILE, per request, base64 in JSON."""
 MAX_MEMBERS = 200_000
 SELFTEST_TIMEOUT = 600  # seconds: the battery waits on purpose (silence, floods, caps)
+SNAPSHOT_WAIT = 10.0
+"""Seconds the changed-after-diff probe's writer has to change its file after the diff."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ class Sessions:
     def __init__(self, config: SandboxConfig, manager: SessionManager):
         self.config, self.manager = config, manager
         self.lock = threading.Lock()
+        self.workspace_lock = threading.Lock()
+        """Held while a base/ is read for a diff or written by a fold (inside `lock`)."""
 
     def answer(self, request: dict, payload: BinaryIO | None) -> dict:
         op = request.get("op")
@@ -141,8 +149,15 @@ class Sessions:
             return {"sessions": manager.list()}
         if op == "create":
             return {"session": self._create(request, payload)}
-        if op in ("diff", "changes"):
-            return self._changes(op, _name(request), _string_list(request, "paths"))
+        if op == "diff":
+            return self._diff(_name(request))
+        if op == "changes":
+            digest = request.get("digest")
+            if not isinstance(digest, str) or not digest:
+                raise RequestError("'digest' must name the changeset to apply: the digest "
+                                   "`corral diff` printed")
+            with self.workspace_lock:
+                return workspace.changes_answer(self.manager.reviewed(_name(request), digest))
         if op == "selftest":
             return self._selftest(_name(request), request.get("options"))
         with self.lock:
@@ -158,8 +173,9 @@ class Sessions:
                 changes = request.get("changes")
                 if not isinstance(changes, list):
                     raise RequestError("'changes' must be a list of changes")
-                refused = manager.fold(_name(request),
-                                       [workspace.from_json(c) for c in changes])
+                with self.workspace_lock:
+                    refused = manager.fold(_name(request),
+                                           [workspace.from_json(c) for c in changes])
                 return {"folded": len(changes) - len(refused), "refused": [
                     {**workspace.wire_path(r.path), "reason": r.reason} for r in refused]}
             if op == "trust-refresh":
@@ -193,14 +209,15 @@ class Sessions:
                     done.append(f"could not stop {name} ({why}): {exc}; tried again later")
         return done
 
-    def _changes(self, op: str, name: str, paths: list[str]) -> dict:
-        """`diff`: what a person reads (every byte escaped for a terminal) and the changes
-        listed without contents; `changes`: the selected changes with their contents, for
-        the host. Whatever the agent left in /work, both answer (see appliance.workspace)."""
-        changeset = self.manager.diff(name)
-        if op == "diff":
-            return workspace.diff_answer(changeset)
-        return workspace.changes_answer(changeset, paths)
+    def _diff(self, name: str) -> dict:
+        """What a person reads (every byte escaped for a terminal), rendered from a snapshot
+        kept under the digest it carries, so that `changes` with that digest is exactly
+        what was read. Whatever the agent left in /work, it answers (appliance.workspace).
+        The base cannot change meanwhile: `fold` waits for the same lock."""
+        with self.workspace_lock:
+            taken, not_paused = self.manager.review(name)
+            answer = workspace.diff_answer(taken, self.manager.workspace(name)[1])
+        return {**answer, **({"not_paused": not_paused} if not_paused else {})}
 
     def _create(self, request: dict, payload: BinaryIO | None) -> dict:
         presets = _string_list(request, "presets")
@@ -277,21 +294,66 @@ class Sessions:
                 and battery.passed(probes)}
 
     def _review(self, name: str, container: str, probes: list[dict]) -> list[dict]:
-        """Ask for the session's diff as `corral diff` does (when the review probe wrote its
-        files), then take them away again, from inside, as the agent: they must not reach
-        anyone's project."""
+        """Ask for the session's diff as `corral diff` does (when a review probe wrote its
+        files); for the changed-after-diff probe, apply that diff's digest as `corral apply
+        --digest` does (`_applied`). Then take the files away again, from inside, as the
+        agent (which also stops its writer): they must not reach anyone's project."""
         try:
-            if not any((p.get("expect") or {}).get("kind") == "review" for p in probes):
+            kinds = {(p.get("expect") or {}).get("kind") for p in probes
+                     if p.get("state") == battery.PASSED}
+            if not kinds & set(battery.REVIEWED):
                 return probes
             try:
                 answer, error = self.answer({"op": "diff", "name": name}, None), None
                 json.dumps(answer)  # what the handler would send must be sendable
             except Exception as exc:  # whatever the diff raises is the finding
                 answer, error = None, f"{type(exc).__name__}: {exc}"
-            return battery.judge_review(probes, answer, error)
-        finally:
-            self.manager.podman.run("exec", container, "rm", "-rf", "--",
-                                    f"/work/{REVIEW_DIR}", check=False)
+            probes = battery.judge_review(probes, answer, error)
+            return [self._applied(name, p, answer, error)
+                    if p.get("state") == battery.PASSED
+                    and (p.get("expect") or {}).get("kind") == "review-snapshot" else p
+                    for p in probes]
+        finally:  # the writer's directory is moved away first: it stops, and cannot write
+            gone = f"/work/.{SNAPSHOT_DIR}-gone"  # a file back in while rm empties it
+            self.manager.podman.run("exec", container, "mv", "-T", "--", f"/work/{SNAPSHOT_DIR}",
+                                    gone, check=False)
+            self.manager.podman.run("exec", container, "rm", "-rf", "--", f"/work/{REVIEW_DIR}",
+                                    gone, check=False)
+
+    def _applied(self, name: str, probe: dict, answer: dict | None, error: str | None) -> dict:
+        """The diff was taken while the agent's writer ran: wait until the file changed
+        since, then apply the diff's digest into a scratch project, and judge."""
+        path = probe["expect"]["path"]
+        if answer is None:
+            return battery.judge_snapshot(probe, "", None, None, f"the diff failed: {error}")
+        shown_change = next((c for c in answer["changes"] if c.get("path") == path), None)
+        if shown_change is None:
+            return battery.judge_snapshot(probe, "", None, None, f"the diff does not list {path}")
+        work = self.manager.workspace(name)[0]
+        applied = now = None
+        try:
+            got = self.answer({"op": "changes", "name": name, "digest": answer["digest"]}, None)
+            received = [workspace.from_json(c) for c in got["changes"]]
+            workspace.verify(received, [workspace.note_from(n) for n in got["notes"]],
+                             answer["digest"])
+            kept = {c.path: c for c in received}
+            shown = kept[path].after.data if kept[path].after is not None else None
+            deadline = time.monotonic() + SNAPSHOT_WAIT
+            with Reader(work) as reader:
+                while now is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    try:
+                        current, _ = reader.read(path, workspace.MAX_FILE)
+                    except Unreadable:
+                        continue
+                    now = current if current != shown else None
+            with tempfile.TemporaryDirectory(prefix="corral-snapshot-") as scratch:
+                workspace.apply(Path(scratch), list(kept.values()), [SNAPSHOT_DIR])
+                written = Path(scratch) / path
+                applied = written.read_bytes() if written.is_file() else None
+        except (SessionError, ValueError, OSError, KeyError, workspace.Conflict) as exc:
+            return battery.judge_snapshot(probe, "", None, None, f"{type(exc).__name__}: {exc}")
+        return battery.judge_snapshot(probe, answer["diff"], applied, now)
 
 
 class Handler(socketserver.StreamRequestHandler):

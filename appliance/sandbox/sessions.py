@@ -12,6 +12,7 @@ A record is what the manager meant; `list()` shows it next to what podman report
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -29,6 +30,7 @@ from appliance.filter.config import SESSION_NAME
 from . import confinement, hardening, lifetime, sshconf, trust
 from .image import IMAGE
 from .podman import Podman, PodmanError
+from .reviews import DamagedSnapshot, Reviews
 
 log = logging.getLogger("corral.sandbox")
 LABEL = "io.corral.session"
@@ -331,6 +333,67 @@ class SessionManager:
         work, base = self.workspace(name)
         return workspace.changes(base, work)
 
+    def reviews(self, name: str) -> Reviews:
+        return Reviews(self.workspaces / name / "reviews")
+
+    def review(self, name: str) -> tuple[workspace.Snapshot, str]:
+        """What `corral diff` shows: a snapshot of the changes, their contents read while
+        the session is paused (a running agent writes nothing meanwhile, so no file is
+        read half-written and the files agree with each other), kept under its digest.
+        Returns it and, when the session could not be paused, why (the snapshot is still
+        what is shown and applied; it was only read while the agent ran)."""
+        record = self.get(name)
+        work, base = self.workspace(name)
+        with self._paused(record) as not_paused:
+            taken = workspace.take(workspace.changes(base, work))
+        self.reviews(name).save(taken)
+        return taken, not_paused
+
+    def reviewed(self, name: str, digest: str) -> workspace.Snapshot:
+        """The snapshot `corral diff` showed under `digest`; SessionError naming it and the
+        digest of the changes now when none is kept under it (applying anything else would
+        apply what nobody reviewed)."""
+        self.get(name)
+        reviews = self.reviews(name)
+        try:
+            kept = reviews.load(digest)
+        except DamagedSnapshot as exc:
+            raise SessionError(f"{exc}; nothing applied: run `corral diff {name}` again"
+                               ) from None
+        if kept is not None:
+            return kept
+        work, base = self.workspace(name)
+        now = workspace.take(workspace.changes(base, work))
+        if now.digest == digest:  # not kept any more, but the same changes to the byte
+            reviews.save(now)
+            return now
+        raise SessionError(
+            f"session {name} has no reviewed changeset {digest} (it keeps the last "
+            f"{reviews.keep} diffs); its changes now have digest {now.digest}: nothing "
+            f"applied. Run `corral diff {name}`, read it, then `corral apply {name} --digest` "
+            "with the digest it prints")
+
+    @contextlib.contextmanager
+    def _paused(self, record: Record):
+        """The session's processes frozen (podman pause, the cgroup freezer) while the body
+        runs; yields why not when they could not be ("" when they were, or nothing runs)."""
+        if record.state != "running":
+            yield ""
+            return
+        paused = self.podman.run("pause", record.container, check=False)
+        if paused.returncode != 0:
+            said = paused.stderr.decode(errors="replace").strip()[-300:]
+            log.warning("session %s not paused for its diff: %s", record.name, said)
+            yield f"the session could not be paused ({said})"
+            return
+        try:
+            yield ""
+        finally:
+            resumed = self.podman.run("unpause", record.container, check=False)
+            if resumed.returncode != 0:  # reconcile unpauses it at the next start
+                log.error("session %s not unpaused after its diff: %s", record.name,
+                          resumed.stderr.decode(errors="replace").strip()[-300:])
+
     def fold(self, name: str, applied: list[workspace.Change]) -> list[workspace.Refusal]:
         """The host took these changes: the next diff starts from them (what could not be
         folded is returned; the next diff shows it again)."""
@@ -383,7 +446,10 @@ class SessionManager:
         containers = self._containers()
         for record in self.records():
             state = containers.pop(record.container, "absent")
-            if record.state == "running" and state != "running":
+            if record.state == "running" and state == "paused":  # a diff cut short
+                self.podman.run("unpause", record.container)
+                done.append(f"unpaused {record.name} (paused for a diff that did not end)")
+            elif record.state == "running" and state != "running":
                 self.stop(record.name, reason=f"container was {state} at reconcile")
                 done.append(f"stopped {record.name} (container {state})")
             elif record.state == "stopped" and state != "absent":  # a stop cut short

@@ -4,10 +4,11 @@ computes changes, the host CLI applies them (the two sides may be different mach
 At start the project is copied twice, without `.corral/`: `work/` (mounted at /work, the
 agent's) and `base/` (never mounted: what the agent started from). `changes()` compares the
 two (appliance side, `compare`); `review()`/`render()` show them to a person (`show`);
-`carry()` loads what the host needs and `to_json`/`from_json` move it (`wire`); `apply()`
-writes a changeset into the host project, but only where the host still holds what the
-change started from (`write`); `fold()` writes the applied changes into `base/`, so the next
-apply carries only what is new.
+`carry()` loads what the host needs and `to_json`/`from_json` move it (`wire`); `take()`
+snapshots what a diff shows and names it by a digest, so that what is applied is exactly
+what was reviewed (`snapshot`); `apply()` writes a changeset into the host project, but
+only where the host still holds what the change started from (`write`); `fold()` writes the
+applied changes into `base/`, so the next apply carries only what is new.
 
 The agent controls `work/` completely, so nothing read from it is trusted and nothing it
 leaves there may break review: whatever bytes, names, sizes, file types, depths or counts it
@@ -38,10 +39,22 @@ from .model import (
     terminal_safe,
 )
 from .show import render, review
-from .wire import FORMAT, from_json, named, note_json, path_from, to_json, unnamed, wire_path
+from .snapshot import DIGEST, Snapshot, take, verify
+from .wire import (
+    FORMAT,
+    from_json,
+    named,
+    note_from,
+    note_json,
+    path_from,
+    to_json,
+    unnamed,
+    wire_path,
+)
 from .write import Applied, Conflict, Refusal, apply, fold, remove_tree
 
 __all__ = [
+    "DIGEST",
     "EXCLUDED",
     "FORMAT",
     "LIMITS",
@@ -56,6 +69,7 @@ __all__ = [
     "Limits",
     "Note",
     "Refusal",
+    "Snapshot",
     "apply",
     "carry",
     "changes",
@@ -66,6 +80,7 @@ __all__ = [
     "from_json",
     "is_utf8",
     "named",
+    "note_from",
     "note_json",
     "path_from",
     "remove_tree",
@@ -73,26 +88,33 @@ __all__ = [
     "review",
     "selected",
     "shown",
+    "take",
     "terminal_safe",
     "to_json",
     "unnamed",
+    "verify",
     "wire_path",
 ]
 
 
-def diff_answer(changeset: Changeset) -> dict:
-    """The sandbox service's `diff` answer: the text a person reads, the changes listed
-    without contents, the notes (see `named`/`unnamed` to check what it names)."""
-    text, shown_changes = review(changeset)
-    return {"diff": text, "notes": [note_json(n) for n in changeset.notes], "changes": [
-        {**wire_path(s.change.path), "action": s.change.action, "binary": s.binary,
-         **({"note": s.change.note} if s.change.note else {})} for s in shown_changes]}
+def diff_answer(taken: Snapshot, base: Path | None = None) -> dict:
+    """The sandbox service's `diff` answer: the digest naming the snapshot, the text a person
+    reads (rendered from the snapshot's bytes; `base` for the sides before), the changes
+    listed without contents, the notes (see `named`/`unnamed` to check what it names)."""
+    text, shown_changes = review(Changeset(taken.changes, taken.notes, base=base))
+    return {"digest": taken.digest, "diff": text,
+            "notes": [note_json(n) for n in taken.notes], "changes": [
+                {**wire_path(s.change.path), "action": s.change.action, "binary": s.binary,
+                 **({"note": s.change.note} if s.change.note else {})}
+                for s in shown_changes]}
 
 
-def changes_answer(changeset: Changeset, paths: list[str] | None = None) -> dict:
-    """The sandbox service's `changes` answer: the selected changes with their contents."""
-    return {"format": FORMAT, "notes": [note_json(n) for n in changeset.notes],
-            "changes": [to_json(c) for c in carry(changeset, paths)]}
+def changes_answer(taken: Snapshot) -> dict:
+    """The sandbox service's `changes` answer: a snapshot whole, with its contents (the host
+    picks the paths it applies, and checks the digest of all of it first)."""
+    return {"format": FORMAT, "digest": taken.digest,
+            "notes": [note_json(n) for n in taken.notes],
+            "changes": [to_json(c) for c in taken.changes]}
 
 
 def copy_in(project: Path, work: Path, base: Path) -> None:

@@ -285,7 +285,8 @@ def carry(changeset: Changeset, paths: list[str] | None = None,
           limits: Limits = LIMITS) -> list[Change]:
     """The selected changes ready for the host: each file's contents and digest after, its
     digest before (the host compares its own file to it). At most `max_carried` bytes of
-    contents in all: a file over that is held back with a note (the next apply takes it)."""
+    contents in all: a file over that is held back with a note (the next diff and apply
+    take it)."""
     out, carried = [], 0
     with Reader(changeset.base) as base, Reader(changeset.work) as work:
         for change in changeset.changes:
@@ -304,14 +305,14 @@ def carry(changeset: Changeset, paths: list[str] | None = None,
                     after = Entry("file", None, after.executable, after.size,
                                   note=f"held back: this apply already carries "
                                        f"{human_size(carried)} (the limit is "
-                                       f"{human_size(limits.max_carried)}); apply again for "
-                                       "the rest")
+                                       f"{human_size(limits.max_carried)}); after this apply, "
+                                       "diff and apply again for the rest")
                 else:
                     try:
                         data, info = work.read(change.path, limits.max_file)
                         if carried + len(data) > limits.max_carried:  # it grew meanwhile
                             raise Unreadable(f"held back: it grew to {len(data)} bytes "
-                                             "while being read; apply again for it")
+                                             "while being read; diff and apply again for it")
                         after = Entry("file", data, _executable(info), len(data),
                                       hashlib.sha256(data).hexdigest())
                         carried += len(data)

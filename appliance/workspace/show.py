@@ -76,11 +76,14 @@ def _load(reader: Reader, path: str, entry: Entry | None, renderer: _Renderer) -
     side = _Side(entry)
     if entry is None or entry.kind != "file" or entry.note or entry.size > TEXT_LIMIT:
         return side
-    try:
-        data, _ = reader.read(path, TEXT_LIMIT)
-    except Unreadable as exc:
-        side.problem = f"{exc} (not shown)"
-        return side
+    if entry.data is not None:  # a snapshot's bytes: shown as they will be applied
+        data = entry.data
+    else:
+        try:
+            data, _ = reader.read(path, TEXT_LIMIT)
+        except Unreadable as exc:
+            side.problem = f"{exc} (not shown)"
+            return side
     renderer.read += len(data)
     if b"\0" in data:
         side.binary = True

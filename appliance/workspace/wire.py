@@ -156,6 +156,18 @@ def note_json(note: Note) -> dict:
     return {**wire_path(note.path), "text": note.text}
 
 
+def note_from(value: object) -> Note:
+    """A note as `note_json` wrote it. Its path is only ever shown, never written, so it
+    is not held to `safe_path`: a note may name `.`, or a `.corral/` the agent made."""
+    if not isinstance(value, dict) or not isinstance(value.get("text"), str):
+        raise ValueError("a note is an object with a string 'text'")
+    if "path_bytes" in value:
+        return Note(os.fsdecode(_b64(value["path_bytes"], "a note: path_bytes")), value["text"])
+    if not isinstance(value.get("path"), str):
+        raise ValueError("a note is an object with a string 'path'")
+    return Note(value["path"], value["text"])
+
+
 def named(answer: dict) -> list[str]:
     """Every path a `diff` answer names, as changed or in a note, as the walk saw it (a name
     that is not UTF-8 back to its surrogates)."""

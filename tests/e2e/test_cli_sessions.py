@@ -199,14 +199,18 @@ def test_diff_and_apply_on_the_host_with_a_refused_conflict(world, c1, project):
            "&& echo 'by the agent' > notes.md")
     diff = corral(world, "diff", "c1").stdout
     assert "-print('v1')\n+print('v2')\n" in diff and "+++ b/added.txt" in diff
-    assert diff.rstrip().endswith("1 added, 2 modified, 0 removed, 0 binary")
+    *_, summary, named = diff.rstrip().splitlines()
+    assert summary == "1 added, 2 modified, 0 removed, 0 binary"
+    assert named.startswith("digest ")
+    digest = named.split()[1]
     (project / "notes.md").write_text("by the human\n")
-    refused = corral(world, "apply", "c1", "--project", str(project), check=False)
+    refused = corral(world, "apply", "c1", "--digest", digest, "--project", str(project),
+                     check=False)
     assert refused.returncode == 1 and "changed on the host since the session started: " \
         "notes.md" in refused.stderr and "--force" in refused.stderr
     assert (project / "app.py").read_text() == "print('v1')\n"  # nothing at all was written
-    applied = corral(world, "apply", "c1", "--project", str(project), "--path", "app.py",
-                     "--path", "added.txt").stdout
+    applied = corral(world, "apply", "c1", "--digest", digest, "--project", str(project),
+                     "--path", "app.py", "--path", "added.txt").stdout
     assert "applied 2 change(s)" in applied
     assert (project / "app.py").read_text() == "print('v2')\n"
     assert (project / "added.txt").read_text() == "new\n"
@@ -217,6 +221,38 @@ def test_diff_and_apply_on_the_host_with_a_refused_conflict(world, c1, project):
     elsewhere.mkdir()
     wrong = corral(world, "apply", "c1", "--project", str(elsewhere), check=False)
     assert wrong.returncode == 2 and "started from another project" in wrong.stderr
+
+
+def test_apply_writes_the_diff_that_was_reviewed_not_what_the_agent_wrote_after_it(
+        world, c1, project):
+    """THREATS 32: the running session is paused while its diff is read; what the agent
+    writes afterwards is not applied under that diff's digest (it is in the next diff), a
+    digest no diff showed is refused naming both, and without a digest and a terminal
+    nothing is applied."""
+    corral(world, "shell", "c1", "--", "sh", "-c", "mkdir reviewed && echo shown > reviewed/f")
+    shown = json.loads(corral(world, "diff", "c1", "--json").stdout)
+    assert "not_paused" not in shown, shown["not_paused"]  # podman paused it for the read
+    corral(world, "shell", "c1", "--", "sh", "-c",
+           "echo 'written after the diff' > reviewed/f && echo sneaked > reviewed/g")
+    applied = json.loads(corral(world, "apply", "c1", "--digest", shown["digest"], "--json",
+                                "--project", str(project), "--path", "reviewed").stdout)
+    assert applied["digest"] == shown["digest"] and applied["applied"] == ["reviewed/f"]
+    assert (project / "reviewed" / "f").read_text() == "shown\n"
+    assert not (project / "reviewed" / "g").exists()
+    unknown = "0" * 64
+    refused = corral(world, "apply", "c1", "--digest", unknown, "--project", str(project),
+                     check=False)
+    now = json.loads(corral(world, "diff", "c1", "--json").stdout)
+    assert refused.returncode != 0 and unknown in refused.stderr, refused.stderr
+    assert f"its changes now have digest {now['digest']}" in refused.stderr
+    assert {"reviewed/f", "reviewed/g"} <= {c["path"] for c in now["changes"]}
+    asked = corral(world, "apply", "c1", "--project", str(project), "--path", "reviewed",
+                   check=False)  # no terminal to ask on
+    assert asked.returncode == 2 and "--digest" in asked.stderr
+    assert (project / "reviewed" / "f").read_text() == "shown\n"
+    corral(world, "shell", "c1", "--", "rm", "-r", "reviewed")  # as it was, in both
+    corral(world, "apply", "c1", "--yes", "--project", str(project), "--path", "reviewed")
+    assert not (project / "reviewed" / "f").exists()
 
 
 HOSTILE = r"""
@@ -263,8 +299,8 @@ def test_whatever_the_agent_leaves_in_work_diff_and_apply_answer(world, c1, proj
                  "+" + "a" * 2000 + " [... 7002 more characters not shown]",
                  "\n+\\xff\n", "deeper than 128 levels: not read, not shown or carried"):
         assert line in diff, line
-    applied = corral(world, "apply", "c1", "--project", str(project), "--path", "hostile",
-                     check=False)
+    applied = corral(world, "apply", "c1", "--yes", "--project", str(project), "--path",
+                     "hostile", check=False)  # a diff taken, shown and applied in one step
     assert applied.returncode == 1, applied.stdout + applied.stderr
     refused = [line.split()[1] for line in applied.stdout.splitlines()
                if line.startswith(" refused")]

@@ -96,6 +96,37 @@ def test_the_review_check_leaves_other_probes_alone():
     assert battery.judge_review(others, None, "boom") == others
 
 
+SNAPSHOT = probe("review-changed-after-diff", expect={
+    "kind": "review-snapshot", "root": "s", "path": "s/changing.txt"}, detail="writer")
+SHOWN = "--- /dev/null\n+++ b/s/changing.txt\n@@ -0,0 +1,2 @@\n+version 7\n+version 7"
+
+
+@pytest.mark.parametrize(("applied", "now", "error", "state", "detail"), [
+    (b"version 7\nversion 7\n", b"version 9\n", None, PASSED, "all shown by the diff"),
+    (b"version 9\n", b"version 9\n", None, FAILED, "did not show: ['version 9']"),
+    (b"version 7\n", b"version 7\n", None, FAILED, "wrote what the agent wrote after"),
+    (None, b"version 9\n", None, FAILED, "wrote nothing"),
+    (b"version 7\n", None, None, NOT_RUN, "did not change the file after the diff"),
+    (b"", b"version 9\n", None, PASSED, "applied 0 bytes"),  # caught truncated: shown so
+    (None, None, "SessionError: no reviewed changeset", FAILED, "no reviewed changeset"),
+])
+def test_the_changed_after_diff_probe_passes_only_when_what_was_applied_was_shown(
+        applied, now, error, state, detail):
+    judged = battery.judge_snapshot(SNAPSHOT, SHOWN, applied, now, error)
+    assert judged["state"] == state and detail in judged["detail"], judged
+
+
+def test_the_changed_after_diff_probe_fails_when_the_diff_shows_later_writes():
+    late = SHOWN + "\n+version 9"
+    judged = battery.judge_snapshot(SNAPSHOT, late, b"version 7\n", b"version 9\n")
+    assert judged["state"] == FAILED and "written after" in judged["detail"]
+
+
+def test_a_review_snapshot_expect_is_not_looked_for_in_the_records():
+    (judged,) = battery.judge([SNAPSHOT], [], {})
+    assert judged["state"] == PASSED and not judged.get("unrecorded")
+
+
 def test_passed_and_tally():
     probes = [probe("a"), probe("b", FAILED), {**probe("c", FAILED), "unrecorded": True},
               probe("d", NOT_RUN)]

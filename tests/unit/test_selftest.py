@@ -8,8 +8,10 @@ import errno
 import io
 import json
 import os
+import shutil
 import socket
 import stat
+import time
 
 import pytest
 from dnslib import DNSRecord
@@ -58,14 +60,14 @@ def test_every_probe_has_a_group_a_class_and_says_what_records_its_denial():
 def test_the_battery_covers_every_class_a_sandbox_can_try():
     attacks = {p.threat for p in REGISTRY if not p.legit}
     assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 18, 20, 21, 22, 23, 27, 28, 30,
-            31, 33} <= attacks
+            31, 32, 33} <= attacks
     groups = {p.group: set() for p in REGISTRY}
     for p in REGISTRY:
         groups[p.group].add(p.id)
     assert {"userns-unshare", "userns-clone", "mount", "keyctl", "bpf", "perf-event-open",
             "userfaultfd", "ptrace-outside", "proc-sys-write", "raw-socket",
             "packet-socket"} == groups["kernel"]
-    assert groups["review"] == {"review-hostile-files"}
+    assert groups["review"] == {"review-hostile-files", "review-changed-after-diff"}
     assert "slow-connections" not in REGISTRY.probes  # the cap replaced it
 
 
@@ -321,6 +323,29 @@ def test_the_review_probe_names_its_files_relative_to_the_workspace(tmp_path):
     assert json.loads(json.dumps(paths)) == paths  # survives the trip as JSON
     again = review.review_hostile_files(ctx)  # a second run replaces the first
     assert again.expect["paths"] == paths
+
+
+def test_the_changed_after_diff_probe_leaves_a_writer_that_outlives_it(tmp_path):
+    """The probe returns at once; its writer goes on rewriting the file (a new version each
+    time) until its directory is removed, as the appliance does after its check."""
+    outcome = review.review_changed_after_diff(Context(args("--workdir", str(tmp_path))))
+    assert outcome.ok and outcome.expect == {"kind": "review-snapshot",
+                                             "root": review.SNAPSHOT_DIR,
+                                             "path": review.CHANGING}
+    pid = int(outcome.detail.split()[1])
+    path = tmp_path / review.CHANGING
+    seen = set()
+    deadline = time.monotonic() + 10
+    while len(seen) < 3 and time.monotonic() < deadline:
+        seen.add(path.read_bytes().split(b"\n", 1)[0])
+        time.sleep(0.03)
+    assert len(seen) >= 3, seen  # still writing, a new version each time
+    (tmp_path / review.SNAPSHOT_DIR).rename(tmp_path / "gone")  # as the appliance does:
+    shutil.rmtree(tmp_path / "gone")  # moved away first, so it cannot write a file back in
+    deadline = time.monotonic() + 10
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):  # it stops by itself
+        assert time.monotonic() < deadline, "the writer outlived its directory"
+        time.sleep(0.05)
 
 
 def test_the_review_probe_is_not_run_where_it_cannot_write(tmp_path):

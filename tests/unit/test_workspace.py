@@ -29,6 +29,7 @@ from appliance.workspace import (
     render,
     review,
     show,
+    take,
     to_json,
     unnamed,
 )
@@ -833,7 +834,7 @@ def test_the_diff_answer_names_every_file_the_review_probe_writes(dirs):
     made += [b"hardlink.txt", b"fifo", b"loop-a", b"loop-b", b"self",
              os.path.join(deep, b"bottom.txt")]
     paths = [os.fsdecode(os.path.join(b"corral-selftest-review", name)) for name in made]
-    answer = diff_answer(changes(base, work))
+    answer = diff_answer(take(changes(base, work)), base)
     json.dumps(answer, ensure_ascii=False).encode("utf-8")  # sendable, valid Unicode
     assert unnamed(answer, paths) == []
     assert unnamed(answer, ["corral-selftest-review/never-written"]) == [

@@ -29,8 +29,10 @@ from appliance.workspace import (
     fold,
     from_json,
     review,
+    take,
     to_json,
     unnamed,
+    verify,
 )
 
 SECRET = b"HOST-ONLY-SECRET-8d1f"
@@ -299,7 +301,8 @@ def check_diff_and_apply(top: Path, project_script: list, agent_script: list,
         assert not missing, (missing, notes)
         assert set(paths) <= truth, set(paths) - truth  # nothing reported that did not change
 
-        answer = json.loads(json.dumps(diff_answer(found), ensure_ascii=False).encode())
+        taken = take(found, limits)  # the snapshot a diff shows and an apply gets
+        answer = json.loads(json.dumps(diff_answer(taken, base), ensure_ascii=False).encode())
         assert unnamed(answer, sorted(truth)) == []  # as the selftest's review probe checks
         text, shown = review(found)
         assert terminal_clean(text), [c for c in text if not terminal_clean(c)][:5]
@@ -311,6 +314,8 @@ def check_diff_and_apply(top: Path, project_script: list, agent_script: list,
         assert SECRET not in wire
         back = [from_json(c) for c in json.loads(wire)]
         assert back == carried
+        assert back == taken.changes and answer["digest"] == taken.digest
+        verify(back, found.notes, taken.digest)  # what the host checks before writing
 
         original = reference(project, 1 << 40)
         try:

@@ -62,6 +62,8 @@ def test_the_list_joins_the_filters_sessions(api):
     ("DELETE", "/v1/sessions/none", None, 404, "no session 'none'"),
     ("DELETE", "/v1/sessions/none?home=yes", None, 400, "home must be 0 or 1"),
     ("GET", "/v1/sessions/none/diff", None, 404, "no session 'none'"),
+    ("GET", "/v1/sessions/none/changes", None, 400, "missing query argument 'digest'"),
+    ("GET", "/v1/sessions/none/changes?digest=" + "a" * 64, None, 404, "no session 'none'"),
     ("POST", "/v1/sessions/none/applied", {"changes": [{"path": "../x", "action": "added"}]},
      400, "not a relative path"),
     ("POST", "/v1/sessions/none/selftest", {}, 400, "missing field 'allowed'"),

@@ -85,8 +85,8 @@ def _left(left, packet: Packet):
 def _equal(value, right) -> bool:
     if isinstance(right, dict) and "set" in right:
         return any(_equal(value, item) for item in right["set"])
-    if isinstance(right, list):  # ct state {established, related}
-        return value in right
+    if isinstance(right, list):  # flags OR-ed together, as nft reads a list for ct state:
+        return [value] == right  # `==` is equality with the OR (`in` asks for any of them)
     if isinstance(right, dict) and "prefix" in right:
         network = ipaddress.ip_network(f"{right['prefix']['addr']}/{right['prefix']['len']}")
         return value is not None and value.version == network.version and value in network
@@ -106,6 +106,8 @@ def _matches(match: dict, packet: Packet) -> bool:
         return found if match["op"] == "==" else not found
     if value is None:
         return False
+    if match["op"] == "in" and isinstance(right, list):  # any of these flags
+        return value in right
     equal = _equal(value, right)
     return equal if match["op"] in ("==", "in") else not equal
 
