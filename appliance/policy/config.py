@@ -22,8 +22,13 @@ SECTIONS = {
     ("tcp", "allow"): "tcp",
     ("cidr", "allow"): "cidr",
     ("host", "ports"): "host",
+    ("host", "force_ports"): "host",
     ("deny", "names"): "deny",
 }
+RESOLVER_PORTS = {53: "DNS", 853: "DNS over TLS"}
+"""Ports of the VM host that `[host] ports` refuses: a session reaching the host's resolver
+resolves any name through it, around the filter (DNS exfiltration, names the policy never
+saw). `[host] force_ports` lists them when that is meant, and takes nothing else."""
 TOP_LEVEL = ("presets", "description", "version")
 WORKSPACE = "workspace"
 """`[workspace] exclude = [...]`: what `corral run` leaves out of the copy (no rules)."""
@@ -124,6 +129,8 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
                 if kind == "host" and (not isinstance(item, int) or isinstance(item, bool)):
                     raise ConfigError(path, full, f"{item!r} is not a port number",
                                       locate.value(key, item))
+                if kind == "host":
+                    _host_port(item, field, path, full, locate.key(key, field))
                 if kind != "host" and not isinstance(item, str):
                     raise ConfigError(path, full, f"{item!r} is not a string",
                                       locate.value(key, item))
@@ -132,6 +139,20 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
                 except RuleError as exc:
                     raise ConfigError(path, full, str(exc), locate.value(key, item)) from None
     return PolicyDocument(tuple(rules), presets, exclude)
+
+
+def _host_port(port: int, field: str, path: str, full: str, line: int | None) -> None:
+    """A resolver port (RESOLVER_PORTS) only in `force_ports`, and only those there."""
+    what = RESOLVER_PORTS.get(port)
+    if field == "ports" and what is not None:
+        raise ConfigError(path, full, f"{port} is the host's {what} port: a session would "
+                          "resolve any name through the host's resolver, around the filter "
+                          "(names the policy never sees, DNS exfiltration). If that is meant, "
+                          f"write it as [host] force_ports = [{port}]", line)
+    if field == "force_ports" and what is None:
+        raise ConfigError(path, full, f"{port} needs no forcing: list it in [host] ports "
+                          f"(force_ports takes {', '.join(map(str, RESOLVER_PORTS))} only)",
+                          line)
 
 
 def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:

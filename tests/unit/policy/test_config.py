@@ -144,3 +144,28 @@ def test_inspect_tables_become_rules_tagged_like_the_others():
     inline = parse_policy('inspect = [{host = "a.example", deny = ["DELETE /**"]}]\n',
                           "corral.toml", "project")
     assert [r.text for r in inline.rules] == ["a.example", "!a.example DELETE /**"]
+
+
+# -- rules that undo what they look like (issue 26, F16) ------------------------------------
+
+
+@pytest.mark.parametrize(("port", "what"), [(53, "DNS"), (853, "DNS over TLS")])
+def test_a_host_port_that_is_a_resolver_is_refused_with_the_reason_and_the_fix(port, what):
+    text = f'[http]\nallow = ["a.test"]\n\n[host]\nports = [5432, {port}]\n'
+    with pytest.raises(ConfigError) as info:
+        parse_policy(text, "corral.toml", "project")
+    message = str(info.value)
+    assert message.startswith(f"corral.toml:5: [host] ports: {port} is the host's {what}"), message
+    assert "around the filter" in message and f"force_ports = [{port}]" in message
+
+
+def test_a_resolver_port_of_the_host_is_reachable_only_when_forced():
+    rules = parse_policy('[host]\nports = [5432]\nforce_ports = [53, 853]\n', "corral.toml",
+                         "project").rules
+    assert [(r.kind, r.text) for r in rules] == [("host", "5432"), ("host", "53"),
+                                                 ("host", "853")]
+    with pytest.raises(ConfigError, match=r"corral.toml:2: \[host\] force_ports: 5432 needs no "
+                                          r"forcing: list it in \[host\] ports"):
+        parse_policy('[host]\nforce_ports = [5432]\n', "corral.toml", "project")
+    with pytest.raises(ConfigError, match=r"\[host\] force_ports: '53' is not a port number"):
+        parse_policy('[host]\nforce_ports = ["53"]\n', "corral.toml", "project")
