@@ -20,6 +20,7 @@ from appliance.policy import (
     preset_description,
     preset_names,
 )
+from appliance.policy.lint import lint
 from appliance.policy.rules import HOLD_DEFAULT
 
 from . import approvals, box, control, exitcodes, learn, local, output, secrets, sessions, vm
@@ -40,12 +41,16 @@ def cmd_check(args) -> int:
         raise ConfigError(str(path), "", "no such file") from None
     rules = dedupe([*DEFAULT_RULES, *policy_file_rules(text, str(path), "project")])
     policy = Policy(rules)
+    warnings = lint(policy)
     if args.json:
-        output.data({"file": str(path), "rules": policy.to_json()})
+        output.data({"file": str(path), "rules": policy.to_json(), "warnings": warnings})
         return exitcodes.OK
     output.table([[r.text, r.kind, r.layer, r.source] for r in rules],
                  ["RULE", "KIND", "LAYER", "SOURCE"])
-    output.line(f"\n{path}: ok, {len(rules)} rules")
+    for warning in warnings:
+        output.warning(f"warning: {warning}")
+    output.line(f"\n{path}: ok, {len(rules)} rules" + (f", {len(warnings)} warning(s)"
+                                                         if warnings else ""))
     return exitcodes.OK
 
 
@@ -83,7 +88,9 @@ def parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a project's corral.toml and show its rules",
                            description="Parse a corral.toml (and the presets it names) exactly "
-                           "as the appliance will, and print every rule with its source.")
+                           "as the appliance will, print every rule with its source, and warn "
+                           "about rules that do not do what they look like (a tcp rule to an "
+                           "inspected host reaches it uninspected).")
     check.add_argument("file", nargs="?", default="corral.toml", help="default: ./corral.toml")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(run=cmd_check)
