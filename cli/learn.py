@@ -38,6 +38,7 @@ from appliance.policy import (
     preset_rules,
 )
 from appliance.policy.grants import approvable, grant_of, rule_texts
+from appliance.policy.layers import preset_parameters
 from appliance.policy.names import HostNameError, split_host_port
 from appliance.policy.rules import overlap
 
@@ -271,10 +272,11 @@ def _allows(policy: Policy, c: Candidate) -> bool:
 
 
 def _plain_presets() -> list[str]:
-    """Presets made of allow rules alone (an inspecting or restricting preset changes what
-    passes on hosts that were allowed whole: a person picks those)."""
-    return [name for name in preset_names()
-            if all(r.kind in projectfile.KINDS for r in preset_rules(name, "project"))]
+    """Presets made of allow rules alone, named alone (an inspecting or restricting preset
+    changes what passes on hosts that were allowed whole, and one that takes parameters
+    needs a person's: a person picks those)."""
+    return [name for name in preset_names() if not preset_parameters(name)
+            and all(r.kind in projectfile.KINDS for r in preset_rules(name, "project"))]
 
 
 # -- the command ---------------------------------------------------------------------------

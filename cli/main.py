@@ -19,6 +19,7 @@ from appliance.policy import (
     policy_file_rules,
     preset_description,
     preset_names,
+    preset_parameters,
 )
 from appliance.policy.lint import lint
 from appliance.policy.rules import HOLD_DEFAULT
@@ -57,9 +58,13 @@ def cmd_check(args) -> int:
 def cmd_presets(args) -> int:
     names = preset_names()
     if args.json:
-        output.data([{"name": n, "description": preset_description(n)} for n in names])
+        output.data([{"name": n, "description": preset_description(n),
+                      "parameters": preset_parameters(n)} for n in names])
     else:
-        output.table([[n, preset_description(n)] for n in names], ["PRESET", "DESCRIPTION"])
+        output.table([[n, ", ".join(preset_parameters(n)), preset_description(n)]
+                      for n in names], ["PRESET", "TAKES", "DESCRIPTION"])
+        output.line('\na preset that takes parameters is named with them in corral.toml: '
+                    'presets = [{name = "github-pr", repos = ["OWNER/REPO"]}]')
     return exitcodes.OK
 
 
@@ -234,7 +239,8 @@ def parser() -> argparse.ArgumentParser:
                             "hardened session and open a shell in it (or run CMD).")
     run.add_argument("--project", metavar="DIR", help="default: the current directory")
     run.add_argument("--preset", action="append", metavar="P",
-                     help="a policy preset (repeatable); see `corral presets`")
+                     help="a policy preset that takes no parameters (repeatable); see "
+                     "`corral presets`; one that takes them goes in corral.toml")
     run.add_argument("--name", metavar="N", help="the session's name (default: from the "
                      "project's)")
     run.add_argument("--detach", action="store_true", help="start it, do not attach")

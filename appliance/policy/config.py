@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
+from .parameters import PARAMETERS, ParameterError, PresetRef, expand, parse_refs
 from .patterns import PatternError, RequestSpec
 from .rules import Rule, RuleError
 
@@ -62,8 +63,8 @@ class PolicyDocument:
 
     rules: tuple[Rule, ...]
     """The file's own rules, each tagged with the layer and the file as its source."""
-    presets: tuple[str, ...]
-    """Preset names the file references, in order."""
+    presets: tuple[PresetRef, ...]
+    """The presets the file names, in order, with the parameters it gives them."""
     exclude: tuple[str, ...] = ()
     """`[workspace] exclude`: paths of the project `corral run` does not copy into a session
     (globs relative to the project; the CLI reads them, cli/scan.py)."""
@@ -78,12 +79,16 @@ def parse_toml(text: str, path: str) -> dict:
         raise ConfigError(path, "", f"not valid TOML: {exc}", line) from None
 
 
-def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True) -> PolicyDocument:
-    """Parse a policy document; raises ConfigError."""
+def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True,
+                 arguments: dict[str, tuple[str, ...]] | None = None) -> PolicyDocument:
+    """Parse a policy document; raises ConfigError. A preset's text (`allow_presets` off)
+    may declare `[parameters]`; `arguments` are their values, put in first (parameters.py)."""
     data = parse_toml(text, path)
+    if arguments:
+        data = expand(data, arguments)
     locate = Locator(text)
     rules: list[Rule] = []
-    presets: tuple[str, ...] = ()
+    presets: tuple[PresetRef, ...] = ()
     exclude: tuple[str, ...] = ()
     for key, value in data.items():
         if key == WORKSPACE:
@@ -102,12 +107,19 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
         if key == APPROVAL:
             rules.append(_approval(value, path, layer, locate))
             continue
+        if key == PARAMETERS and not allow_presets:
+            continue  # a preset's: checked where the preset is named (layers.preset_rules)
         if key in TOP_LEVEL:
             if key == "presets":
                 if not allow_presets:
                     raise ConfigError(path, key, "a preset cannot include other presets",
                                       locate.key("", key))
-                presets = tuple(_string_list(value, path, key, locate.key("", key)))
+                line = locate.key("", key)
+                try:
+                    presets = tuple(PresetRef(r.name, r.arguments, line)
+                                    for r in parse_refs(value))
+                except ParameterError as exc:
+                    raise ConfigError(path, key, str(exc), line) from None
             elif not isinstance(value, str):
                 raise ConfigError(path, key, "must be a string", locate.key("", key))
             continue
@@ -296,12 +308,6 @@ def _tables() -> str:
     return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS} | {f"[{APPROVAL}]"}),
                       "[[inspect]]", "[[git]]",
                       "[workspace]"])
-
-
-def _string_list(value, path: str, key: str, line: int | None) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(path, key, "must be a list of strings", line)
-    return value
 
 
 def _line_from_message(message: str) -> int | None:

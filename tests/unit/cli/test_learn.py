@@ -127,7 +127,7 @@ def test_rules_are_added_keeping_what_a_person_wrote():
     assert after.startswith('presets = [\n    "pypi", # 2 of its names\n]\n\n# the project')
     assert "# the API" in after and 'exclude = ["secrets/"]' in after
     document = parse_policy(after, "corral.toml", "project")
-    assert document.presets == ("pypi",)
+    assert [p.name for p in document.presets] == ["pypi"]
     assert {(r.kind, r.text) for r in document.rules} >= {
         ("http", "a.test"), ("http", "b.test:8080"), ("tcp", "git.test:22")}
     assert after.count('"a.test"') == 1 and '"b.test:8080", # asked 3x' in after
@@ -190,7 +190,8 @@ def test_a_preset_goes_before_the_tables_and_comments_stay_with_their_keys():
     after = projectfile.added(text, [Addition("preset", "pypi")])
     assert after.index("presets") < after.index("[http]")
     assert "# the http rules\n[http]" in after and 'description = "x"  # ours' in after
-    assert parse_policy(after, "corral.toml", "project").presets == ("pypi",)
+    assert [p.name for p in parse_policy(after, "corral.toml", "project").presets] == [
+        "pypi"]
 
 
 def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
