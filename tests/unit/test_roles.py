@@ -340,3 +340,20 @@ def test_ansible_lint_is_clean_at_its_configured_profile():
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp",
              "NO_COLOR": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_appliance_sends_no_name_queries_onto_session_links():
+    """systemd-resolved speaks LLMNR (and mDNS, where on) on every link it sees, so each new
+    session bridge got the appliance's own queries for its name, which the firewall
+    reported as the session's denials (issue 26, F15). The filter role's drop-in turns
+    them off, with the stub listener it already freed port 53 from."""
+    import configparser
+
+    tasks = _tasks(yaml.safe_load((ROOT / "roles/corral_filter/tasks/main.yml").read_text()))
+    (drop_in,) = [t["ansible.builtin.copy"] for t in tasks if t.get("ansible.builtin.copy", {})
+                  .get("dest") == "/etc/systemd/resolved.conf.d/corral.conf"]
+    parsed = configparser.ConfigParser()
+    parsed.optionxform = str
+    parsed.read_string(drop_in["content"])
+    assert dict(parsed["Resolve"]) == {"DNSStubListener": "no", "LLMNR": "no",
+                                       "MulticastDNS": "no"}
