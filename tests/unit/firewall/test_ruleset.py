@@ -250,7 +250,7 @@ def test_a_sessions_floods_are_stopped_in_the_kernel(ruleset, packet, expected):
 
 @pytest.mark.parametrize("packet", [
     Packet("podman3", S1, "224.0.0.252", l4="udp", dport=5355, local=True),     # LLMNR
-    Packet("podman3", S1_GW, "224.0.0.252", l4="udp", dport=5355, local=True),  # the appliance's, looped back
+    Packet("podman3", S1_GW, "224.0.0.252", l4="udp", dport=5355, local=True),  # ours, looped
     Packet("podman3", S1, "224.0.0.251", l4="udp", dport=5353, local=True),     # mDNS
     Packet("podman3", S1, "224.0.0.22", l4="igmp", dport=0, local=True),        # IGMP reports
     Packet("podman3", "fe80::2", "ff02::1:3", l4="udp", dport=5355, local=True),
