@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from urllib.parse import quote
 
+from appliance.policy import HostNameError, parse_host, split_host_port
+from appliance.policy.grants import rule_texts
 from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
 
 from . import exitcodes, learn, output, projectfile, render
@@ -95,10 +97,8 @@ def _always(client, args) -> int:
     project = learn.project_of(client, approval["session"], args.project, args.force)
     path, before = projectfile.read(project)
     projectfile.policy_of(path, before)  # a file that is broken already is named as such
-    when = time.strftime("%Y-%m-%d")
-    after = projectfile.added(before, [projectfile.Addition(
-        approval["kind"], approval["target"], f"approved {when} (session "
-        f"{approval['session']})")], str(path))
+    addition = always_addition(approval, time.strftime("%Y-%m-%d"))
+    after = projectfile.added(before, [addition], str(path))
     if after != before and not projectfile.confirm(path, before, after, args.yes, args.json):
         output.notice(f"approval {args.id} is still open: decide it another way")
         return exitcodes.FAILURE
@@ -110,16 +110,35 @@ def _always(client, args) -> int:
             projectfile.replace(path, before, after)
         except CliError as exc:
             raise CliError(f"session {render.text(approval['session'])} has the rule, but "
-                           f"{exc}", f"add `{render.host(approval['target'])}` to "
-                           f"[{render.text(approval['kind'])}] allow in "
+                           f"{exc}", f"add `{render.text(addition.rule)}` to "
+                           f"[{render.text(addition.kind)}] allow in "
                            f"{path} by hand") from None
     if args.json:
         output.data({**answer, "file": str(path), "written": after != before})
     else:
-        output.line(f"approved {_what(approval)}: in {path} for every new session of the "
-                    "project" + (" (it was there already)" if after == before else "")
+        output.line(f"approved {render.text(addition.kind)} {render.text(addition.rule)}: "
+                    f"in {path} for every new session of the project"
+                    + (" (it was there already)" if after == before else "")
                     + f", and in session {render.text(approval['session'])} for its life")
     return exitcodes.OK
+
+
+def always_addition(approval: dict, when: str) -> projectfile.Addition:
+    """The line `--always` adds for an approval: the rule its grant adds, formed as every
+    granted rule is (grants.rule_texts: the port asked, `NAME:PORT`; the bare name only
+    for a name looked up without one), so that it is the line `corral learn` would
+    propose for the same ask. Raises CliError for a target that is no plain name."""
+    try:
+        name, port = split_host_port(str(approval["target"]))
+        host = parse_host(name).name
+        if host is None or (port is not None and not (port.isascii() and port.isdigit())):
+            raise HostNameError("not a name with a number port")
+        (rule,) = rule_texts(approval["kind"], host, () if port is None else (int(port),))
+    except (HostNameError, ValueError):
+        raise CliError(f"approval {approval['id']}: its target is not a name a file can "
+                       "allow", "grant it with --session instead") from None
+    return projectfile.Addition(approval["kind"], rule,
+                                f"approved {when} (session {approval['session']})")
 
 
 def cmd_refuse(args) -> int:

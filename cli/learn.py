@@ -9,10 +9,16 @@ is the smallest change to the project's corral.toml that lets them through:
     allow rules: a preset that inspects or restricts requests is left to a person);
   - a wildcard, where WILDCARD_MIN or more names share a parent domain of two labels or
     more (`*.cdn.example.com`, never `*.com`);
-  - each remaining name as it was asked for (`example.com` for ports 80 and 443, else
-    `example.com:8443`; `[tcp]` for what was asked as tcp);
-each annotated with how often and by what it was asked. A name the DNS filter denied is
-proposed for http (a client resolves before it connects; an http rule answers DNS too).
+  - each remaining name as it was asked for, in the text `grants.rule_texts` gives a grant
+    (`example.com:443`; the bare name only where both 80 and 443 were asked; `[tcp]` for
+    what was asked as tcp; `[dns]` for a name only looked up): what `corral approve
+    --always` writes for the same ask;
+each annotated with how often and by what it was asked.
+Nothing proposed opens what a person refused in the session (a name, or a name on a
+port, whatever kind asked for it): the records of a refused target are no candidates,
+and a rule, preset or wildcard that would allow a refused target (`example.com` when 443
+was refused, `*.cdn.example.com` over a refused name, a preset over one) is not proposed;
+nor a fold over a name the session's own runtime deny rules cover (they end with it).
 `propose` is pure: records in, additions out; the command fetches and writes.
 """
 
@@ -31,8 +37,10 @@ from appliance.policy import (
     preset_names,
     preset_rules,
 )
-from appliance.policy.grants import approvable, grant_of
+from appliance.policy.grants import approvable, grant_of, rule_texts
+from appliance.policy.layers import preset_parameters
 from appliance.policy.names import HostNameError, split_host_port
+from appliance.policy.rules import overlap
 
 from . import exitcodes, output, projectfile, render
 from .client import CliError
@@ -61,14 +69,8 @@ class Candidate:
 
     @property
     def rules(self) -> list[str]:
-        """`name` for http's own ports (80, 443), `name:PORT` for each other port asked."""
-        if self.kind == "http" and (not self.ports or self.ports & DEFAULT_PORTS):
-            plain = [self.name]
-            others = self.ports - DEFAULT_PORTS
-        else:
-            plain, others = [], self.ports or {""}
-        return plain + [f"{self.name}:{p}" if p else self.name
-                        for p in sorted(others, key=lambda p: int(p or 0))]
+        """The rules a grant of exactly the ports asked adds (grants.rule_texts)."""
+        return rule_texts(self.kind, self.name, self.ports)
 
     def annotation(self) -> str:
         by = ", ".join(f"{kind} {count}" for kind, count in sorted(self.by.items()))
@@ -79,7 +81,7 @@ def candidates(records: list[dict], session: str) -> list[Candidate]:
     """What the session was denied that a person could allow, one per name and kind; never
     a target a person refused in that session (however often it was asked for after)."""
     mine = [r for r in records if r.get("session") == session]
-    refused = {_refused(r) for r in mine} - {None}
+    refused = refusals(records, session)
     found: dict[tuple[str, str], Candidate] = {}
     for record in mine:
         target = _target(record)
@@ -98,6 +100,13 @@ def candidates(records: list[dict], session: str) -> list[Candidate]:
         if by == "agent" and record.get("note") and len(candidate.reasons) < 3:
             candidate.reasons.append(record["note"])
     return sorted(found.values(), key=lambda c: (-c.asked, c.kind, c.name))
+
+
+def refusals(records: list[dict], session: str) -> frozenset[tuple[str, str | None]]:
+    """(name, port) of each target a person refused in the session: port None for every
+    port (a refusal without one, and DNS)."""
+    return frozenset(r for r in (_refused(r) for r in records if r.get("session") == session)
+                     if r is not None)
 
 
 def _refused(record: dict) -> tuple[str, str | None] | None:
@@ -166,22 +175,25 @@ class Proposal:
     """Presets and wildcards that could replace several names (without `fold`)."""
 
 
-def propose(found: list[Candidate], current: Policy | None = None, fold: bool = False
-            ) -> Proposal:
+def propose(found: list[Candidate], current: Policy | None = None, fold: bool = False,
+            refused: frozenset[tuple[str, str | None]] = frozenset(),
+            denies: Policy | None = None) -> Proposal:
     """The smallest corral.toml change letting every candidate through. `fold`: a preset
     where one covers PRESET_MIN names, `*.parent` where WILDCARD_MIN siblings were asked
     for. Both let through more than was asked (a preset's other hosts, every other name
     under the parent), so they are proposed only when asked for; otherwise `foldable`
-    says what could fold."""
+    says what could fold. No addition allows a `refused` target (refusals()), and no fold
+    covers a name a runtime deny rule of `denies` covers (_keeps_closed)."""
     left, already = [], []
     for c in found:
         narrowed = _narrowed(current, c) if current is not None else c
         (left.append(narrowed) if narrowed is not None else already.append(c.name))
     additions, covered, foldable = [], {}, []
     for preset in _plain_presets():
-        policy = Policy(list(preset_rules(preset, "project")))
+        rules = preset_rules(preset, "project")
+        policy = Policy(list(rules))
         taken = [c for c in left if _allows(policy, c)]
-        if len(taken) < PRESET_MIN:
+        if len(taken) < PRESET_MIN or not _keeps_closed(rules, refused, denies):
             continue
         if not fold:
             foldable.append(f"preset {preset} ({len(taken)} of the names)")
@@ -193,25 +205,53 @@ def propose(found: list[Candidate], current: Policy | None = None, fold: bool = 
         left = [c for c in left if c not in taken]
     by_parent: dict[str, list[Candidate]] = defaultdict(list)
     for c in left:
-        if c.kind == "http" and c.rules == [c.name] and c.name.count(".") >= 2:
+        if c.kind == "http" and c.ports <= DEFAULT_PORTS and c.name.count(".") >= 2:
             by_parent[c.name.split(".", 1)[1]].append(c)
     for parent, siblings in sorted(by_parent.items()):
         if len({c.name for c in siblings}) < WILDCARD_MIN:
             continue
+        (wildcard,) = rule_texts("http", f"*.{parent}", set().union(*(c.ports
+                                                                      for c in siblings)))
+        if not _keeps_closed([Rule.parse("http", wildcard, "project", "learn")], refused,
+                             denies):
+            continue
         if not fold:
-            foldable.append(f"*.{parent} ({len(siblings)} names)")
+            foldable.append(f"{wildcard} ({len(siblings)} names)")
             continue
         asked = sum(c.asked for c in siblings)
         additions.append(projectfile.Addition(
-            "http", f"*.{parent}", f"{len(siblings)} names under {parent}, asked "
+            "http", wildcard, f"{len(siblings)} names under {parent}, asked "
             f"{asked}x: allows any name under it"))
-        covered[f"http *.{parent}"] = [c.name for c in siblings]
+        covered[f"http {wildcard}"] = [c.name for c in siblings]
         left = [c for c in left if c not in siblings]
     for c in left:
         for rule in c.rules:
+            if not _keeps_closed([Rule.parse(c.kind, rule, "project", "learn")], refused):
+                continue
             additions.append(projectfile.Addition(c.kind, rule, c.annotation()))
             covered[f"{c.kind} {rule}"] = [c.name]
     return Proposal(additions, covered, already, foldable)
+
+
+def _keeps_closed(rules, refused: frozenset[tuple[str, str | None]],
+                  denies: Policy | None = None) -> bool:
+    """Whether `rules`, written into the project, leave every refused target closed (a
+    name refused without a port: any rule that names it; with one: an http or tcp rule
+    covering that port), and cover no name a runtime deny rule of the session covers (a
+    deny in a file stays next to them; one given at run time ends with the session, and
+    the rule would open its names in the next)."""
+    policy = Policy(list(rules))
+    for name, port in refused:
+        host = parse_host(name)
+        if port is None:
+            if policy.decide_dns(host).allowed:
+                return False
+        elif policy.decide_http(host, int(port)).allowed or policy.decide_tcp(
+                host, int(port)).allowed:
+            return False
+    runtime = [r for r in denies.rules if r.kind == "deny" and r.layer == "session"
+               ] if denies is not None else []
+    return not any(overlap(rule, deny) for rule in policy.rules for deny in runtime)
 
 
 def _narrowed(policy: Policy, c: Candidate) -> Candidate | None:
@@ -234,10 +274,11 @@ def _allows(policy: Policy, c: Candidate) -> bool:
 
 
 def _plain_presets() -> list[str]:
-    """Presets made of allow rules alone (an inspecting or restricting preset changes what
-    passes on hosts that were allowed whole: a person picks those)."""
-    return [name for name in preset_names()
-            if all(r.kind in projectfile.KINDS for r in preset_rules(name, "project"))]
+    """Presets made of allow rules alone, named alone (an inspecting or restricting preset
+    changes what passes on hosts that were allowed whole, and one that takes parameters
+    needs a person's: a person picks those)."""
+    return [name for name in preset_names() if not preset_parameters(name)
+            and all(r.kind in projectfile.KINDS for r in preset_rules(name, "project"))]
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -284,10 +325,10 @@ def learn(client, session: str, project: Path, yes: bool, as_json: bool,
         output.notice(f"when session {session} began is not known: reading the whole audit "
                       "log")
     denies = denied_by_rules(client, session)
-    found = [c for c in candidates(session_records(client, session, record.get("created")),
-                                   session)
+    records = session_records(client, session, record.get("created"))
+    found = [c for c in candidates(records, session)
              if denies.denied_by(parse_host(c.name)) is None]
-    proposal = propose(found, current, fold)
+    proposal = propose(found, current, fold, refusals(records, session), denies)
     if as_json:
         output.data({"session": session, "file": str(path),
                      "candidates": [{"kind": c.kind, "name": c.name, "rules": c.rules,

@@ -19,7 +19,9 @@ from appliance.policy import (
     policy_file_rules,
     preset_description,
     preset_names,
+    preset_parameters,
 )
+from appliance.policy.lint import lint
 from appliance.policy.rules import HOLD_DEFAULT
 
 from . import approvals, box, control, exitcodes, learn, local, output, secrets, sessions, vm
@@ -40,21 +42,29 @@ def cmd_check(args) -> int:
         raise ConfigError(str(path), "", "no such file") from None
     rules = dedupe([*DEFAULT_RULES, *policy_file_rules(text, str(path), "project")])
     policy = Policy(rules)
+    warnings = lint(policy)
     if args.json:
-        output.data({"file": str(path), "rules": policy.to_json()})
+        output.data({"file": str(path), "rules": policy.to_json(), "warnings": warnings})
         return exitcodes.OK
     output.table([[r.text, r.kind, r.layer, r.source] for r in rules],
                  ["RULE", "KIND", "LAYER", "SOURCE"])
-    output.line(f"\n{path}: ok, {len(rules)} rules")
+    for warning in warnings:
+        output.warning(f"warning: {warning}")
+    output.line(f"\n{path}: ok, {len(rules)} rules" + (f", {len(warnings)} warning(s)"
+                                                         if warnings else ""))
     return exitcodes.OK
 
 
 def cmd_presets(args) -> int:
     names = preset_names()
     if args.json:
-        output.data([{"name": n, "description": preset_description(n)} for n in names])
+        output.data([{"name": n, "description": preset_description(n),
+                      "parameters": preset_parameters(n)} for n in names])
     else:
-        output.table([[n, preset_description(n)] for n in names], ["PRESET", "DESCRIPTION"])
+        output.table([[n, ", ".join(preset_parameters(n)), preset_description(n)]
+                      for n in names], ["PRESET", "TAKES", "DESCRIPTION"])
+        output.line('\na preset that takes parameters is named with them in corral.toml: '
+                    'presets = [{name = "github-pr", repos = ["OWNER/REPO"]}]')
     return exitcodes.OK
 
 
@@ -83,7 +93,9 @@ def parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a project's corral.toml and show its rules",
                            description="Parse a corral.toml (and the presets it names) exactly "
-                           "as the appliance will, and print every rule with its source.")
+                           "as the appliance will, print every rule with its source, and warn "
+                           "about rules that do not do what they look like (a tcp rule to an "
+                           "inspected host reaches it uninspected).")
     check.add_argument("file", nargs="?", default="corral.toml", help="default: ./corral.toml")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(run=cmd_check)
@@ -229,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
                             "hardened session and open a shell in it (or run CMD).")
     run.add_argument("--project", metavar="DIR", help="default: the current directory")
     run.add_argument("--preset", action="append", metavar="P",
-                     help="a policy preset (repeatable); see `corral presets`")
+                     help="a policy preset that takes no parameters (repeatable); see "
+                     "`corral presets`; one that takes them goes in corral.toml")
     run.add_argument("--name", metavar="N", help="the session's name (default: from the "
                      "project's)")
     run.add_argument("--detach", action="store_true", help="start it, do not attach")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify, request
 
-from appliance.policy import preset_description, preset_names
+from appliance.policy import preset_description, preset_names, preset_parameters
 
 from .request import body, call
 
@@ -32,5 +32,5 @@ def revoke():
 
 @blueprint.get("/presets")
 def presets():
-    return jsonify(presets=[{"name": n, "description": preset_description(n)}
-                            for n in preset_names()])
+    return jsonify(presets=[{"name": n, "description": preset_description(n),
+                             "parameters": preset_parameters(n)} for n in preset_names()])

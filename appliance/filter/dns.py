@@ -28,6 +28,7 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion,
 
 from appliance.firewall.learned import Teaching
 from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
+from appliance.policy.grants import rule_text
 
 from .approvals import Holds, approvable
 from .config import DnsConfig
@@ -166,7 +167,8 @@ class DnsFilter:
                 # never held (resolvers retry and time out): NXDOMAIN now, and an approval
                 # for the name as an http grant, which answers DNS too (what a client that
                 # resolves a name goes on to ask the proxy for)
-                self.holds.ask(session, decision._replace(hint=f"corral allow-http {host}"),
+                grant = rule_text("http", host.name, None)
+                self.holds.ask(session, decision._replace(hint=f"corral allow-http {grant}"),
                                "dns", client, host.name)
         event = self._event(decision, session, client, host.name, QTYPE.get(query.qtype))
         wire = refusal(query, RCODE.NOERROR if decision.allowed else RCODE.NXDOMAIN)

@@ -386,14 +386,17 @@ class Service:
         asyncio.get_running_loop().add_reader(sock.fileno(), readable)
 
     def _drop_event(self, drop: nflog.Drop) -> None:
+        if nflog.link_local_multicast(drop):
+            return  # counted quietly by the ruleset: nothing was denied
         target = f"{drop.destination}:{drop.port}" if drop.port else drop.destination
+        appliance = drop.destination in {str(s.gateway) for s in self.store.session_configs()}
         self.bus.emit({
             "session": drop.session if drop.session in self.store.sessions else None,
             "client": drop.source, "kind": "firewall", "name": drop.destination,
             "port": drop.port, "address": drop.destination, "verdict": "deny",
             "reason": f"rejected by the firewall: {drop.protocol} to {target}",
             "rule": None, "layer": None, "protocol": drop.protocol,
-            "hint": "use the proxy (HTTP_PROXY), or add a tcp rule for the name",
+            "hint": nflog.hint(drop, appliance),
         })
 
     def _record(self, key: str, sock: socket.socket) -> None:

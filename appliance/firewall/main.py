@@ -22,7 +22,7 @@ from appliance.filter.store import PolicyStore
 from appliance.policy import ConfigError
 
 from .nft import Nft, NftError
-from .ruleset import build_base, for_store
+from .ruleset import QUIET, build_base, for_store
 
 
 def transaction(config_path: str, learned: list[dict] | None = None,
@@ -65,7 +65,12 @@ def cmd_show(args) -> int:
     print(f"table inet corral: {len(rules)} rules")
     print("\nrejected (packets / bytes):")
     for name, counter in sorted(counters.items()):
-        print(f"  {name.removeprefix('deny_'):<34} {counter['packets']:>8} / {counter['bytes']}")
+        if name.startswith("deny_"):
+            print(f"  {name.removeprefix('deny_'):<34} {counter['packets']:>8} / "
+                  f"{counter['bytes']}")
+    quiet = counters.get(QUIET)
+    if quiet is not None:
+        print(f"\nlink-local multicast dropped quietly: {quiet['packets']} / {quiet['bytes']}")
     print(f"\nlearned tcp allowances: {len(learned)}")
     for element in learned:
         inner = element.get("elem", element)

@@ -4,6 +4,8 @@ The ruleset logs rejects (rate-limited) to one NFLOG group with the prefix
 "corral <session> "; this module binds that group on a NETLINK_NETFILTER socket (needs
 CAP_NET_ADMIN, in the network namespace of the firewall), and parses the packet headers it
 receives. Standard library only: the message formats are in linux/netfilter/nfnetlink_log.h.
+`hint` says what a person can do about a Drop, as the ruleset treats its protocol: the
+filter puts it in the drop's event.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ NLMSG_ERROR = 2
 COPY_RANGE = 96  # enough for IPv6 + TCP/UDP headers
 
 PROTOCOLS = {1: "icmp", 6: "tcp", 17: "udp", 58: "icmpv6"}
+LINK_LOCAL_MULTICAST = (ipaddress.ip_network("224.0.0.0/24"),
+                        ipaddress.ip_network("ff02::/16"))
+"""Multicast that no router forwards (RFC 5771's local network control block, RFC 4291's
+link-local scope): LLMNR (224.0.0.252, ff02::1:3), mDNS (224.0.0.251, ff02::fb), IGMP and
+MLD reports (224.0.0.22, ff02::16). The ruleset drops it from sandbox links quietly."""
+DNS_PORTS = (53, 853)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +143,42 @@ def _headers(session: str, packet: bytes) -> Drop | None:
     if protocol in (6, 17) and len(packet) >= header + 4:
         (port,) = struct.unpack_from(">H", packet, header + 2)
     return Drop(session, PROTOCOLS.get(protocol, str(protocol)), source, destination, port)
+
+
+def link_local_multicast(drop: Drop) -> bool:
+    """A drop the ruleset counts quietly (a report of one comes only from a ruleset older
+    than that): no router forwards it, so nothing was denied."""
+    try:
+        address = ipaddress.ip_address(drop.destination)
+    except ValueError:
+        return False
+    return any(address in network for network in LINK_LOCAL_MULTICAST
+               if network.version == address.version)
+
+
+def hint(drop: Drop, appliance: bool = False) -> str:
+    """What a person can do about the drop, by what the ruleset forwards for its protocol.
+    `appliance`: its destination is the appliance itself (a session's gateway)."""
+    if ":" in drop.destination:
+        return ("IPv6 is not forwarded, nor answered by the appliance: sessions reach names "
+                "over IPv4, through the filter")
+    if drop.port in DNS_PORTS and drop.protocol in ("udp", "tcp"):
+        return ("DNS is answered by the session's resolver (its gateway, port 53) alone: a "
+                "resolver anywhere else is never reached, and a name the policy allows "
+                "resolves there")
+    if drop.protocol == "udp" and drop.port == 443:
+        return ("QUIC (HTTP/3) is not forwarded: a client falls back to TCP 443, which the "
+                "proxy judges by name")
+    if drop.protocol == "udp":
+        return ("UDP is not forwarded (only DNS to the session's gateway is answered): no "
+                "rule opens it")
+    if drop.protocol in ("icmp", "icmpv6"):
+        return "ICMP is not forwarded (ping, traceroute): no rule opens it"
+    if drop.protocol != "tcp":
+        return f"only TCP is forwarded, by a tcp rule; protocol {drop.protocol} never is"
+    if appliance:
+        return ("the appliance answers a session on DNS, the proxy and the git gateway only; "
+                "a port of the VM host is reached as host.corral when [host] ports lists it")
+    return ("HTTP and HTTPS go through the proxy (HTTP_PROXY; ports 80 and 443 are "
+            f"redirected to it); other TCP needs a tcp rule for the name: corral allow-tcp "
+            f"NAME:{drop.port} (the firewall learns the name's addresses from DNS)")

@@ -20,8 +20,12 @@ source addresses on any interface. IPv6 has no subnets to match, so it fails clo
 way: nothing is forwarded over IPv6 at all (flows established before the ruleset aside), from
 whatever interface, and IPv6 to the appliance itself is rejected on sandbox interfaces.
 Every reject is counted per session (named counter `deny_<session>`), logged to NFLOG at a
-limited rate (prefix "corral <session> <chain> "), and answered fast: TCP reset for TCP,
+limited rate (prefix "corral <session> "), and answered fast: TCP reset for TCP,
 ICMP admin-prohibited for the rest.
+Link-local multicast to the appliance (224.0.0.0/24, ff02::/16: the LLMNR and mDNS name
+queries and group reports a host sends on every new link, the appliance's own looped back
+among them) never leaves the link anyway: it is dropped and counted in one named counter,
+`quiet_multicast`, never logged, so that it does not bury the rejects a person must see.
 """
 
 from __future__ import annotations
@@ -33,12 +37,16 @@ from collections.abc import Iterable
 from appliance.filter.config import FilterConfig, SessionConfig
 from appliance.policy import Host, parse_address
 
+from .nflog import LINK_LOCAL_MULTICAST
+
 TABLE = "corral"
 FAMILY = "inet"
 LEARNED = "learned"
 """The set the DNS filter fills: sandbox address . destination address . port, with timeout."""
 UNKNOWN = "unknown"
 """Counter/log name for traffic from a sandbox interface that belongs to no session."""
+QUIET = "quiet_multicast"
+"""The counter of link-local multicast from sandbox links, dropped without a report."""
 
 
 _TABLE = {"family": FAMILY, "name": TABLE}
@@ -56,7 +64,7 @@ def _payload(protocol: str, field: str) -> dict:
     return {"payload": {"protocol": protocol, "field": field}}
 
 
-def _prefix(network: ipaddress.IPv4Network) -> dict:
+def _prefix(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> dict:
     return {"prefix": {"addr": str(network.network_address), "len": network.prefixlen}}
 
 
@@ -192,6 +200,15 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
     commands.append(_rule("filter_input", sandbox_if, _match(
         _payload("icmpv6", "type"), {"set": ["nd-neighbor-solicit", "nd-neighbor-advert"]}),
         {"accept": None}, comment="IPv6 neighbour discovery: no data, fast rejects"))
+    kept = (counts or {}).get(QUIET, {})
+    commands.append({"add": {"counter": _t(name=QUIET, packets=kept.get("packets", 0),
+                                           bytes=kept.get("bytes", 0))}})
+    for network in LINK_LOCAL_MULTICAST:
+        protocol = "ip" if network.version == 4 else "ip6"
+        commands.append(_rule("filter_input", sandbox_if, _match(
+            _payload(protocol, "daddr"), _prefix(network)), {"counter": QUIET},
+            {"drop": None}, comment="link-local multicast: never leaves the link, counted "
+            "quietly"))
     commands.append(_rule("filter_input", sandbox_if, _match(
         {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
         comment="no IPv6 to the appliance"))

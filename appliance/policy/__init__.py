@@ -19,6 +19,7 @@ from .layers import (
     policy_file_rules,
     preset_description,
     preset_names,
+    preset_parameters,
     preset_rules,
 )
 from .names import (
@@ -30,6 +31,7 @@ from .names import (
     parse_host,
     split_host_port,
 )
+from .parameters import PresetRef
 from .patterns import PatternError, RequestSpec
 from .ranges import blocked_range
 from .rules import KINDS, LAYERS, PortSpec, Rule, RuleError
@@ -49,6 +51,7 @@ __all__ = [
     "Policy",
     "PolicyDocument",
     "PortSpec",
+    "PresetRef",
     "RequestSpec",
     "Rule",
     "RuleError",
@@ -62,6 +65,7 @@ __all__ = [
     "policy_file_rules",
     "preset_description",
     "preset_names",
+    "preset_parameters",
     "preset_rules",
     "split_host_port",
 ]

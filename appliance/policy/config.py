@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass
 
 from .git import OPTION_FLAG, GitRuleError, check_push_option
+from .parameters import PARAMETERS, ParameterError, PresetRef, expand, parse_refs
 from .patterns import PatternError, RequestSpec
 from .rules import Rule, RuleError
 
@@ -23,8 +24,13 @@ SECTIONS = {
     ("tcp", "allow"): "tcp",
     ("cidr", "allow"): "cidr",
     ("host", "ports"): "host",
+    ("host", "force_ports"): "host",
     ("deny", "names"): "deny",
 }
+RESOLVER_PORTS = {53: "DNS", 853: "DNS over TLS"}
+"""Ports of the VM host that `[host] ports` refuses: a session reaching the host's resolver
+resolves any name through it, around the filter (DNS exfiltration, names the policy never
+saw). `[host] force_ports` lists them when that is meant, and takes nothing else."""
 TOP_LEVEL = ("presets", "description", "version")
 WORKSPACE = "workspace"
 """`[workspace] exclude = [...]`: what `corral run` leaves out of the copy (no rules)."""
@@ -59,8 +65,8 @@ class PolicyDocument:
 
     rules: tuple[Rule, ...]
     """The file's own rules, each tagged with the layer and the file as its source."""
-    presets: tuple[str, ...]
-    """Preset names the file references, in order."""
+    presets: tuple[PresetRef, ...]
+    """The presets the file names, in order, with the parameters it gives them."""
     exclude: tuple[str, ...] = ()
     """`[workspace] exclude`: paths of the project `corral run` does not copy into a session
     (globs relative to the project; the CLI reads them, cli/scan.py)."""
@@ -75,12 +81,16 @@ def parse_toml(text: str, path: str) -> dict:
         raise ConfigError(path, "", f"not valid TOML: {exc}", line) from None
 
 
-def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True) -> PolicyDocument:
-    """Parse a policy document; raises ConfigError."""
+def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True,
+                 arguments: dict[str, tuple[str, ...]] | None = None) -> PolicyDocument:
+    """Parse a policy document; raises ConfigError. A preset's text (`allow_presets` off)
+    may declare `[parameters]`; `arguments` are their values, put in first (parameters.py)."""
     data = parse_toml(text, path)
+    if arguments:
+        data = expand(data, arguments)
     locate = Locator(text)
     rules: list[Rule] = []
-    presets: tuple[str, ...] = ()
+    presets: tuple[PresetRef, ...] = ()
     exclude: tuple[str, ...] = ()
     for key, value in data.items():
         if key == WORKSPACE:
@@ -99,12 +109,19 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
         if key == APPROVAL:
             rules.append(_approval(value, path, layer, locate))
             continue
+        if key == PARAMETERS and not allow_presets:
+            continue  # a preset's: checked where the preset is named (layers.preset_rules)
         if key in TOP_LEVEL:
             if key == "presets":
                 if not allow_presets:
                     raise ConfigError(path, key, "a preset cannot include other presets",
                                       locate.key("", key))
-                presets = tuple(_string_list(value, path, key, locate.key("", key)))
+                line = locate.key("", key)
+                try:
+                    presets = tuple(PresetRef(r.name, r.arguments, line)
+                                    for r in parse_refs(value))
+                except ParameterError as exc:
+                    raise ConfigError(path, key, str(exc), line) from None
             elif not isinstance(value, str):
                 raise ConfigError(path, key, "must be a string", locate.key("", key))
             continue
@@ -126,6 +143,8 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
                 if kind == "host" and (not isinstance(item, int) or isinstance(item, bool)):
                     raise ConfigError(path, full, f"{item!r} is not a port number",
                                       locate.value(key, item))
+                if kind == "host":
+                    _host_port(item, field, path, full, locate.key(key, field))
                 if kind != "host" and not isinstance(item, str):
                     raise ConfigError(path, full, f"{item!r} is not a string",
                                       locate.value(key, item))
@@ -134,6 +153,20 @@ def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True
                 except RuleError as exc:
                     raise ConfigError(path, full, str(exc), locate.value(key, item)) from None
     return PolicyDocument(tuple(rules), presets, exclude)
+
+
+def _host_port(port: int, field: str, path: str, full: str, line: int | None) -> None:
+    """A resolver port (RESOLVER_PORTS) only in `force_ports`, and only those there."""
+    what = RESOLVER_PORTS.get(port)
+    if field == "ports" and what is not None:
+        raise ConfigError(path, full, f"{port} is the host's {what} port: a session would "
+                          "resolve any name through the host's resolver, around the filter "
+                          "(names the policy never sees, DNS exfiltration). If that is meant, "
+                          f"write it as [host] force_ports = [{port}]", line)
+    if field == "force_ports" and what is None:
+        raise ConfigError(path, full, f"{port} needs no forcing: list it in [host] ports "
+                          f"(force_ports takes {', '.join(map(str, RESOLVER_PORTS))} only)",
+                          line)
 
 
 def _inspect_tables(tables, path: str, layer: str, locate: Locator) -> list[Rule]:
@@ -286,12 +319,6 @@ def _tables() -> str:
     return ", ".join([*sorted({f"[{t}]" for t, _ in SECTIONS} | {f"[{APPROVAL}]"}),
                       "[[inspect]]", "[[git]]",
                       "[workspace]"])
-
-
-def _string_list(value, path: str, key: str, line: int | None) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(path, key, "must be a list of strings", line)
-    return value
 
 
 def _line_from_message(message: str) -> int | None:

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from .decision import Decision
 from .git import GitAccess, GitHosts
-from .grants import approvable
+from .grants import approvable, rule_text
 from .inspection import Inspection, Inspections
 from .names import PLACEHOLDER_MARK, Host, IPAddress, parse_address, unmap
 from .ranges import blocked_range
@@ -279,8 +279,6 @@ class Policy:
             if rule.port.covers(port):
                 return Decision(True, f"{host}:{port} allowed by {kind} rule {rule.text}", rule)
             other_ports = True
-        v6 = host.address is not None and host.address.version == 6
-        target = f"[{host}]:{port}" if v6 else f"{host}:{port}"
         if other_ports:
             reason = f"{host} is allowed, but not on port {port}"
         elif host.address is not None:
@@ -289,7 +287,8 @@ class Policy:
             reason = f"{host} is not in the {kind} policy"
             if kind == "http" and self._inspect and self.inspection(host) is not None:
                 reason += " (an [[inspect]] table does not allow a host; [http] allow does)"
-        return Decision(False, reason, None, f"corral allow-{kind} {target}")
+        return Decision(False, reason, None,
+                        f"corral allow-{kind} {rule_text(kind, str(host), port)}")
 
     def to_json(self) -> list[dict]:
         return [rule.to_json() for rule in self.rules]

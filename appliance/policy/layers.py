@@ -12,6 +12,7 @@ from functools import cache
 from importlib import resources
 
 from .config import ConfigError, parse_policy
+from .parameters import ParameterError, PresetRef, arguments, declared
 from .rules import Rule
 
 DEFAULT_RULES = (
@@ -32,27 +33,47 @@ def _preset_text(name: str) -> str:
     return resources.files(__package__).joinpath("presets", f"{name}.toml").read_text("utf-8")
 
 
-def preset_description(name: str) -> str:
+@cache
+def _preset_data(name: str) -> dict:
     import tomllib
 
-    return tomllib.loads(_preset_text(name)).get("description", "")
+    return tomllib.loads(_preset_text(name))
 
 
-def preset_rules(name: str, layer: str, referrer: str = "") -> tuple[Rule, ...]:
-    """The rules of preset `name`, tagged with `layer`. Raises ConfigError if unknown."""
-    if name not in preset_names():
-        raise ConfigError(referrer or "presets", "presets",
-                          f"unknown preset {name!r}; known: {', '.join(preset_names())}")
-    document = parse_policy(_preset_text(name), f"preset:{name}", layer, allow_presets=False)
-    return tuple(replace(r, layer=layer, source=f"preset:{name}") for r in document.rules)
+def preset_description(name: str) -> str:
+    return _preset_data(name).get("description", "")
+
+
+def preset_parameters(name: str) -> dict[str, str]:
+    """What a preset needs to be told (parameters.py): NAME -> what the values are; {} for
+    a preset named alone."""
+    return declared(_preset_data(name), name)
+
+
+def preset_rules(name: str | PresetRef, layer: str, referrer: str = "") -> tuple[Rule, ...]:
+    """The rules of a preset (a name, or a reference with its parameters), tagged with
+    `layer`. Raises ConfigError, located at the referrer's `presets`, for an unknown preset
+    and for parameters that are missing, unknown or malformed."""
+    ref = PresetRef(name) if isinstance(name, str) else name
+    where = referrer or "presets"
+    if ref.name not in preset_names():
+        raise ConfigError(where, "presets", f"unknown preset {ref.name!r}; known: "
+                          f"{', '.join(preset_names())}", ref.line)
+    try:
+        values = arguments(ref, preset_parameters(ref.name))
+    except ParameterError as exc:
+        raise ConfigError(where, "presets", str(exc), ref.line) from None
+    document = parse_policy(_preset_text(ref.name), f"preset:{ref.name}", layer,
+                            allow_presets=False, arguments=values)
+    return tuple(replace(r, layer=layer, source=f"preset:{ref.name}") for r in document.rules)
 
 
 def policy_file_rules(text: str, path: str, layer: str) -> list[Rule]:
     """A policy file's own rules followed by those of the presets it names."""
     document = parse_policy(text, path, layer)
     rules = list(document.rules)
-    for name in document.presets:
-        rules.extend(preset_rules(name, layer, path))
+    for ref in document.presets:
+        rules.extend(preset_rules(ref, layer, path))
     return rules
 
 

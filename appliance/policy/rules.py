@@ -316,3 +316,26 @@ def _host_pattern(text: str) -> str:
         if host.address is not None:
             return str(host.address)
     return _pattern(text)
+
+
+def overlap(a: Rule, b: Rule) -> bool:
+    """Some name both rules' host patterns cover (ports aside). An exact name covers
+    itself (and, for a deny, its subdomains too), `*.suffix` the names under the suffix,
+    an IP literal that address only; `corral check` and `corral learn` ask it, never a
+    decision (those walk a name's labels)."""
+    (base_a, own_a, below_a), (base_b, own_b, below_b) = _extent(a), _extent(b)
+    if base_a == base_b:
+        return (own_a and own_b) or (below_a and below_b)
+    if base_a.endswith("." + base_b):
+        return below_b
+    if base_b.endswith("." + base_a):
+        return below_a
+    return False
+
+
+def _extent(rule: Rule) -> tuple[str, bool, bool]:
+    """(base name, covers the base itself, covers the names under it)."""
+    if rule.wildcard:
+        return rule.suffix, False, True
+    literal = parse_address(rule.host) is not None
+    return rule.host, True, rule.kind == "deny" and not literal

@@ -48,6 +48,8 @@ from typing import BinaryIO
 from appliance import workspace
 from appliance.control_client import ControlClient, ServiceUnavailable
 from appliance.policy import ConfigError, preset_names
+from appliance.policy.layers import preset_parameters
+from appliance.policy.parameters import ParameterError, PresetRef, arguments
 from appliance.selftest.review import REVIEW_DIR, SNAPSHOT_DIR
 from appliance.settings import load_table, non_empty, positive
 from appliance.workspace.compare import Reader
@@ -225,6 +227,12 @@ class Sessions:
         if unknown:
             raise RequestError(f"unknown preset(s) {', '.join(unknown)}; presets: "
                                f"{', '.join(preset_names())}")
+        for name in presets:  # named alone here: one that takes parameters goes in a file
+            try:
+                arguments(PresetRef(name), preset_parameters(name))
+            except ParameterError as exc:
+                raise RequestError(f"{exc} (in the project's corral.toml: a preset given "
+                                   "by name alone takes no parameters)") from None
         options = {k: request[k] for k in ("uid", "gid") if k in request}
         try:
             options["limits"] = lifetime.Limits.parse(request)

@@ -488,7 +488,7 @@ def test_what_a_session_learned_and_an_always_grant_hold_in_the_projects_next_se
         assert ran.stdout.splitlines()[:3] == ["other 403", "inspected unresolved",
                                                "allowed 200"], ran.stdout
         # leaving the shell proposes it; with no terminal to say yes, nothing is written
-        assert '+    "other.test", # asked 1x' in ran.stdout, ran.stdout
+        assert '+    "other.test:80", # asked 1x' in ran.stdout, ran.stdout
         assert '"inspected.test", # asked' in ran.stdout and "not written" in ran.stderr
         added = [line for line in ran.stdout.splitlines() if "# asked" in line]
         assert len(added) == 2, ran.stdout  # exactly those two, nothing more
@@ -506,7 +506,7 @@ def test_what_a_session_learned_and_an_always_grant_hold_in_the_projects_next_se
         assert waiting.communicate(timeout=60)[0] == "200"
         checked = json.loads(world.corral("check", str(policy), "--json").stdout)
         rules = {(r["kind"], r["rule"]) for r in checked["rules"]}
-        assert {("http", "allowed.test"), ("http", "other.test"), ("dns", "inspected.test"),
+        assert {("http", "allowed.test"), ("http", "other.test:80"), ("dns", "inspected.test"),
                 ("http", "git.test:80")} <= rules, rules  # the grant, exactly
         corral(world, "rm", "c11")
 

@@ -173,6 +173,105 @@ def test_two_sessions_get_only_their_own_policy_and_cannot_reach_each_other(
         manager.remove("p2")
 
 
+LINK_LOCAL = (ipaddress.ip_network("224.0.0.0/24"), ipaddress.ip_network("ff02::/16"))
+QUERY = b"\x12\x34\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x06corral\x00\x00\x01\x00\x01"
+"""An LLMNR/mDNS query for `corral`, as a host asks for its own name on a new link."""
+RESOLVED = r"""
+import socket, struct, sys, time
+ifname, query = sys.argv[1], bytes.fromhex(sys.argv[2])
+index = socket.if_nametoindex(ifname)
+v4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+v4.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, struct.pack(
+    "4s4si", socket.inet_aton("224.0.0.252"), bytes(4), index))
+v4.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, struct.pack("4s4si", bytes(4),
+                                                                     bytes(4), index))
+v4.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+v6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, socket.inet_pton(
+    socket.AF_INET6, "ff02::1:3") + struct.pack("@I", index))
+v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, index)
+v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_LOOP, 1)
+sent = {4: 0, 6: 0}
+for _ in range(3):  # resolved's probes for its own name
+    v4.sendto(query, ("224.0.0.252", 5355))
+    sent[4] += 1
+deadline = time.monotonic() + 5
+while sent[6] < 3 and time.monotonic() < deadline:
+    try:  # a new bridge's link-local address is tentative for a second (DAD)
+        v6.sendto(query, ("ff02::1:3", 5355, 0, index))
+        sent[6] += 1
+    except OSError:
+        time.sleep(0.1)
+print("joined", sent[4], sent[6], flush=True)
+time.sleep(4)
+"""
+AGENT = r"""
+import socket, sys, time
+query, index = bytes.fromhex(sys.argv[1]), socket.if_nametoindex("eth0")
+deadline = time.monotonic() + 5
+for family, target in ((socket.AF_INET, ("224.0.0.252", 5355)),
+                       (socket.AF_INET, ("224.0.0.251", 5353)),
+                       (socket.AF_INET, ("224.0.0.1", 5355)),
+                       (socket.AF_INET6, ("ff02::1:3", 5355, 0, index)),
+                       (socket.AF_INET6, ("ff02::1", 5355, 0, index))):
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        while True:
+            try:
+                sock.sendto(query, target)
+                break
+            except OSError:  # a new link's IPv6 address is tentative for a second (DAD)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+print("sent", flush=True)
+"""
+
+
+def link_local(event: dict) -> bool:
+    try:
+        address = ipaddress.ip_address(event.get("address") or "")
+    except ValueError:
+        return False
+    return any(address.version == n.version and address in n for n in LINK_LOCAL)
+
+
+def test_link_local_multicast_is_counted_quietly_never_a_denial(world, manager, session):
+    """Name queries a host sends on a new link (LLMNR, mDNS) — the appliance's own, as
+    systemd-resolved sends them on each session bridge, looped back, and the agent's — are
+    no firewall denials: they are counted quietly (issue 26, F15). The role turns resolved's
+    off (tests/unit/test_roles.py); here a process in the appliance joins and sends as
+    resolved does, so that the path is the real kernel's."""
+    firewall = [(e["session"], e["protocol"], e["client"], e["address"], e["port"])
+                for e in world.events() if e.get("kind") == "firewall" and link_local(e)]
+    assert not firewall, firewall  # the sessions' starts: router solicitations, name queries
+    bridge = manager.podman.json("network", "inspect", session.network)[0]["network_interface"]
+    before, seen = world.counters().get("quiet_multicast", 0), len(world.events())
+    import subprocess
+
+    with subprocess.Popen(["ip", "netns", "exec", netns.APPLIANCE, "python3", "-c", RESOLVED,
+                           bridge, QUERY.hex()], stdout=subprocess.PIPE, text=True) as resolved:
+        joined, v4, v6 = resolved.stdout.readline().split()
+        assert joined == "joined" and int(v4) == 3, (joined, v4, v6)
+        agent = manager.podman.run("exec", session.container, "python3", "-c", AGENT,
+                                   QUERY.hex())
+        assert agent.stdout.strip() == b"sent"
+        resolved.wait(10)
+    # looped back: the probes; the agent's to the groups the appliance is in: 224.0.0.252
+    # and 224.0.0.1, ff02::1:3 (where the bridge has IPv6) and ff02::1. mDNS's group it is
+    # not in: that never reaches the firewall's input at all.
+    expected = 3 + 2 + (int(v6) + 2 if int(v6) else 0)
+    deadline = time.monotonic() + 5
+    while world.counters().get("quiet_multicast", 0) - before < expected and (
+            time.monotonic() < deadline):
+        time.sleep(0.1)
+    time.sleep(0.5)  # a report, had there been one, reaches the audit log meanwhile
+    counted = world.counters().get("quiet_multicast", 0) - before
+    later = [(e["session"], e["protocol"], e["client"], e["address"], e["port"])
+             for e in world.events()[seen:] if e.get("kind") == "firewall" and link_local(e)]
+    assert not later, later
+    assert counted >= expected, (counted, expected, v6)
+
+
 def test_stop_leaves_nothing_behind(world, manager, session):
     listed = {s["name"]: s for s in manager.list()}
     assert listed["p1"]["container_state"] == "running"

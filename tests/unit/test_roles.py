@@ -89,6 +89,24 @@ def test_filter_config_renders_into_what_the_filter_loads(tmp_path):
     assert config.state_dir == str(tmp_path / "state")
 
 
+def test_the_appliance_layer_names_a_preset_with_its_parameters():
+    """`corral_filter_presets` entries are names, or mappings that give a preset its
+    parameters (issue 26, F16: github-pr acts on the repositories named)."""
+    from appliance.policy import Policy, parse_host, policy_file_rules
+
+    text = render("corral_filter", "etc/corral/policy.toml.j2", corral_filter_presets=[
+        "debian", {"name": "github-pr", "repos": ["acme/widget", 'we"ird/x']}])
+    with pytest.raises(ValueError, match=r"github-pr: repos: 'we\"ird/x' is not OWNER/REPO"):
+        policy_file_rules(text, "policy.toml", "appliance")
+    text = render("corral_filter", "etc/corral/policy.toml.j2", corral_filter_presets=[
+        "debian", {"name": "github-pr", "repos": ["acme/widget"]}])
+    policy = Policy(policy_file_rules(text, "policy.toml", "appliance"))
+    api = policy.inspection(parse_host("api.github.com"))
+    assert api.decide("POST", "/repos/acme/widget/pulls").allowed
+    assert not api.decide("POST", "/repos/other/widget/pulls").allowed
+    assert policy.decide_http(parse_host("deb.debian.org"), 80).allowed
+
+
 def test_host_corral_is_written_only_when_the_role_is_given_an_address(tmp_path):
     fixed = {"corral_filter_upstream": ["9.9.9.9:53"], "corral_filter_resolv_conf": "unused"}
     assert "[host]" not in render("corral_filter", "etc/corral/filter.toml.j2", **fixed)
@@ -322,3 +340,20 @@ def test_ansible_lint_is_clean_at_its_configured_profile():
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp",
              "NO_COLOR": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_appliance_sends_no_name_queries_onto_session_links():
+    """systemd-resolved speaks LLMNR (and mDNS, where on) on every link it sees, so each new
+    session bridge got the appliance's own queries for its name, which the firewall
+    reported as the session's denials (issue 26, F15). The filter role's drop-in turns
+    them off, with the stub listener it already freed port 53 from."""
+    import configparser
+
+    tasks = _tasks(yaml.safe_load((ROOT / "roles/corral_filter/tasks/main.yml").read_text()))
+    (drop_in,) = [t["ansible.builtin.copy"] for t in tasks if t.get("ansible.builtin.copy", {})
+                  .get("dest") == "/etc/systemd/resolved.conf.d/corral.conf"]
+    parsed = configparser.ConfigParser()
+    parsed.optionxform = str
+    parsed.read_string(drop_in["content"])
+    assert dict(parsed["Resolve"]) == {"DNSStubListener": "no", "LLMNR": "no",
+                                       "MulticastDNS": "no"}

@@ -380,18 +380,21 @@ def test_learn_proposes_what_a_session_was_denied_and_writes_it_when_told(home, 
     unknown = corral(home, "learn", "s1", "--fold")  # s1 is from the appliance's config
     assert unknown.returncode == 2 and "--project DIR" in unknown.stderr, unknown
     exact = corral(home, "learn", "s1", "--project", str(project))
-    assert '+    "a.learn.test", # asked 1x (connect 1)' in exact.stdout, exact.stdout
-    assert "could be folded (--fold" in exact.stdout and "*.learn.test (3 names)" in exact.stdout
+    # the port asked, as a grant names it: never the bare name, which opens 80 too
+    assert '+    "a.learn.test:443", # asked 1x (connect 1)' in exact.stdout, exact.stdout
+    assert "could be folded (--fold" in exact.stdout and "*.learn.test:443 (3 names)" in (
+        exact.stdout)
     shown = corral(home, "learn", "s1", "--project", str(project), "--fold")
     assert shown.returncode == 2 and "not written" in shown.stderr, shown  # no terminal here
     assert '+presets = [\n+    "pypi", # 2 of its names, asked 3x' in shown.stdout, shown.stdout
-    assert '+    "*.learn.test", # 3 names under learn.test' in shown.stdout
+    assert '+    "*.learn.test:443", # 3 names under learn.test' in shown.stdout
     assert (project / "corral.toml").read_text() == '# ours\n[http]\nallow = ["allowed.test"]\n'
     written = corral(home, "learn", "s1", "--project", str(project), "--yes", "--fold")
     assert written.returncode == 0 and "wrote " in written.stdout, written
     checked = json.loads(corral(home, "check", str(project / "corral.toml"), "--json").stdout)
     rules = {(r["kind"], r["rule"]) for r in checked["rules"]}
-    assert {("http", "*.learn.test"), ("http", "pypi.org"), ("http", "allowed.test")} <= rules
+    assert {("http", "*.learn.test:443"), ("http", "pypi.org"), ("http", "allowed.test")} <= (
+        rules)
     again = json.loads(corral(home, "learn", "s1", "--project", str(project), "--json").stdout)
     assert "a.learn.test" in again["allowed_already"]
     assert not [a for a in again["proposal"] if "learn.test" in a["rule"]]

@@ -54,6 +54,8 @@ def test_the_list_joins_the_filters_sessions(api):
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "message"), [
     ("POST", "/v1/sessions", {"name": "x", "presets": ["no-such"]}, 400, "unknown preset"),
+    ("POST", "/v1/sessions", {"name": "x", "presets": ["github-pr"]}, 400,
+     "preset 'github-pr' acts on the repositories you name"),  # never on any of them
     ("POST", "/v1/sessions", {"name": "x", "colour": "red"}, 400, "unknown field(s): colour"),
     ("POST", "/v1/sessions", {"presets": []}, 400, "missing field 'name'"),
     ("POST", "/v1/sessions", {"name": "Bad Name"}, 400, "must be 1-32"),

@@ -121,3 +121,26 @@ def test_for_refuses_what_is_not_a_duration_with_the_fix(text):
     with pytest.raises(CliError) as refused:
         parse_duration(text)
     assert refused.value.code == 2 and "--for" in str(refused.value)
+
+
+def test_check_warns_about_a_tcp_rule_that_reaches_an_inspected_host_uninspected(tmp_path,
+                                                                                capsys):
+    """A tcp rule goes through nftables, straight to the host's address: no request rule, no
+    git confinement, no leak scan applies there (issue 26, F16)."""
+    path = tmp_path / "corral.toml"
+    path.write_text('[tcp]\nallow = ["*.example.com:22", "api.example.com:443", '
+                    '"other.example.net:5432"]\n[[inspect]]\nhost = "api.example.com"\n'
+                    'deny = ["DELETE /**"]\n')
+    assert main(["check", str(path)]) == exitcodes.OK
+    captured = capsys.readouterr()
+    warned = [line for line in captured.err.splitlines() if "warning" in line]
+    # 443 is redirected to the proxy, which inspects it; port 22 is not
+    assert len(warned) == 1, captured.err
+    assert "tcp rule *.example.com:22" in warned[0] and "api.example.com" in warned[0]
+    assert "not inspected" in warned[0]
+    assert main(["check", str(path), "--json"]) == exitcodes.OK
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    assert warning.startswith("tcp rule *.example.com:22")
+    path.write_text('presets = ["github"]\n[[git]]\nhost = "github.com"\nrepos = ["acme/w"]\n')
+    assert main(["check", str(path)]) == exitcodes.OK
+    assert "tcp rule github.com:22 (preset:github)" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_only_what_a_person_could_allow_in_that_session_is_a_candidate():
                           ("tcp", "git.example.net")}
     assert found[("http", "pypi.org")].asked == 2
     assert found[("dns", "a.cdn.example.com")].rules == ["a.cdn.example.com"]  # a lookup only
-    assert found[("http", "api.example.org")].rules == ["api.example.org",
+    assert found[("http", "api.example.org")].rules == ["api.example.org:443",
                                                         "api.example.org:8443"]
     assert found[("tcp", "git.example.net")].rules == ["git.example.net:22"]
     assert found[("tcp", "git.example.net")].reasons == ["to push the branch"]
@@ -75,7 +75,7 @@ def test_records_naming_what_no_file_should_get_are_left_out():
     hostile.append(denied("corral allow-ssh x.test:22"))
     found = candidates([*hostile, denied("corral allow-http Fine.TEST.:0443")], "s1")
     assert [(c.kind, c.name, c.rules) for c in found] == [("http", "fine.test",
-                                                           ["fine.test"])]
+                                                           ["fine.test:443"])]
 
 
 def test_the_proposal_is_each_name_unless_folding_is_asked_for():
@@ -85,9 +85,10 @@ def test_the_proposal_is_each_name_unless_folding_is_asked_for():
     exact = propose(found, current)
     # the file allows api.example.org:8443 already: only its port 443 is proposed
     assert [(a.kind, a.rule) for a in exact.additions] == [
-        ("http", "api.example.org"), ("http", "pypi.org"), ("dns", "a.cdn.example.com"),
-        ("http", "b.cdn.example.com"), ("http", "c.cdn.example.com"),
-        ("http", "files.pythonhosted.org"), ("tcp", "git.example.net:22")]
+        ("http", "api.example.org:443"), ("http", "pypi.org:443"),
+        ("dns", "a.cdn.example.com"), ("http", "b.cdn.example.com:443"),
+        ("http", "c.cdn.example.com:80"), ("http", "files.pythonhosted.org:443"),
+        ("tcp", "git.example.net:22")]
     assert exact.additions[-1].comment == "asked 1x (agent 1)"
     assert exact.foldable == ["preset pypi (2 of the names)"]  # a.cdn... was a DNS lookup
     folded = propose(found, current, fold=True)
@@ -95,7 +96,7 @@ def test_the_proposal_is_each_name_unless_folding_is_asked_for():
     assert folded.covered["preset pypi"] == ["pypi.org", "files.pythonhosted.org"]
     three = candidates([*RECORDS, denied("corral allow-http d.cdn.example.com:443")], "s1")
     wildcard = [a for a in propose(three, fold=True).additions if a.rule.startswith("*")]
-    assert [a.rule for a in wildcard] == ["*.cdn.example.com"]
+    assert [a.rule for a in wildcard] == ["*.cdn.example.com"]  # asked on 80 and 443
     assert "allows any name under it" in wildcard[0].comment
     assert propose(three).foldable[-1] == "*.cdn.example.com (3 names)"
     everything = '[http]\nallow = ["api.example.org", "api.example.org:8443"]\n'
@@ -105,7 +106,7 @@ def test_the_proposal_is_each_name_unless_folding_is_asked_for():
 
 def test_a_wildcard_never_covers_a_top_level_domain():
     found = candidates([denied(f"corral allow-http n{i}.com:443") for i in range(5)], "s1")
-    assert [a.rule for a in propose(found, fold=True).additions] == [f"n{i}.com"
+    assert [a.rule for a in propose(found, fold=True).additions] == [f"n{i}.com:443"
                                                                      for i in range(5)]
 
 
@@ -126,7 +127,7 @@ def test_rules_are_added_keeping_what_a_person_wrote():
     assert after.startswith('presets = [\n    "pypi", # 2 of its names\n]\n\n# the project')
     assert "# the API" in after and 'exclude = ["secrets/"]' in after
     document = parse_policy(after, "corral.toml", "project")
-    assert document.presets == ("pypi",)
+    assert [p.name for p in document.presets] == ["pypi"]
     assert {(r.kind, r.text) for r in document.rules} >= {
         ("http", "a.test"), ("http", "b.test:8080"), ("tcp", "git.test:22")}
     assert after.count('"a.test"') == 1 and '"b.test:8080", # asked 3x' in after
@@ -189,7 +190,8 @@ def test_a_preset_goes_before_the_tables_and_comments_stay_with_their_keys():
     after = projectfile.added(text, [Addition("preset", "pypi")])
     assert after.index("presets") < after.index("[http]")
     assert "# the http rules\n[http]" in after and 'description = "x"  # ours' in after
-    assert parse_policy(after, "corral.toml", "project").presets == ("pypi",)
+    assert [p.name for p in parse_policy(after, "corral.toml", "project").presets] == [
+        "pypi"]
 
 
 def test_the_monitor_asks_about_the_oldest_open_approval_until_it_is_decided():
@@ -221,4 +223,88 @@ def test_what_learning_open_let_through_is_a_candidate_too():
     plain_allow = {**learned, "learning": None, "hint": "corral allow-http plain.test:443"}
     found = candidates([learned, plain_allow], "s1")
     assert [(c.kind, c.name, c.rules) for c in found] == [("http", "open.test",
-                                                           ["open.test"])]
+                                                           ["open.test:443"])]
+
+
+# -- never wider than what a person left open (issue 26, E11) -------------------------------
+
+
+def refused(target: str, kind: str = "http", session: str = "s1") -> dict:
+    return {"session": session, "kind": "approval", "verdict": "change", "action": "refused",
+            "grant_kind": kind, "target": target}
+
+
+def proposed(records: list[dict], fold: bool = False, denies: Policy | None = None,
+             current: Policy | None = None) -> list[tuple[str, str]]:
+    from cli.learn import refusals
+
+    found = candidates(records, "s1")
+    proposal = propose(found, current, fold, refused=refusals(records, "s1"), denies=denies)
+    return [(a.kind, a.rule) for a in proposal.additions]
+
+
+def test_a_port_a_person_refused_is_not_opened_by_the_bare_name_for_another():
+    records = [refused("site.test:443"), denied("corral allow-http site.test:80", kind="http")]
+    assert proposed(records) == [("http", "site.test:80")]  # never "site.test": 443 too
+
+
+def test_a_name_is_proposed_bare_only_where_both_http_ports_were_asked():
+    one = [denied("corral allow-http one.test:443")]
+    both = [denied("corral allow-http both.test:443"),
+            denied("corral allow-http both.test:80", kind="http"),
+            denied("corral allow-http both.test:8443")]
+    assert proposed(one) == [("http", "one.test:443")]
+    assert proposed(both) == [("http", "both.test"), ("http", "both.test:8443")]
+
+
+def test_a_wildcard_never_folds_over_a_name_a_person_refused():
+    siblings = [denied(f"corral allow-http {n}.cdn.test:443") for n in "abc"]
+    assert proposed(siblings, fold=True) == [("http", "*.cdn.test:443")]
+    for refusal in (refused("x.cdn.test:443"), refused("x.cdn.test"), refused("x.cdn.test",
+                                                                              "dns")):
+        assert proposed([*siblings, refusal], fold=True) == [
+            ("http", f"{n}.cdn.test:443") for n in "abc"], refusal
+    # a refusal on a port the wildcard would not open leaves it folded
+    assert proposed([*siblings, refused("x.cdn.test:22", "tcp")], fold=True) == [
+        ("http", "*.cdn.test:443")]
+
+
+def test_a_preset_never_folds_over_a_name_a_person_refused():
+    asked = [denied("corral allow-http api.github.com:443"),
+             denied("corral allow-http codeload.github.com:443")]
+    assert ("preset", "github") in proposed(asked, fold=True)
+    # the github preset also opens uploads.github.com and github.com:22
+    for refusal in (refused("uploads.github.com:443"), refused("github.com:22", "tcp")):
+        assert proposed([*asked, refusal], fold=True) == [
+            ("http", "api.github.com:443"), ("http", "codeload.github.com:443")], refusal
+
+
+def test_a_refused_tcp_port_is_never_proposed_whatever_asked_for_it():
+    records = [refused("db.test:5432", "tcp"), denied("corral allow-tcp db.test:5432"),
+               denied("corral allow-http db.test:5432"), denied("corral allow-tcp db.test:6432")]
+    assert proposed(records) == [("tcp", "db.test:6432")]
+
+
+def test_a_fold_never_covers_a_name_the_sessions_own_deny_rules_cover():
+    from appliance.policy import Rule
+
+    siblings = [denied(f"corral allow-http {n}.cdn.test:443") for n in "abc"]
+    for layer in ("session",):  # a runtime deny does not go with the project's next session
+        denies = Policy([Rule.parse("deny", "x.cdn.test", layer, "api")])
+        assert ("http", "*.cdn.test:443") not in proposed(siblings, fold=True, denies=denies)
+    kept = Policy([Rule.parse("deny", "x.cdn.test", "appliance", "/etc/corral/policy.toml")])
+    assert ("http", "*.cdn.test:443") in proposed(siblings, fold=True, denies=kept)
+
+
+def test_approve_always_and_learn_write_one_rule_for_one_grant():
+    from cli.approvals import always_addition
+
+    for target, port in (("Docs.Example.org:443", "443"), ("docs.example.org:80", "80"),
+                         ("docs.example.org:8443", "8443")):
+        approval = {"id": "ap-1", "session": "s1", "kind": "http", "target": target}
+        learned = proposed([denied(f"corral allow-http docs.example.org:{port}")])
+        assert [(always_addition(approval, "2026-01-01").kind,
+                 always_addition(approval, "2026-01-01").rule)] == learned
+    # a name looked up in ask mode is granted as the bare name, and written so
+    looked_up = {"id": "ap-2", "session": "s1", "kind": "http", "target": "docs.example.org"}
+    assert always_addition(looked_up, "2026-01-01").rule == "docs.example.org"

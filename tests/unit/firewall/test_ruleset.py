@@ -78,7 +78,7 @@ def test_redirects_and_static_tcp(commands):
 
 def test_every_session_has_a_counted_logged_reject(commands):
     counters = {c["add"]["counter"]["name"] for c in commands if "counter" in c.get("add", {})}
-    assert counters == {"deny_s1", "deny_s2", "deny_unknown", "deny_ipv6"}
+    assert counters == {"deny_s1", "deny_s2", "deny_unknown", "deny_ipv6", "quiet_multicast"}
     first = rules(commands, "deny_s1")[0]["expr"]
     assert first[0] == {"counter": "deny_s1"} and "limit" in first[1] and "log" in first[2]
 
@@ -248,3 +248,42 @@ def test_a_sessions_floods_are_stopped_in_the_kernel(ruleset, packet, expected):
     session's connection caps ((256 + 32) * 2 = 576), the kernel rejects: before the
     queues every session shares fill up."""
     assert verdict(ruleset, "filter_input", packet) == expected
+
+
+# -- link-local multicast: counted quietly, never a denial (issue 26, F15) -----------------
+
+@pytest.mark.parametrize("packet", [
+    Packet("podman3", S1, "224.0.0.252", l4="udp", dport=5355, local=True),     # LLMNR
+    Packet("podman3", S1_GW, "224.0.0.252", l4="udp", dport=5355, local=True),  # ours, looped
+    Packet("podman3", S1, "224.0.0.251", l4="udp", dport=5353, local=True),     # mDNS
+    Packet("podman3", S1, "224.0.0.22", l4="igmp", dport=0, local=True),        # IGMP reports
+    Packet("podman3", "fe80::2", "ff02::1:3", l4="udp", dport=5355, local=True),
+    Packet("podman3", "fe80::2", "ff02::fb", l4="udp", dport=5353, local=True),
+    Packet("podman3", "fe80::2", "ff02::16", l4="icmpv6", icmpv6_type="mld2-listener-report",
+           local=True),
+], ids=["llmnr", "llmnr-looped", "mdns", "igmp", "llmnr6", "mdns6", "mld"])
+def test_link_local_multicast_on_a_sandbox_link_is_dropped_quietly(ruleset, packet):
+    """What hosts send on every new link (name queries, group reports) never leaves it:
+    dropped and counted (`quiet_multicast`), not a reported reject that buries real ones."""
+    assert verdict(ruleset, "filter_input", packet) == "drop"
+    quiet = [r["expr"] for r in rules(ruleset, "filter_input")
+             if {"counter": "quiet_multicast"} in r["expr"]]
+    assert len(quiet) == 2 and all(e[-1] == {"drop": None} for e in quiet)  # v4 and v6
+    assert not [s for e in quiet for s in e if "log" in s]  # counted, never reported
+
+
+def test_other_multicast_and_the_management_link_are_unchanged(ruleset):
+    ssdp = Packet("podman3", S1, "239.255.255.250", l4="udp", dport=1900, local=True)
+    assert verdict(ruleset, "filter_input", ssdp) == "reject:deny_s1"  # not link-local
+    site = Packet("podman3", "fe80::2", "ff05::1:3", l4="udp", dport=547, local=True)
+    assert verdict(ruleset, "filter_input", site) == "reject:deny_ipv6"
+    own = Packet("eth0", "192.0.2.7", "224.0.0.252", l4="udp", dport=5355, local=True)
+    assert verdict(ruleset, "filter_input", own) == "accept"  # not a sandbox interface
+
+
+def test_the_quiet_counter_is_carried_over_a_reapply():
+    config = parse_config(CONFIG, "filter.toml")
+    commands = build(config, counts={"quiet_multicast": {"packets": 7, "bytes": 700}})
+    (counter,) = [c["add"]["counter"] for c in commands if "counter" in c.get("add", {})
+                  and c["add"]["counter"]["name"] == "quiet_multicast"]
+    assert (counter["packets"], counter["bytes"]) == (7, 700)

@@ -51,7 +51,7 @@ names = ["upload.example.org"]
     ('[htttp]\nallow = ["x.example"]\n', "corral.toml:1: htttp: unknown key"),
     ('[host]\nports = ["5432"]\n', "corral.toml:2: [host] ports: '5432' is not a port number"),
     ('[tcp]\nallow = [22]\n', "corral.toml:2: [tcp] allow: 22 is not a string"),
-    ('presets = "pypi"\n', "corral.toml:1: presets: must be a list of strings"),
+    ('presets = "pypi"\n', "corral.toml:1: presets: must be a list of preset names"),
     ('[http\nallow = []\n', "corral.toml:1: not valid TOML"),
     ('owner = 3\n', "corral.toml:1: owner: unknown key"),
 ])
@@ -67,9 +67,14 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_every_required_preset_ships_and_parses():
+    from appliance.policy.layers import preset_parameters
+    from appliance.policy.parameters import PresetRef
+
     assert set(preset_names()) >= REQUIRED_PRESETS
+    examples = {"repos": ("acme/widget",)}
     for name in preset_names():
-        rules = preset_rules(name, "appliance")
+        given = tuple((key, examples[key]) for key in preset_parameters(name))
+        rules = preset_rules(PresetRef(name, given), "appliance")
         assert rules, name
         assert all(r.source == f"preset:{name}" and r.layer == "appliance" for r in rules)
 
@@ -144,3 +149,79 @@ def test_inspect_tables_become_rules_tagged_like_the_others():
     inline = parse_policy('inspect = [{host = "a.example", deny = ["DELETE /**"]}]\n',
                           "corral.toml", "project")
     assert [r.text for r in inline.rules] == ["a.example", "!a.example DELETE /**"]
+
+
+# -- rules that undo what they look like (issue 26, F16) ------------------------------------
+
+
+@pytest.mark.parametrize(("port", "what"), [(53, "DNS"), (853, "DNS over TLS")])
+def test_a_host_port_that_is_a_resolver_is_refused_with_the_reason_and_the_fix(port, what):
+    text = f'[http]\nallow = ["a.test"]\n\n[host]\nports = [5432, {port}]\n'
+    with pytest.raises(ConfigError) as info:
+        parse_policy(text, "corral.toml", "project")
+    message = str(info.value)
+    assert message.startswith(f"corral.toml:5: [host] ports: {port} is the host's {what}"), message
+    assert "around the filter" in message and f"force_ports = [{port}]" in message
+
+
+def test_a_resolver_port_of_the_host_is_reachable_only_when_forced():
+    rules = parse_policy('[host]\nports = [5432]\nforce_ports = [53, 853]\n', "corral.toml",
+                         "project").rules
+    assert [(r.kind, r.text) for r in rules] == [("host", "5432"), ("host", "53"),
+                                                 ("host", "853")]
+    with pytest.raises(ConfigError, match=r"corral.toml:2: \[host\] force_ports: 5432 needs no "
+                                          r"forcing: list it in \[host\] ports"):
+        parse_policy('[host]\nforce_ports = [5432]\n', "corral.toml", "project")
+    with pytest.raises(ConfigError, match=r"\[host\] force_ports: '53' is not a port number"):
+        parse_policy('[host]\nforce_ports = ["53"]\n', "corral.toml", "project")
+
+
+def github_pr(repos: str = '["acme/widget"]') -> str:
+    return f'presets = ["pypi", {{name = "github-pr", repos = {repos}}}]\n'
+
+
+def test_a_preset_that_acts_on_repositories_acts_on_those_named_only():
+    from appliance.policy import Policy, parse_host
+
+    policy = Policy(policy_file_rules(github_pr('["acme/widget", "acme/tools-*"]'),
+                                      "corral.toml", "project"))
+    api = policy.inspection(parse_host("api.github.com"))
+    for method, target, allowed in [
+        ("POST", "/repos/acme/widget/pulls", True),
+        ("PATCH", "/repos/acme/widget/pulls/3", True),
+        ("POST", "/repos/acme/widget/issues/3/comments", True),
+        ("POST", "/repos/acme/tools-cli/pulls/3/comments", True),
+        ("POST", "/repos/other/widget/pulls", False),          # not named: a bot acts there
+        ("POST", "/repos/other/widget/issues/3/comments", False),
+        ("PATCH", "/repos/acme/gadget/issues/comments/9", False),
+        ("GET", "/repos/other/widget/pulls", True),             # reading stays open
+        ("PUT", "/repos/acme/widget/pulls/3/merge", False),     # and merging stays closed
+    ]:
+        assert api.decide(method, target).allowed is allowed, (method, target)
+    assert policy.decide_http(parse_host("pypi.org"), 443).allowed
+    assert {r.source for r in policy.rules} == {"corral.toml", "preset:pypi", "preset:github-pr"
+                                                } - {"corral.toml"}
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('# the team\npresets = ["github-pr"]\n',
+     'corral.toml:2: presets: preset \'github-pr\' acts on the repositories you name'),
+    (github_pr("[]"), "corral.toml:1: presets: github-pr: repos: name at least one"),
+    (github_pr('["*/*"]'), "corral.toml:1: presets: github-pr: repos: '*/*' is not OWNER/REPO"),
+    (github_pr('["acme"]'), "corral.toml:1: presets: github-pr: repos: 'acme' is not OWNER/REPO"),
+    (github_pr('["acme/w/x"]'), "corral.toml:1: presets: github-pr: repos: 'acme/w/x' is not"),
+    (github_pr('["acme/../x"]'), "corral.toml:1: presets: github-pr: repos: 'acme/../x' is not"),
+    (github_pr('"acme/widget"'), "corral.toml:1: presets: github-pr: repos: must be a list"),
+    ('presets = [{name = "github-pr", repo = ["a/b"]}]\n',
+     "corral.toml:1: presets: github-pr: unknown parameter 'repo'; it takes repos"),
+    ('presets = [{name = "pypi", repos = ["a/b"]}]\n',
+     "corral.toml:1: presets: pypi takes no parameters"),
+    ('presets = [{repos = ["a/b"]}]\n', 'corral.toml:1: presets: a table names its preset'),
+    ('presets = [3]\n', "corral.toml:1: presets: 3 is neither a preset's name nor a table"),
+])
+def test_preset_parameters_are_checked_and_a_missing_one_names_the_fix(text, expected):
+    with pytest.raises(ConfigError) as info:
+        policy_file_rules(text, "corral.toml", "project")
+    assert str(info.value).startswith(expected), str(info.value)
+    if "acts on the repositories" in expected:
+        assert 'presets = [{name = "github-pr", repos = ["OWNER/REPO"]}]' in str(info.value)

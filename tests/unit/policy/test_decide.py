@@ -379,3 +379,34 @@ def test_remembered_decisions_are_the_ones_first_made_and_stay_bounded():
         policy.decide_dns(parse_host(f"n{i}.example.org"))
     assert len(policy._memo) <= MEMO_MAX
     assert policy.decide_http(parse_host("upload.example.org"), 443).allowed is False
+
+
+# -- overlap of host patterns (corral check, corral learn) ---------------------------------
+
+LABELS = ("a", "b", "c")
+names_of = st.lists(st.sampled_from(LABELS), min_size=2, max_size=4).map(".".join)
+
+
+@given(names_of, names_of, st.booleans(), st.booleans(),
+       st.sampled_from(("http", "deny")), st.sampled_from(("http", "deny")))
+@settings(max_examples=400, deadline=None)
+def test_two_patterns_overlap_exactly_when_some_name_is_covered_by_both(a, b, wild_a, wild_b,
+                                                                         kind_a, kind_b):
+    """Against the decisions themselves: every name of up to five labels over the same
+    alphabet is asked of each rule alone."""
+    from itertools import product
+
+    from appliance.policy.rules import overlap
+
+    rule_a = Rule.parse(kind_a, f"*.{a}" if wild_a else a)
+    rule_b = Rule.parse(kind_b, f"*.{b}" if wild_b else b)
+
+    def covers(rule, name):
+        policy = Policy([rule])
+        host = parse_host(name)
+        return (policy.denied_by(host) is not None if rule.kind == "deny"
+                else policy.decide_http(host, 443).allowed)
+
+    names = [".".join(p) for n in range(2, 6) for p in product(LABELS, repeat=n)]
+    both = any(covers(rule_a, n) and covers(rule_b, n) for n in names)
+    assert overlap(rule_a, rule_b) is both and overlap(rule_b, rule_a) is both

@@ -19,6 +19,7 @@ from appliance.policy import (
     policy_file_rules,
     preset_rules,
 )
+from appliance.policy.parameters import PresetRef
 
 from . import lax
 
@@ -31,6 +32,10 @@ host = "api.github.com"
 allow = ["GET /**", "POST /repos/acme/widget/pulls", "PATCH /repos/acme/widget/pulls/*"]
 deny  = ["* /gists/**", "PUT /repos/*/*/pulls/*/merge"]
 """
+
+
+GITHUB_PR = PresetRef("github-pr", (("repos", ("o/r",)),))
+"""github-pr as the tables below read it: its writes on the repository o/r."""
 
 
 def policy_of(*texts: str, layers: tuple[str, ...] = ()) -> Policy:
@@ -309,7 +314,8 @@ def test_denials_name_the_rule_and_the_command():
     assert unmatched.hint == ("corral allow-request api.github.com POST /user/repos (or add "
                               "'POST /user/repos' to an allow list of an [[inspect]] table for "
                               "api.github.com)")
-    preset = policy_of('presets = ["github-pr"]').inspection(HOST).decide("PUT", "/gists/1")
+    preset = policy_of('presets = [{name = "github-pr", repos = ["o/r"]}]').inspection(
+        HOST).decide("PUT", "/gists/1")
     assert preset.hint == ("remove request rule !api.github.com * /gists/** from the project "
                            "layer (preset:github-pr)")
 
@@ -345,7 +351,7 @@ def test_an_allow_must_hold_under_both_readings_of_an_encoded_slash():
 
 
 def test_request_rules_keep_their_identity_as_text():
-    rules = [r for name in ("github-pr", "github-readonly", "npm-no-publish", "pypi-no-upload")
+    rules = [r for name in (GITHUB_PR, "github-readonly", "npm-no-publish", "pypi-no-upload")
              for r in preset_rules(name, "project")]
     for rule in rules:
         again = Rule.parse(rule.kind, rule.text, rule.layer, rule.source)
@@ -409,6 +415,8 @@ def test_bad_request_rules(text, message):
     ("github-readonly", "github.com", "GET", "/o/r/archive/refs/tags/v1.tar.gz", True),
     ("github-pr", "api.github.com", "GET", "/repos/o/r/pulls/1/files", True),
     ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls", True),
+    ("github-pr", "api.github.com", "POST", "/repos/o/other/pulls", False),  # not named
+    ("github-pr", "api.github.com", "POST", "/repos/x/r/issues/3/comments", False),
     ("github-pr", "api.github.com", "PATCH", "/repos/o/r/pulls/3", True),
     ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments", True),
     ("github-pr", "api.github.com", "POST", "/repos/o/r/pulls/3/comments/9/replies", True),
@@ -449,13 +457,13 @@ def test_bad_request_rules(text, message):
     ("npm-no-publish", "registry.yarnpkg.com", "PUT", "/left-pad", False),
 ])
 def test_presets_decide_as_documented(preset, host, method, target, allowed):
-    policy = Policy(preset_rules(preset, "project"))
+    policy = Policy(preset_rules(GITHUB_PR if preset == "github-pr" else preset, "project"))
     decision = policy.inspection(parse_host(host)).decide(method, target)
     assert decision.allowed is allowed, decision.reason
 
 
 def test_github_presets_allow_their_hosts_and_no_ssh():
-    for name in ("github-readonly", "github-pr"):
+    for name in ("github-readonly", GITHUB_PR):
         policy = Policy(preset_rules(name, "project"))
         assert policy.decide_http(HOST, 443).allowed
         assert not policy.tcp_rules(parse_host("github.com"))

@@ -1,0 +1,62 @@
+"""What a firewall reject becomes: an event whose hint fits what was rejected (issue 26,
+F15). The real service and bus; the drops as the NFLOG reader makes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.filter.config import parse_config
+from appliance.filter.service import Service
+from appliance.firewall.nflog import Drop
+
+S1, GW = "10.213.1.2", "10.213.1.1"
+
+
+@pytest.fixture
+def service(tmp_path):
+    config = parse_config(f"""
+[state]
+dir = "{tmp_path}/state"
+[control]
+socket = "{tmp_path}/control.sock"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+""", str(tmp_path / "filter.toml"))
+    service = Service(config)
+    yield service
+    service.blocking.shutdown()
+
+
+def event_of(service, drop: Drop) -> dict | None:
+    before = len(service.bus.recent)
+    service._drop_event(drop)
+    fresh = list(service.bus.recent)[before:]
+    assert len(fresh) <= 1
+    return fresh[0] if fresh else None
+
+
+@pytest.mark.parametrize(("drop", "says", "never"), [
+    (Drop("s1", "udp", S1, "8.8.8.8", 53), "the session's resolver", "HTTP_PROXY"),
+    (Drop("s1", "tcp", S1, "8.8.8.8", 53), "the session's resolver", "allow-tcp"),
+    (Drop("s1", "udp", S1, "203.0.113.10", 443), "falls back to TCP", "tcp rule"),
+    (Drop("s1", "udp", S1, "203.0.113.10", 51820), "UDP is not forwarded", "HTTP_PROXY"),
+    (Drop("s1", "icmp", S1, "203.0.113.10", None), "ICMP is not forwarded", "HTTP_PROXY"),
+    (Drop("s1", "tcp", S1, "203.0.113.10", 22), "corral allow-tcp NAME:22", "UDP"),
+    (Drop("s1", "tcp", S1, GW, 22), "host.corral", "allow-tcp"),
+    (Drop("ipv6", "tcp", "fd00::2", "2001:db8::1", 443), "IPv6 is not forwarded", "allow-tcp"),
+    (Drop("s1", "47", S1, "203.0.113.10", None), "only TCP", "HTTP_PROXY"),
+], ids=["udp-dns", "tcp-dns", "quic", "udp", "icmp", "tcp", "gateway-port", "ipv6", "gre"])
+def test_each_reject_gets_a_hint_that_fits_its_protocol(service, drop, says, never):
+    event = event_of(service, drop)
+    assert says in event["hint"] and never not in event["hint"], event["hint"]
+    assert event["kind"] == "firewall" and event["verdict"] == "deny"
+
+
+@pytest.mark.parametrize("drop", [
+    Drop("s1", "udp", S1, "224.0.0.252", 5355), Drop("ipv6", "udp", "fe80::2", "ff02::1:3", 5355),
+    Drop("s1", "udp", GW, "224.0.0.251", 5353), Drop("ipv6", "icmpv6", "fe80::2", "ff02::16",
+                                                      None)])
+def test_link_local_multicast_is_never_a_denial_event(service, drop):
+    """The ruleset drops it quietly; a report of one (a ruleset from before) is no event."""
+    assert event_of(service, drop) is None
