@@ -83,7 +83,7 @@ def test_the_kernel_and_review_groups_pass_inside_a_real_session(manager, servic
     states = {p["id"]: (p["state"], p["detail"]) for p in answer["probes"]}
     assert {"userns-unshare", "userns-clone", "mount", "keyctl", "bpf", "perf-event-open",
             "userfaultfd", "ptrace-outside", "proc-sys-write", "raw-socket", "packet-socket",
-            "review-hostile-files"} == set(states)
+            "review-hostile-files", "review-changed-after-diff"} == set(states)
     listing = manager.podman.run("exec", session.container, "ls", "-A", "/work").stdout
     assert b"corral-selftest-review" not in listing  # the service took its files away again
     assert answer["passed"], json.dumps(states, indent=1)
