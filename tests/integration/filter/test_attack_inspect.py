@@ -141,6 +141,23 @@ JSON = "Content-Type: application/json\r\n"
     (JSON, b'{"_method": "GET", "_method": "DELETE"}'),  # parsers keep the first or the last
     ("Content-Type: application/vnd.api+json\r\n", b'{"_method": "DELETE"}'),
     (JSON, b'{"_method": "DELETE", '),  # unreadable, and it names _method: refused
+    # as lighttpd, PHP, Rack 2, qs, Laravel and Tomcat read them
+    ("X.HTTP.Method.Override: DELETE\r\n", b"{}"),  # lighttpd: any non-alphanumeric is _
+    (FORM, b"_method%00x=DELETE"),  # PHP cuts a name at its NUL
+    (FORM, b"[_method]=DELETE"),  # Rack 2 and qs drop leading brackets
+    ("Content-Type: \r\n", b"_method=DELETE"),  # Rack: an empty type is no type: a form
+    ("Content-Type: application/x-www-form-urlencoded xyz\r\n", b"_method=DELETE"),  # PHP
+    ("Content-Type: text/plain; x=/json\r\n", b'{"_method": "DELETE"}'),  # Laravel
+    ("Content-Type: multipart/form-data; xboundary=php; boundary=b0undary\r\n",
+     _multipart({"_method": "DELETE"}, boundary="php")),  # PHP: the first "boundary"
+    ("Content-Type: multipart/form-data; boundary=b0undary; xboundary=rack\r\n",
+     _multipart({"_method": "DELETE"}, boundary="rack")),  # Rack: the last "boundary="
+    (MULTIPART, _multipart({"a": "1"}) + _multipart({"_method": "DELETE"})),  # PHP reads on
+    (MULTIPART, b"--b0undary\r\nContent-ID: _method\r\n\r\nDELETE\r\n--b0undary--\r\n"),
+    (MULTIPART, b"--b0undary\r\nContent-Disposition: form-data; name='_method'\r\n\r\n"
+                b"DELETE\r\n--b0undary--\r\n"),  # PHP quotes with ' too
+    (MULTIPART, b'--b0undary\r\nContent-Disposition: form-data; name="=?UTF-8?B?X21ldGhv'
+                b'ZA==?="\r\n\r\nDELETE\r\n--b0undary--\r\n'),  # Tomcat: RFC 2047
 ])
 def test_a_method_override_in_any_form_a_server_stack_reads_is_judged(
         real, origins, interception, extra, body):  # noqa: F811

@@ -192,3 +192,131 @@ def test_examine_scans_what_the_origin_inflates_and_finds_what_it_asks_for():
     assert examine(b"_method=PATCH", head(fields), None, methods=False).refusal is not None
     reading = examine(quote("_method=PATCH").encode(), head(), None, methods=False)
     assert reading == type(reading)()
+
+
+# -- as other stacks read them: each request below is a DELETE to some stack ---------------
+
+
+@pytest.mark.parametrize("name", ["X.HTTP.Method.Override", "X+HTTP+Method+Override",
+                                  "X~HTTP~Method~Override", "x|http|method|override"])
+def test_override_field_names_fold_as_lighttpd_folds_them(name):
+    # lighttpd's CGI and FastCGI name a field's variable with every character that is not a
+    # letter or a digit as '_': HTTP_X_HTTP_METHOD_OVERRIDE to the PHP behind it
+    found = overrides.header_methods(head(f"{name}: DELETE\r\n"))
+    assert [m for _, m in found] == ["DELETE"]
+    assert overrides.header_paths(head(f"{name.replace('HTTP-Method-Override', 'x')}: /a\r\n"
+                                       f"X.Original.URL: /admin\r\n")) == [
+        ("the X.Original.URL field", "/admin")]
+
+
+@pytest.mark.parametrize("query", [
+    "_method%00x=DELETE",  # PHP: a name is a C string, cut at its NUL
+    "_method%00=DELETE",
+    "[_method]=DELETE",  # Rack 2 and qs (Express's extended forms): leading brackets dropped
+    "]_method=DELETE", "[[_method]]=DELETE", "_method]=DELETE",
+])
+def test_a_method_parameter_is_found_as_php_rack_and_qs_key_it(query):
+    assert [m for _, m in overrides.form_methods(query, "q")] == ["DELETE"]
+
+
+def test_a_value_is_upper_cased_as_unicode_aware_stacks_do():
+    # Rack's String#upcase and Java's toUpperCase map U+0131 to I and U+017F to S
+    found = overrides.form_methods("_method=opt%C4%B1ons&_method=po%C5%BFt", "q")
+    assert [m for _, m in found] == ["OPTIONS", "POST"]
+
+
+@pytest.mark.parametrize(("content_type", "kind"), [
+    ("", "form"),  # Rack reads a POST with an empty Content-Type as a form
+    ("   ", "form"),
+    ("application/x-www-form-urlencoded xyz", "form"),  # PHP cuts the type at a space
+    ("multipart/form-data xyz; boundary=zz", "multipart"),
+    ("text/plain; x=/json", "json"),  # Laravel: any type that contains /json or +json
+    ("application/jsonx", "json"), ("text/plain+json; a=b", "json"),
+])
+def test_body_kinds_are_read_as_rack_php_and_laravel_read_the_type(content_type, kind):
+    assert kind in overrides.body_kinds(head(f"Content-Type: {content_type}\r\n"))
+
+
+def _part(head_lines: str, value: str = "DELETE", mark: str = "zz") -> str:
+    return f"--{mark}\r\n{head_lines}\r\n\r\n{value}\r\n"
+
+
+@pytest.mark.parametrize(("content_type", "body"), [
+    # PHP takes the first "boundary" anywhere in the type, up to the next '='
+    ("multipart/form-data; xboundary=php; boundary=zz",
+     _part('Content-Disposition: form-data; name="_method"', mark="php") + "--php--\r\n"),
+    ("multipart/form-data; boundaryx; y=php; boundary=zz",
+     _part('Content-Disposition: form-data; name="_method"', mark="php") + "--php--\r\n"),
+    # Rack the last "boundary=", whatever parameter it ends
+    ("multipart/form-data; boundary=zz; xboundary=rack",
+     _part('Content-Disposition: form-data; name="_method"', mark="rack") + "--rack--\r\n"),
+    # Commons FileUpload (Tomcat) splits parameters on ',' too, and the last one wins
+    ("multipart/form-data; boundary=zz, boundary=tc",
+     _part('Content-Disposition: form-data; name="_method"', mark="tc") + "--tc--\r\n"),
+    # ... and undoes RFC 2231 and RFC 2047 encodings in them
+    ("multipart/form-data; boundary*=utf-8''tc",
+     _part('Content-Disposition: form-data; name="_method"', mark="tc") + "--tc--\r\n"),
+    ('multipart/form-data; boundary="=?utf-8?B?dGM=?="',
+     _part('Content-Disposition: form-data; name="_method"', mark="tc") + "--tc--\r\n"),
+])
+def test_a_multipart_body_is_split_on_every_boundary_a_server_reads(content_type, body):
+    found = overrides.body_methods(body.encode(), head(f"Content-Type: {content_type}\r\n"))
+    assert "DELETE" in [m for _, m in found]
+
+
+@pytest.mark.parametrize("body", [
+    # PHP reads on after the close delimiter, from the next line that is a delimiter
+    _part('Content-Disposition: form-data; name="a"', "1") + "--zz--\r\n"
+    + _part('Content-Disposition: form-data; name="_method"') + "--zz--\r\n",
+    # PHP, Commons FileUpload and Go unfold a field continued on the next line
+    _part('Content-Disposition: form-data; x=y;\r\n name="_method"; z="a:b"') + "--zz--",
+    _part('Content-Disposition: form-data;\r\n\tname=_method; z="a:b"') + "--zz--",
+    # Rack names a part by its Content-ID when no Content-Disposition names it ...
+    _part("Content-ID: _method") + "--zz--",
+    # ... finds "Content-Disposition:" anywhere in the part's head, and the last name= in it
+    _part('X-A: Content-Disposition: form-data; name=_method\r\n'
+          'Content-Disposition: form-data; name="a"') + "--zz--",
+    _part('Content-Disposition: form-data; name="a"; x="; name=_method"') + "--zz--",
+    # PHP quotes with ' too, ends an unquoted value at a space, and splits on ';' in quotes
+    _part("Content-Disposition: form-data; name='_method'") + "--zz--",
+    _part("Content-Disposition: form-data; name=_method x") + "--zz--",
+    _part('Content-Disposition: form-data; name="x;name=_method;y"') + "--zz--",
+    # Commons FileUpload (Tomcat, Spring's HiddenHttpMethodFilter) decodes RFC 2047 words
+    _part('Content-Disposition: form-data; name="=?UTF-8?B?X21ldGhvZA==?="') + "--zz--",
+    _part('Content-Disposition: form-data; name="=?utf-8?q?=5Fmethod?="') + "--zz--",
+])
+def test_a_multipart_method_part_is_found_as_php_rack_and_tomcat_find_it(body):
+    found = overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
+                                                       "boundary=zz\r\n"))
+    assert "DELETE" in [m for _, m in found]
+
+
+@pytest.mark.parametrize(("content_type", "body"), [
+    # Tomcat and Jetty decode a form's names and values in the charset its type declares
+    # (Tomcat: each name and value percent-decoded, then decoded; Jetty: a UTF-16 body
+    # decoded whole first)
+    ("application/x-www-form-urlencoded; charset=utf-16be",
+     quote("_method".encode("utf-16-be")).encode() + b"="
+     + quote("DELETE".encode("utf-16-be")).encode()),
+    ("application/x-www-form-urlencoded; charset=UTF-16",
+     "_method=DELETE".encode("utf-16")),
+    ("multipart/form-data; boundary=zz; charset=utf-16le",
+     _part('Content-Disposition: form-data; name="_method"').replace(
+         "DELETE", "\0".join("DELETE") + "\0").encode() + b"--zz--"),
+])
+def test_a_form_is_read_in_the_charset_it_declares(content_type, body):
+    found = overrides.body_methods(body, head(f"Content-Type: {content_type}\r\n"))
+    assert "DELETE" in [m for _, m in found]
+
+
+def test_benign_bodies_stay_readable_and_name_no_method():
+    webkit = "----WebKitFormBoundary7MA4YWxkTrZu0gW"
+    body = (_part('Content-Disposition: form-data; name="payment_method"', "card", webkit)
+            + _part('Content-Disposition: form-data; name="file"; filename="a.txt"\r\n'
+                    "Content-Type: text/plain", "hello, world", webkit) + f"--{webkit}--\r\n")
+    found = overrides.body_methods(body.encode(), head(
+        f"Content-Type: multipart/form-data; boundary={webkit}\r\n"))
+    assert found == []
+    form = "payment_method=card&http.method=x&a_method=y&method=z&title=_method"
+    assert overrides.body_methods(form.encode(), head(
+        "Content-Type: application/x-www-form-urlencoded; charset=utf-8\r\n")) == []
