@@ -31,7 +31,7 @@ from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body
 from . import git
 from .content import codings
 from .credentials import Leak
-from .overrides import body_kinds
+from .overrides import body_kinds, header_paths
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
@@ -307,10 +307,12 @@ class Forward:
             leaked = proxy.credentials.leaks(session).in_fields(head.headers)
             if leaked is not None:
                 return await self._leaked(client, head, where, session, fields, leaked), kept
+        paths = header_paths(head)
         try:
             asked = tuple(m for _, m in asked_methods(head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0], asked)
+                                              ended, head.start[0], asked,
+                                              tuple(p for _, p in paths) if ended else ())
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
@@ -338,11 +340,12 @@ class Forward:
                 return await self._leaked(client, head, where, session, fields,
                                           reading.finding, body is not None), kept
             refusal = Decision(False, reading.refusal) if reading.refusal else None
-            if refusal is None and reading.methods:
-                methods = list(reading.methods)
-                refusal = judge_asked(inspection, head, where, methods)
+            if refusal is None and reading.methods:  # judged with what the head asks for
+                methods = [*asked_methods(head, where.path), *reading.methods]
+                refusal = judge_asked(inspection, head, where, methods, paths)
                 unpermitted = proxy.credentials.unpermitted(
-                    applied.used, [m for _, m in methods], head.start[1])
+                    applied.used, [m for _, m in methods], head.start[1],
+                    [p for _, p in paths])
                 if refusal is None and unpermitted:
                     refusal = Decision(False, unpermitted)
             if refusal is not None:

@@ -277,12 +277,25 @@ def judge_request(inspection, head: Head, where: Route, host_decision: Decision)
                        overrides.header_paths(head)) or decision
 
 
+MAX_READINGS = 32
+"""Readings of one request judged besides its own (a method at a path): each is a decision on
+the loop (~10 µs), and a client asks for one or two. A request asking for more is refused
+unjudged: a head of 2000 override methods and 100 rewrite fields was 200,000 decisions."""
+
+
 def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, str]],
                 paths: list[tuple[str, str]] = ()) -> Decision | None:
     """The refusal of the first reading of the request its rules deny (None: all pass):
     each method asked for with the request's target, and the request's own method and
-    each asked one with each path a rewrite field names."""
+    each asked one with each path a rewrite field names (each method and path once; more
+    than MAX_READINGS readings refuse the request)."""
     method = head.start[0]
+    methods, paths = _once(methods), _once(paths)
+    count = len(methods) + len(paths) * (1 + len(methods))
+    if count > MAX_READINGS:
+        return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks to be "
+                        f"read in {count} ways (override methods at rewrite paths); the "
+                        f"filter judges at most {MAX_READINGS}")
     readings = [(how, other, where.path, "") for how, other in methods]
     for how_path, path in paths:
         readings += [(how_path, m, path, f" at {printable(path)[:80]}")
@@ -294,6 +307,14 @@ def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, s
                             f"{how} to be read as {printable(other)[:40]}{at}: {found.reason}",
                             found.rule, found.hint)
     return None
+
+
+def _once(found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(where, what) pairs, each `what` once (where it was first found)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for how, what in found:
+        seen.setdefault(what, (how, what))
+    return list(seen.values())
 
 
 def request_fields(where: Route, head: Head) -> dict[str, str]:

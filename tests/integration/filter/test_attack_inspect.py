@@ -210,6 +210,22 @@ def test_a_path_given_in_a_rewrite_header_is_judged_as_a_target(
     assert seen_since(origins, before) == []
 
 
+def test_a_rewrite_path_is_judged_with_the_method_the_body_asks_for(
+        real, origins, interception):  # noqa: F811
+    """POST to an allowed path, routed by X-Original-URL to a merge, and `_method=PUT` in
+    the body: Symfony (before 5) reads PUT .../merge, which a deny names. Each alone passes;
+    the body's method must be judged at the rewrite's path too."""
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
+                                 method="POST", body=b"_method=PUT",
+                                 extra=f"{FORM}X-Original-URL: /repos/a/b/pulls/1/merge\r\n")
+    assert status == 403, headers
+    assert "merge" in headers["x-corral-deny"]
+    assert seen_since(origins, before) == []
+
+
 def test_forms_and_json_without_an_override_still_pass(real, origins, interception):  # noqa: F811
     port = origins["good"].port
     before = len(origins["good"].requests)
