@@ -55,8 +55,11 @@ from .reading import BodyReading, examine
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
-OFF_LOOP = 64 << 10
-"""Bodies larger than this are read for leaks on a worker thread."""
+OFF_LOOP = 1 << 10
+"""Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
+thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
+body of empty parts, a form of escaped names), so a body read on the loop costs it at most
+about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms."""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
@@ -385,7 +388,8 @@ class Forward:
 
     async def judged(self, session: str | None, work, *args):
         """`work(*args)` on a judge's thread, in the session's judge slot: how a push is
-        read and judged, over HTTPS and over SSH (sshgate.py) alike."""
+        read and judged, over HTTPS and over SSH (sshgate.py) alike, and a request body
+        read (_read)."""
         async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
             done = asyncio.get_running_loop().run_in_executor(_judges(), work, *args)
             try:
@@ -528,8 +532,8 @@ class Forward:
                 raise HttpError(413, f"{exc} {why}") from None
             raise
         args = (body, head, leaks if scanned else None, methods)
-        if len(body) > OFF_LOOP or codings(head):  # a regex pass over a MiB, or inflating a
-            return await asyncio.to_thread(examine, *args), body  # body: not here
+        if len(body) > OFF_LOOP or codings(head):  # parsing, scanning or inflating a body
+            return await self.judged(session, examine, *args), body  # of any size: not here
         return examine(*args), body
 
     async def _agent_ask(self, client: Client, head, where) -> bool:
