@@ -320,3 +320,18 @@ def test_benign_bodies_stay_readable_and_name_no_method():
     form = "payment_method=card&http.method=x&a_method=y&method=z&title=_method"
     assert overrides.body_methods(form.encode(), head(
         "Content-Type: application/x-www-form-urlencoded; charset=utf-8\r\n")) == []
+
+
+def test_a_body_of_many_tiny_gzip_members_is_refused_quickly_and_a_few_are_read_whole():
+    """Each member's output was appended to all before it (bytes +=), and each member copies
+    what follows it: 16,000 members of 160 bytes took 1.6 s, a 1 MiB body of them ~30 s of
+    a judge's thread."""
+    import time
+
+    member = gzip.compress(b"\0" * 160, mtime=0)
+    start = time.perf_counter()
+    with pytest.raises(content.Unreadable, match="members"):
+        content.decode(member * 16000, ["gzip"], 8 << 20)
+    assert time.perf_counter() - start < 0.1
+    few = content.MAX_MEMBERS
+    assert content.decode(member * few, ["gzip"], 8 << 20) == b"\0" * 160 * few
