@@ -198,7 +198,7 @@ def boundaries(content_type: str) -> list[str]:
     return marks
 
 
-_METHOD_WORD = re.compile(rb"(?<![A-Za-z0-9_])[_.\[]method(?![A-Za-z0-9_])", re.IGNORECASE)
+_METHOD_WORD = re.compile(rb"(?<![A-Za-z0-9_])[_.\[]method(?![A-Za-z0-9_.])", re.IGNORECASE)
 """`_method` spelt as PHP keys it, as a word of its own, anywhere in a part's head."""
 
 

@@ -335,3 +335,10 @@ def test_a_body_of_many_tiny_gzip_members_is_refused_quickly_and_a_few_are_read_
     assert time.perf_counter() - start < 0.1
     few = content.MAX_MEMBERS
     assert content.decode(member * few, ["gzip"], 8 << 20) == b"\0" * 160 * few
+
+
+def test_a_file_named_for_the_override_is_not_read_as_one():
+    body = _part('Content-Disposition: form-data; name="file"; filename="_method.txt"',
+                 "hello, world") + "--zz--"
+    assert overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
+                                                      "boundary=zz\r\n")) == []
