@@ -338,14 +338,17 @@ class Forward:
             if refused is not None:
                 return refused, kept
         if read:
-            reading, body = await self._read(client, head, inspection, session, body, holding)
+            limited = any(proxy.credentials.secrets[n].requests for n in applied.used)
+            reading, body = await self._read(client, head, inspection, session, body, holding,
+                                             limited)
             if reading.finding is not None:
                 return await self._leaked(client, head, where, session, fields,
                                           reading.finding, body is not None), kept
             refusal = Decision(False, reading.refusal) if reading.refusal else None
             if refusal is None and reading.methods:  # judged with what the head asks for
                 methods = [*asked_methods(head, where.path), *reading.methods]
-                refusal = judge_asked(inspection, head, where, methods, paths)
+                refusal = judge_asked(inspection, head, where, methods, paths) if (
+                    inspection is not None) else None
                 unpermitted = proxy.credentials.unpermitted(
                     applied.used, [m for _, m in methods], head.start[1],
                     [p for _, p in paths])
@@ -497,20 +500,22 @@ class Forward:
         return await self._refuse(client, head, Denied(decision, where.target), read=read)
 
     async def _read(self, client: Client, head, inspection, session: str | None,
-                    body: bytes | None, holding: list) -> tuple[BodyReading, bytes | None]:
+                    body: bytes | None, holding: list, limited: bool = False
+                    ) -> tuple[BodyReading, bytes | None]:
         """Read what a request to an inspected host carries out (reading.py): (what was
         found, the body if it has been read whole). The target is always scanned for leaks;
         the body is read whole when it is scanned (unless the host says `scan = false`) or
-        may carry a method override its host's rules would judge, and was not read already
-        (a push on a [[git]] host: its pack is compressed, judged by its refs). Raises
-        HttpError for a body too large to hold."""
+        may carry a method override its host's rules or a secret attached to it limited to
+        request patterns (`limited`) would judge, and was not read already (a push on a
+        [[git]] host: its pack is compressed, judged by its refs). Raises HttpError for a
+        body too large to hold."""
         leaks = self.proxy.credentials.leaks(session)
         found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
         if found is not None or body is not None or not (head.chunked or head.content_length):
             return BodyReading(finding=found), body
         scanned = inspection is None or inspection.scanned
-        methods = inspection is not None and inspection.names_methods and bool(
-            body_kinds(head))
+        names = limited or (inspection is not None and inspection.names_methods)
+        methods = names and bool(body_kinds(head))
         if not scanned and not methods:
             return BodyReading(), None
         inspector = self.proxy.inspector
@@ -518,7 +523,7 @@ class Forward:
         why = ("for leaks; a host that takes bulk uploads says scan = false in its [[inspect]] "
                "table") if scanned else (
                "to find a method override (its type can carry one, and the host's request "
-               "rules name methods)")
+               "rules or a secret attached to it name methods)")
         if (head.content_length or 0) > limit:  # before a 100 Continue sends it on its way
             raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
                             f"reads at most {limit} {why}")
