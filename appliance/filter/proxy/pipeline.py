@@ -252,11 +252,15 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
 
 def asked_methods(head: Head, path: str) -> list[tuple[str, str]]:
     """(where, method) for every other method the request's head asks an upstream to read
-    it as: override fields, and `_method` in the query (overrides.py)."""
+    it as: override fields, and `_method` in the query, its own or a rewrite field's
+    (overrides.py: IIS routes by X-Original-URL, query and all)."""
     found = overrides.header_methods(head)
-    query = path.partition("?")[2]
-    if query:
-        found += overrides.form_methods(query, "the _method query parameter")
+    for how, target in [("the _method query parameter", path), *(
+            (f"_method in the query of {name}", rewrite)
+            for name, rewrite in overrides.header_paths(head))]:
+        query = target.partition("?")[2]
+        if query:
+            found += overrides.form_methods(query, how)
     return found
 
 

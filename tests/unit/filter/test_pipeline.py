@@ -321,3 +321,13 @@ def test_a_method_asked_for_again_and_again_is_one_reading():
                  + ",".join(["GET"] * 500) + "\nX-Original-URL: /b\nX-Rewrite-URL: /b\n")
     assert judge_request(_inspection(), asked, route(asked, Transparent(80)),
                          Decision(True, "host")).allowed
+
+
+def test_a_method_in_the_query_of_a_rewrite_path_is_judged():
+    """IIS's URL Rewrite routes by X-Original-URL, query and all: PHP behind it reads
+    `_method` from that query."""
+    inspection = _inspection()
+    asked = head("POST /a HTTP/1.1\nHost: a.test\nX-Original-URL: /b?_method=DELETE\n")
+    decision = judge_request(inspection, asked, route(asked, Transparent(80)),
+                             Decision(True, "host"))
+    assert not decision.allowed and "DELETE" in decision.reason
