@@ -342,3 +342,18 @@ def test_a_file_named_for_the_override_is_not_read_as_one():
                  "hello, world") + "--zz--"
     assert overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
                                                       "boundary=zz\r\n")) == []
+
+
+@pytest.mark.parametrize(("content_type", "encoding"), [
+    ("application/json", "utf-16"),  # JSON parsers detect UTF-16 and -32 by themselves
+    ("application/json", "utf-32-le"),
+    ("text/plain; charset=utf-16be", "utf-16-be"),  # a declared charset: decoded by it
+    ("application/x-www-form-urlencoded; charset=UTF-32", "utf-32"),
+])
+def test_a_body_in_a_charset_that_hides_ascii_is_scanned_as_the_origin_decodes_it(
+        content_type, encoding):
+    from appliance.filter.proxy.leaks import Leaks
+
+    body = '{"note": "AKIAIOSFODNN7EXAMPLE"}'.encode(encoding)
+    reading = examine(body, head(f"Content-Type: {content_type}\r\n"), Leaks({}), methods=False)
+    assert reading.finding is not None and "AWS" in reading.finding.detector
