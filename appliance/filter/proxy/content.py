@@ -198,8 +198,10 @@ def boundaries(content_type: str) -> list[str]:
     return marks
 
 
-_METHOD_WORD = re.compile(rb"(?<![A-Za-z0-9_])[_.\[]method(?![A-Za-z0-9_.])", re.IGNORECASE)
-"""`_method` spelt as PHP keys it, as a word of its own, anywhere in a part's head."""
+_METHOD_WORD = re.compile(rb"(?<![A-Za-z0-9_\[\]])[\[\]]*[_.\[]method(?![A-Za-z0-9_.])",
+                          re.IGNORECASE)
+"""`_method` spelt as PHP or Rack 2 keys it, as a name of its own (not `a[_method]`, a key
+inside another), anywhere in a part's head."""
 
 
 def parts(body: bytes, mark: str) -> list[Part]:

@@ -337,11 +337,19 @@ def test_a_body_of_many_tiny_gzip_members_is_refused_quickly_and_a_few_are_read_
     assert content.decode(member * few, ["gzip"], 8 << 20) == b"\0" * 160 * few
 
 
-def test_a_file_named_for_the_override_is_not_read_as_one():
-    body = _part('Content-Disposition: form-data; name="file"; filename="_method.txt"',
-                 "hello, world") + "--zz--"
+@pytest.mark.parametrize("disposition", ['name="file"; filename="_method.txt"',
+                                         'name="payment[_method]"', 'name="a][_method]"'])
+def test_a_file_or_a_key_named_for_the_override_is_not_read_as_one(disposition):
+    body = _part(f"Content-Disposition: form-data; {disposition}", "hello, world") + "--zz--"
     assert overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
                                                       "boundary=zz\r\n")) == []
+
+
+def test_a_part_named_with_leading_brackets_is_read_as_rack_2_reads_it():
+    body = _part("Content-Disposition: form-data; name=[_method]") + "--zz--"
+    found = overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
+                                                       "boundary=zz\r\n"))
+    assert "DELETE" in [m for _, m in found]
 
 
 @pytest.mark.parametrize(("content_type", "encoding"), [
