@@ -10,8 +10,9 @@ Symfony (before 5) and IIS's URL Rewrite. A host's request rules judge every one
 - **Field names** as CGI, WSGI, Puma and lighttpd read them: case-folded, and every
   character that is not a letter or a digit one character (`X_HTTP_Method_Override` and,
   behind lighttpd, `X.HTTP.Method.Override` are HTTP_X_HTTP_METHOD_OVERRIDE).
-- **Parameter names** (query and form body) as PHP-style parsers key them: cut at a NUL
-  (PHP's names are C strings), leading spaces dropped, ` ` and `.` read as `_`, a `[`
+- **Parameter names** (query and form body; `_method`, and `X-HTTP-Method-Override`, which
+  ASP.NET MVC reads as a form field and a query parameter) as PHP-style parsers key them:
+  cut at a NUL (PHP's names are C strings), leading spaces dropped, ` ` and `.` read as `_`, a `[`
   without its `]` read as `_`, an array's `[...]` left off (`_method[]` is still
   `_method`); and as Rack 2 and qs (Express's extended forms) key them, leading brackets
   dropped (`[_method]` is `_method`); any letter case (fail closed: Rack and PHP compare
@@ -42,6 +43,9 @@ from .content import Part, Unreadable, boundaries, params, parts
 METHOD_FIELDS = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 PATH_FIELDS = frozenset({"x-original-url", "x-rewrite-url"})
 PARAMETER = "_method"
+PARAMETERS = frozenset({PARAMETER, "x-http-method-override"})
+"""Parameter names a stack reads a method from: `_method`, and the override field's name,
+which ASP.NET MVC (GetHttpMethodOverride) reads as a form field and a query parameter."""
 FORM, MULTIPART, JSON = "form", "multipart", "json"
 """The kinds of body a server stack reads parameters from."""
 
@@ -71,10 +75,10 @@ _RACK2_KEY = re.compile(r"[\[\]]*([^\[\]]*)")
 
 
 def is_parameter(name: str) -> bool:
-    """Does some stack key this parameter name as `_method`: PHP-style parsers
+    """Does some stack key this parameter name as one of PARAMETERS: PHP-style parsers
     (`parameter_name`), or Rack 2 and qs, which drop leading brackets?"""
-    return PARAMETER in (parameter_name(name),
-                         parameter_name(_RACK2_KEY.match(name.partition("\0")[0])[1]))
+    return not PARAMETERS.isdisjoint((
+        parameter_name(name), parameter_name(_RACK2_KEY.match(name.partition("\0")[0])[1])))
 
 
 def methods_in(value: str) -> list[str]:

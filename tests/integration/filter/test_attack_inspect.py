@@ -145,6 +145,7 @@ JSON = "Content-Type: application/json\r\n"
     ("X.HTTP.Method.Override: DELETE\r\n", b"{}"),  # lighttpd: any non-alphanumeric is _
     (FORM, b"_method%00x=DELETE"),  # PHP cuts a name at its NUL
     (FORM, b"[_method]=DELETE"),  # Rack 2 and qs drop leading brackets
+    (FORM, b"x-http-method-override=DELETE"),  # ASP.NET MVC: the field's name as a form field
     ("Content-Type: \r\n", b"_method=DELETE"),  # Rack: an empty type is no type: a form
     ("Content-Type: application/x-www-form-urlencoded xyz\r\n", b"_method=DELETE"),  # PHP
     ("Content-Type: text/plain; x=/json\r\n", b'{"_method": "DELETE"}'),  # Laravel

@@ -365,3 +365,18 @@ def test_a_body_in_a_charset_that_hides_ascii_is_scanned_as_the_origin_decodes_i
     body = '{"note": "AKIAIOSFODNN7EXAMPLE"}'.encode(encoding)
     reading = examine(body, head(f"Content-Type: {content_type}\r\n"), Leaks({}), methods=False)
     assert reading.finding is not None and "AWS" in reading.finding.detector
+
+
+@pytest.mark.parametrize("where", ["query", "form", "multipart"])
+def test_asp_net_mvc_reads_the_override_fields_name_as_a_parameter_too(where):
+    """System.Web.Mvc's GetHttpMethodOverride: the X-HTTP-Method-Override header, else a
+    form field of that name, else a query parameter (names in any case)."""
+    if where == "query":
+        found = overrides.form_methods("x-http-method-override=DELETE", "q")
+    elif where == "form":
+        found = overrides.body_methods(b"a=1&X-HTTP-Method-Override=DELETE", head())
+    else:
+        body = _part('Content-Disposition: form-data; name="X-HTTP-Method-Override"')
+        found = overrides.body_methods((body + "--zz--").encode(), head(
+            "Content-Type: multipart/form-data; boundary=zz\r\n"))
+    assert [m for _, m in found] == ["DELETE"]
