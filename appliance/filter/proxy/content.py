@@ -19,8 +19,9 @@ the caller wherever reading matters (THREATS 14: a scanner that cannot decode de
   Commons FileUpload reads it; PHP's first `boundary` anywhere, even inside `xboundary=`;
   Rack's last `boundary=`), wherever the delimiter appears, also past the close delimiter
   (PHP reads on from the next delimiter line); CRLF or bare LF line ends, folded header
-  lines unfolded, header names in any case; a part's names from `name` and RFC 7578/5987
-  `name*` (RFC 2047 words decoded, as Commons FileUpload decodes them), `Content-ID`
+  lines unfolded, header names in any case; a part's names from `name`, RFC 7578/5987
+  `name*` and RFC 2231 continuations (Go joins them; RFC 2047 words decoded, as Commons
+  FileUpload decodes them), `Content-ID`
   (Rack's name for a part without a disposition), and `_method` wherever its head spells
   it as a word (PHP's quoting and Rack's regexes find names an RFC reading does not);
   values with their transfer encoding (base64, quoted-printable) undone. Lenient on
@@ -137,6 +138,7 @@ class Part:
 
 
 _PARAM = re.compile(r'[;,]\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;,]*)')
+_PIECE = re.compile(r"(.+)\*([0-9]{1,3})(\*?)")
 MAX_BOUNDARIES = 4
 """Distinct boundaries read in one Content-Type (a client sends one; each costs a pass
 over the body)."""
@@ -146,18 +148,31 @@ def params(value: str) -> list[tuple[str, str]]:
     """The `; name=value` parameters of a field value (media type, disposition; `,`
     separates them too, as Commons FileUpload reads them), names lower-cased, quoted
     strings unquoted, in order (duplicates kept). An RFC 2231 `name*` is given as `name`
-    with its value decoded, and an RFC 2047 encoded word in a value is given decoded too
-    (after the value as written)."""
-    found = []
+    with its value decoded, its continuations `name*0`, `name*1*`... joined as `name` (after
+    the others), and an RFC 2047 encoded word in a value is given decoded too (after the
+    value as written)."""
+    found, pieces = [], {}
     for name, raw in _PARAM.findall(value):
         raw, name = raw.strip(), name.lower()
         if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
             raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+        if (piece := _PIECE.fullmatch(name)) is not None:  # RFC 2231: name*0, name*1*, ...
+            if piece[3]:
+                raw = unquote(raw.rpartition("'")[2] if piece[2] == "0" else raw,
+                              errors="replace")
+            pieces.setdefault(piece[1], {})[int(piece[2])] = raw
+            continue
         if name.endswith("*"):
             name, raw = name[:-1], unquote(raw.rpartition("'")[2], errors="replace")
         found.append((name, raw))
         if "=?" in raw:
             found.append((name, _encoded_words(raw)))
+    for name, parts_of in pieces.items():  # joined from 0 while they follow on (Go's way)
+        joined, n = [], 0
+        while n in parts_of:
+            joined.append(parts_of[n])
+            n += 1
+        found.append((name, "".join(joined)))
     return found
 
 

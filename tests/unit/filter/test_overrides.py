@@ -380,3 +380,17 @@ def test_asp_net_mvc_reads_the_override_fields_name_as_a_parameter_too(where):
         found = overrides.body_methods((body + "--zz--").encode(), head(
             "Content-Type: multipart/form-data; boundary=zz\r\n"))
     assert [m for _, m in found] == ["DELETE"]
+
+
+@pytest.mark.parametrize("disposition", [
+    'name*0="_me"; name*1="thod"',  # Go's mime.ParseMediaType joins RFC 2231 continuations
+    "name*0*=utf-8''%5Fme; name*1=thod",
+    'name="x"; name*0=_met; name*1=h; name*2=od',
+])
+def test_a_part_name_in_rfc_2231_continuations_is_joined_as_go_joins_it(disposition):
+    """gorilla/handlers' HTTPMethodOverrideHandler reads r.FormValue("_method"), and Go
+    names a multipart part by its continued `name*0`, `name*1`... parameters."""
+    body = _part(f"Content-Disposition: form-data; {disposition}") + "--zz--"
+    found = overrides.body_methods(body.encode(), head("Content-Type: multipart/form-data; "
+                                                       "boundary=zz\r\n"))
+    assert "DELETE" in [m for _, m in found]
