@@ -15,14 +15,18 @@ once per snapshot of the secrets (proxy/credentials.py):
 - the filter's log records (`LogFilter`).
 
 A value is replaced by `[secret NAME]` in every form it travels in (as written; as basic
-auth encodes it; percent-encoded; escaped as `repr` writes it), and so is any run of at
-least `MIN_VALUE` of its first characters: reasons cut what they quote (`line[:60]`),
-and a cut keeps a value's beginning.
+auth encodes it; percent-encoded; escaped as `repr` writes it inside either quote, and as
+JSON writes it), in any letter case (the filter upper-cases override methods and
+lower-cases host names it quotes), and so is any run of at least `MIN_VALUE` of its first
+characters: reasons cut what they quote (`line[:60]`), and a cut keeps a value's
+beginning.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import string
 from collections.abc import Callable, Mapping
 from urllib.parse import quote
 
@@ -40,9 +44,11 @@ class Redactor:
             text = value.decode("latin-1")
             if len(text) < MIN_VALUE:
                 continue
-            for form in (text, repr(text)[1:-1], quote(text, safe=""),
-                         quote(text, safe="").lower(), quote(text, safe="/:@!$&'()*+,;=")):
-                forms.setdefault(form, name)
+            escaped = text.replace("\\", "\\\\")
+            for form in (text, escaped, escaped.replace("'", "\\'"),  # repr, in " or '
+                         json.dumps(text)[1:-1], quote(text, safe=""),
+                         quote(text, safe="/:@!$&'()*+,;=")):
+                forms.setdefault(form.translate(_FOLD), name)
         self._forms = sorted(forms.items(), key=lambda item: -len(item[0]))
         self._heads = tuple(form[:MIN_VALUE] for form, _ in self._forms)
 
@@ -50,13 +56,22 @@ class Redactor:
         return bool(self._forms)
 
     def text(self, text: str) -> str:
-        """`text` with every value, and every cut-off beginning of one, replaced."""
-        if not self._forms or not any(head in text for head in self._heads):
+        """`text` with every value, and every cut-off beginning of one, replaced (in any
+        letter case: the forms are kept folded, and looked for in the text folded). Where
+        forms share a beginning, the longest run found is replaced, not the first form's."""
+        if not self._forms:
             return text
-        for form, name in self._forms:
-            if form[:MIN_VALUE] in text:
-                text = _replaced(text, form, f"[secret {name}]")
-        return text
+        folded = text.translate(_FOLD)  # ASCII only: every character keeps its place
+        if not any(head in folded for head in self._heads):
+            return text
+        runs = sorted(run for form, name in self._forms for run in _runs(folded, form, name))
+        out, done = [], 0
+        for start, end, name in runs:
+            if start >= done:
+                out += [text[done:start], f"[secret {name}]"]
+            done = max(done, end)  # a run overlapping the last one widens what it covers
+        out.append(text[done:])
+        return "".join(out)
 
     def fields(self, record: dict) -> dict:
         """A flat record (an event, a control answer) with its strings redacted, in place
@@ -76,17 +91,20 @@ class Redactor:
         return value
 
 
-def _replaced(text: str, form: str, mark: str) -> str:
-    """Each run of `form`'s characters from its start, MIN_VALUE long or more, as `mark`."""
-    head, out, at = form[:MIN_VALUE], [], 0
-    while (found := text.find(head, at)) >= 0:
-        end = found + MIN_VALUE
-        while end < len(text) and end - found < len(form) and text[end] == form[end - found]:
+_FOLD = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def _runs(folded: str, form: str, name: str) -> list[tuple[int, int, str]]:
+    """(start, end, name) of each run of `form`'s characters from its start, MIN_VALUE
+    long or more, in `folded`."""
+    head, found, at = form[:MIN_VALUE], [], folded.find(form[:MIN_VALUE])
+    while at >= 0:
+        end = at + MIN_VALUE
+        while end < len(folded) and end - at < len(form) and folded[end] == form[end - at]:
             end += 1
-        out += [text[at:found], mark]
-        at = end
-    out.append(text[at:])
-    return "".join(out)
+        found.append((at, end, name))
+        at = folded.find(head, end)
+    return found
 
 
 NONE = Redactor()

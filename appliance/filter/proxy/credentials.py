@@ -28,6 +28,7 @@ from appliance.policy import PLACEHOLDER_MARK, Host
 from ..redact import Redactor
 from ..secrets import Secret
 from .leaks import Leaks, basic_credential
+from .pipeline import MAX_READINGS
 
 DIGEST_HEX = 32
 
@@ -102,14 +103,16 @@ class Credentials:
 
     def apply(self, session: str | None, host: Host, target: str,
               headers: tuple[tuple[str, str], ...], tls: bool, method: str = "GET",
-              overrides: tuple[str, ...] = ()) -> Applied:
+              overrides: tuple[str, ...] = (), paths: tuple[str, ...] = ()) -> Applied:
         """The request's fields with this session's placeholders replaced where their secret
         goes to `host` (only inside TLS the filter ended: `tls`) with this method and target
         (a secret limited to request patterns: for its own method and every method it asks
-        to be read as, `overrides`). Raises Leak if any placeholder is left anywhere: the
-        target (decoded too), a field's name or value, or a basic-auth credential."""
+        to be read as, `overrides`, at its target and every path a rewrite field routes it
+        by, `paths`). Raises Leak if any placeholder is left anywhere: the target (decoded
+        too), a field's name or value, or a basic-auth credential."""
         mine = {self.placeholder(session, s.name): s for s in self.secrets.values()
                 if s.binds(host.name)} if tls and session is not None else {}
+        readings = _readings((method, *overrides), (target, *paths))
         out, used = [], []
         for name, value in headers:
             if mine:
@@ -117,8 +120,8 @@ class Credentials:
                 for placeholder, secret in mine.items():
                     swapped = _swap(secret, low, value, placeholder)
                     # limited to requests: asked only of a placeholder actually found
-                    if swapped is not None and all(
-                            secret.permits(m, target) for m in (method, *overrides)):
+                    if swapped is not None and readings is not None and all(
+                            secret.permits(m, t) for m, t in readings):
                         value = swapped
                         used.append(secret.name)
                         break
@@ -138,14 +141,18 @@ class Credentials:
             raise self._leak("the request target", unquote(target), session)
         return Applied(tuple(out), tuple(used))
 
-    def unpermitted(self, used: tuple[str, ...], methods: list[str], target: str) -> str | None:
+    def unpermitted(self, used: tuple[str, ...], methods: list[str], target: str,
+                    paths: list[str] = ()) -> str | None:
         """Why a request that was given these secrets may not keep them once its body asks
         to be read as `methods` (a secret limited to request patterns goes only with what
-        they allow, for every method the request asks for); None when all may."""
+        they allow, for every method the request asks for, at its target and every path a
+        rewrite field routes it by, `paths`); None when all may."""
+        readings = _readings(methods, (target, *paths))
         for name in used:
             secret = self.secrets.get(name)
-            refused = next((m for m in methods if secret is None
-                            or not secret.permits(m, target)), None)
+            if readings is None or secret is None:
+                return f"secret {name} goes only with requests the filter can judge"
+            refused = next((m for m, t in readings if not secret.permits(m, t)), None)
             if refused is not None:
                 return (f"secret {name} goes only with its request patterns, and the body "
                         f"asks for the request to be read as {refused[:20]!r}")
@@ -162,6 +169,14 @@ class Credentials:
 
 def _marked(text: str) -> bool:
     return PLACEHOLDER_MARK in text.lower()
+
+
+def _readings(methods, targets) -> list[tuple[str, str]] | None:
+    """Each (method, target) a request may be read as, once, its own included; None past
+    MAX_READINGS others (a secret never goes with a request read in more ways than the
+    filter judges)."""
+    readings = [(m, t) for m in dict.fromkeys(methods) for t in dict.fromkeys(targets)]
+    return readings if len(readings) <= MAX_READINGS + 1 else None
 
 
 def _swap(secret: Secret, field: str, value: str, placeholder: str) -> str | None:

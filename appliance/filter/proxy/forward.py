@@ -29,8 +29,9 @@ from ..http import (
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
 from . import git
+from .content import codings
 from .credentials import Leak
-from .overrides import body_kinds
+from .overrides import body_kinds, header_paths
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
@@ -50,10 +51,15 @@ from .pipeline import (
     wants_close,
     websocket,
 )
-from .reading import BodyReading, costly, examine
+from .reading import BodyReading, examine
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
+OFF_LOOP = 1 << 10
+"""Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
+thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
+body of empty parts, a form of escaped names), so a body read on the loop costs it at most
+about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms."""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
@@ -304,10 +310,12 @@ class Forward:
             leaked = proxy.credentials.leaks(session).in_fields(head.headers)
             if leaked is not None:
                 return await self._leaked(client, head, where, session, fields, leaked), kept
+        paths = header_paths(head)
         try:
             asked = tuple(m for _, m in asked_methods(head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0], asked)
+                                              ended, head.start[0], asked,
+                                              tuple(p for _, p in paths) if ended else ())
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
@@ -330,16 +338,20 @@ class Forward:
             if refused is not None:
                 return refused, kept
         if read:
-            reading, body = await self._read(client, head, inspection, session, body, holding)
+            limited = any(proxy.credentials.secrets[n].requests for n in applied.used)
+            reading, body = await self._read(client, head, inspection, session, body, holding,
+                                             limited)
             if reading.finding is not None:
                 return await self._leaked(client, head, where, session, fields,
                                           reading.finding, body is not None), kept
             refusal = Decision(False, reading.refusal) if reading.refusal else None
-            if refusal is None and reading.methods:
-                methods = list(reading.methods)
-                refusal = judge_asked(inspection, head, where, methods)
+            if refusal is None and reading.methods:  # judged with what the head asks for
+                methods = [*asked_methods(head, where.path), *reading.methods]
+                refusal = judge_asked(inspection, head, where, methods, paths) if (
+                    inspection is not None) else None
                 unpermitted = proxy.credentials.unpermitted(
-                    applied.used, [m for _, m in methods], head.start[1])
+                    applied.used, [m for _, m in methods], head.start[1],
+                    [p for _, p in paths])
                 if refusal is None and unpermitted:
                     refusal = Decision(False, unpermitted)
             if refusal is not None:
@@ -379,7 +391,8 @@ class Forward:
 
     async def judged(self, session: str | None, work, *args):
         """`work(*args)` on a judge's thread, in the session's judge slot: how a push is
-        read and judged, over HTTPS and over SSH (sshgate.py) alike."""
+        read and judged, over HTTPS and over SSH (sshgate.py) alike, and a request body
+        read (_read)."""
         async with self._judge_slot(session):  # on a pool of its own: an agent writes the pack
             done = asyncio.get_running_loop().run_in_executor(_judges(), work, *args)
             try:
@@ -487,20 +500,22 @@ class Forward:
         return await self._refuse(client, head, Denied(decision, where.target), read=read)
 
     async def _read(self, client: Client, head, inspection, session: str | None,
-                    body: bytes | None, holding: list) -> tuple[BodyReading, bytes | None]:
+                    body: bytes | None, holding: list, limited: bool = False
+                    ) -> tuple[BodyReading, bytes | None]:
         """Read what a request to an inspected host carries out (reading.py): (what was
         found, the body if it has been read whole). The target is always scanned for leaks;
         the body is read whole when it is scanned (unless the host says `scan = false`) or
-        may carry a method override its host's rules would judge, and was not read already
-        (a push on a [[git]] host: its pack is compressed, judged by its refs). Raises
-        HttpError for a body too large to hold."""
+        may carry a method override its host's rules or a secret attached to it limited to
+        request patterns (`limited`) would judge, and was not read already (a push on a
+        [[git]] host: its pack is compressed, judged by its refs). Raises HttpError for a
+        body too large to hold."""
         leaks = self.proxy.credentials.leaks(session)
         found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
         if found is not None or body is not None or not (head.chunked or head.content_length):
             return BodyReading(finding=found), body
         scanned = inspection is None or inspection.scanned
-        methods = inspection is not None and inspection.names_methods and bool(
-            body_kinds(head))
+        names = limited or (inspection is not None and inspection.names_methods)
+        methods = names and bool(body_kinds(head))
         if not scanned and not methods:
             return BodyReading(), None
         inspector = self.proxy.inspector
@@ -508,7 +523,7 @@ class Forward:
         why = ("for leaks; a host that takes bulk uploads says scan = false in its [[inspect]] "
                "table") if scanned else (
                "to find a method override (its type can carry one, and the host's request "
-               "rules name methods)")
+               "rules or a secret attached to it name methods)")
         if (head.content_length or 0) > limit:  # before a 100 Continue sends it on its way
             raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
                             f"reads at most {limit} {why}")
@@ -522,8 +537,8 @@ class Forward:
                 raise HttpError(413, f"{exc} {why}") from None
             raise
         args = (body, head, leaks if scanned else None, methods)
-        if costly(body, head, methods):  # a MiB scanned, a body inflated or parsed: not here
-            return await asyncio.to_thread(examine, *args), body
+        if len(body) > OFF_LOOP or codings(head):  # parsing, scanning or inflating a body
+            return await self.judged(session, examine, *args), body  # of any size: not here
         return examine(*args), body
 
     async def _agent_ask(self, client: Client, head, where) -> bool:

@@ -11,17 +11,16 @@ where detect-secrets runs (not here).
 
 What is read: a body up to `[inspect] scan_bytes` (held whole before any of it is sent: a
 finding means nothing of it left), as sent and as the origin decodes it (reading.py:
-content codings and multipart transfer encodings undone); a larger one is refused unless its
-host is `unscanned` (bulk uploads). Header fields are read for secret values only
-(`in_fields`, as the agent wrote them, before a secret is attached): a request's own
-credentials ride there, so token formats are not looked for, and placeholders in them are
-credentials.py's. Not read: encodings a request does not declare (base64 inside a JSON
-string: an agent that encodes a secret on purpose is not stopped by this; it is a tripwire
-for the accidents and the careless, the firewall is the boundary), git pushes (their packs
-are compressed; git.py judges them by ref), and WebSocket frames after an upgrade (relayed,
-not read). JSON's escapes are read as far as the token's start (a token right after `\\n`
-is found), not inside the token (`\\u0067hp_...` is not).
-"""
+content codings and multipart transfer encodings undone, UTF-16 and -32 decoded); a larger
+one is refused unless its host is `unscanned` (bulk uploads). Header fields are read for
+secret values only (`in_fields`, as the agent wrote them, before a secret is attached): a
+request's own credentials ride there, so token formats are not looked for, and placeholders
+in them are credentials.py's. Not read: encodings a request does not declare (base64 inside
+a JSON string: an agent that encodes a secret on purpose is not stopped by this; it is a
+tripwire for the accidents and the careless, the firewall is the boundary), git pushes
+(their packs are compressed; git.py judges them by ref), and WebSocket frames after an
+upgrade (relayed, not read). JSON's escapes are read as far as the token's start (a token
+right after `\\n` is found), not inside the token (`\\u0067hp_...` is not). """
 
 from __future__ import annotations
 

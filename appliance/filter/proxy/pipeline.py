@@ -250,17 +250,17 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
     return data, count
 
 
-MAX_ASKED = 8
-"""Other methods a request may ask to be read as (each is judged); more are refused."""
-
-
 def asked_methods(head: Head, path: str) -> list[tuple[str, str]]:
     """(where, method) for every other method the request's head asks an upstream to read
-    it as: override fields, and `_method` in the query (overrides.py)."""
+    it as: override fields, and `_method` in the query, its own or a rewrite field's
+    (overrides.py: IIS routes by X-Original-URL, query and all)."""
     found = overrides.header_methods(head)
-    query = path.partition("?")[2]
-    if query:
-        found += overrides.form_methods(query, "the _method query parameter")
+    for how, target in [("the _method query parameter", path), *(
+            (f"_method in the query of {name}", rewrite)
+            for name, rewrite in overrides.header_paths(head))]:
+        query = target.partition("?")[2]
+        if query:
+            found += overrides.form_methods(query, how)
     return found
 
 
@@ -281,23 +281,29 @@ def judge_request(inspection, head: Head, where: Route, host_decision: Decision)
                        overrides.header_paths(head)) or decision
 
 
+MAX_READINGS = 32
+"""Readings of one request judged besides its own (a method at a path): each is a decision on
+the loop (~10 µs), and a client asks for one or two. A request asking for more is refused
+unjudged: a head of 2000 override methods and 100 rewrite fields was 200,000 decisions."""
+
+
 def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, str]],
                 paths: list[tuple[str, str]] = ()) -> Decision | None:
     """The refusal of the first reading of the request its rules deny (None: all pass):
     each method asked for with the request's target, and the request's own method and
-    each asked one with each path a rewrite field names."""
+    each asked one with each path a rewrite field names (each method and path once; more
+    than MAX_READINGS readings refuse the request)."""
     method = head.start[0]
-    asked = {}  # each method once, by where it was first asked for: bounded work
-    for how, other in methods:
-        asked.setdefault(other, how)
-    if len(asked) > MAX_ASKED or len(paths) > MAX_ASKED:
+    methods, paths = _once(methods), _once(paths)
+    count = len(methods) + len(paths) * (1 + len(methods))
+    if count > MAX_READINGS:
         return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks to be "
-                        f"read in more than {MAX_ASKED} other ways; no client does that",
-                        None, "send the request as its method and target say")
-    readings = [(how, other, where.path, "") for other, how in asked.items()]
+                        f"read in {count} ways (override methods at rewrite paths); the "
+                        f"filter judges at most {MAX_READINGS}")
+    readings = [(how, other, where.path, "") for how, other in methods]
     for how_path, path in paths:
         readings += [(how_path, m, path, f" at {printable(path)[:80]}")
-                     for m in (method, *asked)]
+                     for _, m in [("", method), *methods]]
     for how, other, path, at in readings:
         found = inspection.decide(other, path)
         if not found.allowed:
@@ -305,6 +311,14 @@ def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, s
                             f"{how} to be read as {printable(other)[:40]}{at}: {found.reason}",
                             found.rule, found.hint)
     return None
+
+
+def _once(found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(where, what) pairs, each `what` once (where it was first found)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for how, what in found:
+        seen.setdefault(what, (how, what))
+    return list(seen.values())
 
 
 def request_fields(where: Route, head: Head) -> dict[str, str]:

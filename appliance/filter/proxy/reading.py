@@ -3,28 +3,23 @@ carries, and the methods it asks its origin to read the request as. Sans-IO: one
 the loop for a small body, on a worker thread for a large or encoded one (forward.py).
 
 The body is read as the origin will read it (content.py): its content codings undone, the
-parts of a multipart body with their transfer encodings undone. Each of those views is
-scanned for leaks (leaks.py), as the raw bytes are; the `_method` fields a stack would
-read are found in the decoded body (overrides.py). A body that cannot be read that way is
-refused where reading matters, with `refusal` saying why: a scanner that cannot decode
-denies (THREATS 14).
+parts of a multipart body with their transfer encodings undone, and in a charset that hides
+ASCII (UTF-16, UTF-32) when its type declares one or a JSON parser would detect one. Each
+of those views is scanned for leaks (leaks.py), as the raw bytes are; the `_method` fields
+a stack would read are found in the decoded body (overrides.py). A body that cannot be read
+that way is refused where reading matters, with `refusal` saying why: a scanner that cannot
+decode denies (THREATS 14).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..http import Head
 from . import content, overrides
 from .leaks import Finding, Leaks
 
-OFF_LOOP = 64 << 10
-"""A body larger than this is scanned for leaks on a worker thread (a regex pass over a MiB
-is milliseconds)."""
-ON_LOOP = 2 << 10
-"""A form, multipart or JSON body larger than this is parsed on a worker thread, not on the
-event loop: parsing costs up to ~0.4 ms a KiB in the worst shapes (a multipart body of empty
-parts), and no request may hold the loop for more than about a millisecond."""
 DECODED_MAX = 8 << 20
 """The most a body is inflated to, whatever its codings (and never more than
 content.MAX_RATIO times a layer's input)."""
@@ -38,17 +33,6 @@ class BodyReading:
     """The first leak found."""
     refusal: str | None = None
     """Why the body cannot be read as the origin would (never quoting it)."""
-
-
-def costly(body: bytes, head: Head, methods: bool) -> bool:
-    """Would `examine` cost the loop more than about a millisecond? (Then it runs on a
-    thread.) Inflating always may; a regex pass over the bytes does only past OFF_LOOP;
-    parsing does past ON_LOOP."""
-    if content.codings(head) or len(body) > OFF_LOOP:
-        return True
-    kinds = overrides.body_kinds(head)
-    parses = (methods and kinds) or overrides.MULTIPART in kinds
-    return bool(parses) and len(body) > ON_LOOP
 
 
 def examine(body: bytes, head: Head, leaks: Leaks | None, methods: bool) -> BodyReading:
@@ -72,6 +56,10 @@ def examine(body: bytes, head: Head, leaks: Leaks | None, methods: bool) -> Body
         for part in pieces or ():
             if found is None and part.encoded:
                 found = leaks.scan(part.value, "a part of the multipart body (decoded)")
+        charset = _hiding_charset(decoded, head)
+        if found is None and charset is not None:
+            text = decoded.decode(charset, errors="replace").encode("utf-8", "replace")
+            found = leaks.scan(text, f"the body ({charset}-decoded)")
         if found is not None:
             return BodyReading(finding=found)
     if not methods:
@@ -81,3 +69,13 @@ def examine(body: bytes, head: Head, leaks: Leaks | None, methods: bool) -> Body
     except content.Unreadable as exc:
         return BodyReading(refusal=f"the body cannot be read to judge it: {exc}, and a "
                                    "server's parser may find a method override in it")
+
+
+def _hiding_charset(body: bytes, head: Head) -> str | None:
+    """The charset the origin reads the body in when it hides ASCII (UTF-16, UTF-32): the
+    one its Content-Type declares, or the one a JSON parser detects by itself."""
+    declared = overrides.charset(head)
+    if declared is not None or overrides.JSON not in overrides.body_kinds(head):
+        return declared
+    detected = json.detect_encoding(body)
+    return detected if detected.startswith("utf-16") or detected.startswith("utf-32") else None

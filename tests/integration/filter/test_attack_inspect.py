@@ -141,6 +141,24 @@ JSON = "Content-Type: application/json\r\n"
     (JSON, b'{"_method": "GET", "_method": "DELETE"}'),  # parsers keep the first or the last
     ("Content-Type: application/vnd.api+json\r\n", b'{"_method": "DELETE"}'),
     (JSON, b'{"_method": "DELETE", '),  # unreadable, and it names _method: refused
+    # as lighttpd, PHP, Rack 2, qs, Laravel and Tomcat read them
+    ("X.HTTP.Method.Override: DELETE\r\n", b"{}"),  # lighttpd: any non-alphanumeric is _
+    (FORM, b"_method%00x=DELETE"),  # PHP cuts a name at its NUL
+    (FORM, b"[_method]=DELETE"),  # Rack 2 and qs drop leading brackets
+    (FORM, b"x-http-method-override=DELETE"),  # ASP.NET MVC: the field's name as a form field
+    ("Content-Type: \r\n", b"_method=DELETE"),  # Rack: an empty type is no type: a form
+    ("Content-Type: application/x-www-form-urlencoded xyz\r\n", b"_method=DELETE"),  # PHP
+    ("Content-Type: text/plain; x=/json\r\n", b'{"_method": "DELETE"}'),  # Laravel
+    ("Content-Type: multipart/form-data; xboundary=php; boundary=b0undary\r\n",
+     _multipart({"_method": "DELETE"}, boundary="php")),  # PHP: the first "boundary"
+    ("Content-Type: multipart/form-data; boundary=b0undary; xboundary=rack\r\n",
+     _multipart({"_method": "DELETE"}, boundary="rack")),  # Rack: the last "boundary="
+    (MULTIPART, _multipart({"a": "1"}) + _multipart({"_method": "DELETE"})),  # PHP reads on
+    (MULTIPART, b"--b0undary\r\nContent-ID: _method\r\n\r\nDELETE\r\n--b0undary--\r\n"),
+    (MULTIPART, b"--b0undary\r\nContent-Disposition: form-data; name='_method'\r\n\r\n"
+                b"DELETE\r\n--b0undary--\r\n"),  # PHP quotes with ' too
+    (MULTIPART, b'--b0undary\r\nContent-Disposition: form-data; name="=?UTF-8?B?X21ldGhv'
+                b'ZA==?="\r\n\r\nDELETE\r\n--b0undary--\r\n'),  # Tomcat: RFC 2047
 ])
 def test_a_method_override_in_any_form_a_server_stack_reads_is_judged(
         real, origins, interception, extra, body):  # noqa: F811
@@ -190,6 +208,22 @@ def test_a_path_given_in_a_rewrite_header_is_judged_as_a_target(
         status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
                                  extra=f"{header}: /gists/new\r\n")
     assert status == 403, headers
+    assert seen_since(origins, before) == []
+
+
+def test_a_rewrite_path_is_judged_with_the_method_the_body_asks_for(
+        real, origins, interception):  # noqa: F811
+    """POST to an allowed path, routed by X-Original-URL to a merge, and `_method=PUT` in
+    the body: Symfony (before 5) reads PUT .../merge, which a deny names. Each alone passes;
+    the body's method must be judged at the rewrite's path too."""
+    port = origins["good"].port
+    before = len(origins["good"].requests)
+    with inspected(real, interception, port) as tls:
+        status, headers, _ = get(tls, f"inspected.test:{port}", "/repos/acme/widget",
+                                 method="POST", body=b"_method=PUT",
+                                 extra=f"{FORM}X-Original-URL: /repos/a/b/pulls/1/merge\r\n")
+    assert status == 403, headers
+    assert "merge" in headers["x-corral-deny"]
     assert seen_since(origins, before) == []
 
 

@@ -287,6 +287,37 @@ def test_a_secret_limited_to_requests_reaches_only_those(holding, origins, inter
         control(holding.socket, {"op": "secret-remove", "name": "LIMITED_TOKEN"})
 
 
+@pytest.mark.parametrize(("extra", "body"), [
+    ("Content-Type: application/x-www-form-urlencoded\r\n", b"_method=DELETE"),
+    ("X-HTTP-Method-Override: DELETE\r\nContent-Type: text/plain\r\n", b"{}"),
+])
+def test_a_limited_secret_goes_with_no_request_the_origin_reads_as_another_method(
+        holding, origins, interception, extra, body):  # noqa: F811
+    """plain.test has no request rules (it is inspected because a secret is bound to it),
+    so its bodies were never read for `_method`: a secret limited to `POST /v1/messages`
+    went with a request Rack or Laravel read as DELETE /v1/messages."""
+    answer = control(holding.socket, {"op": "secret-set", "name": "LIMITED_TOKEN",
+                                      "value": "sk-limited-0123456789abcdef",
+                                      "hosts": ["plain.test"], "scheme": "header",
+                                      "header": "x-limited", "requests": ["POST /v1/messages"]})
+    assert answer["ok"], answer
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")["LIMITED_TOKEN"]
+    before = len(origins["good"].requests)
+    try:
+        with tls_through(holding, client_context(interception), "plain.test", port) as tls:
+            status, headers, _ = get(tls, f"plain.test:{port}", "/v1/messages", "POST",
+                                     extra=f"x-limited: {mine}\r\n{extra}", body=body)
+            assert status == 403, headers
+            status, _, echoed = get(tls, f"plain.test:{port}", "/v1/messages", "POST",
+                                    extra=f"x-limited: {mine}\r\n", body=b"a=1")
+            assert status == 200
+            assert json.loads(echoed)["headers"]["x-limited"] == "sk-limited-0123456789abcdef"
+        assert [r["path"] for r in origins["good"].requests[before:]] == ["/v1/messages"]
+    finally:
+        control(holding.socket, {"op": "secret-remove", "name": "LIMITED_TOKEN"})
+
+
 # -- a held value in a field, and bodies as the origin decodes them ----------------------------
 
 

@@ -256,3 +256,17 @@ def test_request_limits_survive_the_store(tmp_path):
     store.set(secret(requests=["POST /v1/messages"]))
     again = secrets.SecretStore.load(tmp_path)
     assert again.secrets["API_TOKEN"].requests == ("POST /v1/messages",)
+
+
+def test_a_limited_secret_goes_only_with_a_request_every_path_it_is_routed_by_allows():
+    """Symfony (before 5) and IIS route by X-Original-URL / X-Rewrite-URL: a secret limited
+    to `POST /v1/messages` must not go with a request those fields route to /v1/files."""
+    creds = credentials(secret(requests=["POST /v1/messages"]))
+    header = ("Authorization", f"Bearer {creds.placeholder('s1', 'API_TOKEN')}")
+    with pytest.raises(Leak):
+        creds.apply("s1", API, "/v1/messages", (header,), True, "POST", (), ("/v1/files",))
+    done = creds.apply("s1", API, "/v1/messages", (header,), True, "POST", (),
+                       ("/v1/messages",))
+    assert done.used == ("API_TOKEN",)
+    assert creds.unpermitted(("API_TOKEN",), ["POST"], "/v1/messages", ["/v1/files"])
+    assert creds.unpermitted(("API_TOKEN",), ["POST"], "/v1/messages", []) is None

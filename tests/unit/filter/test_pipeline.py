@@ -19,6 +19,7 @@ from appliance.filter.proxy.pipeline import (
     InTunnel,
     Route,
     Transparent,
+    judge_request,
     outgoing,
     route,
     strip_empty_lines,
@@ -292,3 +293,41 @@ def test_only_a_101_that_proves_the_switch_ends_http_on_the_connection(fields, s
     reply = parse_response(("HTTP/1.1 101 Switching Protocols\n" + fields + "\n")
                            .replace("\n", "\r\n").encode())
     assert (switch_refusal(request, reply) is None) is switched
+
+
+def _inspection():
+    from appliance.policy import DEFAULT_RULES, Policy, dedupe, policy_file_rules
+
+    text = ('[http]\nallow = ["a.test"]\n[[inspect]]\nhost = "a.test"\n'
+            'deny = ["DELETE /**"]\n')  # no allow list: every other reading passes
+    return Policy(dedupe([*DEFAULT_RULES, *policy_file_rules(text, "p.toml", "project")])
+                  ).inspection(parse_host("a.test"))
+
+
+def test_a_request_asking_to_be_read_in_too_many_ways_is_refused_before_they_are_judged():
+    """Each reading is a decision on the loop (~10 µs): 2000 methods in an override field
+    and 100 rewrite fields were 200,000 of them, seconds for one 8 KiB head."""
+    methods = ",".join(f"M{i}" for i in range(2000))
+    paths = "".join(f"X-Original-URL: /p{i}\n" for i in range(100))
+    asked = head(f"POST /a HTTP/1.1\nHost: a.test\nX-HTTP-Method-Override: {methods}\n{paths}")
+    decision = judge_request(_inspection(), asked, route(asked, Transparent(80)),
+                             Decision(True, "host"))
+    assert not decision.allowed
+    assert "ways" in decision.reason
+
+
+def test_a_method_asked_for_again_and_again_is_one_reading():
+    asked = head("POST /a HTTP/1.1\nHost: a.test\nX-HTTP-Method-Override: "
+                 + ",".join(["GET"] * 500) + "\nX-Original-URL: /b\nX-Rewrite-URL: /b\n")
+    assert judge_request(_inspection(), asked, route(asked, Transparent(80)),
+                         Decision(True, "host")).allowed
+
+
+def test_a_method_in_the_query_of_a_rewrite_path_is_judged():
+    """IIS's URL Rewrite routes by X-Original-URL, query and all: PHP behind it reads
+    `_method` from that query."""
+    inspection = _inspection()
+    asked = head("POST /a HTTP/1.1\nHost: a.test\nX-Original-URL: /b?_method=DELETE\n")
+    decision = judge_request(inspection, asked, route(asked, Transparent(80)),
+                             Decision(True, "host"))
+    assert not decision.allowed and "DELETE" in decision.reason

@@ -6,6 +6,7 @@ position, say nothing of it once they pass a door."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from urllib.parse import quote
 
@@ -109,3 +110,25 @@ def test_log_records_and_their_tracebacks_are_redacted(caplog):
         logger.removeHandler(handler)
     assert seen and "ghp_0123" not in seen[0] and "hunter2-" not in seen[0]
     assert "[secret GH_TOKEN]" in seen[0] and "[secret DEPLOY]" in seen[0]
+
+
+def _quoted_in_bytes_repr(value: str) -> str:
+    return repr(f'X-Echo: "{value}'.encode())  # both quotes in it: repr escapes "'"
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("abcdefgh'ijklmnop", _quoted_in_bytes_repr),  # `malformed header field b'...\'...'`
+    ('abcdefgh"ijklmnop', lambda v: json.dumps({"q": v})),  # JSON-encoded answers
+    ("abcdefgh\\ijklmnop", lambda v: json.dumps({"q": v})),
+    ("sk-live-0123456789abcdef", str.upper),  # a method override's value, upper-cased
+    ("SK-Live-0123456789ABCDEF", str.lower),  # a host name, lower-cased
+    ("Mixed-Case_value99", lambda v: f"GET /{v.swapcase()}"),
+])
+def test_a_value_as_the_filter_rewrites_it_leaves_no_run_of_itself(value, shown):
+    """Escaped as a bytes repr with both quotes in it (`\\'`), as JSON (`\\"`, `\\\\`), or
+    in another letter case (override values are upper-cased, host names lower-cased): the
+    text after the first character the form changes was left whole."""
+    said = Redactor({"API_TOKEN": value.encode()}).text(f"quoted: {shown(value)} .")
+    left = [value[at:at + MIN_VALUE] for at in range(len(value) - MIN_VALUE + 1)
+            if value[at:at + MIN_VALUE].lower() in said.lower()]
+    assert left == [], said
