@@ -186,6 +186,7 @@ class Service:
             "sessions": len(self.store.sessions),
             "active_connections": self.proxy.active,
             "proxy": {**self.proxy.stats, "open_flows": len(self.proxy.flows.open),
+                      "failures_not_logged": self.proxy.failures.dropped_total,
                       "per_session": {
                           str(name): {"connections": count,
                                       "tunnels": self.proxy.flows.tunnels.held.get(name, 0)}

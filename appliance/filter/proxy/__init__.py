@@ -30,6 +30,7 @@ from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
 from ..http import HttpError
+from ..loglimit import LogBudget
 from ..relay import Counters, original_port, within
 from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
@@ -115,6 +116,8 @@ class Proxy:
         self.credentials = credentials or Credentials(b"", {})
         """The secrets, as requests get them (replaced whole when one changes): a host a
         secret is bound to is inspected, so that its placeholder can be swapped."""
+        self.failures = LogBudget()
+        """What is logged of connections that failed unexpectedly: a budget per session."""
         self.active = 0
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
                       "refused_tunnels": 0, "cut": 0}
@@ -124,6 +127,7 @@ class Proxy:
         store.on_change(self.rejudge)
         store.on_change(lambda: [self.asking.pop(s, None) for s in set(self.asking)
                                  if s not in store.sessions])
+        store.on_change(lambda: self.failures.forget(set(store.sessions)))
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
 
@@ -159,13 +163,14 @@ class Proxy:
         try:
             await handler(client)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            pass
+            pass  # the client or the upstream went away (tlsstream.ClientGone too)
         except asyncio.CancelledError:
             if not client.cut:
                 raise  # the filter is stopping
             client.task.uncancel()
         except Exception:  # one broken connection must never take the listener down
-            log.exception("proxy: connection from %s failed", client.label)
+            self.failures.log(log, session, time.monotonic(),
+                              "proxy: connection from %s failed", client.label)
         finally:
             self.active -= 1
             self.flows.connections.release(session)
