@@ -300,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
                           "refs/heads/main not pushable (a throwaway session has one)"),
                          ("git-ssh", "a git host the session reaches over SSH through "
                           "the git gateway, its [[git]] table listing --git-repo"),
+                         ("neighbour", "a name the policy allows and does not inspect, on "
+                          "an address --inspected uses (a throwaway session allows it)"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

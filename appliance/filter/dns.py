@@ -71,8 +71,11 @@ class Pending:
 class DnsFilter:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
                  learner=None, learn_ttl_min: int = 60, config: DnsConfig | None = None,
-                 holds: Holds | None = None):
+                 holds: Holds | None = None, frontends=None):
         self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
+        self.frontends = frontends
+        """Where the inspected hosts live (frontends.Frontends): known before a tcp rule's
+        addresses are taught, so that one of theirs is not (the learner judges that)."""
         self.holds = holds
         """Approvals a session in ask mode opens for the names it is denied (approvals.py)."""
         self.learner = learner
@@ -351,8 +354,13 @@ class DnsFilter:
             extra["removed"] = removed
         tcp_rules = policy.tcp_rules(host) if session is not None else []
         if tcp_rules and qtype == QTYPE.A and kept:
-            extra.update(await self._learn(session, client, name, kept, tcp_rules,
-                                           answer.ttl(now)))
+            unknown = await self.frontends.ready(policy) if self.frontends else None
+            if unknown is not None:  # fail closed: an inspected host's address may be here
+                extra["learned"] = ("not learned: cannot tell whether these are an inspected "
+                                    f"host's addresses: {unknown}")
+            else:
+                extra.update(await self._learn(session, client, name, kept, tcp_rules,
+                                               answer.ttl(now)))
         else:  # nothing taught to the firewall for this client: the bytes can be reused
             note["expires"] = answer.expires
         note["event"] = self._event(decision, session, client, name, qtype_name, **extra)

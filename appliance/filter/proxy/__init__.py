@@ -29,6 +29,7 @@ from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_age
 from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
+from ..frontends import Frontends
 from ..http import HttpError
 from ..loglimit import LogBudget
 from ..relay import Counters, original_port, within
@@ -100,7 +101,7 @@ class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
                  config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
                  inspector: Inspector | None = None, credentials: Credentials | None = None,
-                 holds: Holds | None = None):
+                 holds: Holds | None = None, frontends: Frontends | None = None):
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
         self.holds = holds or Holds(bus.emit)
         """Requests held in ask mode for a person's decision (approvals.py)."""
@@ -113,9 +114,12 @@ class Proxy:
         self.inspector = inspector
         """TLS inspection (the interception CA, its leaves); None when no CA is configured,
         and a host the policy inspects is then denied."""
+        self.frontends = frontends or Frontends(store, resolver)
+        """Where the inspected hosts live: a name that is not inspected gets no tunnel to
+        one of their addresses (neighbours.py)."""
+        self.frontends.listeners.append(lambda: self.rejudge(
+            "an inspected host was seen at its address while it was open"))
         self.credentials = credentials or Credentials(b"", {})
-        """The secrets, as requests get them (replaced whole when one changes): a host a
-        secret is bound to is inspected, so that its placeholder can be swapped."""
         self.failures = LogBudget()
         """What is logged of connections that failed unexpectedly: a budget per session."""
         self.active = 0
@@ -130,6 +134,17 @@ class Proxy:
         store.on_change(lambda: self.failures.forget(set(store.sessions)))
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
+
+    @property
+    def credentials(self) -> Credentials:
+        """The secrets, as requests get them (replaced whole when one changes): a host a
+        secret is bound to is inspected, so that its placeholder can be swapped."""
+        return self._credentials
+
+    @credentials.setter
+    def credentials(self, credentials: Credentials) -> None:
+        self._credentials = credentials
+        self.frontends.use(credentials)  # their hosts are inspected: watched, as [[inspect]]
 
     # -- listeners -----------------------------------------------------------------------
 
@@ -213,10 +228,12 @@ class Proxy:
         return session, policy, policy.decide_http(host, port)
 
     async def dial(self, policy: Policy, host: Host, port: int, target: str,
-                   session: str | None = None):
+                   session: str | None = None, splice: bool = False):
         """Resolve (the lookup counted against `session`'s cache share), check each address,
         connect to the first that is allowed and answers. Returns (reader, writer, address).
-        Raises Denied (403: refused; 502: unreachable)."""
+        Raises Denied (403: refused; 502: unreachable). With `splice` (a tunnel to a host
+        that is not inspected), an address where an inspected host lives is refused too
+        (neighbours.py)."""
         if host.name == HOST_NAME:
             if self.gateway is None:
                 raise Denied(Decision(False, "no [host] gateway configured"), target)
@@ -232,9 +249,16 @@ class Proxy:
             if not candidates:
                 raise Denied(Decision(False, f"{host} has no address"), target, 502)
         refusal, failure = None, None
+        if splice and host.name != HOST_NAME:
+            unknown = await self.frontends.ready(policy)
+            if unknown is not None:  # fail closed: nobody can tell what is shared
+                raise Denied(Decision(False, f"cannot tell whether {host} shares an address "
+                                      f"with an inspected host: {unknown}"), target, 502)
         for address in candidates:
             if host.name != HOST_NAME:
                 check = policy.decide_address(address, host, port)
+                if check.allowed and splice:
+                    check = self.frontends.judge(policy, host, str(address)) or check
                 if not check.allowed:
                     refusal = refusal or check
                     continue
@@ -268,8 +292,10 @@ class Proxy:
             self.event(decision, client, session, kind, host, port)
             raise Denied(decision, target, recorded=True)
         flow = self.track(client, session, kind, host, port)
+        splice = kind in ("connect", "tls") and policy.inspection(host) is None and (
+            not self.credentials.bound(host))  # a tunnel that would be spliced
         try:
-            up_r, up_w, address = await self.dial(policy, host, port, target, session)
+            up_r, up_w, address = await self.dial(policy, host, port, target, session, splice)
         except Denied as denied:
             self.untrack(flow)
             verdict = "deny" if denied.status == 403 else "error"
@@ -398,9 +424,17 @@ class Proxy:
     def untrack(self, flow: Flow) -> None:
         self.flows.remove(flow.id)
 
-    def rejudge(self) -> None:
-        """The policy changed (the store calls this on the loop's thread): every open flow
-        is judged again, and those now denied are cut at once, each with an event."""
+    def neighbour(self, policy: Policy, host: Host, address: str) -> Decision | None:
+        """The refusal of a splice to `host` at `address`: an inspected host lives there
+        (neighbours.py); None when there is none."""
+        if host.name == HOST_NAME:
+            return None
+        return self.frontends.judge(policy, host, address)
+
+    def rejudge(self, because: str = "the policy changed while it was open") -> None:
+        """The policy changed (the store calls this on the loop's thread), or an inspected
+        host was seen at a new address (`frontends`): every open flow is judged again, and
+        those now denied are cut at once, each with an event."""
         for flow, decision in self.flows.judge(self._judge):
             self.flows.remove(flow.id)
             self.stats["cut"] += 1
@@ -411,19 +445,24 @@ class Proxy:
                 "address": flow.address,
                 "verdict": "deny", "rule": rule.text if rule else None,
                 "layer": rule.layer if rule else None,
-                "reason": f"cut: {decision.reason} (the policy changed while it was open)"})
+                "reason": f"cut: {decision.reason} ({because})"})
             flow.cut()
 
     def _judge(self, flow: Flow) -> Decision:
         """The flow under the policy in force now: its name and port, whether a spliced
-        tunnel's host has come to be inspected, then the address it reached (a cidr rule
-        that let a blocked address through may be gone)."""
+        tunnel's host has come to be inspected or its address to be an inspected host's,
+        then the address it reached (a cidr rule that let a blocked address through may be
+        gone)."""
         session, policy, decision = self.decide(flow.client, flow.host, flow.port)
         if flow.once and session == flow.session and approvable(decision):
             decision = Decision(True, "approved once")  # a deny rule, or its session's end, cut it
         if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
             return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
                             "could carry any request")
+        if decision.allowed and flow.spliced and flow.address is not None:
+            shared = self.neighbour(policy, flow.host, flow.address)
+            if shared is not None:
+                return shared
         if decision.allowed and flow.address is not None and flow.host.name != HOST_NAME:
             check = policy.decide_address(ipaddress.ip_address(flow.address), flow.host,
                                           flow.port)

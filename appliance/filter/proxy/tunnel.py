@@ -109,6 +109,13 @@ class Tunnels:
         is swapped in the requests)."""
         _, policy = self.proxy.store.lookup(client.address)
         if policy.inspection(host) is None and not self.proxy.credentials.bound(host):
+            # dial() refused an inspected host's address; checked again for what changed
+            # since (the policy, the addresses seen), with no await in between
+            shared = self.proxy.neighbour(policy, host, up.address)
+            if shared is not None:
+                self._tunnel_denied(client, Denied(shared, str(host)), event, host, port)
+                client.writer.write(TLS_ACCESS_DENIED)
+                return
             flow.spliced = True
             up.writer.write(hello)
             counters.add(len(hello), upward=True)
