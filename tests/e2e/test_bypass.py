@@ -45,7 +45,7 @@ def battery(world):
         world, 1, "--allowed", "allowed.test", "--denied", "denied.test",
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
-        "--inspected", "inspected.test",
+        "--inspected", "inspected.test", "--neighbour", "neighbour.test",
         "--denied-request", "GET /corral-selftest-denied/probe",
         "--git-repo", "corral-selftest/probe",
         "--other-gateway", "10.213.2.1", "--cafile", str(world.dir / "ca.pem"),
@@ -61,9 +61,10 @@ def test_every_probe_passes(battery):
     assert not failed, json.dumps(failed, indent=1)
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
-    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25} <= classes
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 18, 20, 21, 24, 25, 29} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
-            "inspected-request-denied", "inspected-push-refused",
+            "inspected-request-denied", "inspected-push-refused", "neighbour-connect-refused",
+            "neighbour-transparent-refused",
             "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
     assert {"https-via-proxy", "https-without-proxy", "http-via-proxy", "dns-allowed",

@@ -169,3 +169,13 @@ def test_remember_outlasts_short_ttls():
     """Round-robin answers change at every TTL: an address an inspected name was given an
     hour ago is still one where its front-end serves it."""
     assert REMEMBER >= 3600
+
+
+def test_a_tcp_rules_refusal_points_to_the_proxy_not_to_inspection():
+    """Nothing reads a tcp rule's bytes: inspecting the name would not help it."""
+    book = book_with(("api.test", "api.test", EDGE))
+    decision = neighbour(INSPECTS, parse_host("front.test"), EDGE, book.at(EDGE, 0.0),
+                         never_bound, "tcp")
+    assert "a direct connection to front.test" in decision.reason
+    assert "through the proxy" in decision.hint and "tcp rule" in decision.hint
+    assert not decision.hint.startswith("corral ")
