@@ -32,7 +32,7 @@ from ..events import EventBus
 from ..frontends import Frontends
 from ..http import HttpError
 from ..loglimit import LogBudget
-from ..relay import Counters, original_port, within
+from ..relay import Counters, PeerWriter, original_port, within
 from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
 from .credentials import Credentials, Leak
@@ -161,7 +161,7 @@ class Proxy:
 
     async def _serve(self, reader, writer, handler) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
-        client = Client(reader, writer, peer[0], peer[1])
+        client = Client(reader, PeerWriter(writer), peer[0], peer[1])
         session, _ = self.store.lookup(client.address)
         if self.active >= self.config.max_connections:
             self.stats["rejected_over_limit"] += 1
@@ -269,7 +269,7 @@ class Proxy:
             except (OSError, TimeoutError) as exc:
                 failure = f"connect to {address}:{port} failed: {exc or 'timed out'}"
                 continue
-            return up_r, up_w, str(address)
+            return up_r, PeerWriter(up_w), str(address)
         if failure is not None:
             raise Denied(Decision(False, failure), target, 502)
         raise Denied(refusal, target)

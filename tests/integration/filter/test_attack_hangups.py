@@ -32,6 +32,7 @@ from tests.integration.filter.test_attack_handshakes import (
 )
 from tests.integration.filter.test_inspect import (
     InProcessFilter,
+    World,
     client_context,
     inspect_config,
     interception,  # noqa: F401  (a fixture)
@@ -41,7 +42,7 @@ from tests.integration.filter.test_inspect import (
 
 POLICY = """
 [http]
-allow = ["inspected.test:*", "allowed.test"]
+allow = ["inspected.test:*", "allowed.test", "spliced.test:*"]
 
 [[inspect]]
 host = "inspected.test"
@@ -343,4 +344,66 @@ def test_a_bug_every_connection_reaches_is_logged_within_the_sessions_budget(lab
         ["s1)"] * BURST + ["s2)"])
     assert lab.status()["proxy"]["failures_not_logged"] >= 3 * BURST
     lab.captured.records.clear()
+    clean(lab, before)
+
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+def test_an_upstream_hanging_up_while_a_body_goes_up_is_an_event_not_a_traceback(lab, how):
+    """Plain HTTP through the proxy, a large body streamed up, and an origin that reads the
+    head and goes away (reset, or FIN) while the filter is still writing the body to it."""
+    listener = socket.create_server((World.PLAIN, 0))
+    listener.settimeout(10)
+    port = listener.getsockname()[1]
+    before, _ = fresh(lab)
+
+    def serve() -> None:
+        up, _ = listener.accept()
+        up.settimeout(10)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += up.recv(65536)
+        if how == "rst":
+            rst(up)
+        else:
+            up.shutdown(socket.SHUT_RDWR)
+            up.close()
+
+    try:
+        for _ in range(TIMES // 2):
+            server = threading.Thread(target=serve)
+            server.start()
+            with connect(lab.proxy_port) as sock:
+                size = 64 << 20
+                sock.sendall(f"POST http://spliced.test:{port}/up HTTP/1.1\r\nHost: "
+                             f"spliced.test:{port}\r\nContent-Length: {size}\r\n\r\n"
+                             .encode())
+                sock.settimeout(10)
+                chunk = b"x" * (1 << 20)
+                try:
+                    for _ in range(size // len(chunk)):
+                        sock.sendall(chunk)
+                except OSError:
+                    pass  # the filter ended the client's connection with the upstream's
+                with contextlib.suppress(OSError):
+                    while sock.recv(65536):
+                        pass
+            server.join(10)
+    finally:
+        listener.close()
+    clean(lab, before)
+
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+def test_a_plain_http_client_hanging_up_during_403s_is_an_event_not_a_traceback(lab, how):
+    """No TLS at all: requests a request rule refuses, pipelined through the explicit proxy,
+    and a client that leaves while their 403s are being written."""
+    before, _ = fresh(lab)
+    denied = b"DELETE http://allowed.test/x HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    for _ in range(TIMES):
+        sock = connect(lab.proxy_port)
+        sock.sendall(denied * 500)
+        sock.settimeout(10)
+        assert sock.recv(1).startswith(b"H")  # the first 403 is on its way
+        (rst if how == "rst" else fin)(sock)
+    time.sleep(0.5)
     clean(lab, before)
