@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 HOST = "inspect.allowed.test"
+"""On an address of its own (run.INSPECTED_UPSTREAM): a name sharing it would get no tunnel."""
 SPLICED = "bulk.allowed.test"
 """Not inspected: corral's tunnel, the reference for what inspection costs in bulk."""
 MITM_PORT = 3158
@@ -123,9 +124,9 @@ tls_outgoing_options cafile={dir}/cert.pem
 
 def routes() -> dict[str, tuple[str, list[str]]]:
     """tool -> (namespace, curl's arguments to reach HOST)."""
-    from .run import CLIENT, DIRECT, GATEWAY, PEER_GATEWAY, UPSTREAM
+    from .run import CLIENT, DIRECT, GATEWAY, INSPECTED_UPSTREAM, PEER_GATEWAY
 
-    return {"direct": (DIRECT, ["--resolve", f"{HOST}:443:{UPSTREAM}"]),
+    return {"direct": (DIRECT, ["--resolve", f"{HOST}:443:{INSPECTED_UPSTREAM}"]),
             "corral": (CLIENT, ["-x", f"http://{GATEWAY}:3128"]),
             "mitmproxy": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{MITM_PORT}"]),
             "squid bump": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{BUMP_PORT}"])}

@@ -40,6 +40,10 @@ PREFIX = "corral-bench-"
 CLIENT, DIRECT, APP, UP, NOISY = (PREFIX + n for n in ("client", "direct", "app", "up",
                                                        "noisy"))
 GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
+INSPECTED_UPSTREAM = "10.232.1.3"
+"""The same nginx, for the inspected host (bench/inspected.py) alone: a name on an inspected
+host's address gets no tunnel from corral (filter/neighbours.py), and every other row
+tunnels to UPSTREAM."""
 NOISY_GATEWAY = "10.232.3.1"
 FILTER_NOFILE = 1 << 20
 """The filter's open-files limit, as its unit sets it (LimitNOFILE)."""
@@ -94,6 +98,7 @@ def topology() -> None:
         sh("ip", "addr", "add", f"{client_ip}/24", "dev", "eth0", ns=client)
         sh("ip", "link", "set", "eth0", "up", ns=client)
         sh("ip", "route", "add", "default", "via", app_ip, ns=client)
+    sh("ip", "addr", "add", f"{INSPECTED_UPSTREAM}/24", "dev", "eth0", ns=UP)
 
 
 def spawn(ns: str, args: list[str], log: Path, nofile: int | None = None,
@@ -142,11 +147,13 @@ class Bench:
            "-nodes", "-subj", "/CN=bulk.allowed.test", "-addext",
            "subjectAltName=DNS:*.allowed.test", "-days", "2", "-keyout", str(d / "key.pem"),
            "-out", str(d / "cert.pem"))
-        (d / "nginx.conf").write_text(NGINX.format(dir=d, up=UPSTREAM))
+        (d / "nginx.conf").write_text(NGINX.format(dir=d, up=UPSTREAM,
+                                                   inspected=INSPECTED_UPSTREAM))
         self.processes.append(spawn(UP, ["nginx", "-c", str(d / "nginx.conf")], d / "nginx.log"))
         self.processes.append(spawn(UP, [
             "dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
             f"--listen-address={UPSTREAM}", "--address=/allowed.test/" + UPSTREAM,
+            "--address=/inspect.allowed.test/" + INSPECTED_UPSTREAM,  # the longest one wins
             "--cache-size=0", f"--pid-file={d}/dnsmasq-up.pid", "--user=root"],
             d / "dnsmasq-up.log"))
         # peers, reached from the direct namespace
@@ -713,6 +720,8 @@ http {{
     server {{
         listen {up}:80 backlog=4096;
         listen {up}:443 ssl backlog=4096;
+        listen {inspected}:80 backlog=4096;
+        listen {inspected}:443 ssl backlog=4096;
         ssl_certificate {dir}/cert.pem;
         ssl_certificate_key {dir}/key.pem;
         root {dir}/www;

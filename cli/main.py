@@ -327,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
                           "switching (httpbin's /status/101)"),
                          ("echo-secret", "NAME@HOST: a bearer secret whose host echoes the "
                           "request (httpbin's /headers)"),
+                         ("neighbour", "a name the policy allows and does not inspect, on "
+                          "an address --inspected uses (a throwaway session allows it)"),
                          ("other-gateway", "another session's gateway")):
         selftest.add_argument(f"--{option}", metavar="X", help=text)
     selftest.add_argument("--silence", type=int, metavar="SECONDS",

@@ -462,18 +462,21 @@ PROBE_REPO = "corral-selftest/probe"
 pushable (the battery's --git-repo)."""
 
 
-def _empty_project(inspected: str | None = None) -> tuple[io.BytesIO, int]:
+def _empty_project(inspected: str | None = None, neighbour: str | None = None
+                   ) -> tuple[io.BytesIO, int]:
     """A project with nothing in it: the throwaway session gets a workspace, so the review
     probe has a /work to write into and a diff to check. With `inspected`, a corral.toml
     that allows that host and inspects it, for the inspection probes: with a request rule
     denying PROBE_DENIED and a [[git]] table listing PROBE_REPO, which the probes run into
-    (never reaching the host)."""
+    (never reaching the host); and allows `neighbour` (not inspected) too."""
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w:gz") as tar:
         if inspected:
-            host = json.dumps(inspected)  # a TOML basic string, quoted as JSON quotes it
+            # TOML basic strings, quoted as JSON quotes them
+            host = json.dumps(inspected)
+            hosts = ", ".join(json.dumps(h) for h in (inspected, neighbour) if h)
             method, path = PROBE_DENIED.split(" ")
-            text = (f'[http]\nallow = [{host}]\n\n[[inspect]]\nhost = {host}\n'
+            text = (f'[http]\nallow = [{hosts}]\n\n[[inspect]]\nhost = {host}\n'
                     f'deny = ["{method} {path}/**"]\n\n'
                     f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n').encode()
             info = tarfile.TarInfo("corral.toml")
@@ -499,7 +502,7 @@ def cmd_selftest(args) -> int:
     if args.session is None:
         throwaway = f"selftest-{secrets.token_hex(3)}"
         output.notice(f"starting throwaway session {throwaway} ...")
-        data, size = _empty_project(args.inspected)
+        data, size = _empty_project(args.inspected, args.neighbour)
         client.request("POST", "/sessions", upload=(data, size, "application/gzip"),
                        timeout=SLOW, name=throwaway, preset=args.preset or [])
     session = args.session or throwaway
@@ -511,7 +514,7 @@ def cmd_selftest(args) -> int:
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
                     "inspected", "other_gateway", "silence", "connections", "ask_hold", "only",
                     "skip_group", "denied_request", "git_repo", "git_ssh", "fake_upgrade",
-                    "echo_secret"):
+                    "echo_secret", "neighbour"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
         output.notice(f"running the bypass battery in {session} ...")

@@ -36,6 +36,7 @@ from .dnscache import WIRE_CACHE_MAX, WireCache
 from .dnsguard import ExfilGuard, Report, SessionLimits
 from .dnswire import Query, WireError, error_reply, parse_query, refusal
 from .events import EventBus
+from .loglimit import LogBudget
 from .relay import within
 from .resolver import Resolver, UpstreamError
 from .store import PolicyStore
@@ -71,8 +72,11 @@ class Pending:
 class DnsFilter:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus, gateway=None,
                  learner=None, learn_ttl_min: int = 60, config: DnsConfig | None = None,
-                 holds: Holds | None = None):
+                 holds: Holds | None = None, frontends=None):
         self.store, self.resolver, self.bus, self.gateway = store, resolver, bus, gateway
+        self.frontends = frontends
+        """Where the inspected hosts live (frontends.Frontends): known before a tcp rule's
+        addresses are taught, so that one of theirs is not (the learner judges that)."""
         self.holds = holds
         """Approvals a session in ask mode opens for the names it is denied (approvals.py)."""
         self.learner = learner
@@ -84,6 +88,8 @@ class DnsFilter:
                                     config.max_tcp, config.denied_rate, config.denied_burst)
         self.exfil = ExfilGuard(config.exfil_length, config.exfil_entropy,
                                 config.exfil_entropy_length, config.exfil_names)
+        self.failures = LogBudget()
+        """What is logged of queries the filter failed to answer: a budget per session."""
         self.policies: dict[str | None, Policy] = {}
         """The policy each session had when last seen here: a new one empties its cache."""
         store.on_change(self._sessions_changed)
@@ -97,6 +103,7 @@ class DnsFilter:
             self.resolver.cache.drop_owner(session)
         self.limits.forget(alive)
         self.exfil.forget(alive)
+        self.failures.forget(alive)
 
     def _key(self, session: str | None, policy: Policy, data: bytes, udp: bool) -> tuple:
         """The wire cache's key: (policy, session, transport, the query after its ID). A
@@ -217,7 +224,8 @@ class DnsFilter:
         try:
             reply = await self._answer(query, client, session, policy, note)
         except Exception:  # a bug must not cost the client its answer
-            log.exception("dns: failed answering %s", client)
+            self.failures.log(log, session, time.monotonic(), "dns: failed answering %s",
+                              client)
             reply = _reply(query)
             reply.header.rcode = RCODE.SERVFAIL
             note.clear()
@@ -226,7 +234,8 @@ class DnsFilter:
         try:
             wire = self._pack(query, reply, udp)
         except Exception:  # a name dnslib will not pack: a reply without the question
-            log.exception("dns: cannot pack the reply to %s", client)
+            self.failures.log(log, session, time.monotonic(), "dns: cannot pack the reply "
+                              "to %s", client)
             return error_reply(data, RCODE.SERVFAIL)
         if "expires" in note and "event" in note and self.policies.get(session) is policy:
             self.wire.put(pending.key, session, wire, note["expires"], note["event"])
@@ -347,8 +356,13 @@ class DnsFilter:
             extra["removed"] = removed
         tcp_rules = policy.tcp_rules(host) if session is not None else []
         if tcp_rules and qtype == QTYPE.A and kept:
-            extra.update(await self._learn(session, client, name, kept, tcp_rules,
-                                           answer.ttl(now)))
+            unknown = await self.frontends.ready(policy) if self.frontends else None
+            if unknown is not None:  # fail closed: an inspected host's address may be here
+                extra["learned"] = ("not learned: cannot tell whether these are an inspected "
+                                    f"host's addresses: {unknown}")
+            else:
+                extra.update(await self._learn(session, client, name, kept, tcp_rules,
+                                               answer.ttl(now)))
         else:  # nothing taught to the firewall for this client: the bytes can be reused
             note["expires"] = answer.expires
         note["event"] = self._event(decision, session, client, name, qtype_name, **extra)
@@ -472,7 +486,8 @@ class UdpServer:
         try:
             first = self.dns.first(data, addr[0], udp=True)
         except Exception:  # a bug must not cost the client its answer
-            log.exception("dns: failed answering %s", addr[0])
+            self.dns.failures.log(log, self.dns.store.lookup(addr[0])[0], time.monotonic(),
+                                  "dns: failed answering %s", addr[0])
             first = error_reply(data, RCODE.SERVFAIL) if len(data) >= 12 else None
         if first is None:
             return

@@ -60,6 +60,27 @@ async def within(awaitable, seconds: float | None):
         return await awaitable
 
 
+class PeerWriter:
+    """A connection's StreamWriter, whose `write` says so when the peer has gone: once the
+    transport is closed (the peer reset it, or it was closed here), uvloop raises
+    RuntimeError ("the handler is closed") and asyncio's loop drops the bytes and warns
+    after a few; both would reach the log as a failure. Here it is a ConnectionResetError,
+    which the proxy's edge takes as the peer going away. Everything else is the writer's."""
+
+    __slots__ = ("writer",)
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+
+    def write(self, data) -> None:
+        if self.writer.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        self.writer.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.writer, name)
+
+
 async def drain(writer, idle: float) -> None:
     """Wait for the peer to take what was written, at most `idle` seconds: a peer that
     stops reading must not hold its connection (and its session's share) for ever."""

@@ -28,6 +28,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dnslib import EDNS0, QTYPE, RCODE, RR, DNSError, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
@@ -103,6 +104,9 @@ class Resolver:
         self.cache = SharedLru(RESOLVER_CACHE_MAX, share)
         """(name, qtype) -> Answer, each owned by the session whose query fetched it."""
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
+        self.observers: list[Callable[[str, Answer], None]] = []
+        """Called with (name, answer) for every answer fetched from an upstream (the
+        filter remembers where inspected hosts live: frontends.py)."""
         self.stats = {"upstream_queries": 0, "upstream_failures": 0, "cache_hits": 0}
 
     async def query(self, name: str, qtype: int, owner: str | None = None) -> Answer:
@@ -128,6 +132,8 @@ class Resolver:
         try:
             answer = await self._ask_all(name, qtype)
             self.cache.put(key, answer, owner)
+            for observer in self.observers:
+                observer(name, answer)
             return answer
         finally:
             del self._inflight[key]

@@ -40,6 +40,7 @@ from .config import FilterConfig, load_config
 from .control import ControlError, ControlServer
 from .dns import DnsFilter, UdpServer, serve_tcp
 from .events import EventBus
+from .frontends import Frontends
 from .limits import Budget, raise_limit
 from .proxy import Proxy
 from .proxy.credentials import Credentials
@@ -132,8 +133,13 @@ class Service:
         exist at once), judged again once the audit log is open (start)."""
         self.approvals.restore({name: self._identity(name) for name in self.store.sessions})
         self.store.on_change(self._forget_approvals)
+        self.frontends = Frontends(self.store, self.resolver)
+        """Where the inspected hosts live: no tunnel and no learned tcp allowance for
+        another name reaches one of their addresses (neighbours.py)."""
+        self.frontends.listeners.append(self._policy_changed)  # take back what it learned
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, self.learned,
-                             config.firewall.learn_ttl_min, config.dns, self.holds)
+                             config.firewall.learn_ttl_min, config.dns, self.holds,
+                             self.frontends)
         self.secrets = SecretStore.load(config.state_dir)
         self.inspect_error: str | None = None
         """Why the filter's own CA (`ca_dir`) could not be had: it runs without inspection
@@ -150,7 +156,8 @@ class Service:
                         "rotate --interception`", inspector.days_left())
         self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
                            self.dns.exfil, inspector,
-                           Credentials(self.secrets.key, self.secrets.http()), self.holds)
+                           Credentials(self.secrets.key, self.secrets.http()), self.holds,
+                           self.frontends)
         self.gate = Gate(self) if config.sshgate.listen else None
         """The git gateway (git over SSH, confined); None when it listens nowhere."""
         self.listeners: dict[str, list[str]] = {}
@@ -187,6 +194,7 @@ class Service:
             "sessions": len(self.store.sessions),
             "active_connections": self.proxy.active,
             "proxy": {**self.proxy.stats, "open_flows": len(self.proxy.flows.open),
+                      "failures_not_logged": self.proxy.failures.dropped_total,
                       "per_session": {
                           str(name): {"connections": count,
                                       "tunnels": self.proxy.flows.tunnels.held.get(name, 0)}
@@ -536,6 +544,10 @@ class Service:
             check = current.policy.decide_address(ipaddress.ip_address(destination), host)
             if not check.allowed:
                 return check
+            # raw TCP to an inspected host's front-end would carry its requests unread
+            shared = self.frontends.judge(current.policy, host, destination, "tcp")
+            if shared is not None:
+                return shared
         return decision
 
     def _policy_changed(self) -> None:

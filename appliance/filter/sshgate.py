@@ -281,7 +281,8 @@ class Gate:
         except (asyncssh.Error, OSError, TimeoutError) as exc:
             _say(process, f"corral: the gateway lost the host: {str(exc) or 'timed out'}")
         except Exception:  # one broken call must never take the gateway down
-            log.exception("sshgate: %s failed", label)
+            self.proxy.failures.log(log, self.store.lookup(peer[0])[0], time.monotonic(),
+                                    "sshgate: %s failed", label)
             _say(process, "corral: the gateway failed; see the filter's log")
         with contextlib.suppress(Exception):
             process.exit(status)

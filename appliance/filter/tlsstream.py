@@ -7,6 +7,14 @@ inspected it has read the ClientHello (its SNI decides), and start_tls cannot be
 bytes already taken from the transport. Driving the SSLObject ourselves can: the hello
 goes into the incoming BIO first. It also behaves the same on asyncio's loop and on uvloop
 (both only see the raw streams). Like relay.py: bytes moved, nothing decided.
+
+A client that goes away is no failure, however it goes: a reset or a FIN in the middle of a
+record, close_notify in the middle of a request, any of them while a response is being
+written. Reading, the plaintext reader ends (EOF) or raises ConnectionError; writing raises
+ClientGone, a ConnectionError (OpenSSL says SSLEOFError or "protocol is shutdown" once the
+client's end came, uvloop a RuntimeError for a closed transport): the proxy's edge takes
+every ConnectionError as a client that left, records the connection's end in its closing
+event, and logs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import contextlib
 import logging
 import ssl
 import time
+from collections.abc import Callable
 
 from .relay import CHUNK, Counters, within
 
@@ -26,6 +35,11 @@ SLICE = 8 * 1024
 ten thousand one-byte records (or key updates), each a trip through OpenSSL and Python of
 about a microsecond: decrypted at once they would hold the loop for ten milliseconds.
 8 KiB holds at most ~370 records (invariant 10: about a millisecond at most)."""
+
+
+class ClientGone(ConnectionError):
+    """The client's TLS is over (its EOF, reset, alert or close_notify came), and something
+    was still to be written to it."""
 
 
 class _Gate:
@@ -49,7 +63,8 @@ class TlsServer:
     plaintext (the pump task decrypts as bytes arrive) until `close()`."""
 
     def __init__(self, context: ssl.SSLContext, raw_reader: asyncio.StreamReader,
-                 raw_writer: asyncio.StreamWriter, counters: Counters, limit: int):
+                 raw_writer: asyncio.StreamWriter, counters: Counters, limit: int,
+                 failed: Callable[[], None] | None = None):
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.backlog = bytearray()
         """Raw bytes read from the client and not yet given to TLS (at most SLICE a turn)."""
@@ -61,6 +76,9 @@ class TlsServer:
         self.reader.set_transport(self.gate)
         self.writer = TlsWriter(self)
         self.pump: asyncio.Task | None = None
+        self.failed = failed
+        """Logs a failure of the pump (a bug), called in its `except` block: the proxy's,
+        within the session's budget (loglimit.py). None: logged here, unbudgeted."""
 
     async def handshake(self, received: bytes, seconds: float) -> None:
         """Complete the handshake, `received` (the ClientHello and anything after it) first.
@@ -97,9 +115,12 @@ class TlsServer:
             del self.backlog[:SLICE]
 
     def flush(self) -> None:
-        """Send what TLS has written (records, alerts) to the client."""
+        """Send what TLS has written (records, alerts) to the client. Raises ClientGone
+        when the client's connection is closed already."""
         if self.outgoing.pending:
             data = self.outgoing.read()
+            if self.raw_writer.is_closing():
+                raise ClientGone("the client's connection is closed")
             self.counters.add(len(data), upward=False)
             self.raw_writer.write(data)
 
@@ -126,7 +147,10 @@ class TlsServer:
         except (ssl.SSLError, ConnectionError) as exc:
             self.reader.set_exception(ConnectionError(f"client TLS: {exc}"))
         except Exception as exc:  # a bug: the reader must hear of it, not wait out idle
-            log.exception("tls: decrypting the client's stream failed")
+            if self.failed is not None:
+                self.failed()
+            else:
+                log.exception("tls: decrypting the client's stream failed")
             self.reader.set_exception(ConnectionError(f"client TLS: internal error: {exc!r}"))
 
     def _decrypt(self) -> bool:
@@ -168,8 +192,13 @@ class TlsWriter:
         self.raw = server.raw_writer
 
     def write(self, data: bytes) -> None:
+        """Encrypt and send `data`. Raises ClientGone when the client's TLS is over: the
+        data is ours, so an error here can only be the connection's state."""
         if data:
-            self.server.tls.write(data)
+            try:
+                self.server.tls.write(data)
+            except ssl.SSLError as exc:
+                raise ClientGone(f"client TLS: {exc}") from None
             self.server.flush()
 
     async def drain(self) -> None:

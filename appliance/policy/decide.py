@@ -171,6 +171,11 @@ class Policy:
         Says nothing about whether the host may be reached: ask `decide_http` first."""
         return self._inspect.lookup(host)
 
+    def inspected(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What the policy inspects: (exact names and IP literals, as rules key them;
+        wildcard suffixes, `example.org` for `*.example.org`)."""
+        return self._inspect.patterns
+
     def git(self, host: Host) -> GitAccess | None:
         """The repositories git may reach on `host` and the refs it may push there; None
         when no git rule names the host (its git requests are then judged as any other)."""

@@ -270,6 +270,11 @@ class Inspections:
     def __bool__(self) -> bool:
         return bool(self._exact or self._wild)
 
+    @property
+    def patterns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(exact host keys: names and IP literals, wildcard suffixes: `x.y` for `*.x.y`)."""
+        return tuple(self._exact), tuple(self._wild)
+
     def lookup(self, host: Host) -> Inspection | None:
         rules = self._exact.get(host.key)
         if rules is None and host.name is not None and self._wild:

@@ -33,7 +33,7 @@ OPTIONS: dict[str, type] = {
     "allowed": str, "denied": str, "foreign_resolver": str, "v6_target": str,
     "private_name": str, "tcp_name": str, "inspected": str, "other_gateway": str,
     "denied_request": str, "git_repo": str, "git_ssh": str, "fake_upgrade": str,
-    "echo_secret": str,
+    "echo_secret": str, "neighbour": str,
     "silence": int, "ask_hold": int,
     "connections": int, "only": list, "skip_group": list,
 }

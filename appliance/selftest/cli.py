@@ -81,6 +81,9 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
     parser.add_argument("--session", default=socket.gethostname(),
                         help="the session's name, for a branch of its own (default: the "
                         "hostname, which corral sets to it)")
+    parser.add_argument("--neighbour", metavar="NAME",
+                        help="a name the session allows and does not inspect, on an address "
+                        "--inspected uses (one front-end serving both)")
     parser.add_argument("--other-gateway", help="another session's gateway")
     parser.add_argument("--ask-hold", type=float, metavar="SECONDS",
                         help="the session is in ask mode with this hold: the approval probes "

@@ -15,6 +15,10 @@ asked for as git's receive-pack reads them, not as `git push` writes them. The t
 session of `corral selftest --inspected HOST` has them (cli/sessions.py, `PROBE_DENIED`,
 `PROBE_REPO`). With `--git-ssh HOST` the pushes go over SSH through the git gateway
 instead.
+With `--neighbour NAME` (a name the session allows and does not inspect, on an address the
+inspected host uses, as two sites of one CDN edge or one server are), a tunnel to it is
+refused on the proxy and on the transparent listener (T29): spliced, its TLS could carry a
+request for the inspected host that the filter never reads.
 """
 
 from __future__ import annotations
@@ -29,7 +33,17 @@ import struct
 import subprocess
 
 from .registry import NotRun, Outcome, probe
-from .wire import connect_via_proxy, first_line, from_corral, headers, read_head, status
+from .wire import (
+    connect_via_proxy,
+    first_line,
+    from_corral,
+    headers,
+    read_head,
+    refused,
+    resolve,
+    status,
+    tcp,
+)
 
 CA_NAME = b"corral interception CA"
 """The common name the filter's interception CA carries (appliance/pki.py), in every leaf's
@@ -361,3 +375,84 @@ def _ssh_push(a, body: bytes) -> subprocess.CompletedProcess:
     return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
                            f"git@{a.git_ssh}", f"git-receive-pack '{a.git_repo}.git'"],
                           input=body, capture_output=True, timeout=60, check=False)
+
+
+# -- a neighbour on the same front-end (T29) --------------------------------------------------
+
+NEIGHBOUR_REASON = "an address of inspected host"
+"""What the filter's refusal of a tunnel to a name on an inspected host's address says."""
+
+
+def _fronted(a, sock: socket.socket) -> str:
+    """The attack, once a tunnel to the neighbour is open: TLS to it with its own name (the
+    origin's certificate), then a request for the inspected host inside. What came back."""
+    request = a.denied_request or "GET /selftest"
+    method, _, path = request.partition(" ")
+    context = ssl._create_unverified_context()  # noqa: S323  (the origin's own certificate)
+    try:
+        with context.wrap_socket(sock, server_hostname=a.neighbour) as tls:
+            tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {a.inspected}\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            head = read_head(tls)
+    except (ssl.SSLError, OSError) as exc:
+        return f"TLS to it failed afterwards ({exc}), but it was not refused"
+    return (f"{method} {path} for {a.inspected} inside TLS to {a.neighbour} was answered "
+            f"{first_line(head)!r} unread")
+
+
+@probe("neighbour-connect-refused", 29, needs="neighbour",
+       records=f"connect event, reason '{NEIGHBOUR_REASON}'")
+def neighbour_connect_refused(ctx):
+    """A name the session allows and does not inspect, on an address --inspected uses (one
+    CDN edge or one server for both): a tunnel to it is refused, or the Host header inside
+    its TLS, which the filter would never read, could name the inspected host."""
+    a = ctx.args
+    if not a.inspected:
+        raise NotRun("needs --inspected (the host --neighbour shares an address with)")
+    sock, head = connect_via_proxy(a, f"{a.neighbour}:443")
+    with sock:
+        if status(head) == 200:
+            return Outcome(False, f"CONNECT {a.neighbour}:443 was opened; " + _fronted(a, sock))
+    reason = headers(head).get("x-corral-deny", "")
+    ok = from_corral(head, 403, "x-corral-deny") and NEIGHBOUR_REASON in reason
+    return Outcome(ok, f"CONNECT {a.neighbour}:443: {first_line(head)}"
+                   + (f" ({reason})" if reason else ""),
+                   {"kind": "connect", "name": a.neighbour, "reason": NEIGHBOUR_REASON})
+
+
+@probe("neighbour-transparent-refused", 29, needs="neighbour",
+       records=f"tls event, reason '{NEIGHBOUR_REASON}'")
+def neighbour_transparent_refused(ctx):
+    """The same without the proxy: TLS straight to the neighbour's address on 443 (the
+    transparent listener), SNI the neighbour's own name: an access_denied alert."""
+    a = ctx.args
+    if not a.inspected:
+        raise NotRun("needs --inspected (the host --neighbour shares an address with)")
+    addresses = [x for x in resolve(a, a.neighbour)[1] if ":" not in x]
+    if not addresses:
+        raise NotRun(f"{a.neighbour} does not resolve: is it allowed by the policy?")
+    try:
+        sock = tcp(addresses[0], 443)
+    except OSError as exc:
+        return Outcome(refused(exc), f"{addresses[0]}:443: {exc}")
+    with sock:
+        ok, detail = _alerted(a, sock)
+    return Outcome(ok, f"TLS to {a.neighbour} ({addresses[0]}:443): {detail}",
+                   {"kind": "tls", "name": a.neighbour, "reason": NEIGHBOUR_REASON})
+
+
+def _alerted(a, sock: socket.socket) -> tuple[bool, str]:
+    """Whether TLS with the neighbour's name on `sock` met the filter's access_denied alert
+    (else the attack went on: what came back)."""
+    context = ssl._create_unverified_context()  # noqa: S323
+    try:
+        with context.wrap_socket(sock, server_hostname=a.neighbour) as tls:
+            tls.sendall(f"GET /selftest HTTP/1.1\r\nHost: {a.inspected}\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            head = read_head(tls)
+    except ssl.SSLError as exc:
+        denied = "ACCESS_DENIED" in str(exc) or "access denied" in str(exc)
+        return denied, f"TLS alert: {exc.reason}"
+    except OSError as exc:
+        return refused(exc), f"{type(exc).__name__}: {exc}"
+    return False, f"a request for {a.inspected} inside it was answered {first_line(head)!r}"

@@ -41,7 +41,8 @@ def _skip_reason() -> str | None:
 
 S1_POLICY = """
 [http]
-allow = ["allowed.test", "private.test", "inspected.test", "echo.test"]
+allow = ["allowed.test", "private.test", "inspected.test", "echo.test",
+         "neighbour.test"]   # on inspected.test's address: the battery's --neighbour
 [tcp]
 allow = ["ssh.test:22"]
 [[inspect]]

@@ -30,6 +30,10 @@ import asyncssh
 from tests.fakes import FakeDns, FakeHttp, GitHttp, GitSsh, Loop, TestCA, hear_push_options
 
 WEB = "203.0.113.10"
+INSPECTED = "203.0.113.11"
+"""inspected.test's address, with one more name: neighbour.test, the same front-end's other
+site (THREATS 29: a name on an inspected host's address gets no tunnel; the names on WEB
+are spliced)."""
 RESOLVER = "203.0.113.53"
 SSH_HOST = "203.0.113.22"
 STREAM_HOST, STREAM_PORT = SSH_HOST, 7007
@@ -41,8 +45,9 @@ WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
 ZONE = {
     "allowed.test": [("A", WEB, 300), ("AAAA", WEB_V6, 300)],
     "other.test": [("A", WEB, 300)],
-    "inspected.test": [("A", WEB, 300)],
-    "echo.test": [("A", WEB, 300)],
+    "inspected.test": [("A", INSPECTED, 300)],
+    "neighbour.test": [("A", INSPECTED, 300)],
+    "echo.test": [("A", INSPECTED, 300)],  # a secret's host: inspected, beside inspected.test
     "denied.test": [("A", WEB, 300)],
     "private.test": [("A", "10.0.0.5", 300)],
     "ssh.test": [("A", SSH_HOST, 300)],

@@ -62,7 +62,7 @@ def battery(world, echo_secret):
         world, 1, "--allowed", "allowed.test", "--denied", "denied.test",
         "--foreign-resolver", "203.0.113.53", "--v6-target", "3fff:ff::10",
         "--private-name", "private.test", "--tcp-name", "ssh.test:22",
-        "--inspected", "inspected.test",
+        "--inspected", "inspected.test", "--neighbour", "neighbour.test",
         "--denied-request", "GET /corral-selftest-denied",  # its '/**' deny covers it
         "--git-repo", "corral-selftest/probe", "--session", "s1",  # not in a container here
         "--fake-upgrade", "/status/101", "--echo-secret", "ECHO_TOKEN@echo.test",
@@ -80,10 +80,11 @@ def test_every_probe_passes(battery):
     assert returncode == 0
     classes = {p["threat"] for p in probes if not p["legit"]}
     assert {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 24, 25, 27, 28,
-            30, 31, 33} <= classes
+            29, 30, 31, 33} <= classes
     assert {"inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
             "inspected-request-denied", "inspected-format-suffix", "inspected-escaped-separator",
-            "inspected-unicode-lookalike", "inspected-push-refused",
+            "inspected-unicode-lookalike", "inspected-push-refused", "neighbour-connect-refused",
+            "neighbour-transparent-refused",
             "inspected-push-options-refused", "inspected-override-denied",
             "inspected-fake-upgrade", "inspected-encoded-token", "held-value-in-a-field",
             "held-value-never-quoted",

@@ -178,15 +178,17 @@ def test_selftest_without_a_session_uses_a_throwaway_one(world, sandbox_image):
 
 def test_selftest_inspected_on_a_throwaway_session_inspects_that_host(world, sandbox_image):
     """`--inspected` without a session: the throwaway's project allows and inspects the host
-    (a request rule and a [[git]] table for the battery to run into), and the inspection
-    probes pass in a real session (the CA in its trust store)."""
+    (a request rule and a [[git]] table for the battery to run into) and allows
+    `--neighbour` (on the same address, not inspected), and the inspection probes pass in a
+    real session (the CA in its trust store)."""
     probes = ["inspected-never-tunnelled", "inspected-host-differs", "inspected-token-in-body",
               "inspected-request-denied", "inspected-format-suffix",
               "inspected-escaped-separator", "inspected-unicode-lookalike",
-              "inspected-push-refused"]
+              "inspected-push-refused", "neighbour-connect-refused",
+              "neighbour-transparent-refused"]
     result = corral(world, "selftest", "--allowed", "allowed.test", "--inspected",
-                    "inspected.test", *[a for p in probes for a in ("--only", p)], "--json",
-                    check=False)
+                    "inspected.test", "--neighbour", "neighbour.test",
+                    *[a for p in probes for a in ("--only", p)], "--json", check=False)
     answer = json.loads(result.stdout)
     assert result.returncode == 0 and answer["passed"], json.dumps(answer["probes"])
     assert [p["id"] for p in answer["probes"]] == probes

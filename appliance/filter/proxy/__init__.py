@@ -29,9 +29,11 @@ from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_age
 from ..config import ProxyConfig
 from ..dnsguard import ExfilGuard, TokenBucket
 from ..events import EventBus
+from ..frontends import Frontends
 from ..http import HttpError
+from ..loglimit import LogBudget
 from ..redact import Redactor
-from ..relay import Counters, original_port, within
+from ..relay import Counters, PeerWriter, original_port, within
 from ..resolver import Resolver, UpstreamError
 from ..store import PolicyStore
 from .credentials import Credentials, Leak
@@ -100,7 +102,7 @@ class Proxy:
     def __init__(self, store: PolicyStore, resolver: Resolver, bus: EventBus,
                  config: ProxyConfig, gateway=None, exfil: ExfilGuard | None = None,
                  inspector: Inspector | None = None, credentials: Credentials | None = None,
-                 holds: Holds | None = None):
+                 holds: Holds | None = None, frontends: Frontends | None = None):
         self.store, self.resolver, self.bus, self.config = store, resolver, bus, config
         self.holds = holds or Holds(bus.emit)
         """Requests held in ask mode for a person's decision (approvals.py)."""
@@ -113,7 +115,14 @@ class Proxy:
         self.inspector = inspector
         """TLS inspection (the interception CA, its leaves); None when no CA is configured,
         and a host the policy inspects is then denied."""
+        self.frontends = frontends or Frontends(store, resolver)
+        """Where the inspected hosts live: a name that is not inspected gets no tunnel to
+        one of their addresses (neighbours.py)."""
+        self.frontends.listeners.append(lambda: self.rejudge(
+            "an inspected host was seen at its address while it was open"))
         self.credentials = credentials or Credentials(b"", {})
+        self.failures = LogBudget()
+        """What is logged of connections that failed unexpectedly: a budget per session."""
         self.active = 0
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
                       "refused_tunnels": 0, "cut": 0}
@@ -123,6 +132,7 @@ class Proxy:
         store.on_change(self.rejudge)
         store.on_change(lambda: [self.asking.pop(s, None) for s in set(self.asking)
                                  if s not in store.sessions])
+        store.on_change(lambda: self.failures.forget(set(store.sessions)))
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
 
@@ -137,6 +147,7 @@ class Proxy:
     def credentials(self, credentials: Credentials) -> None:
         self._credentials = credentials
         self.bus.redactor = credentials.redactor
+        self.frontends.use(credentials)  # their hosts are inspected: watched, as [[inspect]]
 
     @property
     def redactor(self) -> Redactor:
@@ -166,7 +177,7 @@ class Proxy:
 
     async def _serve(self, reader, writer, handler) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
-        client = Client(reader, writer, peer[0], peer[1])
+        client = Client(reader, PeerWriter(writer), peer[0], peer[1])
         session, _ = self.store.lookup(client.address)
         if self.active >= self.config.max_connections:
             self.stats["rejected_over_limit"] += 1
@@ -183,13 +194,14 @@ class Proxy:
         try:
             await handler(client)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            pass
+            pass  # the client or the upstream went away (tlsstream.ClientGone too)
         except asyncio.CancelledError:
             if not client.cut:
                 raise  # the filter is stopping
             client.task.uncancel()
         except Exception:  # one broken connection must never take the listener down
-            log.exception("proxy: connection from %s failed", client.label)
+            self.failures.log(log, session, time.monotonic(),
+                              "proxy: connection from %s failed", client.label)
         finally:
             self.active -= 1
             self.flows.connections.release(session)
@@ -232,10 +244,12 @@ class Proxy:
         return session, policy, policy.decide_http(host, port)
 
     async def dial(self, policy: Policy, host: Host, port: int, target: str,
-                   session: str | None = None):
+                   session: str | None = None, splice: bool = False):
         """Resolve (the lookup counted against `session`'s cache share), check each address,
         connect to the first that is allowed and answers. Returns (reader, writer, address).
-        Raises Denied (403: refused; 502: unreachable)."""
+        Raises Denied (403: refused; 502: unreachable). With `splice` (a tunnel to a host
+        that is not inspected), an address where an inspected host lives is refused too
+        (neighbours.py)."""
         if host.name == HOST_NAME:
             if self.gateway is None:
                 raise Denied(Decision(False, "no [host] gateway configured"), target)
@@ -251,9 +265,16 @@ class Proxy:
             if not candidates:
                 raise Denied(Decision(False, f"{host} has no address"), target, 502)
         refusal, failure = None, None
+        if splice and host.name != HOST_NAME:
+            unknown = await self.frontends.ready(policy)
+            if unknown is not None:  # fail closed: nobody can tell what is shared
+                raise Denied(Decision(False, f"cannot tell whether {host} shares an address "
+                                      f"with an inspected host: {unknown}"), target, 502)
         for address in candidates:
             if host.name != HOST_NAME:
                 check = policy.decide_address(address, host, port)
+                if check.allowed and splice:
+                    check = self.frontends.judge(policy, host, str(address)) or check
                 if not check.allowed:
                     refusal = refusal or check
                     continue
@@ -264,7 +285,7 @@ class Proxy:
             except (OSError, TimeoutError) as exc:
                 failure = f"connect to {address}:{port} failed: {exc or 'timed out'}"
                 continue
-            return up_r, up_w, str(address)
+            return up_r, PeerWriter(up_w), str(address)
         if failure is not None:
             raise Denied(Decision(False, failure), target, 502)
         raise Denied(refusal, target)
@@ -287,8 +308,10 @@ class Proxy:
             self.event(decision, client, session, kind, host, port)
             raise Denied(decision, target, recorded=True)
         flow = self.track(client, session, kind, host, port)
+        splice = kind in ("connect", "tls") and policy.inspection(host) is None and (
+            not self.credentials.bound(host))  # a tunnel that would be spliced
         try:
-            up_r, up_w, address = await self.dial(policy, host, port, target, session)
+            up_r, up_w, address = await self.dial(policy, host, port, target, session, splice)
         except Denied as denied:
             self.untrack(flow)
             verdict = "deny" if denied.status == 403 else "error"
@@ -417,9 +440,17 @@ class Proxy:
     def untrack(self, flow: Flow) -> None:
         self.flows.remove(flow.id)
 
-    def rejudge(self) -> None:
-        """The policy changed (the store calls this on the loop's thread): every open flow
-        is judged again, and those now denied are cut at once, each with an event."""
+    def neighbour(self, policy: Policy, host: Host, address: str) -> Decision | None:
+        """The refusal of a splice to `host` at `address`: an inspected host lives there
+        (neighbours.py); None when there is none."""
+        if host.name == HOST_NAME:
+            return None
+        return self.frontends.judge(policy, host, address)
+
+    def rejudge(self, because: str = "the policy changed while it was open") -> None:
+        """The policy changed (the store calls this on the loop's thread), or an inspected
+        host was seen at a new address (`frontends`): every open flow is judged again, and
+        those now denied are cut at once, each with an event."""
         for flow, decision in self.flows.judge(self._judge):
             self.flows.remove(flow.id)
             self.stats["cut"] += 1
@@ -430,19 +461,24 @@ class Proxy:
                 "address": flow.address,
                 "verdict": "deny", "rule": rule.text if rule else None,
                 "layer": rule.layer if rule else None,
-                "reason": f"cut: {decision.reason} (the policy changed while it was open)"})
+                "reason": f"cut: {decision.reason} ({because})"})
             flow.cut()
 
     def _judge(self, flow: Flow) -> Decision:
         """The flow under the policy in force now: its name and port, whether a spliced
-        tunnel's host has come to be inspected, then the address it reached (a cidr rule
-        that let a blocked address through may be gone)."""
+        tunnel's host has come to be inspected or its address to be an inspected host's,
+        then the address it reached (a cidr rule that let a blocked address through may be
+        gone)."""
         session, policy, decision = self.decide(flow.client, flow.host, flow.port)
         if flow.once and session == flow.session and approvable(decision):
             decision = Decision(True, "approved once")  # a deny rule, or its session's end, cut it
         if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
             return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
                             "could carry any request")
+        if decision.allowed and flow.spliced and flow.address is not None:
+            shared = self.neighbour(policy, flow.host, flow.address)
+            if shared is not None:
+                return shared
         if decision.allowed and flow.address is not None and flow.host.name != HOST_NAME:
             check = policy.decide_address(ipaddress.ip_address(flow.address), flow.host,
                                           flow.port)

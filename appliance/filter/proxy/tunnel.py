@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ from .pipeline import Denied, InTunnel, host_of
 
 if TYPE_CHECKING:
     from . import Client, Proxy
+
+log = logging.getLogger("corral.filter")
 
 # TLS alert record: fatal (2), access_denied (49). curl prints "tlsv1 alert access denied".
 TLS_ACCESS_DENIED = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49])
@@ -106,6 +109,13 @@ class Tunnels:
         is swapped in the requests)."""
         _, policy = self.proxy.store.lookup(client.address)
         if policy.inspection(host) is None and not self.proxy.credentials.bound(host):
+            # dial() refused an inspected host's address; checked again for what changed
+            # since (the policy, the addresses seen), with no await in between
+            shared = self.proxy.neighbour(policy, host, up.address)
+            if shared is not None:
+                self._tunnel_denied(client, Denied(shared, str(host)), event, host, port)
+                client.writer.write(TLS_ACCESS_DENIED)
+                return
             flow.spliced = True
             up.writer.write(hello)
             counters.add(len(hello), upward=True)
@@ -122,7 +132,9 @@ class Tunnels:
             client.writer.write(TLS_ACCESS_DENIED)
             return
         server = TlsServer(context, client.reader, client.writer, counters,
-                           self.config.max_header_bytes)
+                           self.config.max_header_bytes, failed=lambda: self.proxy.failures.log(
+                               log, client.session, time.monotonic(),
+                               "tls: decrypting the stream of %s failed", client.label))
         try:
             await self._inspect(client, server, hello, host, port, up, event)
         finally:

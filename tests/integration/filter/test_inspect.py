@@ -137,9 +137,12 @@ class World:
     allow, beside conftest's shared one, whose fixed ports another run may hold): a DNS
     server, an origin CA the filter is told to trust, and TLS origins on ports of their own:
     `good`, `untrusted` (a CA nobody trusts), `mismatch` (trusted, but for another name),
-    and `https` on 443 for the transparent listener (None without root)."""
+    and `https` on 443 for the transparent listener (None without root). The names spliced
+    here (spliced.test, cut.test) live on an address of their own, served by `plain`: a name
+    on an inspected host's address gets no tunnel (neighbours.py)."""
 
     ADDRESS = "127.31.0.3"
+    PLAIN = "127.31.0.16"
 
     def __init__(self, directory: Path):
         self.loop = fakes.Loop()
@@ -149,7 +152,7 @@ class World:
         self.ca = fakes.TestCA(directory / "origin-ca")
         stranger = fakes.TestCA(directory / "stranger-ca")
         names = ["inspected.test", "plain.test", "upgrade.test", "cut.test", "allowed.test",
-                 "s2.test",
+                 "s2.test", "spliced.test",
                  *(f"n{i}.flood.test" for i in range(FLOOD))]
         self.servers = {
             "good": FakeHttp(self.loop, self.ca.server_context(names), host=self.ADDRESS),
@@ -157,6 +160,7 @@ class World:
                                   host=self.ADDRESS),
             "mismatch": FakeHttp(self.loop, self.ca.server_context(["elsewhere.test"]),
                                  host=self.ADDRESS),
+            "plain": FakeHttp(self.loop, self.ca.server_context(names), host=self.PLAIN),
         }
         self.https, self.privileged = None, None
         try:
@@ -166,6 +170,8 @@ class World:
             self.privileged = f"binding {self.ADDRESS}:443 needs root"
         for name in [*names, "untrusted.test", "mismatch.test", "noca.test"]:
             self.dns.zone[name] = [("A", self.ADDRESS, 300)]
+        for name in ("spliced.test", "cut.test"):
+            self.dns.zone[name] = [("A", self.PLAIN, 300)]
 
     def __getitem__(self, name: str) -> FakeHttp:
         return self.servers[name]
@@ -186,9 +192,9 @@ def origins(tmp_path_factory):
 
 POLICY = """
 [http]
-allow = ["inspected.test:*", "plain.test:*", "untrusted.test:*", "mismatch.test:*",
-         "upgrade.test:*", "cut.test:*", "*.flood.test:*", "allowed.test", "noca.test:*",
-         "s2.test:*"]
+allow = ["inspected.test:*", "plain.test:*", "spliced.test:*", "untrusted.test:*",
+         "mismatch.test:*", "upgrade.test:*", "cut.test:*", "*.flood.test:*", "allowed.test",
+         "noca.test:*", "s2.test:*"]
 
 [[inspect]]
 host = "inspected.test"
@@ -199,8 +205,8 @@ host = "allowed.test"
 deny = ["* /denied/**"]
 """ + "".join(f'\n[[inspect]]\nhost = "{host}"\n' for host in (
     "untrusted.test", "mismatch.test", "upgrade.test", "*.flood.test", "noca.test", "s2.test"))
-"""The sessions' policy: every host allowed, all but plain.test and cut.test inspected (a
-table with no allow list lets every request through that no deny matches)."""
+"""The sessions' policy: every host allowed, all but plain.test, spliced.test and cut.test
+inspected (a table with no allow list lets every request through that no deny matches)."""
 
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
@@ -387,18 +393,18 @@ def test_an_upstream_that_fails_verification_is_denied_with_the_reason(
 
 def test_a_host_that_is_not_inspected_is_spliced_with_the_origins_own_certificate(
         inspecting, origins, interception):
-    port = origins["good"].port
+    port = origins["plain"].port
     before = inspecting.status()["tunnels"]
-    sock = tunnel(inspecting.proxy_port, f"plain.test:{port}")
-    with origins.ca.client_context().wrap_socket(sock, server_hostname="plain.test") as tls:
+    sock = tunnel(inspecting.proxy_port, f"spliced.test:{port}")
+    with origins.ca.client_context().wrap_socket(sock, server_hostname="spliced.test") as tls:
         issuer = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).issuer
         assert issuer == origins.ca.cert.subject
-        assert get(tls, f"plain.test:{port}", "/spliced")[0] == 200
+        assert get(tls, f"spliced.test:{port}", "/spliced")[0] == 200
     after = inspecting.status()["tunnels"]  # spliced in the kernel, not streamed by Python
     assert after["spliced"] == before["spliced"] + 1 and after["streamed"] == before["streamed"]
-    sock = tunnel(inspecting.proxy_port, f"plain.test:{port}")
+    sock = tunnel(inspecting.proxy_port, f"spliced.test:{port}")
     with pytest.raises(ssl.SSLCertVerificationError):  # no corral certificate on the wire
-        client_context(interception).wrap_socket(sock, server_hostname="plain.test")
+        client_context(interception).wrap_socket(sock, server_hostname="spliced.test")
     sock.close()
 
 
@@ -461,7 +467,7 @@ def test_transparent_443_to_an_inspected_host(inspecting, origins, interception)
 
 
 def test_a_spliced_tunnel_is_cut_when_its_host_comes_to_be_inspected(inspecting, origins):
-    port = origins["good"].port
+    port = origins["plain"].port
     sock = tunnel(inspecting.proxy_port, f"cut.test:{port}")
     with origins.ca.client_context().wrap_socket(sock, server_hostname="cut.test") as tls:
         assert get(tls, f"cut.test:{port}", "/before")[0] == 200
@@ -605,9 +611,10 @@ def test_a_ca_dir_that_cannot_be_kept_turns_inspection_off_not_the_filter(origin
         with pytest.raises(ssl.SSLError, match=r"ACCESS_DENIED|access denied"):
             origins.ca.client_context().wrap_socket(sock, server_hostname="noca.test")
         sock.close()
+        plain = origins["plain"].port
         with origins.ca.client_context().wrap_socket(
-                tunnel(process.proxy_port, f"plain.test:{port}"),
-                server_hostname="plain.test") as tls:
-            assert get(tls, f"plain.test:{port}", "/spliced")[0] == 200
+                tunnel(process.proxy_port, f"spliced.test:{plain}"),
+                server_hostname="spliced.test") as tls:
+            assert get(tls, f"spliced.test:{plain}", "/spliced")[0] == 200
     finally:
         process.stop()

@@ -28,6 +28,9 @@ class Sink:
     def write(self, data: bytes) -> None:
         self.data += data
 
+    def is_closing(self) -> bool:
+        return False
+
 
 @pytest.fixture(scope="module")
 def contexts(tmp_path_factory):

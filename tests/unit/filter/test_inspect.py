@@ -371,6 +371,9 @@ class Collect:
     def write(self, data: bytes) -> None:
         self.data += data
 
+    def is_closing(self) -> bool:
+        return False
+
     async def drain(self) -> None:
         pass
 

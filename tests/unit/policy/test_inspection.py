@@ -442,6 +442,9 @@ def test_bad_request_rules(text, message):
     ("pypi-no-upload", "upload.pypi.org", "post", "/%6Cegacy/", False),
     ("pypi-no-upload", "test.pypi.org", "POST", "/legacy/", False),
     ("pypi-no-upload", "test.pypi.org", "GET", "/simple/corral/", True),
+    # its CDN neighbours are read too (a name on an inspected host's address is refused)
+    ("pypi-no-upload", "pypi.org", "GET", "/simple/corral/", True),
+    ("pypi-no-upload", "files.pythonhosted.org", "GET", "/packages/ab/cd/corral.whl", True),
     ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad", True),
     ("npm-no-publish", "registry.npmjs.org", "GET", "/@types%2fnode", True),
     ("npm-no-publish", "registry.npmjs.org", "GET", "/left-pad/-/left-pad-1.3.0.tgz", True),
