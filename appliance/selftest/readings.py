@@ -24,18 +24,9 @@ import re
 import ssl
 from urllib.parse import quote
 
-from .inspection import _inside
+from .inspection import _denied_request, _inside
 from .registry import NotRun, Outcome, probe
 from .wire import connect_via_proxy, echoed_headers, first_line, from_corral, headers, status
-
-
-def _denied_request(a) -> tuple[str, str]:
-    if not a.inspected:
-        raise NotRun("needs --inspected (the host whose request rule denies it)")
-    method, _, path = a.denied_request.partition(" ")
-    if not method or not path.startswith("/"):
-        raise NotRun(f"--denied-request {a.denied_request!r}: give METHOD /PATH")
-    return method, path
 
 
 def _post(a, path: str, fields: str = "", body: bytes = b"", method: str = "POST") -> bytes:
