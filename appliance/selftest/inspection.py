@@ -433,8 +433,9 @@ def neighbour_transparent_refused(ctx):
         raise NotRun(f"{a.neighbour} does not resolve: is it allowed by the policy?")
     try:
         sock = tcp(addresses[0], 443)
-    except OSError as exc:
-        return Outcome(refused(exc), f"{addresses[0]}:443: {exc}")
+    except OSError as exc:  # no TLS was tried: the refusal this probe is for never came
+        raise NotRun(f"{addresses[0]}:443 ({a.neighbour}) did not take a connection ({exc}): "
+                     "the transparent listener was not reached") from None
     with sock:
         ok, detail = _alerted(a, sock)
     return Outcome(ok, f"TLS to {a.neighbour} ({addresses[0]}:443): {detail}",

@@ -450,3 +450,53 @@ def test_the_path_probes_spell_the_denied_request_as_servers_route_it(spell, pat
 def test_a_path_probe_without_anything_to_spell_is_not_run(spell, path):
     with pytest.raises(NotRun):
         spell(path)
+
+
+@pytest.fixture
+def resolver():
+    """A resolver on 127.0.0.1 answering every A question with NEIGHBOUR_ADDRESS, as the
+    session gateway answers a name the policy allows."""
+    import threading
+
+    from dnslib import QTYPE, RR, A
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                data, peer = sock.recvfrom(512)
+            except OSError:
+                continue
+            query = DNSRecord.parse(data)
+            reply = query.reply()
+            reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(NEIGHBOUR_ADDRESS), ttl=5))
+            sock.sendto(reply.pack(), peer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield sock.getsockname()[1]
+    done.set()
+    thread.join(2)
+    sock.close()
+
+
+NEIGHBOUR_ADDRESS = "127.77.29.1"
+"""An address nothing listens on: TCP 443 there is refused at connect."""
+
+
+def test_a_neighbour_tunnel_refused_before_tls_is_no_pass_of_the_neighbour_probe(resolver):
+    """neighbour-transparent-refused passes only on the filter's recorded refusal of TLS to
+    the neighbour (an access_denied alert naming the inspected host). A connection refused
+    before TLS never reached that refusal: the probe was not run, not passed unrecorded."""
+    with pytest.raises(ConnectionRefusedError):  # what the probe meets there
+        socket.create_connection((NEIGHBOUR_ADDRESS, 443), timeout=2).close()
+    probe = REGISTRY.probes["neighbour-transparent-refused"]
+    ctx = Context(args("--gateway", "127.0.0.1", "--dns-port", str(resolver), "--inspected",
+                       "inspected.test", "--neighbour", "neighbour.test"))
+    result = run_probe(probe, ctx)
+    assert result.state != PASSED or result.expect, result.to_json()
+    assert result.state == NOT_RUN and "refused" in result.detail, result.to_json()
