@@ -326,7 +326,7 @@ def parser() -> argparse.ArgumentParser:
                          ("fake-upgrade", "a path on --inspected that answers 101 without "
                           "switching (httpbin's /status/101)"),
                          ("echo-secret", "NAME@HOST: a bearer secret whose host echoes the "
-                          "request (httpbin's /headers)"),
+                          "request (httpbin's /headers; a throwaway session allows HOST)"),
                          ("neighbour", "a name the policy allows and does not inspect, on "
                           "an address --inspected uses (a throwaway session allows it)"),
                          ("other-gateway", "another session's gateway")):

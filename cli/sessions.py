@@ -441,16 +441,28 @@ def cmd_apply(args) -> int:
     return exitcodes.FAILURE if result.refused else exitcodes.OK
 
 
-def _default_allowed(client: Client, session: str, inspected: str | None = None) -> str:
-    """An allowed name to prove the legitimate path works: the session's first exact http
-    rule (a wildcard names no host), other than the inspected one (the other probes expect
-    a host whose TLS the filter does not end)."""
-    for rule in client.request("GET", "/policy", session=session)["rules"]:
+def plain_allowed(rules: list[dict], avoid: list[str]) -> str | None:
+    """The first exact http host of these rules (a wildcard names no host) that is none of
+    `avoid`, or None."""
+    for rule in rules:
         name = rule["rule"].split(":")[0]
-        if rule["kind"] == "http" and not name.startswith("*") and name != inspected:
+        if rule["kind"] == "http" and not name.startswith("*") and name not in avoid:
             return name
-    raise CliError(f"session {session} allows no http host to test the allowed path with",
-                   "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
+    return None
+
+
+def _default_allowed(client: Client, session: str, args) -> str:
+    """An allowed name to prove the legitimate path works: the session's first exact http
+    rule for a host the other probes do not treat otherwise: not --inspected (they expect a
+    host whose TLS the filter does not end), not --neighbour (on an inspected host's
+    address, it gets no tunnel), not --echo-secret's host (its secret inspects it)."""
+    avoid = [args.inspected, args.neighbour, (args.echo_secret or "").partition("@")[2]]
+    found = plain_allowed(client.request("GET", "/policy", session=session)["rules"],
+                          [h for h in avoid if h])
+    if found is None:
+        raise CliError(f"session {session} allows no http host to test the allowed path with",
+                       "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
+    return found
 
 
 PROBE_DENIED = "GET /corral-selftest-denied"
@@ -462,26 +474,32 @@ PROBE_REPO = "corral-selftest/probe"
 pushable (the battery's --git-repo)."""
 
 
-def _empty_project(inspected: str | None = None, neighbour: str | None = None
-                   ) -> tuple[io.BytesIO, int]:
+def _empty_project(inspected: str | None = None, neighbour: str | None = None,
+                   echo_secret: str | None = None) -> tuple[io.BytesIO, int]:
     """A project with nothing in it: the throwaway session gets a workspace, so the review
     probe has a /work to write into and a diff to check. With `inspected`, a corral.toml
     that allows that host and inspects it, for the inspection probes: with a request rule
     denying PROBE_DENIED and a [[git]] table listing PROBE_REPO, which the probes run into
-    (never reaching the host); and allows `neighbour` (not inspected) too."""
+    (never reaching the host); and allows `neighbour` (not inspected) too. With
+    `echo_secret` (NAME@HOST), it allows HOST: a secret's value goes only to a host
+    `[http]` allows (its secret has it inspected)."""
+    echo_host = (echo_secret or "").partition("@")[2] or None
+    allowed = [h for h in (inspected, neighbour if inspected else None, echo_host) if h]
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w:gz") as tar:
-        if inspected:
+        if allowed:
             # TOML basic strings, quoted as JSON quotes them
-            host = json.dumps(inspected)
-            hosts = ", ".join(json.dumps(h) for h in (inspected, neighbour) if h)
-            method, path = PROBE_DENIED.split(" ")
-            text = (f'[http]\nallow = [{hosts}]\n\n[[inspect]]\nhost = {host}\n'
-                    f'deny = ["{method} {path}/**"]\n\n'
-                    f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n').encode()
+            hosts = ", ".join(json.dumps(h) for h in dict.fromkeys(allowed))
+            text = f"[http]\nallow = [{hosts}]\n"
+            if inspected:
+                host = json.dumps(inspected)
+                method, path = PROBE_DENIED.split(" ")
+                text += (f'\n[[inspect]]\nhost = {host}\ndeny = ["{method} {path}/**"]\n\n'
+                         f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n')
+            encoded = text.encode()
             info = tarfile.TarInfo("corral.toml")
-            info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())
-            tar.addfile(info, io.BytesIO(text))
+            info.size, info.mode, info.mtime = len(encoded), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(encoded))
     size = data.tell()
     data.seek(0)
     return data, size
@@ -502,13 +520,12 @@ def cmd_selftest(args) -> int:
     if args.session is None:
         throwaway = f"selftest-{secrets.token_hex(3)}"
         output.notice(f"starting throwaway session {throwaway} ...")
-        data, size = _empty_project(args.inspected, args.neighbour)
+        data, size = _empty_project(args.inspected, args.neighbour, args.echo_secret)
         client.request("POST", "/sessions", upload=(data, size, "application/gzip"),
                        timeout=SLOW, name=throwaway, preset=args.preset or [])
     session = args.session or throwaway
     try:
-        options = {"allowed": args.allowed or _default_allowed(client, session,
-                                                               args.inspected)}
+        options = {"allowed": args.allowed or _default_allowed(client, session, args)}
         if throwaway and args.inspected:  # what its corral.toml forbids there
             options.update(denied_request=PROBE_DENIED, git_repo=PROBE_REPO)
         for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",

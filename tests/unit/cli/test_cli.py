@@ -144,3 +144,56 @@ def test_check_warns_about_a_tcp_rule_that_reaches_an_inspected_host_uninspected
     path.write_text('presets = ["github"]\n[[git]]\nhost = "github.com"\nrepos = ["acme/w"]\n')
     assert main(["check", str(path)]) == exitcodes.OK
     assert "tcp rule github.com:22 (preset:github)" in capsys.readouterr().err
+
+
+def throwaway_policy(*args, **kwargs):
+    """The policy of the throwaway session `corral selftest` starts (its corral.toml)."""
+    import tarfile
+
+    from appliance.policy import Policy, policy_file_rules
+    from cli.sessions import _empty_project
+
+    data, _ = _empty_project(*args, **kwargs)
+    with tarfile.open(fileobj=data, mode="r:gz") as tar:
+        names = tar.getnames()
+        if "corral.toml" not in names:
+            return Policy([])
+        text = tar.extractfile("corral.toml").read().decode()
+    return Policy(policy_file_rules(text, "corral.toml", "project"))
+
+
+@pytest.mark.parametrize("inspected", ["inspected.test", None])
+def test_a_throwaway_session_allows_the_host_of_echo_secret(inspected):
+    """`corral selftest --echo-secret NAME@HOST` without a session: the secret's host must be
+    allowed by [http] for its placeholder to be replaced (README, Secrets), so the
+    throwaway's policy allows it, with or without --inspected; nothing else is added."""
+    from appliance.policy import parse_host
+
+    policy = throwaway_policy(inspected, echo_secret="ECHO_TOKEN@echo.test")
+    assert policy.decide_http(parse_host("echo.test"), 443).allowed
+    assert not policy.decide_http(parse_host("other.test"), 443).allowed
+    if inspected:
+        assert policy.inspection(parse_host(inspected)) is not None
+    assert policy.inspection(parse_host("echo.test")) is None  # its secret inspects it
+
+
+def test_a_throwaway_session_without_options_has_no_policy_file():
+    from appliance.policy import parse_host
+
+    policy = throwaway_policy(None, echo_secret="not-a-name-at-a-host")
+    assert not policy.decide_http(parse_host("not-a-name-at-a-host"), 443).allowed
+
+
+def test_the_battery_proves_the_legitimate_path_on_a_host_no_probe_treats_otherwise():
+    """Without --allowed, the legitimate flows go to the session's first exact http host
+    that is neither --inspected (its TLS is ended), --neighbour (on an inspected host's
+    address: refused a tunnel by design) nor --echo-secret's host (a secret inspects it)."""
+    from cli.sessions import plain_allowed
+
+    rules = [{"kind": "deny", "rule": "metadata.google.internal"},
+             *({"kind": "http", "rule": r} for r in (
+                 "*.cdn.test", "inspected.test", "neighbour.test", "echo.test:443",
+                 "allowed.test", "later.test"))]
+    assert plain_allowed(rules, ["inspected.test", "neighbour.test", "echo.test"]) == (
+        "allowed.test")
+    assert plain_allowed(rules[:-2], ["inspected.test", "neighbour.test", "echo.test"]) is None
