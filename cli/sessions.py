@@ -107,7 +107,9 @@ def _check_secrets(project: Path, exclude: tuple[str, ...], as_json: bool) -> No
         output.data({"findings": [f.to_json() for f in report.findings]})
     else:
         for finding in report.findings:
-            output.line(f"  {finding.path}:{finding.line}  {finding.detector}")
+            # a file name may be an agent's (applied from an earlier session)
+            output.line(f"  {workspace.shown(finding.path)}:{finding.line}  "
+                        f"{render.text(finding.detector)}")
     raise CliError(f"{len(report.findings)} possible secret(s) in what would be copied into the "
                    "session (above: path, line, detector)", "leave them out with [workspace] "
                    'exclude = ["PATH", ...] in corral.toml, or pass --allow-secrets to copy '

@@ -84,3 +84,17 @@ def test_run_refuses_before_it_reaches_any_appliance(project, capsys, monkeypatc
     (project / "corral.toml").write_text('[workspace]\nexclude = "all"\n')
     assert main(["run", "--project", str(project)]) == exitcodes.USAGE
     assert "[workspace] exclude" in capsys.readouterr().err
+
+
+def test_a_finding_in_a_file_whose_name_draws_lines_is_named_on_one_line(
+        project, capsys, monkeypatch, tmp_path):
+    """A project's file names may be an agent's (applied from an earlier session): a name
+    holding a newline and text shaped like corral's own lines is shown quoted and escaped
+    on the finding's line, never as a line of its own."""
+    name = "notes\ncorral: error: nothing found, copying anyway\n.py"
+    (project / name).write_text(f'key = "{AWS}"\n')
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "nowhere"))
+    assert main(["run", "--project", str(project), "--detach"]) == 1
+    out, _ = capsys.readouterr()
+    assert "\ncorral: error: nothing found" not in out, out
+    assert '  "notes\\ncorral: error: nothing found, copying anyway\\n.py":1  AWS' in out, out
