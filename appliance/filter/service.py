@@ -404,7 +404,7 @@ class Service:
             "port": drop.port, "address": drop.destination, "verdict": "deny",
             "reason": f"rejected by the firewall: {drop.protocol} to {target}",
             "rule": None, "layer": None, "protocol": drop.protocol,
-            "hint": nflog.hint(drop, appliance),
+            "hint": nflog.hint(drop, appliance, ruleset.gateway_services(self.config)),
         })
 
     def _record(self, key: str, sock: socket.socket) -> None:

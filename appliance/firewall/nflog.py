@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 NETLINK_NETFILTER = 12
@@ -156,12 +157,19 @@ def link_local_multicast(drop: Drop) -> bool:
                if network.version == address.version)
 
 
-def hint(drop: Drop, appliance: bool = False) -> str:
+def hint(drop: Drop, appliance: bool = False,
+         listening: Collection[tuple[str, int]] = ()) -> str:
     """What a person can do about the drop, by what the ruleset forwards for its protocol.
-    `appliance`: its destination is the appliance itself (a session's gateway)."""
+    `appliance`: its destination is the appliance itself (a session's gateway), whose
+    `listening` (protocol, port) the ruleset refuses only past the session's limits."""
     if ":" in drop.destination:
         return ("IPv6 is not forwarded, nor answered by the appliance: sessions reach names "
                 "over IPv4, through the filter")
+    if appliance and (drop.protocol, drop.port) in listening:
+        return ("past the session's limits on the appliance's own listeners (DNS packets a "
+                "second, new and open connections): the firewall refuses the excess before it "
+                "fills the queues every session shares ([firewall] dns_packets and "
+                "new_connections, the proxy's connection caps)")
     if drop.port in DNS_PORTS and drop.protocol in ("udp", "tcp"):
         return ("DNS is answered by the session's resolver (its gateway, port 53) alone: a "
                 "resolver anywhere else is never reached, and a name the policy allows "

@@ -106,6 +106,16 @@ def listener_ports(config: FilterConfig) -> dict[str, list[int]]:
     return ports
 
 
+def gateway_services(config: FilterConfig) -> frozenset[tuple[str, int]]:
+    """(protocol, port) a session reaches on its gateway (listener_ports, leniently: a port
+    0 of a test config is none): the firewall refuses them only past the session's limits."""
+    tcp = {p for _, p in (*config.dns.listen, *config.proxy.listen,
+                          *config.proxy.transparent_http, *config.proxy.transparent_tls,
+                          *config.sshgate.listen)}
+    udp = {p for _, p in config.dns.listen}
+    return frozenset({("tcp", p) for p in tcp if p} | {("udp", p) for p in udp if p})
+
+
 def _still_ours(learned: list[dict], subnets) -> list[dict]:
     """Learned elements whose sandbox address is in a current session's subnet. A stopped
     session's allowances must not pass to the next session that gets the same addresses."""

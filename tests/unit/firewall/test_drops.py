@@ -60,3 +60,47 @@ def test_each_reject_gets_a_hint_that_fits_its_protocol(service, drop, says, nev
 def test_link_local_multicast_is_never_a_denial_event(service, drop):
     """The ruleset drops it quietly; a report of one (a ruleset from before) is no event."""
     assert event_of(service, drop) is None
+
+
+@pytest.fixture
+def listening(tmp_path):
+    """The service with the listeners a session reaches on its gateway, as the role sets."""
+    config = parse_config(f"""
+[dns]
+listen = ["0.0.0.0:53"]
+upstream = ["192.0.2.53:53"]
+[proxy]
+listen = ["0.0.0.0:3128"]
+transparent_http = ["0.0.0.0:3129"]
+transparent_tls = ["0.0.0.0:3130"]
+[sshgate]
+listen = ["0.0.0.0:2222"]
+[state]
+dir = "{tmp_path}/state"
+[control]
+socket = "{tmp_path}/control.sock"
+[[session]]
+name = "s1"
+subnet = "10.213.1.0/24"
+""", str(tmp_path / "filter.toml"))
+    service = Service(config)
+    yield service
+    service.blocking.shutdown()
+
+
+@pytest.mark.parametrize("drop", [
+    Drop("s1", "udp", S1, GW, 53),      # past the session's DNS packet rate
+    Drop("s1", "tcp", S1, GW, 3128),    # past its connection caps, on the proxy
+    Drop("s1", "tcp", S1, GW, 3130),    # ... on the transparent TLS listener
+    Drop("s1", "tcp", S1, GW, 2222),    # ... on the git gateway
+], ids=["dns-rate", "proxy-caps", "transparent-caps", "sshgate-caps"])
+def test_a_reject_at_a_listener_of_the_gateway_is_a_limit_not_a_closed_door(listening, drop):
+    """The ruleset refuses a session's packets to the filter's own listeners only past its
+    limits (DNS packets per second, open and new connections): the hint says so, not that
+    the port is closed or that DNS goes to some other resolver."""
+    hint = event_of(listening, drop)["hint"]
+    assert "limit" in hint and "host.corral" not in hint and "anywhere else" not in hint, hint
+
+
+def test_other_ports_of_the_gateway_keep_their_hint(listening):
+    assert "host.corral" in event_of(listening, Drop("s1", "tcp", S1, GW, 22))["hint"]
