@@ -288,8 +288,10 @@ class Sessions:
             mark = battery.mark_before(self.manager.control)
         except battery.RecordsUnavailable as exc:
             raise SessionError(f"the battery's denials could not be checked: {exc}") from None
+        # the session named: its container's hostname is the container's name (corral-NAME)
         result = self.manager.podman.run("exec", record.container, "corral-selftest", "--json",
-                                         *flags, check=False, timeout=SELFTEST_TIMEOUT)
+                                         *flags, "--session", name, check=False,
+                                         timeout=SELFTEST_TIMEOUT)
         probes, summary = battery.parse(result.stdout.decode(errors="replace"))
         if not probes:
             raise SessionError(f"the selftest did not run in {name}: "

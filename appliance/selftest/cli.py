@@ -80,7 +80,7 @@ def parse_args(argv, registry: Registry, prog: str | None = None) -> argparse.Na
                         "the agent came to hold run")
     parser.add_argument("--session", default=socket.gethostname(),
                         help="the session's name, for a branch of its own (default: the "
-                        "hostname, which corral sets to it)")
+                        "hostname; `corral selftest` passes it)")
     parser.add_argument("--neighbour", metavar="NAME",
                         help="a name the session allows and does not inspect, on an address "
                         "--inspected uses (one front-end serving both)")
