@@ -96,16 +96,25 @@ def inspected_fake_upgrade(ctx):
 @probe("inspected-encoded-token", 14, needs="inspected",
        records="leak event, reason 'gzip-decoded'")
 def inspected_encoded_token(ctx):
-    """A token in a body the origin inflates (`Content-Encoding: gzip`) is a token; a body
-    in a coding the filter cannot read (`br`) is refused on a host that scans."""
+    """A token in a body the origin inflates (`Content-Encoding: gzip`) is a token."""
     a = ctx.args
     key_id = "AKIAQZ5XW2RT7YV3U6PN"  # shaped as an AWS access key id, made up
     head = _post(a, "/selftest", "Content-Encoding: gzip\r\n",
                  gzip.compress(f"aws_access_key_id={key_id}".encode()))
-    unread = _post(a, "/selftest", "Content-Encoding: br\r\n", b"\x0b\x02\x80hi\x03")
-    ok = from_corral(head, 403, "x-corral-deny") and from_corral(unread, 403, "x-corral-deny")
-    return Outcome(ok, f"a gzip body with a token: {first_line(head)}; a br body: "
-                   f"{first_line(unread)}", {"kind": "leak", "reason": "gzip-decoded"})
+    return Outcome(from_corral(head, 403, "x-corral-deny"),
+                   f"a gzip body with a token: {first_line(head)}",
+                   {"kind": "leak", "reason": "gzip-decoded"})
+
+
+@probe("inspected-undecodable-body", 14, needs="inspected",
+       records="http event, reason 'cannot decode'")
+def inspected_undecodable_body(ctx):
+    """A body in a coding the filter cannot read (`br`) is refused on a host that scans: a
+    scanner that cannot decode denies."""
+    a = ctx.args
+    head = _post(a, "/selftest", "Content-Encoding: br\r\n", b"\x0b\x02\x80hi\x03")
+    return Outcome(from_corral(head, 403, "x-corral-deny"), f"a br body: {first_line(head)}",
+                   {"kind": "http", "reason": "cannot decode"})
 
 
 # -- T30: a value the agent came to hold ---------------------------------------------------

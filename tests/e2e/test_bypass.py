@@ -86,7 +86,8 @@ def test_every_probe_passes(battery):
             "inspected-unicode-lookalike", "inspected-push-refused", "neighbour-connect-refused",
             "neighbour-transparent-refused",
             "inspected-push-options-refused", "inspected-override-denied",
-            "inspected-fake-upgrade", "inspected-encoded-token", "held-value-in-a-field",
+            "inspected-fake-upgrade", "inspected-encoded-token", "inspected-undecodable-body",
+            "held-value-in-a-field",
             "held-value-never-quoted",
             "approval-not-self-granted"} <= {p["id"] for p in probes}
     legit = {p["id"] for p in probes if p["legit"]}
