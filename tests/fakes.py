@@ -49,7 +49,8 @@ class Loop:
 class FakeDns:
     """Authoritative for whatever `zone` says: {name: [(qtype, rdata-text, ttl), ...]}.
 
-    Special behaviours per name: `servfail` (answer SERVFAIL), `silent` (never answer),
+    Special behaviours per name: `servfail` (answer SERVFAIL), `refuse_aaaa` (REFUSED for
+    AAAA only), `silent` (never answer),
     `truncate` (set TC over UDP so the client must retry over TCP), `slow` (answer late).
     """
 
@@ -61,6 +62,9 @@ class FakeDns:
         self.truncate: set[str] = set()
         self.slow: dict[str, float] = {}
         """Names answered only after this many seconds (over UDP)."""
+        self.refuse_aaaa: set[str] = set()
+        """Names whose AAAA queries are REFUSED (as dnsmasq without an upstream answers a
+        name it holds only an IPv4 address for)."""
         self.queries: list[tuple[str, str, str]] = []  # (transport, name, qtype)
         self.loop = loop
         self.address = loop.run(self._start())
@@ -119,6 +123,9 @@ class FakeDns:
         reply = request.reply()
         if name in self.servfail:
             reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
+        if name in self.refuse_aaaa and qtype == "AAAA":
+            reply.header.rcode = RCODE.REFUSED
             return reply.pack()
         if transport == "udp" and name in self.truncate:
             reply.header.tc = 1

@@ -44,6 +44,8 @@ class Frontends:
         """The secrets (`use`): their hosts are inspected in every session."""
         self.book = AddressBook()
         self.watch = Watch(frozenset(), frozenset())
+        self.unknown_v6: dict[str, str] = {}
+        """Inspected name -> why its IPv6 addresses are unknown (its AAAA lookup failed)."""
         self.fresh: dict[Policy, float] = {}
         """policy -> until when its exact inspected names' addresses are known."""
         self.listeners: list[Callable[[], None]] = []
@@ -128,14 +130,24 @@ class Frontends:
 
     async def _resolve(self, name: str) -> float | str:
         """Resolve an inspected name (A and AAAA) and record what it has: until when that
-        holds, or why it could not be resolved."""
-        until = math.inf
+        holds, or why it could not be resolved. An AAAA lookup that fails after the A one
+        gave addresses (resolvers that refuse AAAA for a name they hold only IPv4 for,
+        dnsmasq without an upstream among them) leaves the name's IPv6 addresses unknown
+        (`unknown_v6`): only IPv6 tunnels need them, and only those are refused."""
+        until, v4 = math.inf, ()
         patterns = tuple(self.watch.patterns(name)) or (name,)
         for qtype in (QTYPE.A, QTYPE.AAAA):
             try:
                 answer = await self.resolver.query(name, qtype, None)
             except UpstreamError as exc:
+                if qtype == QTYPE.AAAA and v4:
+                    self.unknown_v6[name] = f"resolving inspected host {name} failed: {exc}"
+                    return until
                 return f"resolving inspected host {name} failed: {exc}"
+            if qtype == QTYPE.A:
+                v4 = answer.addresses(name)
+            else:
+                self.unknown_v6.pop(name, None)
             self._record(name, patterns, answer)
             until = min(until, answer.expires)
         return until
@@ -146,5 +158,11 @@ class Frontends:
         tcp rule's connection, with `kind` "tcp"), or None. No I/O: may run on a worker
         thread (the firewall's learned set)."""
         ip = address_of(address)
+        if ip.version == 6 and self.unknown_v6:
+            for name in self.watch.names(policy):
+                why = self.unknown_v6.get(name)
+                if why is not None:  # fail closed where the book cannot tell
+                    return Decision(False, f"cannot tell whether {host} at {address} shares "
+                                    f"an IPv6 address with an inspected host: {why}")
         return neighbour(policy, host, ip, self.book.at(ip, time.monotonic()), self.bound,
                          kind)

@@ -362,6 +362,30 @@ def test_an_inspected_name_that_cannot_be_resolved_refuses_the_tunnel(lab, inter
         inspecting(lab, "broken.test", False, POLICY)
 
 
+def test_an_inspected_name_whose_ipv6_cannot_be_resolved_refuses_only_ipv6_tunnels(
+        lab, internet):
+    """A resolver that refuses AAAA for a name it holds only IPv4 for (dnsmasq without an
+    upstream does): the name's IPv4 addresses are known, so an IPv4 tunnel is judged by
+    them; an IPv6 one cannot be, and is refused."""
+    internet.dns.zone["v4only.test"] = [("A", NOWHERE, 300)]
+    internet.dns.refuse_aaaa.add("v4only.test")
+    policy = POLICY.replace('[[inspect]]\nhost = "api6.test"\n', "") + \
+        '\n[[inspect]]\nhost = "v4only.test"\n'
+    try:
+        inspecting(lab, "v4only.test", True, policy)
+        sock, head = connect_to(lab, f"elsewhere.test:{internet.elsewhere.port}")
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        if internet.v6 is not None:
+            sock, head = connect_to(lab, f"front6.test:{internet.v6.port}")
+            sock.close()
+            assert head.startswith(b"HTTP/1.1 403") and b"v4only.test" in head, head
+            assert b"IPv6" in head
+    finally:
+        internet.dns.refuse_aaaa.discard("v4only.test")
+        inspecting(lab, "v4only.test", False, POLICY)
+
+
 # -- tcp rules (learned from DNS) -------------------------------------------------------------
 
 
