@@ -299,12 +299,17 @@ class Forward:
             raise Denied(decision, where.target, recorded=True)
         inspection = policy.inspection(where.host)
         fields = request_fields(where, head) if inspection is not None else {}
-        decision = judge_request(inspection, head, where, decision)
+        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
+        # what the head asks to be read as: read once (each reading of a long query costs
+        # the loop), for the host's request rules and for the secrets attached
+        asked = asked_methods(head, where.path) if (
+            (inspection is not None and inspection.judges)
+            or (ended and proxy.credentials.bound(where.host))) else []
+        decision = judge_request(inspection, head, where, decision, asked)
         if not decision.allowed:  # by the host's request rules: the connection may go on
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
-        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
         read = inspection is not None or ended  # a secret's host is read without a table too
         if read:  # a value the agent holds, written into a field (before any is attached)
             leaked = proxy.credentials.leaks(session).in_fields(head.headers)
@@ -312,9 +317,9 @@ class Forward:
                 return await self._leaked(client, head, where, session, fields, leaked), kept
         paths = header_paths(head)
         try:
-            asked = tuple(m for _, m in asked_methods(head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0], asked,
+                                              ended, head.start[0],
+                                              tuple(m for _, m in asked) if ended else (),
                                               tuple(p for _, p in paths) if ended else ())
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
@@ -346,7 +351,7 @@ class Forward:
                                           reading.finding, body is not None), kept
             refusal = Decision(False, reading.refusal) if reading.refusal else None
             if refusal is None and reading.methods:  # judged with what the head asks for
-                methods = [*asked_methods(head, where.path), *reading.methods]
+                methods = [*asked, *reading.methods]
                 refusal = judge_asked(inspection, head, where, methods, paths) if (
                     inspection is not None) else None
                 unpermitted = proxy.credentials.unpermitted(

@@ -102,11 +102,15 @@ def form_methods(text: str, where: str, charset: str | None = None
                  ) -> list[tuple[str, str]]:
     """(where, method) for `_method` in a query or a form body (`&` or `;` between pairs),
     its escapes decoded as UTF-8 and, when the form declares one, in its `charset`."""
-    found = []
-    for item in text.replace(";", "&").split("&"):
+    if charset is None and "method" not in unquote_plus(text, errors="replace").lower():
+        return []  # no name in it is one of PARAMETERS, decoded (one look at all of it)
+    found, names = [], {}
+    for item in dict.fromkeys(text.replace(";", "&").split("&")):  # each pair judged once
         name, _, value = item.partition("=")
-        if ("method" in name.lower() or "%" in name) and (  # the cheap look first
-                any(is_parameter(n) for n in _decoded(name, charset))):
+        if name not in names:
+            names[name] = ("method" in name.lower() or "%" in name) and (  # cheap look first
+                any(is_parameter(n) for n in _decoded(name, charset)))
+        if names[name]:
             found += [(where, m) for v in _decoded(value, charset) for m in methods_in(v)]
     return found
 
