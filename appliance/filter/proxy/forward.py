@@ -469,6 +469,12 @@ class Forward:
             return None, None
         if session is None:
             return await refuse("a git push from an address no session holds")
+        if body_kinds(head):  # its body is read for refs only, never for a _method in it
+            return await refuse(f"a push to {call.repo[:100]!r} whose Content-Type is not "
+                                "git's (application/x-git-receive-pack-request): servers "
+                                "read a form, multipart or JSON body (or one with no type) "
+                                "for a method override, which a push's body is not judged "
+                                "for")
         if (head.content_length or 0) > git.MAX_PUSH:
             raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
                             f"most {git.MAX_PUSH} to judge one")
