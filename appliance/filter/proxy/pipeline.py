@@ -307,13 +307,14 @@ def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, s
                         f"filter judges at most {MAX_READINGS}")
     readings = [(how, other, where.path, "") for how, other in methods]
     for how_path, path in paths:
-        readings += [(how_path, m, path, f" at {printable(path[:80])}")
+        readings += [(how_path, m, path, f" at {printable_ascii(path[:80])}")
                      for _, m in [("", method), *methods]]
     for how, other, path, at in readings:
         found = inspection.decide(other, path)
         if not found.allowed:
             return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks by "
-                            f"{how} to be read as {printable(other[:40])}{at}: {found.reason}",
+                            f"{how} to be read as {printable_ascii(other[:40])}{at}: "
+                            f"{found.reason}",
                             found.rule, found.hint)
     return None
 
@@ -355,13 +356,13 @@ def response(status: int, body: str, extra: dict[str, str] | None = None, keep: 
     payload = redactor.text(body).encode()
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", f"Content-Type: {content_type}",
              f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
-    lines += [f"{k}: {printable(redactor.text(v))}" for k, v in (extra or {}).items()]
+    lines += [f"{k}: {printable_ascii(redactor.text(v))}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
 def deny_response(denied: Denied, keep: bool = False, *, redactor: Redactor) -> bytes:
     d = denied.decision
-    body = f"corral: {printable(denied.target)} denied: {printable(d.reason)}."
+    body = f"corral: {printable_ascii(denied.target)} denied: {printable_ascii(d.reason)}."
     if d.hint:
         body += f" To allow it: {d.hint}"
     header = "X-Corral-Deny" if denied.status == 403 else "X-Corral-Error"
@@ -374,12 +375,13 @@ def deny_response(denied: Denied, keep: bool = False, *, redactor: Redactor) -> 
 
 
 def error_response(status: int, message: str, *, redactor: Redactor) -> bytes:
-    return response(status, f"corral: {printable(message)}\n", {"X-Corral-Error": message},
-                    redactor=redactor)
+    return response(status, f"corral: {printable_ascii(message)}\n",
+                    {"X-Corral-Error": message}, redactor=redactor)
 
 
-def printable(text: str) -> str:
-    """Text a client sent, made safe to echo in a header or a terminal (printable ASCII)."""
+def printable_ascii(text: str) -> str:
+    """Text a client sent, made safe to echo in a header or a terminal: printable ASCII,
+    anything else `?` (a header holds no more; events.printable escapes instead)."""
     return "".join(c if " " <= c <= "~" else "?" for c in text)
 
 
