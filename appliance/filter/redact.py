@@ -14,6 +14,11 @@ once per snapshot of the secrets (proxy/credentials.py):
 - the control socket's answers (approvals and status quote what sessions sent);
 - the filter's log records (`LogFilter`).
 
+(Two more go to a client unredacted, as they quote only what that client sent or what an
+ssh upstream, which is never given an HTTP secret, said: git's report of a refused push,
+over HTTPS and the git gateway, naming its refs and options, and the gateway's lines to
+the ssh client. The event of the same refusal passes the bus.)
+
 A value is replaced by `[secret NAME]` in every form it travels in (as written; as basic
 auth encodes it; percent-encoded; escaped as `repr` writes it inside either quote, and as
 JSON writes it), in any letter case (the filter upper-cases override methods and

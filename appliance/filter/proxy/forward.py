@@ -59,18 +59,22 @@ OFF_LOOP = 1 << 10
 """Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
 thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
 body of empty parts, a form of escaped names), so a body read on the loop costs it at most
-about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms."""
+about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms. (A
+judge's thread still shares the interpreter: while one reads, each wake-up of the loop may
+wait out the switch interval, 5 ms.)"""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
 JUDGES = 2
-"""Pushes judged at once, each on a thread of the judges' own pool."""
+"""Pushes judged and bodies read (past OFF_LOOP) at once, each on a thread of the judges'
+own pool."""
 _POOL: list[ThreadPoolExecutor] = []
 
 
 def _judges() -> ThreadPoolExecutor:
-    """The pool pushes are judged on: its own, so that a hostile pack never queues ahead of
-    what the loop's default executor runs for every session (DNS learning)."""
+    """The pool pushes are judged and large bodies read on: its own, so that a hostile pack
+    or body never queues ahead of what the loop's default executor runs for every session
+    (DNS learning)."""
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(JUDGES, thread_name_prefix="corral-git"))
     return _POOL[0]
@@ -103,8 +107,8 @@ class Forward:
         self.config = proxy.config
         self.judging = asyncio.Semaphore(JUDGES)
         self.judging_session: dict[str | None, list] = {}
-        """Per session, [its lock, pushes waiting or judged]: a session has one push judged
-        at a time, so it never holds both judges while another session's push waits."""
+        """Per session, [its lock, pushes and bodies waiting or being read]: a session has
+        one judged at a time, so it never holds both judges while another session waits."""
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
@@ -410,8 +414,8 @@ class Forward:
 
     @contextlib.asynccontextmanager
     async def _judge_slot(self, session: str | None):
-        """A judge for one push: one per session at a time, JUDGES in all, so that one
-        session's pushes never hold every judge while another session's push waits."""
+        """A judge for one push or body: one per session at a time, JUDGES in all, so that
+        one session never holds every judge while another session's work waits."""
         share = self.judging_session.setdefault(session, [asyncio.Lock(), 0])
         share[1] += 1
         try:
