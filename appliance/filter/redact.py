@@ -126,7 +126,11 @@ class LogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         redactor = self.current()
         if redactor:
-            record.msg, record.args = redactor.text(record.getMessage()), None
+            try:
+                message = record.getMessage()
+            except (TypeError, ValueError):  # a call whose arguments do not fit its format:
+                message = f"{record.msg!r} % {record.args!r}"  # said, never raised at it
+            record.msg, record.args = redactor.text(message), None
             if record.exc_info:
                 record.exc_text = redactor.text(logging.Formatter().formatException(
                     record.exc_info))
