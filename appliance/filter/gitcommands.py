@@ -49,7 +49,8 @@ FLUSH = b"0000"
 PKT_LENGTH = re.compile(rb"[0-9a-f]{4}", re.IGNORECASE)
 """Four hex digits, as git's hexval reads them; nothing int() would also take (`+0af`,
 ` 0af`, `0x1f`)."""
-_OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
+OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
+"""An object id as git writes one: SHA-1 or SHA-256, lower-case hex."""
 _WORD = re.compile(rb"(?:^|(?<=[ \t\n\r]))[^ \t\n\r=]+")
 """A feature's name: a word at the list's start or after git's space, up to git's space or
 `=`."""
@@ -141,7 +142,7 @@ def read_push(body: bytes) -> Push:
         payload = _chomp(payload)
         line, nul, rest = payload.partition(b"\0")
         if len(payload) > 8 and line.startswith(b"shallow "):  # before any list is read
-            if not _OID.match(line, 8):
+            if not OID.match(line, 8):
                 raise GitProtocolError(f"a shallow line that names no object id at byte {end}")
             continue
         if nul:
@@ -175,7 +176,7 @@ def _chomp(payload: bytes) -> bytes:
 
 def _command(line: bytes, number: int) -> Command:
     parts = line.split(b" ")
-    if len(parts) != 3 or not _OID.fullmatch(parts[0]) or not _OID.fullmatch(parts[1]):
+    if len(parts) != 3 or not OID.fullmatch(parts[0]) or not OID.fullmatch(parts[1]):
         raise GitProtocolError(f"command {number} is not 'OLD NEW REF'")
     if number > MAX_COMMANDS:
         raise GitProtocolError(f"more than {MAX_COMMANDS} refs in one push")

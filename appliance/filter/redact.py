@@ -14,6 +14,11 @@ once per snapshot of the secrets (proxy/credentials.py):
 - the control socket's answers (approvals and status quote what sessions sent);
 - the filter's log records (`LogFilter`).
 
+(Two more go to a client unredacted, as they quote only what that client sent or what an
+ssh upstream, which is never given an HTTP secret, said: git's report of a refused push,
+over HTTPS and the git gateway, naming its refs and options, and the gateway's lines to
+the ssh client. The event of the same refusal passes the bus.)
+
 A value is replaced by `[secret NAME]` in every form it travels in (as written; as basic
 auth encodes it; percent-encoded; escaped as `repr` writes it inside either quote, and as
 JSON writes it), in any letter case (the filter upper-cases override methods and
@@ -121,7 +126,11 @@ class LogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         redactor = self.current()
         if redactor:
-            record.msg, record.args = redactor.text(record.getMessage()), None
+            try:
+                message = record.getMessage()
+            except (TypeError, ValueError):  # a call whose arguments do not fit its format:
+                message = f"{record.msg!r} % {record.args!r}"  # said, never raised at it
+            record.msg, record.args = redactor.text(message), None
             if record.exc_info:
                 record.exc_text = redactor.text(logging.Formatter().formatException(
                     record.exc_info))

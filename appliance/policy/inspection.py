@@ -120,6 +120,12 @@ class Inspection:
         return self.rules.allows is not None
 
     @property
+    def judges(self) -> bool:
+        """Do request rules judge the host's requests (an allow list, or a deny)? Without
+        any, every request passes, whatever it asks to be read as."""
+        return self.rules.allows is not None or bool(self.rules.denies)
+
+    @property
     def names_methods(self) -> bool:
         """Do the host's request rules tell methods apart (so that what a request asks to
         be read as matters, bodies included)?"""
@@ -134,7 +140,7 @@ class Inspection:
     def decide(self, method: str, target: str) -> Decision:
         """May this request (method, origin-form target as sent upstream) go to the host?"""
         rules, host = self.rules, self.host
-        if rules.allows is None and not rules.denies:
+        if not self.judges:
             return Decision(True, f"{host} is inspected without request rules",
                             rules.marks[0] if rules.marks else None)
         if not TOKEN.fullmatch(method):

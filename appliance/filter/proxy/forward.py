@@ -59,18 +59,22 @@ OFF_LOOP = 1 << 10
 """Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
 thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
 body of empty parts, a form of escaped names), so a body read on the loop costs it at most
-about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms."""
+about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms. (A
+judge's thread still shares the interpreter: while one reads, each wake-up of the loop may
+wait out the switch interval, 5 ms.)"""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
 JUDGES = 2
-"""Pushes judged at once, each on a thread of the judges' own pool."""
+"""Pushes judged and bodies read (past OFF_LOOP) at once, each on a thread of the judges'
+own pool."""
 _POOL: list[ThreadPoolExecutor] = []
 
 
 def _judges() -> ThreadPoolExecutor:
-    """The pool pushes are judged on: its own, so that a hostile pack never queues ahead of
-    what the loop's default executor runs for every session (DNS learning)."""
+    """The pool pushes are judged and large bodies read on: its own, so that a hostile pack
+    or body never queues ahead of what the loop's default executor runs for every session
+    (DNS learning)."""
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(JUDGES, thread_name_prefix="corral-git"))
     return _POOL[0]
@@ -103,8 +107,8 @@ class Forward:
         self.config = proxy.config
         self.judging = asyncio.Semaphore(JUDGES)
         self.judging_session: dict[str | None, list] = {}
-        """Per session, [its lock, pushes waiting or judged]: a session has one push judged
-        at a time, so it never holds both judges while another session's push waits."""
+        """Per session, [its lock, pushes and bodies waiting or being read]: a session has
+        one judged at a time, so it never holds both judges while another session waits."""
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
@@ -299,12 +303,17 @@ class Forward:
             raise Denied(decision, where.target, recorded=True)
         inspection = policy.inspection(where.host)
         fields = request_fields(where, head) if inspection is not None else {}
-        decision = judge_request(inspection, head, where, decision)
+        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
+        # what the head asks to be read as: read once (each reading of a long query costs
+        # the loop), for the host's request rules and for the secrets attached
+        asked = asked_methods(head, where.path) if (
+            (inspection is not None and inspection.judges)
+            or (ended and proxy.credentials.bound(where.host))) else []
+        decision = judge_request(inspection, head, where, decision, asked)
         if not decision.allowed:  # by the host's request rules: the connection may go on
             proxy.event(decision, client, session, "http", where.host, where.port, **fields)
             target = f"{fields['method']} {fields['path']} on {where.target}"
             return await self._refuse(client, head, Denied(decision, target)), kept
-        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
         read = inspection is not None or ended  # a secret's host is read without a table too
         if read:  # a value the agent holds, written into a field (before any is attached)
             leaked = proxy.credentials.leaks(session).in_fields(head.headers)
@@ -312,9 +321,9 @@ class Forward:
                 return await self._leaked(client, head, where, session, fields, leaked), kept
         paths = header_paths(head)
         try:
-            asked = tuple(m for _, m in asked_methods(head, where.path)) if ended else ()
             applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0], asked,
+                                              ended, head.start[0],
+                                              tuple(m for _, m in asked) if ended else (),
                                               tuple(p for _, p in paths) if ended else ())
         except Leak as leak:  # nothing of it leaves; the connection may go on
             decision = proxy.leaked(client, session, where.host, leak)
@@ -346,7 +355,7 @@ class Forward:
                                           reading.finding, body is not None), kept
             refusal = Decision(False, reading.refusal) if reading.refusal else None
             if refusal is None and reading.methods:  # judged with what the head asks for
-                methods = [*asked_methods(head, where.path), *reading.methods]
+                methods = [*asked, *reading.methods]
                 refusal = judge_asked(inspection, head, where, methods, paths) if (
                     inspection is not None) else None
                 unpermitted = proxy.credentials.unpermitted(
@@ -405,8 +414,8 @@ class Forward:
 
     @contextlib.asynccontextmanager
     async def _judge_slot(self, session: str | None):
-        """A judge for one push: one per session at a time, JUDGES in all, so that one
-        session's pushes never hold every judge while another session's push waits."""
+        """A judge for one push or body: one per session at a time, JUDGES in all, so that
+        one session never holds every judge while another session's work waits."""
         share = self.judging_session.setdefault(session, [asyncio.Lock(), 0])
         share[1] += 1
         try:
@@ -464,6 +473,12 @@ class Forward:
             return None, None
         if session is None:
             return await refuse("a git push from an address no session holds")
+        if body_kinds(head):  # its body is read for refs only, never for a _method in it
+            return await refuse(f"a push to {call.repo[:100]!r} whose Content-Type is not "
+                                "git's (application/x-git-receive-pack-request): servers "
+                                "read a form, multipart or JSON body (or one with no type) "
+                                "for a method override, which a push's body is not judged "
+                                "for")
         if (head.content_length or 0) > git.MAX_PUSH:
             raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
                             f"most {git.MAX_PUSH} to judge one")

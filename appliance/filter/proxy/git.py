@@ -36,12 +36,11 @@ from dataclasses import dataclass
 
 from appliance.filter.gitcommands import (  # noqa: F401  (git's wire, named here too)
     FLUSH,
-    MAX_COMMANDS,
+    OID,
     Command,
     GitProtocolError,
     Push,
     pkt,
-    pkt_lines,
     read_push,
 )
 from appliance.policy.git import GitSpec
@@ -60,7 +59,6 @@ OPTION_SHOWN = 60
 """The characters of a refused push option a reason quotes."""
 JUDGE_SECONDS = 20.0
 """How long judging one push may take (on a worker thread) before it is refused."""
-_OID = re.compile(rb"[0-9a-f]{40}|[0-9a-f]{64}")
 _DUMB = re.compile(r"(?P<repo>/.+?)/(?:head|info/(?:packs|alternates|http-alternates|lfs/.*)"
                    r"|objects/(?:info/.*|pack/.*|[0-9a-f]{2}/[0-9a-f]{38,62}))")
 """The paths of git's dumb protocol and of LFS under a repository (lower-cased)."""
@@ -366,7 +364,7 @@ def _parents(body: bytes, hex_len: int) -> tuple[str, ...]:
     rest = lines[1:]
     while rest and rest[0].startswith(b"parent "):
         oid = rest.pop(0)[7:]
-        if len(oid) != hex_len or not _OID.fullmatch(oid):
+        if len(oid) != hex_len or not OID.fullmatch(oid):
             raise GitProtocolError("a commit in the pack names a parent that is not an id")
         parents.append(oid.decode())
     if any(line.startswith(b"parent ") for line in rest):

@@ -102,13 +102,26 @@ def form_methods(text: str, where: str, charset: str | None = None
                  ) -> list[tuple[str, str]]:
     """(where, method) for `_method` in a query or a form body (`&` or `;` between pairs),
     its escapes decoded as UTF-8 and, when the form declares one, in its `charset`."""
-    found = []
+    if charset is None and "method" not in unquote_plus(text, errors="replace").lower():
+        return []  # no name in it is one of PARAMETERS, decoded (one look at all of it)
+    found, names = [], {}
     for item in text.replace(";", "&").split("&"):
         name, _, value = item.partition("=")
-        if ("method" in name.lower() or "%" in name) and (  # the cheap look first
-                any(is_parameter(n) for n in _decoded(name, charset))):
+        named = names.get(name)
+        if named is None:
+            named = ("method" in name.lower() or "%" in name) and (  # the cheap look first
+                any(is_parameter(n) for n in _decoded(name, charset)))
+            if len(names) < _NAMES_KEPT:
+                names[name] = named
+        if named:
             found += [(where, m) for v in _decoded(value, charset) for m in methods_in(v)]
     return found
+
+
+_NAMES_KEPT = 64
+"""Names a form's reading remembers the look at (a name repeated is looked at once); a
+bounded few: a dict of a body's every name would be rehashed in one go as it grows, holding
+the interpreter (and so the event loop) for tens of milliseconds on a judge's thread."""
 
 
 def _decoded(text: str, charset: str | None) -> list[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from appliance.policy import Decision, Host, HostNameError, parse_host
+from appliance.policy.targets import MAX_TARGET
 
 from ..approvals import request_hint
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
@@ -253,32 +254,36 @@ def strip_empty_lines(data: bytes) -> tuple[bytes, int]:
 def asked_methods(head: Head, path: str) -> list[tuple[str, str]]:
     """(where, method) for every other method the request's head asks an upstream to read
     it as: override fields, and `_method` in the query, its own or a rewrite field's
-    (overrides.py: IIS routes by X-Original-URL, query and all)."""
+    (overrides.py: IIS routes by X-Original-URL, query and all). The query of a target
+    longer than MAX_TARGET is not read: whatever judges that target refuses it (request
+    rules, a secret's request patterns), and reading it would cost the loop ~20 ms."""
     found = overrides.header_methods(head)
     for how, target in [("the _method query parameter", path), *(
             (f"_method in the query of {name}", rewrite)
             for name, rewrite in overrides.header_paths(head))]:
         query = target.partition("?")[2]
-        if query:
+        if query and len(target) <= MAX_TARGET:
             found += overrides.form_methods(query, how)
     return found
 
 
-def judge_request(inspection, head: Head, where: Route, host_decision: Decision) -> Decision:
+def judge_request(inspection, head: Head, where: Route, host_decision: Decision,
+                  asked: list[tuple[str, str]] | None = None) -> Decision:
     """The decision for one request: its host's (already allowed), then, on a host the
     policy inspects, its request rules by method and origin-form target — for its own
     method and target and for every other its head asks to be read as (overrides.py:
-    override fields, `_method` in the query, rewrite fields naming another path): a deny
-    of any refuses it, and an allow must hold for each. What its body asks for is judged
-    once it is read (`judge_asked`)."""
+    override fields, `_method` in the query, rewrite fields naming another path; `asked`:
+    `asked_methods`, when the caller has it): a deny of any refuses it, and an allow must
+    hold for each. What its body asks for is judged once it is read (`judge_asked`)."""
     if inspection is None:
         return host_decision
     method = head.start[0]
     decision = inspection.decide(method, where.path)
-    if not decision.allowed:
+    if not decision.allowed or not inspection.judges:  # no rules: nothing to read it for
         return decision
-    return judge_asked(inspection, head, where, asked_methods(head, where.path),
-                       overrides.header_paths(head)) or decision
+    if asked is None:
+        asked = asked_methods(head, where.path)
+    return judge_asked(inspection, head, where, asked, overrides.header_paths(head)) or decision
 
 
 MAX_READINGS = 32
@@ -302,13 +307,14 @@ def judge_asked(inspection, head: Head, where: Route, methods: list[tuple[str, s
                         f"filter judges at most {MAX_READINGS}")
     readings = [(how, other, where.path, "") for how, other in methods]
     for how_path, path in paths:
-        readings += [(how_path, m, path, f" at {printable(path)[:80]}")
+        readings += [(how_path, m, path, f" at {printable_ascii(path[:80])}")
                      for _, m in [("", method), *methods]]
     for how, other, path, at in readings:
         found = inspection.decide(other, path)
         if not found.allowed:
             return Decision(False, f"{method} {where.path.partition('?')[0][:80]} asks by "
-                            f"{how} to be read as {printable(other)[:40]}{at}: {found.reason}",
+                            f"{how} to be read as {printable_ascii(other[:40])}{at}: "
+                            f"{found.reason}",
                             found.rule, found.hint)
     return None
 
@@ -350,13 +356,13 @@ def response(status: int, body: str, extra: dict[str, str] | None = None, keep: 
     payload = redactor.text(body).encode()
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", f"Content-Type: {content_type}",
              f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
-    lines += [f"{k}: {printable(redactor.text(v))}" for k, v in (extra or {}).items()]
+    lines += [f"{k}: {printable_ascii(redactor.text(v))}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
 def deny_response(denied: Denied, keep: bool = False, *, redactor: Redactor) -> bytes:
     d = denied.decision
-    body = f"corral: {printable(denied.target)} denied: {printable(d.reason)}."
+    body = f"corral: {printable_ascii(denied.target)} denied: {printable_ascii(d.reason)}."
     if d.hint:
         body += f" To allow it: {d.hint}"
     header = "X-Corral-Deny" if denied.status == 403 else "X-Corral-Error"
@@ -369,12 +375,13 @@ def deny_response(denied: Denied, keep: bool = False, *, redactor: Redactor) -> 
 
 
 def error_response(status: int, message: str, *, redactor: Redactor) -> bytes:
-    return response(status, f"corral: {printable(message)}\n", {"X-Corral-Error": message},
-                    redactor=redactor)
+    return response(status, f"corral: {printable_ascii(message)}\n",
+                    {"X-Corral-Error": message}, redactor=redactor)
 
 
-def printable(text: str) -> str:
-    """Text a client sent, made safe to echo in a header or a terminal (printable ASCII)."""
+def printable_ascii(text: str) -> str:
+    """Text a client sent, made safe to echo in a header or a terminal: printable ASCII,
+    anything else `?` (a header holds no more; events.printable escapes instead)."""
     return "".join(c if " " <= c <= "~" else "?" for c in text)
 
 

@@ -194,7 +194,8 @@ def test_a_push_is_read_for_leaks_in_its_target_and_refused_at_once_by_its_heade
     with tls_through(served.filter, served.context, "git.test", port) as tls:
         status, headers, _ = get(tls, f"git.test:{port}",
                                  f"/acme/widget.git/git-receive-pack?t={token}", "POST",
-                                 body=b"0000")
+                                 body=b"0000", extra="Content-Type: application/"
+                                 "x-git-receive-pack-request\r\n")
         assert status == 403 and "GitHub token" in headers["x-corral-deny"]
         # a placeholder in a header refuses the push before its body is read: the answer
         # comes at once, and the connection goes on with the next request
@@ -260,10 +261,11 @@ def named_options_reach_the_hook(world: GitClient, log: Path, policy: str, table
         world.filter.reload(policy)
 
 
-def handmade_push(world: GitClient, clone: Path, ref: str, listings: list[bytes]) -> bytes:
+def handmade_push(world: GitClient, clone: Path, ref: str, listings: list[bytes],
+                  options: tuple[str, ...] = MERGE) -> bytes:
     """A push creating `ref`-N per listing (each a command line's capabilities after NUL),
-    with merge-request options after the commands and a real pack of one new commit on main
-    (made in `clone`, a clone of the server's repository)."""
+    with `options` (merge-request ones) after the commands and a real pack of one new
+    commit on main (made in `clone`, a clone of the server's repository)."""
     main = world.refs()["refs/heads/main"]
     tree = world.run("rev-parse", f"{main}^{{tree}}", cwd=clone).stdout.strip()
     new = world.run("commit-tree", tree, "-p", main, "-m", f"handmade {ref}",
@@ -273,8 +275,8 @@ def handmade_push(world: GitClient, clone: Path, ref: str, listings: list[bytes]
                           capture_output=True, check=True).stdout
     lines = b"".join(git.pkt(f"{ZERO} {new} {ref}-{i}".encode() + b"\0" + listing + b"\n")
                      for i, listing in enumerate(listings))
-    options = b"".join(git.pkt(o.encode()) for o in MERGE)
-    return lines + git.FLUSH + options + git.FLUSH + pack
+    block = b"".join(git.pkt(o.encode()) for o in options) + git.FLUSH if options else b""
+    return lines + git.FLUSH + block + pack
 
 
 LATER = {"later-line": [b"report-status side-band-64k", b"push-options"],
@@ -305,3 +307,40 @@ def test_push_options_asked_for_on_a_later_line_or_with_a_value_are_refused(serv
 
 def test_push_options_the_table_names_reach_the_servers_hook(served, heard):
     named_options_reach_the_hook(served, heard, POLICY, 'repos = ["acme/widget"]\n')
+
+
+# -- a push's body as a server's method override reads it -----------------------------------
+
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+              "application/json", "")
+
+
+@pytest.mark.parametrize("content_type", FORM_TYPES)
+def test_a_push_typed_as_a_body_a_server_reads_for_overrides_is_refused_unsent(
+        served, content_type):
+    """A push is read for its refs, never for `_method`: typed as a form (or multipart,
+    JSON, or nothing, which Rack reads as a form), a push carrying `&_method=DELETE&` in a
+    command line's capabilities went to the origin on a host whose request rules deny
+    DELETE. git types its pushes (and git-http-backend refuses any other type), so such a
+    push is refused before its body is read."""
+    if not served.work.exists():
+        test_a_listed_repository_is_cloned_and_the_session_pushes_its_own_branches(served)
+    port, before = served.server.port, served.refs()
+    table = 'repos = ["acme/widget"]\n'
+    served.filter.reload(POLICY + '\n[[inspect]]\nhost = "git.test"\ndeny = ["DELETE /**"]\n')
+    try:
+        ref = f"refs/heads/corral/s1/typed{len(content_type)}"
+        body = handmade_push(served, served.work, ref, [b"report-status &_method=DELETE& x"],
+                             options=())
+        assert table in POLICY
+        requests = len(served.server.requests)
+        typed = f"Content-Type: {content_type}\r\n" if content_type else ""
+        with tls_through(served.filter, served.context, "git.test", port) as tls:
+            status, headers, answer = get(tls, f"git.test:{port}",
+                                          "/acme/widget.git/git-receive-pack", "POST",
+                                          body=body, extra=typed)
+        assert status == 403, (status, answer, served.server.requests[requests:])
+        assert "Content-Type" in headers["x-corral-deny"]
+        assert served.server.requests[requests:] == [] and served.refs() == before
+    finally:
+        served.filter.reload(POLICY)

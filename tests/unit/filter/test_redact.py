@@ -132,3 +132,22 @@ def test_a_value_as_the_filter_rewrites_it_leaves_no_run_of_itself(value, shown)
     left = [value[at:at + MIN_VALUE] for at in range(len(value) - MIN_VALUE + 1)
             if value[at:at + MIN_VALUE].lower() in said.lower()]
     assert left == [], said
+
+
+def test_a_log_call_whose_arguments_do_not_fit_is_logged_redacted_and_the_caller_goes_on():
+    """A record whose message cannot be formatted (a bug in the call) used to raise at the
+    caller, on the connection being served, from inside the redaction: it is logged as
+    its format and arguments, redacted, and the caller goes on."""
+    credentials = _credentials()
+    logger = logging.getLogger("corral.test-redact-args")
+    handler = logging.Handler()
+    seen = []
+    handler.emit = lambda record: seen.append(logging.Formatter().format(record))
+    handler.addFilter(LogFilter(lambda: credentials.redactor))
+    logger.addHandler(handler)
+    try:
+        logger.error("two places %s %s for one value", "hunter2-hunter2")
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 1 and "two places" in seen[0], seen
+    assert "hunter2-" not in seen[0] and "[secret DEPLOY]" in seen[0]
