@@ -120,8 +120,9 @@ class Secret:
         return shown
 
 
-def parse(request: dict) -> Secret:
-    """A secret from a `secret-set` request. Raises SecretError."""
+def parse(request: dict, minimum: int = MIN_VALUE) -> Secret:
+    """A secret from a `secret-set` request (`minimum`: the shortest value taken; a secret
+    stored before values had one is loaded with 1). Raises SecretError."""
     name = request.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise SecretError("'name' must be an environment variable name: A-Z, 0-9 and _, "
@@ -138,7 +139,7 @@ def parse(request: dict) -> Secret:
     if len(value) > MAX_VALUE or not all(" " < c <= "~" for c in value):
         raise SecretError(f"secret {name}: the value must be {MIN_VALUE}-{MAX_VALUE} printable "
                           "ASCII characters without spaces (it goes into an HTTP header)")
-    if len(value) < MIN_VALUE:
+    if len(value) < minimum:
         raise SecretError(f"secret {name}: a value of {len(value)} characters; at least "
                           f"{MIN_VALUE}, the shortest the leak scanner looks for (a shorter one "
                           "would match ordinary text, and would go out unscanned)")
@@ -274,7 +275,10 @@ class SecretStore:
             for name, fields in data["secrets"].items():
                 if fields.get("name") != name:
                     raise ValueError(f"entry {name!r} holds secret {fields.get('name')!r}")
-                checked = parse(fields)  # a file restored or edited by hand: as if set anew
+                # a file restored or edited by hand: as if set anew, but for the minimum
+                # length (a value stored before there was one still works; it is never
+                # scanned for, as before: setting it again is refused until it is longer)
+                checked = parse(fields, minimum=1)
                 found[name] = replace(checked, created=fields.get("created", 0.0),
                                       nonce=fields.get("nonce") or checked.nonce)
         except SecretError as exc:

@@ -661,9 +661,9 @@ class Service:
 
 async def run(config: FilterConfig) -> int:
     service = Service(config)
+    for handler in logging.getLogger().handlers:  # no secret's value in a log line either,
+        handler.addFilter(LogFilter(lambda: service.proxy.redactor))  # from the start on
     await service.start()
-    for handler in logging.getLogger().handlers:  # no secret's value in a log line either
-        handler.addFilter(LogFilter(lambda: service.proxy.redactor))
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -55,6 +55,12 @@ from .reading import BodyReading, examine
 
 ECHOING = frozenset({"TRACE", "TRACK"})
 """Methods whose response is the request itself."""
+
+
+def _echoing(methods) -> str | None:
+    """The first of `methods` (the request's own, then those it asks to be read as) whose
+    response is the request itself."""
+    return next((m for m in methods if m.upper() in ECHOING), None)
 OFF_LOOP = 1 << 10
 """Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
 thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
@@ -331,8 +337,9 @@ class Forward:
             return await self._refuse(client, head, Denied(decision, where.target)), kept
         attached: tuple[bytes, ...] = ()
         if applied.used:
-            if head.start[0] in ECHOING:
-                decision = Decision(False, f"{head.start[0]} sends the request back: never with "
+            echoing = _echoing([head.start[0], *(m for _, m in asked)])
+            if echoing:
+                decision = Decision(False, f"{echoing} sends the request back: never with "
                                     f"a secret attached ({', '.join(applied.used)})")
                 proxy.event(decision, client, session, "http", where.host, where.port, **fields)
                 return await self._refuse(client, head, Denied(decision, where.target)), kept
@@ -347,9 +354,11 @@ class Forward:
             if refused is not None:
                 return refused, kept
         if read:
-            limited = any(proxy.credentials.secrets[n].requests for n in applied.used)
+            # a secret attached is judged by every method the body asks for too: its request
+            # patterns, and an echo (TRACE) that would hand its value back
+            attached_any = bool(applied.used)
             reading, body = await self._read(client, head, inspection, session, body, holding,
-                                             limited)
+                                             attached_any)
             if reading.finding is not None:
                 return await self._leaked(client, head, where, session, fields,
                                           reading.finding, body is not None), kept
@@ -363,6 +372,11 @@ class Forward:
                     [p for _, p in paths])
                 if refusal is None and unpermitted:
                     refusal = Decision(False, unpermitted)
+                echoing = _echoing([m for _, m in reading.methods]) if applied.used else None
+                if refusal is None and echoing:
+                    refusal = Decision(False, f"the body asks for {echoing}, which sends the "
+                                       "request back: never with a secret attached "
+                                       f"({', '.join(applied.used)})")
             if refusal is not None:
                 proxy.event(refusal, client, session, "http", where.host, where.port, **fields)
                 return await self._refuse(client, head, Denied(refusal, where.target),
@@ -515,13 +529,13 @@ class Forward:
         return await self._refuse(client, head, Denied(decision, where.target), read=read)
 
     async def _read(self, client: Client, head, inspection, session: str | None,
-                    body: bytes | None, holding: list, limited: bool = False
+                    body: bytes | None, holding: list, attached_any: bool = False
                     ) -> tuple[BodyReading, bytes | None]:
         """Read what a request to an inspected host carries out (reading.py): (what was
         found, the body if it has been read whole). The target is always scanned for leaks;
         the body is read whole when it is scanned (unless the host says `scan = false`) or
-        may carry a method override its host's rules or a secret attached to it limited to
-        request patterns (`limited`) would judge, and was not read already (a push on a
+        may carry a method override its host's rules or a secret attached to it
+        (`attached_any`) would judge, and was not read already (a push on a
         [[git]] host: its pack is compressed, judged by its refs). Raises HttpError for a
         body too large to hold."""
         leaks = self.proxy.credentials.leaks(session)
@@ -529,7 +543,7 @@ class Forward:
         if found is not None or body is not None or not (head.chunked or head.content_length):
             return BodyReading(finding=found), body
         scanned = inspection is None or inspection.scanned
-        names = limited or (inspection is not None and inspection.names_methods)
+        names = attached_any or (inspection is not None and inspection.names_methods)
         methods = names and bool(body_kinds(head))
         if not scanned and not methods:
             return BodyReading(), None

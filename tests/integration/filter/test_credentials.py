@@ -203,6 +203,24 @@ def test_trace_never_carries_a_secret(holding, origins, interception):  # noqa: 
     assert [r["method"] for r in origins["good"].requests[before:]] == ["TRACE"]
 
 
+@pytest.mark.parametrize(("extra", "body"), [
+    ("X-HTTP-Method-Override: TRACE\r\n", b"{}"),
+    ("Content-Type: application/x-www-form-urlencoded\r\n", b"_method=track"),
+])
+def test_a_request_asking_to_be_read_as_trace_never_carries_a_secret(
+        holding, origins, interception, extra, body):  # noqa: F811
+    """An origin that honours overrides and answers TRACE by echoing would hand the value
+    back: what a request asks to be read as is an echo as much as its own method."""
+    port = origins["good"].port
+    mine = placeholders(holding, "s1")["GH_TOKEN"]
+    before = len(origins["good"].requests)
+    with tls_through(holding, client_context(interception), "plain.test", port) as tls:
+        status, headers, _ = get(tls, f"plain.test:{port}", "/x", method="POST", body=body,
+                                 extra=f"Authorization: Bearer {mine}\r\n{extra}")
+    assert status == 403 and "sends the request back" in headers["x-corral-deny"], headers
+    assert len(origins["good"].requests) == before
+
+
 # -- leaks in what a request carries out (proxy/leaks.py) ---------------------------------------
 
 

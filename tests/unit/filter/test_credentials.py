@@ -270,3 +270,16 @@ def test_a_limited_secret_goes_only_with_a_request_every_path_it_is_routed_by_al
     assert done.used == ("API_TOKEN",)
     assert creds.unpermitted(("API_TOKEN",), ["POST"], "/v1/messages", ["/v1/files"])
     assert creds.unpermitted(("API_TOKEN",), ["POST"], "/v1/messages", []) is None
+
+
+def test_a_value_stored_before_values_had_a_minimum_still_loads(tmp_path):
+    """An appliance upgraded with a short value in its store must still start: the value
+    works as before (unscanned, as before); setting it again is refused until it is longer."""
+    store = secrets.SecretStore.load(tmp_path)
+    store.set(secret())
+    data = json.loads((tmp_path / secrets.FILE).read_text())
+    data["secrets"]["API_TOKEN"]["value"] = "short"
+    (tmp_path / secrets.FILE).write_text(json.dumps(data))
+    assert secrets.SecretStore.load(tmp_path).secrets["API_TOKEN"].value == "short"
+    with pytest.raises(secrets.SecretError, match="at least 8"):
+        secret(value="short")
