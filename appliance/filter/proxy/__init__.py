@@ -120,7 +120,9 @@ class Proxy:
         one of their addresses (neighbours.py)."""
         self.frontends.listeners.append(lambda: self.rejudge(
             "an inspected host was seen at its address while it was open"))
-        self.credentials = credentials or Credentials(b"", {})
+        self._credentials = credentials or Credentials(b"", {})
+        self.bus.redactor = self._credentials.redactor
+        self.frontends.use(self._credentials)
         self.failures = LogBudget()
         """What is logged of connections that failed unexpectedly: a budget per session."""
         self.active = 0
@@ -148,6 +150,13 @@ class Proxy:
         self._credentials = credentials
         self.bus.redactor = credentials.redactor
         self.frontends.use(credentials)  # their hosts are inspected: watched, as [[inspect]]
+        self.rejudge("a secret changed while it was open")  # a host bound now is inspected
+
+    def inspects(self, policy: Policy, host: Host) -> bool:
+        """Does the filter end TLS to `host` under `policy`: named in an [[inspect]] or
+        [[git]] table, or bound to a secret (its placeholder is swapped inside)? Else a
+        tunnel to it is spliced."""
+        return policy.inspection(host) is not None or bool(self._credentials.bound(host))
 
     @property
     def redactor(self) -> Redactor:
@@ -308,8 +317,7 @@ class Proxy:
             self.event(decision, client, session, kind, host, port)
             raise Denied(decision, target, recorded=True)
         flow = self.track(client, session, kind, host, port)
-        splice = kind in ("connect", "tls") and policy.inspection(host) is None and (
-            not self.credentials.bound(host))  # a tunnel that would be spliced
+        splice = kind in ("connect", "tls") and not self.inspects(policy, host)
         try:
             up_r, up_w, address = await self.dial(policy, host, port, target, session, splice)
         except Denied as denied:
@@ -472,7 +480,7 @@ class Proxy:
         session, policy, decision = self.decide(flow.client, flow.host, flow.port)
         if flow.once and session == flow.session and approvable(decision):
             decision = Decision(True, "approved once")  # a deny rule, or its session's end, cut it
-        if decision.allowed and flow.spliced and policy.inspection(flow.host) is not None:
+        if decision.allowed and flow.spliced and self.inspects(policy, flow.host):
             return Decision(False, f"{flow.host} is inspected now: a tunnel spliced before "
                             "could carry any request")
         if decision.allowed and flow.spliced and flow.address is not None:

@@ -108,7 +108,7 @@ class Tunnels:
         policy in force now inspects the host, or a secret is bound to it (its placeholder
         is swapped in the requests)."""
         _, policy = self.proxy.store.lookup(client.address)
-        if policy.inspection(host) is None and not self.proxy.credentials.bound(host):
+        if not self.proxy.inspects(policy, host):
             # dial() refused an inspected host's address; checked again for what changed
             # since (the policy, the addresses seen), with no await in between
             shared = self.proxy.neighbour(policy, host, up.address)

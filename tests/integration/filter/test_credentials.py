@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import json
 import zlib
@@ -26,6 +27,7 @@ from .test_inspect import (
     origins,  # noqa: F401  (a fixture)
     read_response,
     tls_through,
+    tunnel,
 )
 
 VALUE = "sk-live-0123456789abcdefABCDEF"
@@ -219,6 +221,31 @@ def test_a_request_asking_to_be_read_as_trace_never_carries_a_secret(
                                  extra=f"Authorization: Bearer {mine}\r\n{extra}")
     assert status == 403 and "sends the request back" in headers["x-corral-deny"], headers
     assert len(origins["good"].requests) == before
+
+
+def test_a_spliced_tunnel_is_cut_when_a_secret_comes_to_be_bound_to_its_host(
+        holding, origins):  # noqa: F811
+    """A secret's host is inspected (its placeholder is swapped inside TLS the filter ends):
+    a tunnel to it spliced before the secret was set could carry any request, as one to a
+    host that comes to be named in [[inspect]]."""
+    port = origins["plain"].port
+    sock = tunnel(holding.proxy_port, f"cut.test:{port}")
+    with origins.ca.client_context().wrap_socket(sock, server_hostname="cut.test") as tls:
+        assert get(tls, f"cut.test:{port}", "/before")[0] == 200
+        stored = control(holding.socket, {"op": "secret-set", "name": "CUT_TOKEN",
+                                          "value": "sk-cut-0123456789abcdef",
+                                          "hosts": ["cut.test"]})
+        try:
+            assert stored["ok"], stored
+            event = holding.wait_event(lambda e: e.get("name") == "cut.test" and
+                                       "inspected now" in (e.get("reason") or ""))
+            assert event["verdict"] == "deny"
+            with contextlib.suppress(OSError):  # cut: nothing more comes through it
+                tls.sendall(f"GET /after HTTP/1.1\r\nHost: cut.test:{port}\r\n\r\n".encode())
+            assert recv_all(tls) == b""
+        finally:
+            control(holding.socket, {"op": "secret-remove", "name": "CUT_TOKEN"})
+    assert "/after" not in [r["path"] for r in origins["plain"].requests]
 
 
 # -- leaks in what a request carries out (proxy/leaks.py) ---------------------------------------
