@@ -8,6 +8,7 @@ round on the overlapped handshakes; two findings were older than it, and are fix
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -51,20 +52,30 @@ class Captured(logging.Handler):
         self.records.append(record)
 
 
-@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
-def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
+@contextlib.contextmanager
+def watched(request, origins, interception, tmp_path_factory, policy: str):  # noqa: F811
+    """An in-process filter with `policy` whose loop's exception handler calls and warnings
+    logged are kept (`handled`, `captured`), for the attacks' tests to find none."""
     process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
                               request.param, inspect_config(interception, origins.ca.ca_path),
-                              POLICY, proxy_extra="connect_timeout = 1")
+                              policy, proxy_extra="connect_timeout = 1")
     handled: list[dict] = []
     process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
                                       lambda loop, context: handled.append(context))
     captured = Captured()
     logging.getLogger().addHandler(captured)
     process.handled, process.captured = handled, captured
-    yield process
-    logging.getLogger().removeHandler(captured)
-    process.stop()
+    try:
+        yield process
+    finally:
+        logging.getLogger().removeHandler(captured)
+        process.stop()
+
+
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
+    with watched(request, origins, interception, tmp_path_factory, POLICY) as process:
+        yield process
 
 
 def filter_tasks(lab) -> int:

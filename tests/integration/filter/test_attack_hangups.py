@@ -14,7 +14,6 @@ logged, the loop's exception handler was never called and no task was left behin
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import ssl
 import threading
@@ -24,17 +23,15 @@ import pytest
 
 from tests.integration.conftest import S1_CLIENT, connect
 from tests.integration.filter.test_attack_handshakes import (
-    Captured,
     Origin,
     clean,
     filter_tasks,
     rst,
+    watched,
 )
 from tests.integration.filter.test_inspect import (
-    InProcessFilter,
     World,
     client_context,
-    inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
     tunnel,
@@ -61,22 +58,11 @@ BIG = 64 << 20
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
-    process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
-                              request.param, inspect_config(interception, origins.ca.ca_path),
-                              POLICY, proxy_extra="connect_timeout = 1")
-    handled: list[dict] = []
-    process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
-                                      lambda loop, context: handled.append(context))
-    captured = Captured()
-    logging.getLogger().addHandler(captured)
-    process.handled, process.captured = handled, captured
-
-    async def subscribe():
-        return process.service.bus.subscribe(size=1 << 16)
-    process.ends, process.ended = process.run(subscribe()), 0
-    yield process
-    logging.getLogger().removeHandler(captured)
-    process.stop()
+    with watched(request, origins, interception, tmp_path_factory, POLICY) as process:
+        async def subscribe():
+            return process.service.bus.subscribe(size=1 << 16)
+        process.ends, process.ended = process.run(subscribe()), 0
+        yield process
 
 
 class RawTls:
