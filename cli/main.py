@@ -24,7 +24,19 @@ from appliance.policy import (
 from appliance.policy.lint import lint
 from appliance.policy.rules import HOLD_DEFAULT
 
-from . import agents, approvals, box, control, exitcodes, learn, local, output, secrets, sessions, vm
+from . import (
+    agents,
+    approvals,
+    box,
+    control,
+    exitcodes,
+    learn,
+    local,
+    output,
+    secrets,
+    sessions,
+    vm,
+)
 from .client import CliError, load_appliance
 
 
