@@ -63,6 +63,21 @@ def test_a_broken_link_or_a_page_left_out_of_the_nav_fails_the_build(tmp_path):
     assert "gone.md" in said and "no-such-part" in said and "orphan.md" in said, said
 
 
+def test_the_readme_opens_with_the_two_commands_then_the_quick_start():
+    """CI and the harness run the README's test command (`.ci/run`: scripts/test)."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.startswith("# corral\n\n```sh\nscripts/run\nscripts/test\n```\n\n"), readme[:80]
+    first_heading = re.search(r"^## .*$", readme, re.MULTILINE)
+    assert first_heading and first_heading[0] == "## Quick start", first_heading
+
+
+def test_every_link_in_the_readme_reaches_a_file():
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert targets and not missing, f"README.md links to what is not there: {missing}"
+
+
 def docs_text() -> str:
     return "\n".join(page.read_text() for page in sorted(DOCS.rglob("*.md")))
 
