@@ -218,19 +218,14 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def leaked(self, client: Client, session: str | None, host: Host, leak: Leak) -> Decision:
-        """A placeholder going where it may not: an event of its own (kind "secret"), and
-        the decision that refuses the request."""
-        what = f"the placeholder of secret {leak.secret}" if leak.secret else (
-            "a corral secret placeholder (not one of this session's secrets)")
-        decision = Decision(False, f"{what} in {leak.where} to {host}: a placeholder goes "
-                            "only to its secret's hosts, in its header, inside TLS the filter "
-                            "ends")
+    def leaked(self, client: Client, session: str | None, host: Host, leak: Leak,
+               decision: Decision) -> None:
+        """A placeholder going where it may not: an event of its own (kind "secret"), before
+        the one of the request it refuses (`decision`: plan.leak_decision)."""
         self.bus.emit({"session": session, "client": client.label, "kind": "secret",
                        "name": str(host), "port": None, "address": None, "verdict": "deny",
                        "rule": None, "layer": None, "secret": leak.secret,
                        "reason": decision.reason})
-        return decision
 
     def refused(self, client: Client, session: str | None, cap: Cap) -> None:
         """A connection or tunnel over its session's cap: an event, once a second."""

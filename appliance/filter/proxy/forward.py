@@ -1,6 +1,7 @@
 """Plain HTTP: the explicit proxy's absolute-form requests, the transparent port-80
 listener, and HTTP inside CONNECT tunnels — one loop for all three, each request routed and
-judged by the pipeline, re-serialised, and its body re-framed on the way (relay.copy_body),
+judged by the pipeline, its checks made as its plan says (plan.py: this module only
+executes the steps), re-serialised, and its body re-framed on the way (relay.copy_body),
 for as long as the connection lives. Keep-alive to the same origin reuses the upstream
 connection; every request on it is judged again.
 """
@@ -16,7 +17,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from appliance.policy import Decision
-from appliance.policy.targets import Ambiguous
 
 from ..approvals import REQUEST_NAME, approvable
 from ..config import SCAN_BYTES
@@ -28,22 +28,14 @@ from ..http import (
     serialise_response,
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
-from . import git
-from .content import codings
-from .credentials import Leak
-from .overrides import body_kinds, header_paths
+from .git import judge_push as judge_push  # where sshgate.py takes it from
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,
     Explicit,
     InTunnel,
     Mode,
-    asked_methods,
-    judge_asked,
-    judge_request,
-    keeps_after_refusal,
     outgoing,
-    request_fields,
     response,
     route,
     strip_empty_lines,
@@ -51,28 +43,13 @@ from .pipeline import (
     wants_close,
     websocket,
 )
-from .reading import BodyReading, examine
+from .plan import KEPT, TUNNEL, OnJudgeThread, ReadBody, Refuse, Request, Send, plan
 
-ECHOING = frozenset({"TRACE", "TRACK"})
-"""Methods whose response is the request itself."""
-
-
-def _echoing(methods) -> str | None:
-    """The first of `methods` (the request's own, then those it asks to be read as) whose
-    response is the request itself."""
-    return next((m for m in methods if m.upper() in ECHOING), None)
-OFF_LOOP = 1 << 10
-"""Bodies larger than this (or content-coded) are read (reading.examine) on a judge's
-thread, in the session's judge slot: the readers cost up to ~0.4 µs a byte (a multipart
-body of empty parts, a form of escaped names), so a body read on the loop costs it at most
-about half a millisecond (DESIGN 10). At 64 KiB such a body held the loop 20-25 ms. (A
-judge's thread still shares the interpreter: while one reads, each wake-up of the loop may
-wait out the switch interval, 5 ms.)"""
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
 together; one session may hold half."""
 JUDGES = 2
-"""Pushes judged and bodies read (past OFF_LOOP) at once, each on a thread of the judges'
+"""Pushes judged and bodies read (past plan.OFF_LOOP) at once, each on a thread of the judges'
 own pool."""
 _POOL: list[ThreadPoolExecutor] = []
 
@@ -85,13 +62,6 @@ def _judges() -> ThreadPoolExecutor:
         _POOL.append(ThreadPoolExecutor(JUDGES, thread_name_prefix="corral-git"))
     return _POOL[0]
 
-
-def judge_push(raw: bytes, encodings: tuple[str, ...], spec, session: str) -> git.Verdict:
-    """Inflate (gzip) and judge a push, on a judge's thread."""
-    try:
-        return git.judge(git.decode_body(raw, list(encodings)), spec, session)
-    except git.GitProtocolError as exc:
-        return git.Verdict((), frozenset(), (), str(exc))
 
 if TYPE_CHECKING:
     from . import Client, Proxy
@@ -301,102 +271,47 @@ class Forward:
 
     async def _judged_as(self, client: Client, head, mode: Mode, kept: Upstream | None,
                          holding: list, where, session, policy, decision):
-        proxy = self.proxy
-        if decision.allowed and where.conflict is not None:
-            decision = Decision(False, where.conflict)
-        if not decision.allowed:
-            proxy.event(decision, client, session, "http", where.host, where.port)
-            raise Denied(decision, where.target, recorded=True)
-        inspection = policy.inspection(where.host)
-        fields = request_fields(where, head) if inspection is not None else {}
-        ended = isinstance(mode, InTunnel) and mode.inspected  # TLS the filter ended
-        # what the head asks to be read as: read once (each reading of a long query costs
-        # the loop), for the host's request rules and for the secrets attached
-        asked = asked_methods(head, where.path) if (
-            (inspection is not None and inspection.judges)
-            or (ended and proxy.credentials.bound(where.host))) else []
-        decision = judge_request(inspection, head, where, decision, asked)
-        if not decision.allowed:  # by the host's request rules: the connection may go on
-            proxy.event(decision, client, session, "http", where.host, where.port, **fields)
-            target = f"{fields['method']} {fields['path']} on {where.target}"
-            return await self._refuse(client, head, Denied(decision, target)), kept
-        read = inspection is not None or ended  # a secret's host is read without a table too
-        if read:  # a value the agent holds, written into a field (before any is attached)
-            leaked = proxy.credentials.leaks(session).in_fields(head.headers)
-            if leaked is not None:
-                return await self._leaked(client, head, where, session, fields, leaked), kept
-        paths = header_paths(head)
-        try:
-            applied = proxy.credentials.apply(session, where.host, head.start[1], head.headers,
-                                              ended, head.start[0],
-                                              tuple(m for _, m in asked) if ended else (),
-                                              tuple(p for _, p in paths) if ended else ())
-        except Leak as leak:  # nothing of it leaves; the connection may go on
-            decision = proxy.leaked(client, session, where.host, leak)
-            proxy.event(decision, client, session, "http", where.host, where.port, **fields)
-            return await self._refuse(client, head, Denied(decision, where.target)), kept
-        attached: tuple[bytes, ...] = ()
-        if applied.used:
-            echoing = _echoing([head.start[0], *(m for _, m in asked)])
-            if echoing:
-                decision = Decision(False, f"{echoing} sends the request back: never with "
-                                    f"a secret attached ({', '.join(applied.used)})")
-                proxy.event(decision, client, session, "http", where.host, where.port, **fields)
-                return await self._refuse(client, head, Denied(decision, where.target)), kept
-            head = replace(head, headers=applied.headers)
-            fields = {**fields, "secrets": list(applied.used)}
-            attached = proxy.credentials.values(applied.used)
-        body: bytes | None = None  # read whole here when it must be judged before it goes
-        access = policy.git(where.host) if inspection is not None else None
-        if access is not None:
-            refused, body = await self._git(client, head, where, access, session, fields,
-                                            holding)
-            if refused is not None:
-                return refused, kept
-        if read:
-            # a secret attached is judged by every method the body asks for too: its request
-            # patterns, and an echo (TRACE) that would hand its value back
-            attached_any = bool(applied.used)
-            reading, body = await self._read(client, head, inspection, session, body, holding,
-                                             attached_any)
-            if reading.finding is not None:
-                return await self._leaked(client, head, where, session, fields,
-                                          reading.finding, body is not None), kept
-            refusal = Decision(False, reading.refusal) if reading.refusal else None
-            if refusal is None and reading.methods:  # judged with what the head asks for
-                methods = [*asked, *reading.methods]
-                refusal = judge_asked(inspection, head, where, methods, paths) if (
-                    inspection is not None) else None
-                unpermitted = proxy.credentials.unpermitted(
-                    applied.used, [m for _, m in methods], head.start[1],
-                    [p for _, p in paths])
-                if refusal is None and unpermitted:
-                    refusal = Decision(False, unpermitted)
-                echoing = _echoing([m for _, m in reading.methods]) if applied.used else None
-                if refusal is None and echoing:
-                    refusal = Decision(False, f"the body asks for {echoing}, which sends the "
-                                       "request back: never with a secret attached "
-                                       f"({', '.join(applied.used)})")
-            if refusal is not None:
-                proxy.event(refusal, client, session, "http", where.host, where.port, **fields)
-                return await self._refuse(client, head, Denied(refusal, where.target),
-                                          read=body is not None), kept
-        key = (str(where.host), where.port)
-        if isinstance(mode, InTunnel) or (
-                kept is not None and kept.key == key and not kept.reader.at_eof()):
+        """Execute the request's plan (plan.py): each step it asks for, fed back, until its
+        last: a refusal, or the request sent upstream."""
+        in_tunnel = isinstance(mode, InTunnel)
+        inspector = self.proxy.inspector
+        steps = plan(Request(
+            head, where, session, policy, decision, self.proxy.credentials, in_tunnel,
+            in_tunnel and mode.inspected, kept.key if kept is not None else None,
+            inspector.config.scan_bytes if inspector is not None else SCAN_BYTES))
+        step = next(steps)
+        while True:
+            if isinstance(step, ReadBody):
+                step = steps.send(await self._read_body(client, session, step, holding))
+            elif isinstance(step, OnJudgeThread):
+                step = steps.send(await self.judged(session, step.work, *step.args))
+            else:
+                break
+        if isinstance(step, Refuse):
+            return await self._refuse(client, where, session, step), kept
+        return await self._send(client, mode, kept, where, session, step)
+
+    async def _send(self, client: Client, mode: Mode, kept: Upstream | None, where,
+                    session, send: Send):
+        """Send the request upstream (reusing the kept connection when the plan says so and
+        it is still open), relay the response. Returns (keep the client connection, the
+        upstream connection to keep)."""
+        proxy, fields = self.proxy, send.event
+        if send.upstream == TUNNEL or (send.upstream == KEPT and not kept.reader.at_eof()):
             flow = proxy.track(client, session, "http", where.host, where.port, kept.address)
-            event = proxy.event(decision, client, session, "http", where.host, where.port,
-                                kept.address, event_id=flow.id, **fields)
+            event = proxy.event(send.decision, client, session, "http", where.host,
+                                where.port, kept.address, event_id=flow.id, **fields)
         else:
             if kept is not None:
                 kept.writer.close()
                 kept = None
             up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
                                                        where.target, **fields)
-            kept = Upstream(key, up_r, up_w, event["address"])
+            kept = Upstream((str(where.host), where.port), up_r, up_w, event["address"])
         counters = Counters()
         try:
-            keep = await self._exchange(client, head, where, kept, counters, attached, body)
+            keep = await self._exchange(client, send.head, where, kept, counters,
+                                        send.attached, send.body)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
                 kept.writer.close()
@@ -440,135 +355,20 @@ class Forward:
             if not share[1]:
                 del self.judging_session[session]
 
-    async def _git(self, client: Client, head, where, access, session: str | None,
-                   fields: dict, holding: list):
-        """A request to a host a [[git]] table names: (None, None) when it is not git's or
-        may go on as sent; (None, body) for a push that may go on (its body read here to be
-        judged: send it); (keep the connection, None) when it was refused and answered.
-        What it holds in memory is added to `holding` (the caller gives it back)."""
-        proxy, host = self.proxy, where.host
-
-        async def refuse(reason: str, hint: str = "", kind: str = "http"):
-            decision = Decision(False, reason, hint=hint)
-            proxy.event(decision, client, session, kind, host, where.port, **fields)
-            return await self._refuse(client, head, Denied(decision, where.target)), None
-
-        try:
-            call = git.classify(where.path)
-        except Ambiguous as exc:
-            return await refuse(f"a request to {host} (a [[git]] host) that servers read in "
-                                f"different ways: {exc}")
-        method = head.start[0]
-        if method in git.WEBDAV:  # MOVE and COPY write where a header says, not the target
-            return await refuse(f"{method} on {host} (a [[git]] host): WebDAV, which git "
-                                "http-push uses to move refs unread; corral confines git's "
-                                "smart protocol (git push over HTTPS)")
-        if call is None:
-            repo = git.bare_file(where.path) if method in ("PUT", "DELETE") else None
-            if repo is None:
-                return None, None
-            return await refuse(f"{method} on {where.path[:100]!r}: the files of a bare "
-                                f"repository ({repo[:100]!r}) on {host}, a [[git]] host, are "
-                                "written only by git push over the smart protocol")
-        spec = access.repository(call.repo)
-        if spec is None:
-            return await refuse(
-                f"git repository {call.repo[:100]!r} on {host} is not listed (listed: "
-                f"{access.listed()})", f'add "{call.repo[:100]}" to repos of the [[git]] '
-                f"table for {host} in corral.toml")
-        reads = ("GET", "HEAD") if call.discovery or call.service == git.OTHER else ("POST",)
-        if call.service == git.OTHER and method == "POST" and git.lfs_batch(where.path):
-            return None, None  # LFS asks what to fetch (or upload: refused where it goes)
-        if method not in reads:  # WebDAV on git's own paths would move refs unread
-            return await refuse(f"{method[:20]} on git repository {call.repo[:100]!r}: corral "
-                                "confines git's smart protocol (git push over HTTPS) and "
-                                "refuses other writes (WebDAV, git http-push, LFS uploads)")
-        if call.service != git.RECEIVE or call.discovery:
-            return None, None
-        if session is None:
-            return await refuse("a git push from an address no session holds")
-        if body_kinds(head):  # its body is read for refs only, never for a _method in it
-            return await refuse(f"a push to {call.repo[:100]!r} whose Content-Type is not "
-                                "git's (application/x-git-receive-pack-request): servers "
-                                "read a form, multipart or JSON body (or one with no type) "
-                                "for a method override, which a push's body is not judged "
-                                "for")
-        if (head.content_length or 0) > git.MAX_PUSH:
-            raise HttpError(413, f"a push of {head.content_length} bytes; the filter holds at "
-                            f"most {git.MAX_PUSH} to judge one")
-        self.hold(session, head.content_length or git.MAX_PUSH, holding)
-        if (head.get("expect") or "").lower() == "100-continue":
-            client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        raw = await read_body(head, client.reader, git.MAX_PUSH, self.config.idle_timeout)
-        verdict = await self.judged(session, judge_push, raw,
-                                    tuple(head.get_all("content-encoding")), spec, session)
-        if verdict.allowed:
-            return None, raw
-        decision = Decision(False, verdict.reason[:500],
-                            hint=git.hint(verdict, spec, session, host))
-        proxy.event(decision, client, session, "git", host, where.port, **fields)
-        keep = not wants_close(head, head.start[2])
-        if verdict.commands and not verdict.reportable:  # it would read a 200 as success
-            client.writer.write(self.proxy.refusal(Denied(decision, where.target), keep))
-        else:
-            answer = git.report(verdict)
-            client.writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-pack-result\r\n"
-                b"Cache-Control: no-cache\r\nContent-Length: %d\r\n%s\r\n%s" % (
-                    len(answer), b"" if keep else b"Connection: close\r\n", answer))
-        await drain(client.writer, self.config.idle_timeout)
-        return keep, None
-
-    async def _leaked(self, client: Client, head, where, session: str | None, fields: dict,
-                      found, read: bool = False) -> bool:
-        """Refuse a request that carries a leak out (leaks.py): an event of kind `leak`
-        naming the detector and where, never the value."""
-        decision = Decision(False, found.reason)
-        self.proxy.event(decision, client, session, "leak", where.host, where.port, **fields,
-                         detector=found.detector)
-        return await self._refuse(client, head, Denied(decision, where.target), read=read)
-
-    async def _read(self, client: Client, head, inspection, session: str | None,
-                    body: bytes | None, holding: list, attached_any: bool = False
-                    ) -> tuple[BodyReading, bytes | None]:
-        """Read what a request to an inspected host carries out (reading.py): (what was
-        found, the body if it has been read whole). The target is always scanned for leaks;
-        the body is read whole when it is scanned (unless the host says `scan = false`) or
-        may carry a method override its host's rules or a secret attached to it
-        (`attached_any`) would judge, and was not read already (a push on a
-        [[git]] host: its pack is compressed, judged by its refs). Raises HttpError for a
-        body too large to hold."""
-        leaks = self.proxy.credentials.leaks(session)
-        found = leaks.scan(head.start[1].encode("latin-1", "replace"), "the target")
-        if found is not None or body is not None or not (head.chunked or head.content_length):
-            return BodyReading(finding=found), body
-        scanned = inspection is None or inspection.scanned
-        names = attached_any or (inspection is not None and inspection.names_methods)
-        methods = names and bool(body_kinds(head))
-        if not scanned and not methods:
-            return BodyReading(), None
-        inspector = self.proxy.inspector
-        limit = inspector.config.scan_bytes if inspector is not None else SCAN_BYTES
-        why = ("for leaks; a host that takes bulk uploads says scan = false in its [[inspect]] "
-               "table") if scanned else (
-               "to find a method override (its type can carry one, and the host's request "
-               "rules or a secret attached to it name methods)")
-        if (head.content_length or 0) > limit:  # before a 100 Continue sends it on its way
-            raise HttpError(413, f"request body of {head.content_length} bytes; the filter "
-                            f"reads at most {limit} {why}")
-        self.hold(session, head.content_length or limit, holding)
-        if (head.get("expect") or "").lower() == "100-continue":
+    async def _read_body(self, client: Client, session: str | None, step: ReadBody,
+                         holding: list) -> bytes:
+        """A body the plan reads whole to judge it, held (counted against the session's
+        budget, given back by _request) until the request is over. Raises HttpError."""
+        self.hold(session, step.hold, holding)
+        if step.expects_continue:
             client.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            body = await read_body(head, client.reader, limit, self.config.idle_timeout)
+            return await read_body(step.head, client.reader, step.limit,
+                                   self.config.idle_timeout)
         except HttpError as exc:
-            if exc.status == 413:
-                raise HttpError(413, f"{exc} {why}") from None
+            if exc.status == 413 and step.why:
+                raise HttpError(413, f"{exc} {step.why}") from None
             raise
-        args = (body, head, leaks if scanned else None, methods)
-        if len(body) > OFF_LOOP or codings(head):  # parsing, scanning or inflating a body
-            return await self.judged(session, examine, *args), body  # of any size: not here
-        return examine(*args), body
 
     async def _agent_ask(self, client: Client, head, where) -> bool:
         """An agent asking a person for a host (request.corral): answered here, in JSON, and
@@ -583,27 +383,29 @@ class Forward:
         await drain(client.writer, self.config.idle_timeout)
         return False
 
-    async def _refuse(self, client: Client, head, denied: Denied, read: bool = False) -> bool:
-        """Answer a request its host's request rules refuse; whether the connection goes on.
-        It does when HTTP allows: not closing, no body waiting on 100 Continue, and a body
-        (if any) small enough to read and drop (or `read` already). Nothing of it reached
-        the upstream."""
-        if read:
-            keep = not wants_close(head, head.start[2])
-            client.writer.write(self.proxy.refusal(denied, keep))
-            await drain(client.writer, self.config.idle_timeout)
-            return keep
-        keep = keeps_after_refusal(head)
-        if keep:
-            left, idle = head.content_length or 0, self.config.idle_timeout
-            while left:
-                data = await within(client.reader.read(min(left, CHUNK)), idle)
-                if not data:
-                    raise ConnectionError("the client closed in the middle of a refused body")
-                left -= len(data)
-        client.writer.write(self.proxy.refusal(denied, keep))
-        await drain(client.writer, self.config.idle_timeout)
-        return keep
+    async def _refuse(self, client: Client, where, session: str | None,
+                      refusal: Refuse) -> bool:
+        """Answer a request the plan refuses (after its event); whether the connection goes
+        on (the plan says when HTTP allows: its body, if any, read already or read and
+        dropped here). Nothing of it reached the upstream."""
+        proxy = self.proxy
+        if refusal.leak is not None:
+            proxy.leaked(client, session, where.host, refusal.leak, refusal.decision)
+        proxy.event(refusal.decision, client, session, refusal.kind, where.host, where.port,
+                    **refusal.event)
+        denied = Denied(refusal.decision, refusal.target, recorded=True)
+        if refusal.ends:
+            raise denied
+        left, idle = refusal.discard, self.config.idle_timeout
+        while left:
+            data = await within(client.reader.read(min(left, CHUNK)), idle)
+            if not data:
+                raise ConnectionError("the client closed in the middle of a refused body")
+            left -= len(data)
+        client.writer.write(refusal.report if refusal.report is not None
+                            else proxy.refusal(denied, refusal.keep))
+        await drain(client.writer, idle)
+        return refusal.keep
 
     async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters,
                         attached: tuple[bytes, ...] = (), body: bytes | None = None

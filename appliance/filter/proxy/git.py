@@ -485,6 +485,15 @@ def shown(option: str) -> str:
     return ascii(option[:OPTION_SHOWN]) + ("..." if len(option) > OPTION_SHOWN else "")
 
 
+def judge_push(raw: bytes, encodings: tuple[str, ...], spec: GitSpec, session: str | None
+               ) -> Verdict:
+    """Inflate (gzip) and judge a push, on a judge's thread (over HTTPS and over SSH)."""
+    try:
+        return judge(decode_body(raw, list(encodings)), spec, session)
+    except GitProtocolError as exc:
+        return Verdict((), frozenset(), (), str(exc))
+
+
 def hint(verdict: Verdict, spec: GitSpec | None, session: str, host: str) -> str:
     """What to do about a refused push (the event's hint), over HTTPS and SSH alike."""
     if verdict.options:

@@ -51,12 +51,12 @@ def _body_cases(size: int):
 
 
 def test_the_largest_body_read_on_the_loop_costs_it_well_under_a_millisecond():
-    """Bodies up to forward.OFF_LOOP are read (reading.examine) on the event loop, the rest
+    """Bodies up to plan.OFF_LOOP are read (reading.examine) on the event loop, the rest
     on a judge's thread. At 64 KiB a multipart body of empty parts or a form of escaped
     names cost the loop 20-25 ms; the readers cost up to ~0.4 µs a byte."""
     import time
 
-    from appliance.filter.proxy.forward import OFF_LOOP
+    from appliance.filter.proxy.plan import OFF_LOOP
     from appliance.filter.proxy.leaks import Leaks
     from appliance.filter.proxy.reading import examine
 
@@ -98,7 +98,7 @@ def _query(item: str, size: int) -> str:
 @pytest.mark.parametrize("rules", ["", 'deny = ["DELETE /**"]\n'])
 def test_what_a_head_asks_to_be_read_as_costs_the_loop_well_under_a_millisecond(
         item, where, rules):
-    """What the proxy does on the loop per request to an inspected host (forward._judged_as):
+    """What the proxy does on the loop per request to an inspected host (plan.plan):
     the queries of the target and of its rewrite fields read for `_method` once
     (asked_methods), then judged (judge_request). They were read up to three times, on a
     host inspected without request rules too (nothing there to judge): a 60 KiB query of
