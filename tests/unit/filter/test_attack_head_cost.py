@@ -56,8 +56,8 @@ def test_the_largest_body_read_on_the_loop_costs_it_well_under_a_millisecond():
     names cost the loop 20-25 ms; the readers cost up to ~0.4 µs a byte."""
     import time
 
-    from appliance.filter.proxy.plan import OFF_LOOP
     from appliance.filter.proxy.leaks import Leaks
+    from appliance.filter.proxy.plan import OFF_LOOP
     from appliance.filter.proxy.reading import examine
 
     leaks = Leaks({"A": b"s3cr3tvalue123456"})
