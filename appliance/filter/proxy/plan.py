@@ -229,26 +229,40 @@ def plan(request: Request) -> Plan:
                           read=body is not None, kind="leak",
                           detector=reading.finding.detector)
             return
-        refused = Decision(False, reading.refusal) if reading.refusal else None
-        if refused is None and reading.methods:  # judged with what the head asks for
-            methods = [*asked, *reading.methods]
-            refused = judge_asked(inspection, head, where, methods, paths) if (
-                inspection is not None) else None
-            unpermitted = credentials.unpermitted(
-                applied.used, [m for _, m in methods], head.start[1], [p for _, p in paths])
-            if refused is None and unpermitted:
-                refused = Decision(False, unpermitted)
-            echo = echoing([m for _, m in reading.methods]) if applied.used else None
-            if refused is None and echo:
-                refused = Decision(False, f"the body asks for {echo}, which sends the "
-                                   "request back: never with a secret attached "
-                                   f"({', '.join(applied.used)})")
+        refused = _judged_body(request, head, inspection, reading, asked, paths,
+                               applied.used)
         if refused is not None:
             yield refusal(refused, where.target, head, fields, read=body is not None)
             return
     key = (str(where.host), where.port)
     upstream = TUNNEL if request.in_tunnel else KEPT if request.kept == key else OPEN
     yield Send(head, decision, fields, attached, body, upstream)
+
+
+def _judged_body(request: Request, head: Head, inspection, reading: BodyReading,
+                 asked: list[tuple[str, str]], paths: list[tuple[str, str]],
+                 used: tuple[str, ...]) -> Decision | None:
+    """The refusal of a request by what its body asks for (None: it may go): a body that
+    cannot be read as its origin would; a method it asks for that its host's rules deny,
+    judged with what the head asks for; a secret attached that its request patterns do not
+    let go with it; an echo (TRACE) of a request given a secret."""
+    if reading.refusal:
+        return Decision(False, reading.refusal)
+    if not reading.methods:
+        return None
+    where = request.where
+    methods = [*asked, *reading.methods]
+    refused = judge_asked(inspection, head, where, methods, paths) if (
+        inspection is not None) else None
+    unpermitted = request.credentials.unpermitted(
+        used, [m for _, m in methods], head.start[1], [p for _, p in paths])
+    if refused is None and unpermitted:
+        refused = Decision(False, unpermitted)
+    echo = echoing([m for _, m in reading.methods]) if used else None
+    if refused is None and echo:
+        refused = Decision(False, f"the body asks for {echo}, which sends the request back: "
+                           f"never with a secret attached ({', '.join(used)})")
+    return refused
 
 
 def refusal(decision: Decision, target: str, head: Head, fields: dict, read: bool = False,

@@ -1,6 +1,6 @@
 """What a request body held whole tells the filter before any of it is sent: the leaks it
 carries, and the methods it asks its origin to read the request as. Sans-IO: one call, on
-the loop for a small body, on a worker thread for a large or encoded one (forward.py).
+the loop for a small body, on a worker thread for a large or encoded one (plan.py).
 
 The body is read as the origin will read it (content.py): its content codings undone, the
 parts of a multipart body with their transfer encodings undone, and in a charset that hides
