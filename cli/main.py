@@ -24,7 +24,19 @@ from appliance.policy import (
 from appliance.policy.lint import lint
 from appliance.policy.rules import HOLD_DEFAULT
 
-from . import approvals, box, control, exitcodes, learn, local, output, secrets, sessions, vm
+from . import (
+    agents,
+    approvals,
+    box,
+    control,
+    exitcodes,
+    learn,
+    local,
+    output,
+    secrets,
+    sessions,
+    vm,
+)
 from .client import CliError, load_appliance
 
 
@@ -103,6 +115,17 @@ def parser() -> argparse.ArgumentParser:
     presets = sub.add_parser("presets", help="list the presets a corral.toml can name")
     presets.add_argument("--json", action="store_true", help="machine-readable output")
     presets.set_defaults(run=cmd_presets)
+
+    agent_list = sub.add_parser(
+        "agents", help="the agent profiles `corral run --agent` can run",
+        description="List the agent profiles (the project's .corral/agents/, yours in "
+        "~/.config/corral/agents/, then corral's), or show one: what it installs, runs, "
+        "keeps in the project's home and which secrets it needs. Reads no appliance.")
+    agent_list.add_argument("name", nargs="?", metavar="NAME", help="show this one, checked")
+    agent_list.add_argument("--project", metavar="DIR", help="whose .corral/agents/ to read "
+                            "(default: the current directory)")
+    agent_list.add_argument("--json", action="store_true", help="machine-readable output")
+    agent_list.set_defaults(run=agents.cmd_agents)
 
     def appliance_command(name, help, run, session=True, description=None):
         command = sub.add_parser(name, help=help, description=description or help)

@@ -359,20 +359,20 @@ def _policy(table, path: str, locate: Locator) -> str:
 def toml_text(table: dict) -> str:
     """A policy table as TOML again (tomllib only reads): strings, numbers, booleans,
     lists of them, tables and arrays of tables, which is all corral.toml holds. Strings are
-    written as JSON strings, which TOML reads the same."""
+    written as JSON strings, which TOML reads the same but for DEL, which TOML wants escaped."""
     def scalar(value) -> str:
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, (int, float)):
             return json.dumps(value)
         if isinstance(value, str):
-            return json.dumps(value)
+            return _string(value)
         if isinstance(value, list) and not any(isinstance(v, dict) for v in value):
             return "[" + ", ".join(scalar(v) for v in value) + "]"
         raise ConfigError("", "", f"{value!r} cannot be written in a policy")
 
     def key(name: str) -> str:
-        return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+        return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _string(name)
 
     lines: list[str] = []
     tables: list[tuple[str, dict]] = []
@@ -396,6 +396,10 @@ def toml_text(table: dict) -> str:
             for field_, value in item.items():
                 lines.append(f"{key(field_)} = {scalar(value)}")
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _string(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def shipped() -> Path:
