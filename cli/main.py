@@ -261,8 +261,15 @@ def parser() -> argparse.ArgumentParser:
     run = appliance_command("run", "start a session for a project and attach to it",
                             sessions.cmd_run, session=False,
                             description="Copy the project (without .corral/) into a new "
-                            "hardened session and open a shell in it (or run CMD).")
+                            "hardened session and open a shell in it (or run CMD). With "
+                            "--agent NAME: `corral run --agent NAME [PROJECT] [-- ARGS...]` "
+                            "runs that agent there instead (installed once per appliance, "
+                            "its policy and secrets as its profile says; see `corral "
+                            "agents`), with ARGS after its own command.")
     run.add_argument("--project", metavar="DIR", help="default: the current directory")
+    run.add_argument("--agent", metavar="NAME", help="run this agent's profile (`corral "
+                     "agents` lists them): the first word is then the project directory, "
+                     "and words after -- go to the agent")
     run.add_argument("--preset", action="append", metavar="P",
                      help="a policy preset that takes no parameters (repeatable); see "
                      "`corral presets`; one that takes them goes in corral.toml")
@@ -288,7 +295,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
                      "files in it look like secrets (they are read first; see [workspace] "
                      "exclude in corral.toml)")
-    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
+    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell "
+                     "(with --agent: [PROJECT] [-- ARGS...])")
     shell = appliance_command("shell", "another terminal in a running session (re-attach)",
                               sessions.cmd_shell, session=False)
     shell.add_argument("session", nargs="?", help="default: the only one")
@@ -507,6 +515,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # where `--` was (run --agent)
     try:
         return args.run(args)
     except ConfigError as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 from appliance import workspace
 from appliance.policy.config import ConfigError, parse_policy
 
-from . import exitcodes, output, render, scan
+from . import agents, exitcodes, output, render, scan
 from .client import Client, CliError, load_appliance
 from .control import client_for, parse_duration, pick_session
 from .projectfile import drop_typeahead
@@ -128,8 +128,29 @@ def _terminal(client: Client, container: str, command: list[str]) -> int:
                        "check `podman = [...]` in the appliance's appliance.toml") from None
 
 
+def agent_words(args) -> tuple[str | None, list[str]]:
+    """With --agent, the positional words are `[PROJECT] [-- ARGS...]`: the project
+    directory, then extra arguments to the agent's command. argparse hands them over as
+    one list (it drops the `--`), so the words after the `--` it was given are told apart
+    by `args.argv`, the command line as typed (cli/main.py keeps it)."""
+    words = list(args.cmd)
+    raw = getattr(args, "argv", None) or []
+    extra = raw[raw.index("--") + 1:] if "--" in raw else []
+    extra = extra if words[len(words) - len(extra):] == extra else []
+    before = words[:len(words) - len(extra)]
+    if len(before) > 1:
+        raise CliError(f"--agent takes one project directory, not {' '.join(before)}",
+                       "write the agent's own arguments after `--`: corral run --agent "
+                       f"{args.agent} [PROJECT] -- ARGS...", exitcodes.USAGE)
+    if before and args.project:
+        raise CliError(f"two projects: --project {args.project} and {before[0]}",
+                       "name it once", exitcodes.USAGE)
+    return (before[0] if before else args.project), extra
+
+
 def cmd_run(args) -> int:
-    project = Path(args.project or os.getcwd()).resolve()
+    given, extra = agent_words(args) if args.agent else (args.project, list(args.cmd))
+    project = Path(given or os.getcwd()).resolve()
     if not project.is_dir():
         raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
     if args.ask and args.learn == "open":
@@ -137,7 +158,12 @@ def cmd_run(args) -> int:
                        "lets through)", code=exitcodes.USAGE)
     exclude = _excludes(project)
     limits = _limits(args)
-    if not args.allow_secrets:  # before anything reaches the appliance
+    profile = agents.resolve(args.agent, project) if args.agent else None
+    agent = {}
+    if profile is not None:  # what it needs, named with the fix, before anything is copied
+        agents.check_ready(client_for(args), profile, project)
+        agent = {"agent": profile.text, "agent_name": profile.name}
+    if not args.allow_secrets:  # before anything of the project reaches the appliance
         _check_secrets(project, exclude, args.json)
     client = client_for(args)
     name = args.name or _session_name(project)
@@ -147,11 +173,14 @@ def cmd_run(args) -> int:
     spool, size, count = _archive(project, exclude)
     with spool:
         output.notice(f"copying {project} ({count} entries, {size / 1e6:.1f} MB packed) and "
-                      f"starting session {name} ...")
+                      f"starting session {name}" + (
+                          f" for agent {profile.name} (the first session of "
+                          f"{profile.install.spec} on this appliance installs it first)"
+                          if profile is not None else "") + " ...")
         session = client.request("POST", "/sessions", upload=(spool, size, "application/gzip"),
                                  timeout=SLOW, name=name, preset=args.preset,
                                  project_id=project_id(project), uid=uid, gid=gid,
-                                 **limits)
+                                 **limits, **agent)
     output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
                   f"{session['subnet']}")
     if args.learn == "open":  # a person's explicit choice, recorded (a rule event)
@@ -175,7 +204,8 @@ def cmd_run(args) -> int:
             output.notice(f"when the agent is done, `corral learn {name}` proposes the rules "
                           "it was denied")
         return exitcodes.OK
-    code = _terminal(client, session["container"], args.cmd)
+    command = [*profile.command, *extra] if profile is not None else extra
+    code = _terminal(client, session["container"], command)
     output.notice(f"session {name} keeps running: `corral shell {name}` re-attaches; "
                   f"`corral diff {name}`, `corral apply {name}`, `corral stop {name}`")
     if args.learn:

@@ -227,7 +227,7 @@ class Installs:
             scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.root))
             try:
                 os.chown(scratch, *self.owner)
-                os.chmod(scratch, 0o755)
+                os.chmod(scratch, 0o755)  # noqa: S103 - the install writes it, as its user
                 self.run(profile, key, scratch)
                 _read_only(scratch)
                 scratch.rename(tree)  # complete, or not there at all
