@@ -18,10 +18,10 @@ handed the function that runs one install (the sandbox service's, with its sessi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -53,8 +53,6 @@ INSTALL_ENVIRONMENT = (("npm_config_cache", "/tmp/npm-cache"),  # noqa: S108 - i
 them belongs in the tree)."""
 MAX_PROFILE = 16 * 1024
 """Bytes of profile text a session may be asked for with."""
-FILE_SUFFIX = re.compile(r"^\.?[^.]+\.[A-Za-z0-9]+$")
-"""`.claude.json`, `.aider.conf.yml`: a persisted file, not a directory."""
 
 
 class AgentError(ValueError):
@@ -82,9 +80,10 @@ def tree_name(profile: Profile, key: str) -> str:
     return f"{profile.name}-{key}"
 
 
-def install_session(key: str) -> str:
-    """The throwaway session's name (a session name: 1-32 of a-z, 0-9 and '-')."""
-    return f"agent-install-{key[:12]}"
+def install_session(tree: str) -> str:
+    """The throwaway session's name for one tree (a session name: 1-32 of a-z, 0-9, '-'):
+    two profiles of one package share a key, not a tree, and may install at once."""
+    return f"agent-install-{hashlib.sha256(tree.encode()).hexdigest()[:12]}"
 
 
 def is_ready(tree: bool, marker: bool) -> str:
@@ -113,13 +112,14 @@ def image_path(environment: list[str] | None) -> str:
 
 def home_directories(persist: tuple[str, ...]) -> list[str]:
     """The directories to make in the project's home before the session starts, so that the
-    agent finds each persisted path's place writable: the path itself, or for a file (a name
-    with a suffix, `.claude.json`) its parent only — an empty file is not the JSON or YAML
+    agent finds each persisted path's place writable: the path itself, or for a file (a dot
+    past the name's leading one: `.claude.json`) its parent only — an empty file is not the JSON or YAML
     the agent expects, and it writes the file itself. Parents come before children."""
     wanted: list[str] = []
     for item in persist:
         path = PurePosixPath(item)
-        target = path.parent if FILE_SUFFIX.match(path.name) else path
+        is_file = "." in path.name.lstrip(".")  # .claude.json, .aider.conf.yml
+        target = path.parent if is_file else path
         for depth in range(1, len(target.parts) + 1):
             step = PurePosixPath(*target.parts[:depth]).as_posix()
             if step not in wanted:

@@ -286,7 +286,7 @@ class Sessions:
         with `scratch` at MOUNT; AgentError with the tail of its output when it fails. The
         session is created under the lock (subnets are handed out there), waited for
         without it."""
-        name = agents.install_session(key)
+        name = agents.install_session(agents.tree_name(profile, key))
         with self.lock:
             if any(r.name == name for r in self.manager.records()):
                 self.manager.remove(name)  # left by a service stopped mid-install

@@ -75,8 +75,8 @@ def build(sessions: int = 2) -> None:
         sh("ip", "link", "set", dev, "up", ns=ns)
     sh("ip", "route", "add", "default", "via", "198.51.100.2", ns=APPLIANCE)
     sh("ip", "-6", "route", "add", "default", "via", "2001:db8:ff::2", ns=APPLIANCE)
-    for address in ("203.0.113.10/32", "203.0.113.11/32", "203.0.113.22/32",
-                    "203.0.113.53/32"):
+    for address in ("203.0.113.10/32", "203.0.113.11/32", "203.0.113.12/32",
+                    "203.0.113.13/32", "203.0.113.22/32", "203.0.113.53/32"):
         sh("ip", "addr", "add", address, "dev", "lo", ns=INTERNET)
     sh("ip", "-6", "addr", "add", "3fff:ff::10/128", "dev", "lo", ns=INTERNET)
     sh("ip", "route", "add", "10.213.0.0/16", "via", "198.51.100.1", ns=INTERNET)

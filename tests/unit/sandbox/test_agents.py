@@ -1,0 +1,164 @@
+"""The install cache's decisions and its bookkeeping on a real file system (the install
+itself is the e2e tier's: tests/e2e/test_agents.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance.agents.profile import MOUNT, parse_profile, shipped
+from appliance.sandbox import agents
+from appliance.sandbox.hardening import Sandbox, run_arguments
+
+CLAUDE = (shipped() / "claude.toml").read_text()
+OWNER = (os.getuid(), os.getgid())
+
+
+def claude(version: str = "2.1.90"):
+    return parse_profile(CLAUDE.replace("claude-code@2.1.90", f"claude-code@{version}"),
+                         "claude.toml")
+
+
+@pytest.mark.parametrize(("tree", "marker", "state"), [
+    (True, True, "ready"), (False, False, "install"), (True, False, "redo"),
+    (False, True, "install"),  # a marker alone (its tree removed by hand): installed again
+])
+def test_a_tree_is_ready_only_with_its_marker(tree, marker, state):
+    assert agents.is_ready(tree, marker) == state
+
+
+def test_persisted_paths_become_directories_and_files_keep_only_their_parent():
+    assert agents.home_directories((".claude", ".claude.json")) == [".claude"]
+    assert agents.home_directories((".config/opencode", ".local/share/opencode",
+                                    ".aider.conf.yml")) == [
+        ".config", ".config/opencode", ".local", ".local/share", ".local/share/opencode"]
+    assert agents.home_directories((".config/tool/settings.json",)) == [".config",
+                                                                        ".config/tool"]
+
+
+def test_path_starts_with_the_agents_bin_then_the_images():
+    profile = claude()
+    environment = dict(agents.session_environment(profile, "/usr/bin:/bin"))
+    assert environment["PATH"] == f"{MOUNT}/bin:/usr/bin:/bin"
+    assert environment["DISABLE_AUTOUPDATER"] == "1"
+    assert agents.image_path(["LANG=C", "PATH=/x:/y"]) == "/x:/y"
+    assert agents.image_path(None) == agents.DEFAULT_PATH
+
+
+def test_the_session_arguments_mount_the_tree_read_only_and_never_let_the_profile_win():
+    spec = Sandbox(name="c", image="i", network="n", gateway="10.0.0.1", seccomp_profile="s",
+                   init="init", trust="/t", secrets=(("ANTHROPIC_API_KEY", "corral-secret-x"),),
+                   read_only=(("/state/agents/claude-k", MOUNT),),
+                   environment=(("PATH", f"{MOUNT}/bin:/bin"), ("HTTPS_PROXY", "http://evil"),
+                                ("ANTHROPIC_API_KEY", "mine"), ("HOME", "/root")))
+    args = run_arguments(spec, ["claude"])
+    assert ["--volume", f"/state/agents/claude-k:{MOUNT}:ro"] == args[
+        args.index(f"/state/agents/claude-k:{MOUNT}:ro") - 1:][:2]
+    env = [args[i + 1] for i, a in enumerate(args) if a == "--env"]
+    assert f"PATH={MOUNT}/bin:/bin" in env
+    assert "HTTPS_PROXY=http://10.0.0.1:3128" in env and "HTTPS_PROXY=http://evil" not in env
+    assert "ANTHROPIC_API_KEY=corral-secret-x" in env and "ANTHROPIC_API_KEY=mine" not in env
+    assert "HOME=/root" not in env
+
+
+def test_the_install_session_is_named_per_tree():
+    a, b = agents.install_session("claude-0123"), agents.install_session("aider-0123")
+    assert a != b and len(a) <= 32 and a.startswith("agent-install-")
+
+
+def test_the_tail_keeps_the_end_of_what_the_install_said():
+    said = b"".join(b"line %d\n" % i for i in range(100)) + b"\r\nERROR: no such package\n"
+    tail = agents.tail(said, lines=3)
+    assert tail.splitlines() == ["line 98", "line 99", "ERROR: no such package"]
+
+
+def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wrong():
+    with pytest.raises(agents.AgentError, match="agent claude.*description"):
+        agents.parse(CLAUDE.replace("description", "# description"), "claude")
+    with pytest.raises(agents.AgentError, match="go together"):
+        agents.parse(CLAUDE, None)
+    with pytest.raises(agents.AgentError, match="limit is 16384"):
+        agents.parse(CLAUDE + "#" * agents.MAX_PROFILE, "claude")
+    assert agents.parse(CLAUDE, "claude").name == "claude"
+
+
+class Recorder:
+    """Stands in for the install session: writes a bin/ into the scratch directory."""
+
+    def __init__(self, fail: bool = False, delay: float = 0.0):
+        self.calls: list[tuple[str, str]] = []
+        self.fail, self.delay = fail, delay
+
+    def __call__(self, profile, key, scratch: Path) -> None:
+        self.calls.append((profile.install.spec, key))
+        assert scratch.is_dir() and scratch.name.startswith(f".{profile.name}-")
+        (scratch / "bin").mkdir()
+        (scratch / "bin" / "claude").write_text("#!/bin/sh\n")
+        time.sleep(self.delay)
+        if self.fail:
+            raise agents.AgentError("npm said no")
+
+
+def test_an_install_happens_once_per_key_and_is_renamed_into_place(tmp_path):
+    run = Recorder()
+    installs = agents.Installs(tmp_path / "agents", run, OWNER)
+    first = installs.ensure(claude(), "k1")
+    again = installs.ensure(claude(), "k1")
+    assert first.fresh and not again.fresh and first.tree == again.tree
+    assert run.calls == [("@anthropic-ai/claude-code@2.1.90", "k1")]
+    assert (first.tree / "bin" / "claude").is_file()
+    assert not os.stat(first.tree / "bin" / "claude").st_mode & 0o222  # nobody's to write
+    assert (tmp_path / "agents" / "claude-k1.json").is_file()
+    newer = installs.ensure(claude("2.2.0"), "k2")  # a new version: a tree of its own
+    assert newer.fresh and first.tree.is_dir()  # the old one stays
+    assert sorted(p.name for p in (tmp_path / "agents").iterdir()) == [
+        "claude-k1", "claude-k1.json", "claude-k2", "claude-k2.json"]
+
+
+def test_two_sessions_asking_at_once_wait_for_one_install(tmp_path):
+    run = Recorder(delay=0.3)
+    installs = agents.Installs(tmp_path / "agents", run, OWNER)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(installs.ensure(claude(), "k")))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(run.calls) == 1 and len({g.tree for g in got}) == 1
+    assert sorted(g.fresh for g in got) == [False, False, False, True]
+
+
+def test_a_failed_install_leaves_nothing_and_is_tried_again(tmp_path):
+    installs = agents.Installs(tmp_path / "agents", Recorder(fail=True), OWNER)
+    with pytest.raises(agents.AgentError, match="npm said no"):
+        installs.ensure(claude(), "k")
+    assert list((tmp_path / "agents").iterdir()) == []
+    installs.run = Recorder()
+    assert installs.ensure(claude(), "k").fresh
+
+
+def test_a_tree_without_its_marker_is_installed_again(tmp_path):
+    run = Recorder()
+    installs = agents.Installs(tmp_path / "agents", run, OWNER)
+    tree = installs.ensure(claude(), "k").tree
+    (tmp_path / "agents" / "claude-k.json").unlink()  # the service stopped before writing it
+    assert installs.ensure(claude(), "k").fresh and len(run.calls) == 2
+    assert (tree / "bin" / "claude").is_file()
+
+
+def test_home_directories_are_made_without_following_what_the_agent_left(tmp_path):
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    (home / ".local").symlink_to(elsewhere)  # planted by an earlier session's agent
+    (home / ".claude").write_text("a file, not a directory")
+    skipped = agents.make_home_directories(
+        home, [".config", ".config/opencode", ".local", ".local/share", ".claude"], *OWNER)
+    assert (home / ".config" / "opencode").is_dir()
+    assert skipped == [".local", ".local/share", ".claude"]
+    assert list(elsewhere.iterdir()) == []  # nothing made through the link
