@@ -113,8 +113,8 @@ def image_path(environment: list[str] | None) -> str:
 def home_directories(persist: tuple[str, ...]) -> list[str]:
     """The directories to make in the project's home before the session starts, so that the
     agent finds each persisted path's place writable: the path itself, or for a file (a dot
-    past the name's leading one: `.claude.json`) its parent only — an empty file is not the JSON or YAML
-    the agent expects, and it writes the file itself. Parents come before children."""
+    past the name's leading one: `.claude.json`) its parent only — an empty file is not the
+    JSON or YAML the agent expects, and it writes the file itself. Parents come first."""
     wanted: list[str] = []
     for item in persist:
         path = PurePosixPath(item)

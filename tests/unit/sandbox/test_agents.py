@@ -77,7 +77,7 @@ def test_the_tail_keeps_the_end_of_what_the_install_said():
 
 
 def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wrong():
-    with pytest.raises(agents.AgentError, match="agent claude.*description"):
+    with pytest.raises(agents.AgentError, match=r"agent claude.*description"):
         agents.parse(CLAUDE.replace("description", "# description"), "claude")
     with pytest.raises(agents.AgentError, match="go together"):
         agents.parse(CLAUDE, None)
