@@ -221,6 +221,8 @@ class Installs:
                             "rename?): installing it again", profile.name, tree)
                 shutil.rmtree(tree)
             self._root()
+            for stale in self.root.glob(f".{name}-*"):  # a service stopped mid-install
+                shutil.rmtree(stale, ignore_errors=True)
             started = time.monotonic()
             log.info("agent %s: installing %s (%s, install key %s) through the filter",
                      profile.name, profile.install.spec, profile.install.index, key)

@@ -138,8 +138,11 @@ def test_a_failed_install_leaves_nothing_and_is_tried_again(tmp_path):
     with pytest.raises(agents.AgentError, match="npm said no"):
         installs.ensure(claude(), "k")
     assert list((tmp_path / "agents").iterdir()) == []
+    (tmp_path / "agents" / ".claude-k-cut-short").mkdir()  # a service killed mid-install
     installs.run = Recorder()
     assert installs.ensure(claude(), "k").fresh
+    assert sorted(p.name for p in (tmp_path / "agents").iterdir()) == ["claude-k",
+                                                                     "claude-k.json"]
 
 
 def test_a_tree_without_its_marker_is_installed_again(tmp_path):
