@@ -513,9 +513,26 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line. argparse fills a positional list once: `corral run --agent A
+    PROJECT --name N -- ARGS` would leave `-- ARGS` unrecognised (PROJECT took the list).
+    So for `run` the words after `--` are taken off first and added to its words after;
+    `args.after_dashes` keeps them apart (with --agent they are the agent's)."""
+    top = parser()
+    words = [w for w in argv if not w.startswith("-")]
+    if words[:1] == ["run"] and "--" in argv:
+        cut = argv.index("--")
+        args = top.parse_args(argv[:cut])
+        args.after_dashes = argv[cut + 1:]
+        args.cmd = [*args.cmd, *args.after_dashes]
+        return args
+    args = top.parse_args(argv)
+    args.after_dashes = []
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # where `--` was (run --agent)
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         return args.run(args)
     except ConfigError as exc:

@@ -130,14 +130,10 @@ def _terminal(client: Client, container: str, command: list[str]) -> int:
 
 def agent_words(args) -> tuple[str | None, list[str]]:
     """With --agent, the positional words are `[PROJECT] [-- ARGS...]`: the project
-    directory, then extra arguments to the agent's command. argparse hands them over as
-    one list (it drops the `--`), so the words after the `--` it was given are told apart
-    by `args.argv`, the command line as typed (cli/main.py keeps it)."""
-    words = list(args.cmd)
-    raw = getattr(args, "argv", None) or []
-    extra = raw[raw.index("--") + 1:] if "--" in raw else []
-    extra = extra if words[len(words) - len(extra):] == extra else []
-    before = words[:len(words) - len(extra)]
+    directory, then extra arguments to the agent's command (cli/main.py `parse` keeps the
+    words after `--` apart)."""
+    extra = list(getattr(args, "after_dashes", None) or [])
+    before = list(args.cmd[:len(args.cmd) - len(extra)])
     if len(before) > 1:
         raise CliError(f"--agent takes one project directory, not {' '.join(before)}",
                        "write the agent's own arguments after `--`: corral run --agent "
