@@ -103,6 +103,10 @@ def create():
         request.max_content_length = limit
         answer = call({"op": "create", **settings}, "sandbox", payload=request.stream, size=size)
     else:
+        # a profile of up to MAX_PROFILE bytes fits, escaped as JSON ([api] max_body is
+        # 16 KiB by default: what the other requests need)
+        request.max_content_length = max(current_app.extensions["corral.config"].max_body,
+                                         3 * MAX_PROFILE)
         settings = body({"name": str}, {"presets": list, "project_id": str, "uid": int,
                                         "gid": int, "max_uptime": int, "idle": int,
                                         "memory": str, "cpus": str, "pids": int,
