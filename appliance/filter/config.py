@@ -345,8 +345,9 @@ EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "
 """Keys that are not a field of their own."""
 
 
-def _schema() -> dict[str, set[str]]:
-    """Every table and its keys, from the fields."""
+def schema() -> dict[str, set[str]]:
+    """Every table and its keys, from the fields: what parse_config accepts (and
+    tests/unit/test_docs.py holds the reference to)."""
     schema: dict[str, set[str]] = {t: {f.name for f in dataclasses.fields(c)}
                                    for t, c in TABLES.items()}
     for f in dataclasses.fields(FilterConfig):
@@ -375,7 +376,7 @@ def load_config(path: str) -> FilterConfig:
 def parse_config(text: str, path: str) -> FilterConfig:
     data = parse_toml(text, path)
     where = Locator(text)
-    schema = _schema()
+    accepted = schema()
 
     def failer(table: str, key: str) -> Fail:
         def fail(message: str, value=None):
@@ -385,8 +386,8 @@ def parse_config(text: str, path: str) -> FilterConfig:
         return fail
 
     for table, value in data.items():
-        if table not in schema:
-            raise ConfigError(path, table, f"unknown key; expected {', '.join(sorted(schema))}",
+        if table not in accepted:
+            raise ConfigError(path, table, f"unknown key; expected {', '.join(sorted(accepted))}",
                               where.key("", table))
         tables = value if table == "session" else [value]
         if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
@@ -394,8 +395,9 @@ def parse_config(text: str, path: str) -> FilterConfig:
                               if table == "session" else ""), where.key("", table))
         for t in tables:
             for key in t:
-                if key not in schema[table]:
-                    failer(table, key)(f"unknown key; expected {', '.join(sorted(schema[table]))}")
+                if key not in accepted[table]:
+                    expected = ", ".join(sorted(accepted[table]))
+                    failer(table, key)(f"unknown key; expected {expected}")
 
     def read(cls, table: str | None, **given):
         """`cls` with each field the file sets read through its checker; the rest default."""

@@ -48,6 +48,21 @@ GIT_KEYS = ("host", "repos", "push", "push_options")
 APPROVAL = "approval"
 """`[approval] mode = "ask" | "deny"`, `hold = SECONDS`: whether a request the policy does not
 name waits for a person's decision (approvals.py); becomes one `approval` rule."""
+APPROVAL_KEYS = ("mode", "hold")
+WORKSPACE_KEYS = ("exclude",)
+KEYS: dict[str, tuple[str, ...]] = {
+    "": TOP_LEVEL,
+    **{table: tuple(f for t, f in SECTIONS if t == table)
+       for table in dict.fromkeys(t for t, _ in SECTIONS)},
+    APPROVAL: APPROVAL_KEYS,
+    WORKSPACE: WORKSPACE_KEYS,
+    INSPECT: INSPECT_KEYS,
+    GIT: GIT_KEYS,
+}
+"""Every table a policy document may hold ("": its top level) and the keys each takes: what
+the parser accepts, and nothing else (every other key is refused by name). INSPECT and GIT
+are arrays of tables (`[[inspect]]`); the rest are plain tables. tests/unit/test_docs.py
+holds the reference (docs/) to every one of them."""
 
 
 class ConfigError(ValueError):
@@ -228,8 +243,9 @@ def _approval(table, path: str, layer: str, locate: Locator) -> Rule:
         raise ConfigError(path, APPROVAL, 'must be a table: [approval] mode = "ask"',
                           locate.key("", APPROVAL))
     for key in table:
-        if key not in ("mode", "hold"):
-            raise ConfigError(path, f"[approval] {key}", "unknown key; expected mode, hold",
+        if key not in APPROVAL_KEYS:
+            raise ConfigError(path, f"[approval] {key}",
+                              f"unknown key; expected {', '.join(APPROVAL_KEYS)}",
                               locate.key(APPROVAL, key))
     mode, hold = table.get("mode", "deny"), table.get("hold")
     if mode not in ("ask", "deny"):
@@ -251,8 +267,9 @@ def _workspace(table, path: str, locate: Locator) -> tuple[str, ...]:
         raise ConfigError(path, WORKSPACE, "must be a table: [workspace] exclude = [...]",
                           locate.key("", WORKSPACE))
     for key in table:
-        if key != "exclude":
-            raise ConfigError(path, f"[workspace] {key}", "unknown key; expected exclude",
+        if key not in WORKSPACE_KEYS:
+            raise ConfigError(path, f"[workspace] {key}",
+                              f"unknown key; expected {', '.join(WORKSPACE_KEYS)}",
                               locate.key(WORKSPACE, key))
     items = table.get("exclude", [])
     if not isinstance(items, list) or not all(isinstance(i, str) and i.strip("/") and

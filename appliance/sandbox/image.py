@@ -9,7 +9,7 @@ behind a `#!/usr/bin/python3` line, built here the same, byte for byte, from the
 
 The package list lives here and nowhere else; change it (or the layer) and bump VERSION.
 A team layers its own tools on top with a Containerfile that starts
-`FROM localhost/corral-sandbox:<VERSION>` (see README).
+`FROM localhost/corral-sandbox:<VERSION>` (see docs/sandboxes.md).
 """
 
 from __future__ import annotations

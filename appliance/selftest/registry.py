@@ -44,7 +44,7 @@ class Probe:
     legit: bool
     """A flow that must work, next to the attacks."""
     records: str
-    """What records a denial, in words (`--list`, the README)."""
+    """What records a denial, in words (`--list`, docs/threats.md)."""
     run: Callable[[Context], Outcome]
     needs: str | None = None
     """An option without which the probe cannot be tried (it is not selected then)."""

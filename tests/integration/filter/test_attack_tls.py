@@ -27,7 +27,7 @@ def _tls_get(lab, sock: socket.socket, sni: str, host: str) -> bytes:
 
 TERMINATION = pytest.mark.xfail(strict=True, reason=(
     "the Host header inside TLS is only seen where TLS is terminated (issue 15, opt-in "
-    "inspection per host); README and THREATS 13 say so"))
+    "inspection per host); docs/filter.md and THREATS 13 say so"))
 
 
 @TERMINATION

@@ -296,7 +296,7 @@ def test_ipv6_neighbours_are_refused_too(lab, internet):
 def test_a_name_under_an_inspected_wildcard_counts_once_it_was_resolved(lab, internet):
     """*.wild.test's names cannot be listed: shared.wild.test's address is known once
     something resolved it (here, the agent's own DNS query), and from then on its
-    neighbour wfront.test gets no tunnel. Before that, it was spliced (the limit the README
+    neighbour wfront.test gets no tunnel. Before that, it was spliced (the limit docs/inspect.md
     states)."""
     port = internet.wild.port
     sock, head = connect_to(lab, f"wfront.test:{port}")

@@ -165,7 +165,7 @@ def throwaway_policy(*args, **kwargs):
 @pytest.mark.parametrize("inspected", ["inspected.test", None])
 def test_a_throwaway_session_allows_the_host_of_echo_secret(inspected):
     """`corral selftest --echo-secret NAME@HOST` without a session: the secret's host must be
-    allowed by [http] for its placeholder to be replaced (README, Secrets), so the
+    allowed by [http] for its placeholder to be replaced (docs/secrets.md), so the
     throwaway's policy allows it, with or without --inspected; nothing else is added."""
     from appliance.policy import parse_host
 
