@@ -11,11 +11,14 @@ import pytest
 from cli import exitcodes
 from cli.main import main
 
-ALLOWED_APPLIANCE_IMPORTS = {"appliance.policy", "appliance.pki", "appliance.workspace"}
+ALLOWED_APPLIANCE_IMPORTS = {"appliance.agents", "appliance.policy", "appliance.pki",
+                             "appliance.workspace"}
+"""What both sides read the same way: profiles and policies are parsed on the host (to check
+them early) and again on the appliance (which trusts only its own reading)."""
 
 
-def test_cli_imports_only_policy_pki_and_workspace_from_appliance():
-    for path in Path("cli").rglob("*.py"):
+def test_cli_imports_only_policy_pki_workspace_and_agent_profiles_from_appliance():
+    for path in [*Path("cli").rglob("*.py"), *Path("appliance/agents").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -50,7 +53,7 @@ def test_the_boundary_check_catches_a_forbidden_import(tmp_path, monkeypatch):
     (tmp_path / "cli" / "bad.py").write_text("from appliance import filter\n")
     monkeypatch.chdir(tmp_path)
     try:
-        test_cli_imports_only_policy_pki_and_workspace_from_appliance()
+        test_cli_imports_only_policy_pki_workspace_and_agent_profiles_from_appliance()
     except AssertionError as exc:
         assert "imports appliance.filter" in str(exc)
     else:
