@@ -265,6 +265,13 @@ def _age(created: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
+def _agent(agent) -> str:
+    """The agent a session runs, as `corral ls` shows it: `claude 2.1.90` (- for none)."""
+    if not isinstance(agent, dict) or not agent.get("name"):
+        return "-"
+    return f"{agent['name']} {agent.get('version', '')}".strip()
+
+
 def cmd_ls(args) -> int:
     answer = client_for(args).request("GET", "/sessions")
     if args.json:
@@ -278,9 +285,9 @@ def cmd_ls(args) -> int:
         left = s.get("left")
         rows.append([s["name"], state, _age(s.get("created")), _span(left) if left is not None
                      else "-", s.get("subnet", "-"), s.get("allowed", 0), s.get("denied", 0),
-                     _resources(s)])
+                     _resources(s), render.text(_agent(s.get("agent")))])
     output.table(rows, ["SESSION", "STATE", "AGE", "LEFT", "SUBNET", "ALLOWED", "DENIED",
-                        "MEM/CPU/PIDS"])
+                        "MEM/CPU/PIDS", "AGENT"])
     if answer.get("sandbox_error"):
         output.notice(f"sandbox service: {render.text(answer['sandbox_error'])}")
     return exitcodes.OK

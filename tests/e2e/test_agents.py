@@ -162,7 +162,7 @@ def test_an_agent_runs_with_its_secrets_held_its_install_read_only_and_its_own_l
         # the stand-in ran as the agent's command, with the words after -- added
         line = next(x for x in ran.stdout.splitlines() if x.startswith("STANDIN "))
         seen = json.loads(line.removeprefix("STANDIN "))
-        assert seen["command"] == profile.command[0] and seen["prefix"] == MOUNT
+        assert seen["command"] == profile.command[0] and seen["prefix"] == f"{MOUNT}/venv"
         assert seen["argv"] == [*profile.command[1:], "--from-the-test"]
         # each API host got the real key in the profile's form; the session never had it
         assert [c["variable"] for c in seen["calls"]] == [s.name for s in profile.secrets]
@@ -182,6 +182,9 @@ def test_an_agent_runs_with_its_secrets_held_its_install_read_only_and_its_own_l
             assert f"\n{key}={value}\n" in f"\n{env}"
         login = inside(world, session, "bash -lc 'command -v " + profile.command[0] + "'")
         assert login.strip() == f"{MOUNT}/bin/{profile.command[0]}"  # a login shell too
+        # the install's own python3 and pip stay in its venv: the image's are the session's
+        tools = inside(world, session, "command -v python3 pip; ls " + f"{MOUNT}/bin")
+        assert tools.split()[:2] == ["/usr/bin/python3", "/usr/bin/pip"], tools
 
         wrote = inside(world, session, f"touch {MOUNT}/bin/planted 2>&1; echo $?; "
                        f"touch {MOUNT}/planted 2>&1; echo $?")
@@ -208,6 +211,10 @@ def test_an_agent_runs_with_its_secrets_held_its_install_read_only_and_its_own_l
         assert sessions[session]["agent"]["name"] == name
         assert sessions[session]["agent"]["version"] == "1.0"
         assert not [s for s in sessions if s.startswith("agent-install-")]  # removed again
+        table = corral(world, "ls").stdout.splitlines()
+        assert table[0].split()[-1] == "AGENT"
+        assert any(line.split()[0] == session and line.split()[-2:] == [name, "1.0"]
+                   for line in table[1:]), table
 
         started = time.monotonic()
         again = corral(world, "run", "--agent", name, str(project), "--name",

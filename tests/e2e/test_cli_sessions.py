@@ -69,7 +69,7 @@ def test_run_starts_a_listed_session(world, c1):
         "cli-project-")
     table = corral(world, "ls").stdout
     assert table.splitlines()[0].split() == ["SESSION", "STATE", "AGE", "LEFT", "SUBNET",
-                                             "ALLOWED", "DENIED", "MEM/CPU/PIDS"]
+                                             "ALLOWED", "DENIED", "MEM/CPU/PIDS", "AGENT"]
     assert listed["c1"]["memory"] == "4g" and listed["c1"]["left"] is None  # no limit set
     assert any(line.split()[:2] == ["c1", "running"] for line in table.splitlines())
     rules = json.loads(corral(world, "rules", "--session", "c1", "--json").stdout)["rules"]
