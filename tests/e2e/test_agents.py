@@ -55,6 +55,17 @@ def main():
                                   "received": origin["headers"]}})
         except Exception as exc:
             seen["calls"].append({{"variable": variable, "host": host, "error": repr(exc)}})
+    ask = os.environ.get("STANDIN_ASK")
+    if ask:  # a host no rule names: in ask mode it waits for a person's decision
+        try:
+            with urllib.request.urlopen(f"https://{{ask}}/standin", timeout=120) as response:
+                seen["asked"] = response.status
+        except Exception as exc:
+            seen["asked"] = repr(exc)
+    write = os.environ.get("STANDIN_WRITE")
+    if write:  # its work, in /work, for `corral diff` and `corral apply`
+        with open(write, "w") as out:
+            out.write("written by the stand-in agent\\n")
     print("STANDIN " + json.dumps(seen), flush=True)
 '''
 
