@@ -67,6 +67,9 @@ class BindError(OSError):
     """A listener that cannot be bound; the message names address, port, protocol and,
     when /proc tells, what holds the port."""
 
+    def __str__(self) -> str:
+        return self.strerror  # the message alone, without "[Errno 98]"
+
 
 def bind(host: str, port: int, protocol: str) -> socket.socket:
     """A bound socket (a listening one is made by the server that serves it).

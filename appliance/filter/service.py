@@ -91,7 +91,7 @@ class Unbound(ControlError):
     """A session whose gateway's listeners cannot be bound (a port that is taken)."""
 
 
-class BindError(OSError):
+class BindError(gateways.BindError):
     """A listener of a session in the config file that cannot be bound: the filter does
     not start."""
 

@@ -21,6 +21,12 @@ from tests.helpers import control, stop
 from ..conftest import ORIGIN
 
 EXE = str(Path(sys.executable).parent / "corral-filter")
+POLICY = """
+[http]
+allow = ["allowed.test"]
+[cidr]
+allow = ["127.31.0.0/16"]     # the fake internet lives in loopback
+"""
 
 
 def free_ports(count: int) -> list[int]:
@@ -73,7 +79,7 @@ def refused(host: str, port: int) -> bool:
 def gateway_filter(internet, tmp_path):
     dns, proxy, http, tls = free_ports(4)
     stub = hold("127.77.0.53", dns)  # a resolver's stub on another address, same port
-    (tmp_path / "g.toml").write_text('[http]\nallow = ["allowed.test"]\n')
+    (tmp_path / "g.toml").write_text(POLICY)
     config = tmp_path / "filter.toml"
     upstream = "{}:{}".format(*internet.dns.address)
     config.write_text(f"""
@@ -156,7 +162,8 @@ def test_a_session_whose_port_is_taken_is_refused_saying_by_whom(gateway_filter)
     assert answer["error"].startswith(
         f"session g3 not registered: cannot bind 127.77.3.1:{dns} (tcp): Address already in "
         "use (held by ")
-    assert f"(pid {os.getpid()}) on 127.77.3.1:{dns})" in answer["error"]
+    comm = Path("/proc/self/comm").read_text().strip()
+    assert answer["error"].endswith(f"(held by {comm} (pid {os.getpid()}) on 127.77.3.1:{dns})")
     status = f.control({"op": "status"})
     assert status["ok"] and f.process.poll() is None  # refused, not crashed
     assert all("127.77.3.1" not in a for names in status["listeners"].values() for a in names)
