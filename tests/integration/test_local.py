@@ -62,4 +62,3 @@ state_dir = "{tmp_path}/sandbox"
     assert firewall == [("apply",), ("remove",)]  # taken down as it was put up
     assert (tmp_path / "stopped").read_text() == "clean\n"
     assert supervisor.sandbox_child.process is None  # never started, never asked
-    assert supervisor.sandbox_child.process is None  # never started, never asked
