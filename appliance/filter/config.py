@@ -304,9 +304,10 @@ class FirewallConfig:
     """Floor for how long a DNS-learned tcp allowance lasts, in seconds."""
     dns_packets: int = setting(2000, whole())
     """DNS datagrams a second one session may send the filter (a burst of twice as many);
-    more are rejected by the kernel before they reach the filter's one DNS socket, which
-    every session shares: a flood would fill its receive queue and the kernel would drop
-    every session's queries alike. Far above `[dns] rate`, which the filter answers with
+    more are rejected by the kernel before they reach the filter, whose one process serves
+    every session (and a fixed `IP:PORT` listener is one socket that every session shares:
+    a flood would fill its receive queue and the kernel would drop every session's queries
+    alike). Far above `[dns] rate`, which the filter answers with
     REFUSED first."""
     new_connections: int = setting(500, whole())
     """TCP connections a second one session may open to the filter's listeners (a burst of
