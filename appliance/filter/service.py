@@ -433,8 +433,11 @@ class Service:
         return gateways.bind_all(address, gateways.planned(self.config))
 
     async def _serve_gateway(self, session, bound: list) -> None:
+        """Serve what `_bind_gateway` bound, unless the session went meanwhile (a removal
+        that came between its registration and this)."""
         address = str(session.gateway)
-        if not bound or address in self._gateways:
+        if not bound or address in self._gateways or session not in \
+                self.store.session_configs():
             for _, sock in bound:
                 sock.close()
             return
