@@ -3,8 +3,8 @@
   sandbox s1 (10.213.1.2, 2001:db8:1::2) --corral-s1-- appliance --up0-- internet
   sandbox s2 (10.213.2.2)                --corral-s2--   (filter,       (203.0.113.0/24,
                                                            firewall)     2001:db8:ff::/64)
-  the appliance also has virbr0 (192.168.122.1, one end of a veth pair) and, on it and on 127.0.0.53,
-  stand-ins for a workstation's resolvers holding port 53 (resolvers.py)
+  the appliance also has virbr0 (192.168.122.1, one end of a veth pair) and, on it and
+  on 127.0.0.53, stand-ins for a workstation's resolvers holding port 53 (resolvers.py)
 
 Every name starts with PREFIX, so a run cleans up whatever an interrupted run left behind
 (processes inside first, then the namespaces) before building, and again when it is done.

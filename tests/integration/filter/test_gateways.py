@@ -75,6 +75,31 @@ def refused(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
+class GatewayFilter:
+    """corral-filter from its console script, with `config` (state kept across starts)."""
+
+    def __init__(self, directory: Path, config: Path):
+        self.dir, self.config = directory, config
+        self.start()
+
+    def start(self) -> None:
+        with open(self.dir / "filter.log", "ab") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen([EXE, "--config", str(self.config)], stderr=log)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.control({"op": "status"})
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("corral-filter did not start:\n"
+                                         + (self.dir / "filter.log").read_text()) from None
+                time.sleep(0.05)
+
+    def control(self, request: dict) -> dict:
+        return control(self.dir / "filter.sock", request)
+
+
 @pytest.fixture
 def gateway_filter(internet, tmp_path):
     dns, proxy, http, tls = free_ports(4)
@@ -99,30 +124,11 @@ name = "g1"
 subnet = "127.77.1.0/24"
 files = ["{tmp_path}/g.toml"]
 """)
-    log = open(tmp_path / "filter.log", "wb")  # noqa: SIM115 (the child's stderr)
-    process = subprocess.Popen([EXE, "--config", str(config)], stderr=log)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            control(tmp_path / "filter.sock", {"op": "status"})
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("corral-filter did not start:\n"
-                                     + (tmp_path / "filter.log").read_text()) from None
-            time.sleep(0.05)
-
-    class Running:
-        pass
-
-    running = Running()
+    running = GatewayFilter(tmp_path, config)
     running.ports = {"dns": dns, "proxy": proxy, "http": http, "tls": tls}
     running.files = str(tmp_path / "g.toml")
-    running.control = lambda request: control(tmp_path / "filter.sock", request)
-    running.process = process
     yield running
-    stop(process)
-    log.close()
+    stop(running.process)
     for sock in stub:
         sock.close()
 
@@ -173,3 +179,32 @@ def test_a_session_whose_port_is_taken_is_refused_saying_by_whom(gateway_filter)
     assert f.control({"op": "session-add", "name": "g3", "subnet": "127.77.3.0/24",
                       "files": [f.files]})["ok"]
     assert resolve("127.77.3.1", dns, "127.77.3.2") == [ORIGIN]
+
+
+def test_a_registered_session_whose_port_is_taken_after_a_restart_is_left_unserved(
+        gateway_filter):
+    """Registered before a restart (sessions.json), its gateway port taken meanwhile: the
+    filter starts and serves the others, and says which session it cannot serve and why."""
+    f = gateway_filter
+    dns = f.ports["dns"]
+    assert f.control({"op": "session-add", "name": "g4", "subnet": "127.77.4.0/24",
+                      "files": [f.files]})["ok"]
+    stop(f.process)
+    taken = hold("127.77.4.1", dns)
+    try:
+        f.start()
+        status = f.control({"op": "status"})
+        assert list(status["unserved"]) == ["g4"]
+        assert status["unserved"]["g4"].startswith(f"cannot bind 127.77.4.1:{dns} (tcp): "
+                                                   "Address already in use (held by ")
+        assert resolve("127.77.1.1", dns, "127.77.1.2") == [ORIGIN]  # the others served
+        assert all("127.77.4.1" not in a for names in status["listeners"].values()
+                   for a in names)
+    finally:
+        for sock in taken:
+            sock.close()
+    # added again (as the sandbox service would on its next start), it is served
+    assert f.control({"op": "session-add", "name": "g4", "subnet": "127.77.4.0/24",
+                      "files": [f.files]})["ok"]
+    assert f.control({"op": "status"})["unserved"] == {}
+    assert resolve("127.77.4.1", dns, "127.77.4.2") == [ORIGIN]
