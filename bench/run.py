@@ -659,8 +659,8 @@ exfil_names = 1000000000
 max_connections_per_session = 1200   # the RSS row holds 1000 tunnels; within 20000
 max_tunnels_per_session = 1100       # descriptors (this host's hard limit) with headroom
 listen = ["{gateway}:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
+transparent_http = ["gateway:3129"]   # where the firewall redirects: the session's gateway
+transparent_tls = ["gateway:3130"]
 [state]
 dir = "{dir}/state"
 [control]
@@ -677,16 +677,15 @@ files = ["{dir}/policy.toml", "{dir}/inspect.toml"]
 """
 
 NOISY_FILTER = """
-# the appliance's defaults, as the role writes them: one DNS socket and one proxy socket
-# for every session, per-session limits as shipped (DNS on 5300: the peers' dnsmasq holds
-# a port-53 address in this namespace, and a wildcard bind would collide with it)
+# the appliance's defaults, as the role writes them: listeners on each session's gateway,
+# per-session limits as shipped (DNS on 5300, as the bench's clients ask it)
 [dns]
-listen = ["0.0.0.0:5300"]
+listen = ["gateway:5300"]
 upstream = ["{up}:53"]
 [proxy]
-listen = ["0.0.0.0:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
+listen = ["gateway:3128"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
 [state]
 dir = "{dir}/noisy-state"
 [control]

@@ -449,7 +449,6 @@ def parser() -> argparse.ArgumentParser:
                     help="local: where config, state and logs live")
     up.add_argument("--upstream", action="append", metavar="IP:PORT",
                     help="local: the filter's upstream resolvers (default: the host's)")
-    up.add_argument("--dns-listen", default="0.0.0.0:53", metavar="IP:PORT", help="local")
     up.add_argument("--api-listen", default="127.0.0.1:7443", metavar="IP:PORT", help="local")
     up.add_argument("--no-image", action="store_true",
                     help="local: do not build the sandbox image")

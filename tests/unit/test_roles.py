@@ -81,7 +81,7 @@ def test_filter_config_renders_into_what_the_filter_loads(tmp_path):
     assert config.dns.upstream == (("10.0.2.3", 53),)
     assert config.firewall.manage and config.firewall.interfaces == ("podman*",)
     assert config.control_group == "root"
-    assert config.proxy.listen == (("0.0.0.0", 3128),)
+    assert config.proxy.listen == (("gateway", 3128),)  # each session's gateway, no wider
     # the role's audit retention is the filter's own default, not a second opinion
     fields = {f.name: f.default for f in dataclasses.fields(FilterConfig)}
     assert (config.audit_segment_bytes, config.audit_segments) == (
@@ -118,7 +118,7 @@ def test_host_corral_is_written_only_when_the_role_is_given_an_address(tmp_path)
 def test_filter_config_with_fixed_upstreams(tmp_path):
     text = render("corral_filter", "etc/corral/filter.toml.j2",
                   corral_filter_upstream=["9.9.9.9:53"], corral_filter_resolv_conf="unused")
-    assert tomllib.loads(text)["dns"] == {"listen": ["0.0.0.0:53"], "upstream": ["9.9.9.9:53"]}
+    assert tomllib.loads(text)["dns"] == {"listen": ["gateway:53"], "upstream": ["9.9.9.9:53"]}
 
 
 def test_sandbox_and_api_configs_render_into_what_their_services_load(tmp_path):
