@@ -24,9 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from . import netns
+from . import netns, test_agents
 from .conftest import APPLIANCE_NAME, BIN, ROOT
 from .test_agents import SECRETS, profile_for
+
+standin = test_agents.standin
+"""The stand-in's wheel on the fake index and the keys held by the appliance (a fixture)."""
 
 ASKED_FOR = "allowed.test"
 """A host the stand-in asks for: no rule of the session names it (the fake internet serves
@@ -106,7 +109,7 @@ def project(world, standin):
                    env=world.cli_env, capture_output=True, timeout=120)
 
 
-def test_the_readmes_quick_start_runs_as_written(world, standin, project):
+def test_the_readmes_quick_start_runs_as_written(world, project):
     home, path = project
     person = Person(world, home)
     commands = quick_start()
@@ -161,9 +164,12 @@ def test_the_readmes_quick_start_runs_as_written(world, standin, project):
                 pytest.fail(f"the quick start has a command this test does not run: {line}")
     finally:
         for process in (agent, monitor):
-            if process is not None and process.poll() is None:
+            if process is None:
+                continue
+            if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+            process.stdout.close()
     assert first_allowed is not None
     print(f"quick start: the agent's first allowed request {first_allowed:.1f}s after the "
           f"first command; all of it {time.monotonic() - started:.1f}s")
