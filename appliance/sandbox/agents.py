@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from appliance.agents.profile import MOUNT, Profile, parse_profile
 from appliance.atomic import write_atomic
+from appliance.workspace import remove_tree
 
 log = logging.getLogger("corral.sandbox")
 
@@ -53,6 +53,9 @@ INSTALL_ENVIRONMENT = (("npm_config_cache", "/tmp/npm-cache"),  # noqa: S108 - i
 them belongs in the tree)."""
 MAX_PROFILE = 16 * 1024
 """Bytes of profile text a session may be asked for with."""
+MAX_TREE_DEPTH = 128
+"""Levels an installed tree may have (npm's and pip's trees are a few dozen deep): a deeper
+one is the package's doing, refused rather than kept."""
 
 
 class AgentError(ValueError):
@@ -219,10 +222,13 @@ class Installs:
             if state == "redo":
                 log.warning("agent %s: %s has no marker (an install cut short after its "
                             "rename?): installing it again", profile.name, tree)
-                shutil.rmtree(tree)
+                remove_tree(tree)  # the package made it: as deep as it liked
             self._root()
             for stale in self.root.glob(f".{name}-*"):  # a service stopped mid-install
-                shutil.rmtree(stale, ignore_errors=True)
+                try:
+                    remove_tree(stale)
+                except OSError as exc:
+                    log.warning("agent %s: could not remove %s: %s", profile.name, stale, exc)
             started = time.monotonic()
             log.info("agent %s: installing %s (%s, install key %s) through the filter",
                      profile.name, profile.install.spec, profile.install.index, key)
@@ -235,7 +241,7 @@ class Installs:
                 scratch.rename(tree)  # complete, or not there at all
             finally:
                 if scratch.exists():
-                    shutil.rmtree(scratch, ignore_errors=True)
+                    remove_tree(scratch)
             seconds = time.monotonic() - started
             write_atomic(marker, json.dumps({
                 **record(profile, key), "spec": profile.install.spec,
@@ -248,11 +254,38 @@ class Installs:
 
 def _read_only(tree: Path) -> None:
     """The tree as sessions see it: nobody's to write, even if it were mounted writable
-    (write bits off, so a mistake in a mount does not make it the agent's)."""
-    for directory, dirs, files in os.walk(tree):
-        for entry in [*dirs, *files]:
-            path = os.path.join(directory, entry)
-            mode = os.lstat(path).st_mode
-            if not stat.S_ISLNK(mode):
-                os.chmod(path, stat.S_IMODE(mode) & ~0o222)
-    os.chmod(tree, stat.S_IMODE(os.stat(tree).st_mode) & ~0o222)
+    (write bits off, so a mistake in a mount does not make it the agent's), and no set-uid,
+    set-gid or sticky bit (on the appliance's disk the files are the sandbox's mapped user's:
+    a set-uid one would let any local account act as that user, who owns every session's
+    workspace). Walked by descriptor, without recursion, never through a link (the package
+    made the tree: as deep and as long-named as it liked); AgentError past MAX_TREE_DEPTH.
+    Nothing writes the tree meanwhile: its install session is gone."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(tree, flags)
+    stack = [(top, iter(os.listdir(top)))]
+    try:
+        while stack:
+            fd, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & 0o555)
+                os.close(stack.pop()[0])
+                continue
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                continue
+            if not stat.S_ISDIR(mode):
+                os.chmod(name, stat.S_IMODE(mode) & 0o555, dir_fd=fd)
+                continue
+            if len(stack) >= MAX_TREE_DEPTH:
+                raise AgentError(f"the install made a tree more than {MAX_TREE_DEPTH} levels "
+                                 f"deep (under {tree.name}): refused, and removed")
+            child = os.open(name, flags, dir_fd=fd)
+            try:
+                stack.append((child, iter(os.listdir(child))))
+            except BaseException:
+                os.close(child)
+                raise
+    finally:
+        for fd, _ in stack:
+            os.close(fd)

@@ -165,3 +165,57 @@ def test_home_directories_are_made_without_following_what_the_agent_left(tmp_pat
     assert (home / ".config" / "opencode").is_dir()
     assert skipped == [".local", ".local/share", ".claude"]
     assert list(elsewhere.iterdir()) == []  # nothing made through the link
+
+
+class Hostile(Recorder):
+    """An install whose package leaves what the appliance must not keep as it is."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __call__(self, profile, key, scratch: Path) -> None:
+        super().__call__(profile, key, scratch)
+        self.make(scratch)
+
+
+def test_an_installed_tree_keeps_no_set_id_bits(tmp_path):
+    """A package may chmod u+s its own files; on the appliance's disk they belong to the
+    sandbox's mapped user, and any local account could run them as that user (who owns
+    every session's workspace), so the tree keeps none."""
+    def set_id(scratch: Path) -> None:
+        for name, mode in (("suid", 0o4755), ("sgid", 0o2755)):
+            (scratch / "bin" / name).write_text("#!/bin/sh\n")
+            os.chmod(scratch / "bin" / name, mode)
+        (scratch / "sticky").mkdir()
+        os.chmod(scratch / "sticky", 0o1777)
+
+    tree = agents.Installs(tmp_path / "agents", Hostile(set_id), OWNER).ensure(
+        claude(), "k").tree
+    for path in (tree / "bin" / "suid", tree / "bin" / "sgid", tree / "sticky"):
+        mode = os.lstat(path).st_mode
+        assert not mode & (0o7000 | 0o222), (path, oct(mode))
+    assert os.stat(tree / "bin" / "suid").st_mode & 0o111  # still runnable
+
+
+def test_an_install_too_deep_is_refused_and_leaves_nothing(tmp_path):
+    """A package that makes a tree thousands of levels deep: Python 3.11's os.walk and
+    shutil.rmtree recurse (RecursionError, even with ignore_errors), so the scratch stayed
+    on disk and every later install of that key failed on it."""
+    def deep(scratch: Path) -> None:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(1500):
+                os.mkdir("d", dir_fd=fd)
+                step = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = step
+        finally:
+            os.close(fd)
+
+    installs = agents.Installs(tmp_path / "agents", Hostile(deep), OWNER)
+    with pytest.raises(agents.AgentError, match="levels deep"):
+        installs.ensure(claude(), "k")
+    assert list((tmp_path / "agents").iterdir()) == []
+    installs.run = Recorder()
+    assert installs.ensure(claude(), "k").fresh
