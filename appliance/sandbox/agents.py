@@ -53,6 +53,8 @@ INSTALL_ENVIRONMENT = (("npm_config_cache", "/tmp/npm-cache"),  # noqa: S108 - i
 them belongs in the tree)."""
 MAX_PROFILE = 16 * 1024
 """Bytes of profile text a session may be asked for with."""
+LOG_LINES = 200
+"""Lines of a failed install's output read back (`tail` keeps the last of them)."""
 MAX_TREE_DEPTH = 128
 """Levels an installed tree may have (npm's and pip's trees are a few dozen deep): a deeper
 one is the package's doing, refused rather than kept."""

@@ -302,7 +302,10 @@ class Sessions:
                 code = int(waited.stdout.split()[-1])
             except (PodmanError, ValueError, IndexError) as exc:
                 code, waited = None, exc
-            said = self.manager.podman.run("logs", record.container, check=False)
+            # its last lines only: the package decides how much it prints, the sandbox
+            # service (root, on a small appliance) reads it all into memory otherwise
+            said = self.manager.podman.run("logs", "--tail", str(agents.LOG_LINES),
+                                           record.container, check=False)
             output = said.stdout + said.stderr
         finally:
             with self.lock:

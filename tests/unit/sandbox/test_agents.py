@@ -7,12 +7,15 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from appliance.agents.profile import MOUNT, parse_profile, shipped
 from appliance.sandbox import agents
 from appliance.sandbox.hardening import Sandbox, run_arguments
+from appliance.sandbox.service import SandboxConfig, Sessions
+from appliance.sandbox.sessions import Record, SessionManager
 
 CLAUDE = (shipped() / "claude.toml").read_text()
 OWNER = (os.getuid(), os.getgid())
@@ -219,3 +222,48 @@ def test_an_install_too_deep_is_refused_and_leaves_nothing(tmp_path):
     assert list((tmp_path / "agents").iterdir()) == []
     installs.run = Recorder()
     assert installs.ensure(claude(), "k").fresh
+
+
+class LoudPodman:
+    """Stands in for podman under an install whose package printed a million lines and
+    failed: `logs` answers as podman does, the whole log unless told `--tail N`."""
+
+    LINES = [f"line {i} {'x' * 100}".encode() for i in range(1_000_000)]
+
+    def __init__(self):
+        self.calls: list[tuple[str, ...]] = []
+        self.read = 0
+
+    def run(self, *args, check=True, **kwargs):
+        self.calls.append(args)
+        out = b""
+        if args[0] == "wait":
+            out = b"1\n"
+        elif args[0] == "logs":
+            lines = self.LINES
+            if "--tail" in args:
+                lines = lines[-int(args[args.index("--tail") + 1]):]
+            out = b"\n".join(lines) + b"\n"
+            self.read += len(out)
+        return SimpleNamespace(returncode=0, stdout=out, stderr=b"")
+
+
+def test_a_loud_installs_output_is_kept_and_read_back_bounded(tmp_path):
+    """A package prints what it likes (a hostile index can make pip print a version list of
+    any length): podman keeps at most the sandbox's log_size of it on the appliance's
+    disk (it kept all), and the sandbox service, root on a small appliance, reads back only
+    the last lines it shows (it read the whole log into memory)."""
+    spec = Sandbox(name="c", image="i", network="n", gateway="10.0.0.1", seccomp_profile="s",
+                   init="init")
+    assert f"--log-opt=max-size={spec.log_size}" in run_arguments(spec, ["npm"])
+
+    podman = LoudPodman()
+    manager = SessionManager(podman, lambda request: {"ok": True}, tmp_path / "state")
+    manager.create = lambda name, **kw: Record(name, "10.213.9.0/24", "10.213.9.1",
+                                               f"corral-{name}", f"corral-{name}", "img", 0.0)
+    manager.remove = lambda name, home=False: None
+    sessions = Sessions(SandboxConfig(), manager)
+    with pytest.raises(agents.AgentError, match="line 999999 ") as refused:
+        sessions._install(claude(), "k", tmp_path)
+    assert len(str(refused.value)) < 5000
+    assert podman.read <= agents.LOG_LINES * 200, podman.read
