@@ -294,7 +294,7 @@ class Sessions:
                 name, command=profile.install.command(),
                 layers={"install.toml": profile.install.policy_text()},
                 mounts=((str(scratch), agents.MOUNT),),
-                environment=agents.INSTALL_ENVIRONMENT)
+                environment=agents.INSTALL_ENVIRONMENT, secrets=False)
         try:
             try:
                 waited = self.manager.podman.run("wait", record.container,
