@@ -261,9 +261,9 @@ class SessionManager:
         """A session. An agent's brings its own: `layers` (policy files by name), mounts
         (`read_only` and read-write `mounts`, (source, target) pairs), `environment`,
         `home_directories` made in the project's home first, and `agent` for its record.
-        `secrets=False`: no secret's placeholder in its environment (an agent's install:
-        its packages' scripts have no use for the appliance's secrets, and without the
-        session's placeholder the filter attaches none)."""
+        `secrets=False`: no secret's placeholder in its environment and no key for the git
+        gateway (an agent's install: its packages' scripts have no use for the appliance's
+        secrets, and without the session's placeholder the filter attaches none)."""
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
         if project_id and not SESSION_NAME.match(project_id):
@@ -327,7 +327,8 @@ class SessionManager:
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
             try:
-                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"), mapped)
+                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh") if secrets
+                                    else None, mapped)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()

@@ -105,7 +105,9 @@ class Holding(Recorder):
 
     def control(self, request):
         answer = super().control(request)
-        return {**answer, "environment": {"NPM_TOKEN": f"corral-secret-{request.get('session')}"}}
+        return {**answer, "environment": {"NPM_TOKEN": f"corral-secret-{request.get('session')}"},
+                "ssh": {"hosts": ["github.com"], "host_key": "ssh-ed25519 AAAAC3Nz", "port": 2222,
+                        "key": "-----BEGIN OPENSSH PRIVATE KEY-----\n"}}
 
 
 def test_an_agents_install_gets_no_secrets_placeholder(tmp_path, host):
@@ -126,3 +128,5 @@ def test_an_agents_install_gets_no_secrets_placeholder(tmp_path, host):
     assert "corral-agent-install-" in " ".join(install)
     assert not [a for a in install if a.startswith("NPM_TOKEN=")], install
     assert "NPM_TOKEN=corral-secret-s1" in session
+    assert not [a for a in install if "ssh_config" in a], install  # no key for the gateway
+    assert [a for a in session if "ssh_config" in a]
