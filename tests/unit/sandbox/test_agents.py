@@ -99,6 +99,13 @@ def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wron
     assert agents.parse(CLAUDE, "claude").name == "claude"
 
 
+def test_a_profile_nested_past_pythons_recursion_is_refused_by_name():
+    """16 KiB of `[` is within the size limit: tomllib recurses once per level, and its
+    RecursionError reached the sandbox service's catch-all as an internal error."""
+    with pytest.raises(agents.AgentError, match=r"agent claude.*nested"):
+        agents.parse(CLAUDE + "x = " + "[" * 5000 + "]" * 5000 + "\n", "claude")
+
+
 class Recorder:
     """Stands in for the install session: writes a bin/ into the scratch directory."""
 
