@@ -85,10 +85,15 @@ def tree_name(profile: Profile, key: str) -> str:
     return f"{profile.name}-{key}"
 
 
+INSTALL_PREFIX = "agent-install-"
+"""Names of install sessions: no one else's session takes one (an install removes a
+session of its name, as one left by a service stopped mid-install)."""
+
+
 def install_session(tree: str) -> str:
     """The throwaway session's name for one tree (a session name: 1-32 of a-z, 0-9, '-'):
     two profiles of one package share a key, not a tree, and may install at once."""
-    return f"agent-install-{hashlib.sha256(tree.encode()).hexdigest()[:12]}"
+    return f"{INSTALL_PREFIX}{hashlib.sha256(tree.encode()).hexdigest()[:12]}"
 
 
 def is_ready(tree: bool, marker: bool) -> str:

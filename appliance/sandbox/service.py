@@ -226,6 +226,10 @@ class Sessions:
         return {**answer, **({"not_paused": not_paused} if not_paused else {})}
 
     def _create(self, request: dict, payload: BinaryIO | None) -> dict:
+        if _name(request).startswith(agents.INSTALL_PREFIX):
+            raise RequestError(f"session names starting {agents.INSTALL_PREFIX!r} are agent "
+                               "installs' (an install removes a session of its name): "
+                               "choose another name")
         presets = _string_list(request, "presets")
         unknown = sorted(set(presets) - set(preset_names()))
         if unknown:

@@ -284,3 +284,15 @@ def test_a_loud_installs_output_is_kept_and_read_back_bounded(tmp_path):
         sessions._install(claude(), "k", tmp_path)
     assert len(str(refused.value)) < 5000
     assert podman.read <= agents.LOG_LINES * 200, podman.read
+
+
+def test_no_session_but_an_install_takes_an_install_sessions_name(tmp_path):
+    """An install removes a session of its name (one left by a service stopped mid-install):
+    a person's session so named (by a careless API client) went with its workspace."""
+    from appliance.sandbox.service import RequestError
+
+    sessions = Sessions(SandboxConfig(), SessionManager(LoudPodman(), lambda r: {"ok": True},
+                                                        tmp_path / "state"))
+    name = agents.install_session(agents.tree_name(claude(), "k"))
+    with pytest.raises(RequestError, match="agent installs'"):
+        sessions.answer({"op": "create", "name": name}, None)
