@@ -864,17 +864,20 @@ def test_what_would_have_git_run_a_command_on_the_host_is_refused_by_name(dirs):
     (work / "vendor" / "tool" / ".git" / "config").write_text("[core]\n\tfsmonitor = x\n")
     (work / "sub").mkdir()
     (work / "sub" / ".git").write_text("gitdir: ../evil\n")  # points git elsewhere
-    (work / ".git" / "refs" / "heads" / "config").write_text("0" * 40 + "\n")  # a branch
-    (work / ".git" / "HEAD").write_text("ref: refs/heads/config\n")
+    (work / ".git" / "modules" / "refs").mkdir()  # a submodule named like git's data
+    (work / ".git" / "modules" / "refs" / "config").write_text("[core]\n\tfsmonitor = x\n")
+    (work / ".git" / "refs" / "heads" / "main").write_text("0" * 40 + "\n")  # a branch
+    (work / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     applied = round_trip(project, base, work)
     refused = sorted(r.path for r in applied.refused)
     assert refused == [".git/config", ".git/config.worktree",
                        ".git/hooks/post-checkout", ".git/modules/lib/config",
-                       ".git/modules/lib/hooks/pre-commit", "sub/.git",
+                       ".git/modules/lib/hooks/pre-commit", ".git/modules/refs/config",
+                       "sub/.git",
                        "vendor/tool/.git/config"], refused
     assert all("git" in r.reason and "host" in r.reason for r in applied.refused)
     assert (project / ".git" / "config").read_text() == "[core]\n\tbare = false\n"
     assert not (project / ".git" / "hooks" / "post-checkout").exists()
-    assert (project / ".git" / "refs" / "heads" / "config").is_file()  # a branch: applied
-    assert (project / ".git" / "HEAD").read_text() == "ref: refs/heads/config\n"
+    assert (project / ".git" / "refs" / "heads" / "main").is_file()  # a branch: applied
+    assert (project / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
     assert (project / "README").read_text() == "readme\n"
