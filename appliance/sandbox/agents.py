@@ -270,9 +270,9 @@ def _read_only(tree: Path) -> None:
     made the tree: as deep and as long-named as it liked); AgentError past MAX_TREE_DEPTH.
     Nothing writes the tree meanwhile: its install session is gone."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    top = os.open(tree, flags)
-    stack = [(top, iter(os.listdir(top)))]
+    stack = [(os.open(tree, flags), iter(()))]
     try:
+        stack[0] = (stack[0][0], iter(os.listdir(stack[0][0])))
         while stack:
             fd, names = stack[-1]
             name = next(names, None)
