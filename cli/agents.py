@@ -61,7 +61,7 @@ def secret_problems(profile: Profile, held: list[dict]) -> list[tuple[bool, str,
     for secret in profile.secrets:
         stored = by_name.get(secret.name)
         if stored is None:
-            hint = f" ({secret.hint})" if secret.hint else ""
+            hint = f" ({render.text(secret.hint)})" if secret.hint else ""  # one line
             problems.append((secret.required, f"secret {secret.name} is not set{hint}",
                              secret.set_command()))
             continue

@@ -196,9 +196,11 @@ def test_an_agent_runs_with_its_secrets_held_its_install_read_only_and_its_own_l
         login = inside(world, session, "bash -lc 'command -v " + profile.command[0] + "'")
         assert login.strip() == f"{MOUNT}/bin/{profile.command[0]}"  # a login shell too
         # the install's own python3 and pip stay in its venv: the image's are the session's
-        tools = inside(world, session, "command -v python3; ls " + f"{MOUNT}/bin")
-        assert tools.split()[0] == "/usr/bin/python3", tools
-        assert sorted(tools.split()[1:]) == AGENTS, tools  # the package's commands alone
+        # one name per `command -v`: dash's prints the first of several only
+        tools = inside(world, session, "command -v python3; command -v pip; ls "
+                       + f"{MOUNT}/bin")
+        assert tools.split()[:2] == ["/usr/bin/python3", "/usr/bin/pip"], tools
+        assert sorted(tools.split()[2:]) == AGENTS, tools  # the package's commands alone
 
         wrote = inside(world, session, f"touch {MOUNT}/bin/planted 2>&1; echo $?; "
                        f"touch {MOUNT}/planted 2>&1; echo $?")
