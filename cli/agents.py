@@ -172,3 +172,16 @@ def cmd_agents(args) -> int:
     output.line("\n`corral run --agent NAME [PROJECT]` runs one; `corral agents NAME` shows "
                 "what it installs, runs, keeps and needs")
     return exitcodes.OK if all("error" not in p for p in profiles) else exitcodes.USAGE
+
+
+def register(sub) -> None:
+    agent_list = sub.add_parser(
+        "agents", help="the agent profiles `corral run --agent` can run",
+        description="List the agent profiles (the project's .corral/agents/, yours in "
+        "~/.config/corral/agents/, then corral's), or show one: what it installs, runs, "
+        "keeps in the project's home and which secrets it needs. Reads no appliance.")
+    agent_list.add_argument("name", nargs="?", metavar="NAME", help="show this one, checked")
+    agent_list.add_argument("--project", metavar="DIR", help="whose .corral/agents/ to read "
+                            "(default: the current directory)")
+    agent_list.add_argument("--json", action="store_true", help="machine-readable output")
+    agent_list.set_defaults(run=cmd_agents)
