@@ -65,11 +65,25 @@ class Child:
         deadline = time.monotonic() + timeout
         while not self.ready():
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see "
+                said = self.last_words()
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}"
+                                   f"{': ' + said if said else ''}; see "
                                    f"{self.logs / (self.name + '.log')}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not answer within {timeout:.0f}s")
             time.sleep(0.1)
+
+    def last_words(self) -> str:
+        """The last line the child wrote to its log (why it exited, as the services say it
+        last), or ""."""
+        try:
+            with open(self.logs / f"{self.name}.log", "rb") as log_file:
+                log_file.seek(0, os.SEEK_END)
+                log_file.seek(max(0, log_file.tell() - 4096))
+                lines = log_file.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1].strip() if lines else ""
 
     def stop(self, timeout: float = 15) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -118,6 +132,7 @@ class Supervisor:
             Child("api", [str(BIN / "corral-api"), "--config", str(state_dir / "api.toml")],
                   self.logs, None),
         ]
+        self.sandbox_child = self.children[1]
         self.stopping = False
 
     def firewall(self, *args: str) -> bool:
@@ -151,18 +166,26 @@ class Supervisor:
     def _stop(self, signum, frame) -> None:
         self.stopping = True
 
+    def _stop_sessions(self) -> bool:
+        """Ask the sandbox service to stop every session; True when none is left running.
+        A sandbox service that is not running (it never started this time, or it exited)
+        is not asked, nor said to be silent: the start-up error is the one thing to tell;
+        its records say whether sessions may still be running."""
+        running = self.sandbox_child.process
+        if running is not None and running.poll() is None:
+            try:
+                answer = self.sandbox.request({"op": "stop-all"})
+                log.info("sessions: %s", answer)
+                return answer.get("ok", False)
+            except ServiceUnavailable as exc:
+                log.error("cannot stop sessions (%s)", exc)
+        # no sandbox service: were there sessions? then their containers may still run
+        records = [json.loads(p.read_text()) for p in self.sandbox_records.glob("*.json")]
+        return not any(r.get("state") == "running" for r in records)
+
     def shutdown(self) -> int:
         (self.dir / "ready").unlink(missing_ok=True)
-        sessions_stopped = True
-        try:
-            answer = self.sandbox.request({"op": "stop-all"})
-            sessions_stopped = answer.get("ok", False)
-            log.info("sessions: %s", answer)
-        except ServiceUnavailable as exc:
-            # no sandbox service: were there sessions? then their containers may still run
-            records = [json.loads(p.read_text()) for p in self.sandbox_records.glob("*.json")]
-            sessions_stopped = not any(r.get("state") == "running" for r in records)
-            log.error("cannot stop sessions (%s)", exc)
+        sessions_stopped = self._stop_sessions()
         for child in reversed(self.children):
             child.stop()
         if sessions_stopped and self.firewall("remove"):

@@ -19,7 +19,6 @@ import tomllib
 from pathlib import Path
 
 from appliance import pki
-from appliance.policy import split_host_port
 
 from . import exitcodes, output, roles
 from .client import Client, CliError, config_home, load_appliance, write_appliance
@@ -48,27 +47,19 @@ def resolv_conf() -> Path:
     return next((path for path in RESOLV_CONFS if path.exists()), RESOLV_CONFS[-1])
 
 
-def values(state: Path, *, dns_listen: str = "0.0.0.0:53", api_listen: str = "127.0.0.1:7443",
+def values(state: Path, *, api_listen: str = "127.0.0.1:7443",
            upstream: list[str] | None = None, systemd: bool | None = None) -> dict:
     """The roles' defaults with what differs on this host: everything under the state
     directory, no control group (root alone uses the sockets), the host's resolvers (read at
     each filter start, as on an appliance) unless `upstream` names them, podman's cgroup
-    manager for this PID 1."""
-    try:
-        address, port = split_host_port(dns_listen)
-    except ValueError as exc:
-        raise CliError(f"--dns-listen {dns_listen!r}: {exc}", "give IPv4:PORT, as in "
-                       "0.0.0.0:53", exitcodes.USAGE) from None
-    if not port or not port.isdigit():
-        raise CliError(f"--dns-listen {dns_listen!r} needs a port", "as in 0.0.0.0:53",
-                       exitcodes.USAGE)
+    manager for this PID 1. The filter listens on the sessions' gateways only, as on an
+    appliance: the host's own resolvers (systemd-resolved on 127.0.0.53:53, dnsmasq on
+    libvirt's or NetworkManager's addresses) keep their port 53."""
     return {
         **roles.defaults(),
         "ansible_managed": "written once by `corral up --backend local`: yours to edit, "
                            "never overwritten",
         "corral_base_control_group": "",
-        "corral_filter_dns_address": address,
-        "corral_filter_dns_port": int(port),
         "corral_filter_upstream": list(upstream or []),
         "corral_filter_resolv_conf": str(resolv_conf()),
         "corral_filter_state_dir": str(state / "filter"),
@@ -123,8 +114,7 @@ def _configure(state: Path, args) -> tuple[str, str]:
     (filter socket, API endpoint)."""
     for sub in ("run", "logs", "api", "filter", "sandbox"):
         (state / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
-    settings = values(state, dns_listen=args.dns_listen, api_listen=args.api_listen,
-                      upstream=args.upstream)
+    settings = values(state, api_listen=args.api_listen, upstream=args.upstream)
     kept = [name for role, name in FILTER_CONFIGS if _render(state, role, name, settings)]
     _check_filter(state / "filter.toml")
     settings.update(_filter_endpoints(state / "filter.toml", settings))

@@ -61,6 +61,16 @@ HOME_KEYS = ("persist",)
 SECRET_KEYS = ("name", "hosts", "header", "bearer", "required", "hint")
 MOUNT = "/opt/corral/agent"
 """Where an agent's installed files are in its sessions (read-only); its bin/ leads PATH."""
+PYPI_INSTALL = """set -e
+python3 -m venv "$0/venv"
+ls "$0/venv/bin" > /tmp/venv-before
+"$0/venv/bin/pip" install --no-cache-dir --disable-pip-version-check --index-url "$1" "$2"
+mkdir -p "$0/bin"
+for path in "$0"/venv/bin/*; do
+  name=${path##*/}
+  grep -qxF -- "$name" /tmp/venv-before || ln -s "../venv/bin/$name" "$0/bin/$name"
+done"""
+"""The PyPI install, as `sh -c PYPI_INSTALL MOUNT INDEX SPEC` runs it."""
 RESERVED_ENVIRONMENT = ("HOME", "PATH", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy",
                         "https_proxy", "NO_PROXY", "no_proxy", "SSL_CERT_FILE",
                         "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE",
@@ -97,13 +107,11 @@ class Install:
 
     def policy_text(self) -> str:
         """The install step's own policy: its registry and nothing else."""
-        if self.index == REGISTRIES[self.kind] and not self.hosts:
-            return f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
-        hosts = [_index_host(self.index), *self.hosts]
-        if self.index == REGISTRIES[self.kind]:
-            return (f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
-                    f"[http]\nallow = {json.dumps(list(self.hosts))}\n")
-        return f"[http]\nallow = {json.dumps(hosts)}\n"
+        if self.index != REGISTRIES[self.kind]:
+            return f"[http]\nallow = {json.dumps([_index_host(self.index), *self.hosts])}\n"
+        preset = f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
+        return preset + (f"[http]\nallow = {json.dumps(list(self.hosts))}\n" if self.hosts
+                         else "")
 
     def command(self) -> list[str]:
         """What installs it into MOUNT (run in a throwaway session whose policy is
@@ -112,9 +120,10 @@ class Install:
         if self.kind == "npm":
             return ["npm", "install", "--global", "--prefix", MOUNT, "--no-fund",
                     "--no-audit", "--registry", self.index, self.spec]
-        return ["sh", "-c", 'python3 -m venv "$0" && "$0/bin/pip" install --no-cache-dir '
-                '--disable-pip-version-check --index-url "$1" "$2"', MOUNT, self.index,
-                self.spec]
+        # a venv of its own under venv/, and only the commands the package added linked
+        # into bin/: the venv's python3 and pip on the session's PATH would shadow the
+        # image's, and pip would then try to install into the read-only tree
+        return ["sh", "-c", PYPI_INSTALL, MOUNT, self.index, self.spec]
 
 
 @dataclass(frozen=True)

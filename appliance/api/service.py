@@ -46,6 +46,9 @@ class Server(BaseApplication):
             "ssl_context": tls13_only,
             "accesslog": "-",
             "graceful_timeout": 5,
+            # gunicorn's most (its default is 4094): an agent's profile rides in the query of
+            # a project upload (the body is the archive); the shipped ones take ~1.2 KB
+            "limit_request_line": 8190,
             "proc_name": "corral-api",
         }
         if self.config.pidfile:

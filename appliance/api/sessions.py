@@ -2,7 +2,9 @@
 
   GET    /sessions                     every session: record, container state, counters
   POST   /sessions                     create: a JSON body, or a project archive (tar, gzip
-                                       allowed) as the body with the settings as query args
+                                       allowed) as the body with the settings as query args;
+                                       `agent` (a profile's TOML) with `agent_name` runs that
+                                       agent (appliance/sandbox/agents.py)
   GET    /sessions/NAME                one
   POST   /sessions/NAME/stop           container and network go; workspace and home stay
   DELETE /sessions/NAME[?home=1]       forget it (and the project's home)
@@ -20,6 +22,7 @@ import time
 
 from flask import Blueprint, current_app, jsonify, request
 
+from appliance.agents.profile import NAME as AGENT_NAME
 from appliance.control_client import ServiceUnavailable
 from appliance.sandbox import lifetime
 from appliance.sandbox.battery import OPTIONS as SELFTEST_OPTIONS
@@ -32,6 +35,8 @@ blueprint = Blueprint("sessions", __name__)
 ARCHIVES = ("application/x-tar", "application/gzip")
 LIMITS = ("max_uptime", "idle", "memory", "cpus", "pids")
 """A session's limits, as `corral run` sets them (appliance/sandbox/lifetime.py)."""
+MAX_PROFILE = 16 * 1024
+"""Bytes of an agent's profile (the sandbox service parses it again, and says the same)."""
 
 
 def _sandbox_sessions() -> tuple[dict[str, dict], str | None]:
@@ -98,16 +103,23 @@ def create():
         request.max_content_length = limit
         answer = call({"op": "create", **settings}, "sandbox", payload=request.stream, size=size)
     else:
+        # a profile of up to MAX_PROFILE bytes fits, escaped as JSON ([api] max_body is
+        # 16 KiB by default: what the other requests need)
+        request.max_content_length = max(current_app.extensions["corral.config"].max_body,
+                                         3 * MAX_PROFILE)
         settings = body({"name": str}, {"presets": list, "project_id": str, "uid": int,
                                         "gid": int, "max_uptime": int, "idle": int,
-                                        "memory": str, "cpus": str, "pids": int})
+                                        "memory": str, "cpus": str, "pids": int,
+                                        "agent": str, "agent_name": str})
+        _check_agent(settings)
         answer = call({"op": "create", **settings}, "sandbox")
     return jsonify(answer["session"]), 201
 
 
 def _query_settings() -> dict:
     args = request.args
-    unknown = sorted(set(args) - {"name", "preset", "project_id", "uid", "gid", *LIMITS})
+    unknown = sorted(set(args) - {"name", "preset", "project_id", "uid", "gid", "agent",
+                                  "agent_name", *LIMITS})
     if unknown:
         raise ApiError(400, f"unknown query argument(s): {', '.join(unknown)}")
     if not args.get("name"):
@@ -123,7 +135,29 @@ def _query_settings() -> dict:
     for key in ("memory", "cpus"):  # checked by the sandbox service (lifetime.Limits)
         if key in args:
             settings[key] = args[key]
+    for key in ("agent", "agent_name"):
+        if key in args:
+            settings[key] = args[key]
+    _check_agent(settings)
     return settings
+
+
+def _check_agent(settings: dict) -> None:
+    """An agent is named with its profile, or not at all; the profile itself is parsed by
+    the sandbox service (which trusts no reading of it but its own)."""
+    if ("agent" in settings) != ("agent_name" in settings):
+        raise ApiError(400, "'agent' (the profile's TOML text) and 'agent_name' go together")
+    if "agent" not in settings:
+        return
+    if not AGENT_NAME.match(settings["agent_name"]):
+        raise ApiError(400, f"agent_name {settings['agent_name']!r} must be 1-32 of a-z, 0-9 "
+                       "and '-' (the profile's file name without .toml)")
+    size = len(settings["agent"].encode())
+    if size > MAX_PROFILE:
+        raise ApiError(400, f"the profile of agent {settings['agent_name']} is {size} bytes; "
+                       f"the limit is {MAX_PROFILE}")
+    if not settings["agent"].strip():
+        raise ApiError(400, f"the profile of agent {settings['agent_name']} is empty")
 
 
 @blueprint.post("/sessions/<name>/stop")

@@ -25,6 +25,10 @@ from appliance.policy.config import Locator
 from . import audit
 
 Address = tuple[str, int]
+GATEWAY = "gateway"
+"""A listener's host meaning "each session's gateway address": `listen = ["gateway:53"]`
+binds port 53 on every session's gateway, opened when the session comes and closed when it
+goes (gateways.py), and on no other address."""
 SESSION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 Fail = Callable[..., None]
 """fail(message, value=None) raises a ConfigError for the key being read (on the line that
@@ -85,6 +89,31 @@ def addresses(value, fail: Fail) -> tuple[Address, ...]:
     return tuple(_address(item, lambda m, i=item: fail(m, i)) for item in value)
 
 
+def listeners(value, fail: Fail) -> tuple[Address, ...]:
+    """Where a service listens: `gateway:PORT` (each session's gateway) or a fixed
+    `IP:PORT`. Never a wildcard: 0.0.0.0:53 takes port 53 from every resolver on the host
+    (systemd-resolved's stub on 127.0.0.53, libvirt's dnsmasq on its bridges), and a
+    sandbox only ever reaches its own gateway anyway."""
+    if not isinstance(value, list):
+        fail("must be a list of \"gateway:PORT\" or \"IP:PORT\" strings")
+    found = []
+    for item in value:
+        if isinstance(item, str) and item.partition(":")[0] == GATEWAY:
+            port = item.partition(":")[2]
+            if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+                fail(f"{item!r} needs a fixed port number, as in gateway:53 (sandboxes are "
+                     "told it)", item)
+            found.append((GATEWAY, int(port)))
+            continue
+        host, port = _address(item, lambda m, i=item: fail(m, i))
+        if ipaddress.ip_address(host).is_unspecified:
+            fail(f"{item!r}: a wildcard address takes the port on every address of the host, "
+                 "from its own resolvers too (systemd-resolved, dnsmasq); write "
+                 f"\"gateway:{port}\" to listen on each session's gateway", item)
+        found.append((host, port))
+    return tuple(found)
+
+
 def interfaces(value, fail: Fail) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(
             isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,14}\*?", p) for p in value):
@@ -123,8 +152,8 @@ SCAN_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class DnsConfig:
-    listen: tuple[Address, ...] = setting((), addresses)
-    """UDP and TCP listeners."""
+    listen: tuple[Address, ...] = setting((), listeners)
+    """UDP and TCP listeners: "gateway:PORT" on each session's gateway, or "IP:PORT"."""
     upstream: tuple[Address, ...] = setting((), addresses)
     """Resolvers that allowed names are forwarded to, tried in order (or `upstream_from`: the
     nameservers of a resolv.conf, read when the filter starts)."""
@@ -188,11 +217,13 @@ class DnsConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    listen: tuple[Address, ...] = setting((), addresses)
-    """Explicit proxy: CONNECT and absolute-form HTTP."""
-    transparent_http: tuple[Address, ...] = setting((), addresses)
-    """Where nftables redirects TCP 80; decided by the Host header."""
-    transparent_tls: tuple[Address, ...] = setting((), addresses)
+    listen: tuple[Address, ...] = setting((), listeners)
+    """Explicit proxy: CONNECT and absolute-form HTTP ("gateway:PORT" or "IP:PORT", as
+    every listener)."""
+    transparent_http: tuple[Address, ...] = setting((), listeners)
+    """Where nftables redirects TCP 80 (to the port, on the address of the interface the
+    packet came in on: the session's gateway); decided by the Host header."""
+    transparent_tls: tuple[Address, ...] = setting((), listeners)
     """Where nftables redirects TCP 443; decided by the TLS ClientHello SNI."""
     header_timeout: float = setting(10.0, number())
     """Seconds a client has to send a complete request head or ClientHello."""
@@ -215,7 +246,7 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class SshgateConfig:
-    listen: tuple[Address, ...] = setting((), addresses)
+    listen: tuple[Address, ...] = setting((), listeners)
     """The git gateway (sshgate.py): where sessions reach it with git over SSH. Empty: no
     gateway, and git over SSH reaches only what a tcp rule allows."""
 
@@ -273,9 +304,10 @@ class FirewallConfig:
     """Floor for how long a DNS-learned tcp allowance lasts, in seconds."""
     dns_packets: int = setting(2000, whole())
     """DNS datagrams a second one session may send the filter (a burst of twice as many);
-    more are rejected by the kernel before they reach the filter's one DNS socket, which
-    every session shares: a flood would fill its receive queue and the kernel would drop
-    every session's queries alike. Far above `[dns] rate`, which the filter answers with
+    more are rejected by the kernel before they reach the filter, whose one process serves
+    every session (and a fixed `IP:PORT` listener is one socket that every session shares:
+    a flood would fill its receive queue and the kernel would drop every session's queries
+    alike). Far above `[dns] rate`, which the filter answers with
     REFUSED first."""
     new_connections: int = setting(500, whole())
     """TCP connections a second one session may open to the filter's listeners (a burst of

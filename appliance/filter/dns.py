@@ -8,11 +8,13 @@ unsupported -> NOTIMP/REFUSED; a packet too short to carry an ID, or one that is
 response, is dropped. `answer()` never raises: every failure becomes an rcode.
 
 Client bytes are read only by `dnswire.parse_query` (bounded: no packet can hold the loop);
-dnslib only builds replies. Each session is held to its share (`dnsguard`): a query rate
-(over it: REFUSED at once), names it may not have (a bucket of their own, which names that
-are no host names and types no policy answers also take from), queries waiting for an
-upstream, DNS-over-TCP connections, its share of the caches, and for names a wildcard
-allows, the exfiltration limits (NXDOMAIN).
+dnslib only builds replies. Each query is judged once, by `dnsjudge.judge_query` (pure): its
+verdict travels with the pending query, and the resolver is asked only with an `Allowed`
+one. Each session is held to its share (`dnsguard`): a query rate (over it: REFUSED at
+once), names it may not have (a bucket of their own, which names that are no host names and
+types no policy answers also take from), queries waiting for an upstream, DNS-over-TCP
+connections, its share of the caches, and for names a wildcard allows, the exfiltration
+limits (NXDOMAIN).
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ from dataclasses import dataclass
 from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
 
 from appliance.firewall.learned import Teaching
-from appliance.policy import HOST_NAME, Decision, HostNameError, Policy, parse_host
+from appliance.policy import HOST_NAME, Decision, Policy, parse_host
 from appliance.policy.grants import rule_text
 
 from .approvals import Holds, approvable
 from .config import DnsConfig
 from .dnscache import WIRE_CACHE_MAX, WireCache
 from .dnsguard import ExfilGuard, Report, SessionLimits
+from .dnsjudge import (
+    Allowed,
+    HostGateway,
+    NotHostName,
+    PolicyAnswer,
+    QueryVerdict,
+    RefusedQuestion,
+    judge_query,
+)
 from .dnswire import Query, WireError, error_reply, parse_query, refusal
 from .events import EventBus
 from .loglimit import LogBudget
@@ -43,10 +54,6 @@ from .store import PolicyStore
 
 log = logging.getLogger(__name__)
 
-REFUSED_TYPES = {QTYPE.ANY, QTYPE.AXFR, QTYPE.IXFR}
-# HTTPS/SVCB records carry address hints and ECH configs that bypass A/AAAA filtering;
-# clients fall back to A/AAAA when they get none.
-EMPTY_TYPES = {64, 65}
 UDP_PLAIN_LIMIT = 512
 UDP_EDNS_LIMIT = 1232
 OPT_RECORD = b"\x00" + struct.pack("!HHIH", 41, UDP_EDNS_LIMIT, 0, 0)
@@ -60,13 +67,15 @@ policy change makes a new Policy object, which is part of the key, so it never g
 
 @dataclass(slots=True)
 class Pending:
-    """A query that passed the quick checks and goes the slow way (decide, maybe ask an
+    """A query that passed the quick checks and goes the slow way, with the verdict it was
+    judged (`finish()` acts on it, never judges again; an `Allowed` one may ask an
     upstream); it holds one of its session's `max_pending` places until answered."""
 
     key: tuple
     session: str | None
     policy: Policy
     query: Query
+    verdict: QueryVerdict
 
 
 class DnsFilter:
@@ -137,61 +146,38 @@ class DnsFilter:
             return error_reply(data, exc.rcode)
         if query is None:
             return None
-        decided = self._decided(query, key, session, policy, client)
-        if decided is not None:
-            return decided
+        verdict = judge_query(query, policy)
+        if verdict.counted and not self.limits.admit_denied(session, now):
+            self._refused(session, client, "denied", now)
+            return refusal(query, RCODE.REFUSED)  # not cached: the name stays denied
+        if type(verdict) is PolicyAnswer:
+            return self._answered_by_policy(query, verdict, key, session, policy, client, now)
         if not self.limits.begin(session):
             self._refused(session, client, "pending", now)
             return refusal(query, RCODE.REFUSED)
-        return Pending(key, session, policy, query)
+        return Pending(key, session, policy, query, verdict)
 
-    def _decided(self, query: Query, key: tuple, session: str | None, policy: Policy,
-                 client: str) -> bytes | None:
+    def _answered_by_policy(self, query: Query, verdict: PolicyAnswer, key: tuple,
+                            session: str | None, policy: Policy, client: str, now: float
+                            ) -> bytes:
         """The reply to a query the policy answers by itself (a denied name, a type answered
         empty), built here without a task or dnslib: a flood of random denied names (the
-        exfiltration pattern) costs the loop a few microseconds a query. None for the rest,
-        which `_answer` handles: a refused type or class, a name that is not a host name
-        (both taken from the denied-names limit first), host.corral, and what the policy
-        allows."""
-        now = time.monotonic()
-        if query.qclass != 1 or query.qtype in REFUSED_TYPES or query.name is None:
-            return self._over_denied(query, session, client, now)
-        try:
-            host = parse_host(query.name)
-        except HostNameError:  # never answered: as a denied name (`-x.flood.example`)
-            return self._over_denied(query, session, client, now)
-        if host.name is None or host.name == HOST_NAME:
-            return None
-        decision = policy.decide_dns(host)
-        if decision.allowed and query.qtype not in EMPTY_TYPES:
-            return None
-        if not decision.allowed:
-            over = self._over_denied(query, session, client, now)
-            if over is not None:
-                return over
-            if self.holds is not None and session is not None and policy.hold and (
-                    approvable(decision)):
-                # never held (resolvers retry and time out): NXDOMAIN now, and an approval
-                # for the name as an http grant, which answers DNS too (what a client that
-                # resolves a name goes on to ask the proxy for)
-                grant = rule_text("http", host.name, None)
-                self.holds.ask(session, decision._replace(hint=f"corral allow-http {grant}"),
-                               "dns", client, host.name)
-        event = self._event(decision, session, client, host.name, QTYPE.get(query.qtype))
-        wire = refusal(query, RCODE.NOERROR if decision.allowed else RCODE.NXDOMAIN)
+        exfiltration pattern) costs the loop a few microseconds a query."""
+        decision, name = verdict.decision, verdict.host.name
+        if not decision.allowed and self.holds is not None and session is not None and (
+                policy.hold and approvable(decision)):
+            # never held (resolvers retry and time out): NXDOMAIN now, and an approval for
+            # the name as an http grant, which answers DNS too (what a client that resolves
+            # a name goes on to ask the proxy for)
+            grant = rule_text("http", name, None)
+            self.holds.ask(session, decision._replace(hint=f"corral allow-http {grant}"),
+                           "dns", client, name)
+        event = self._event(decision, session, client, name, QTYPE.get(query.qtype))
+        wire = refusal(query, verdict.rcode)
         if query.edns is not None:  # one OPT record, as _pack adds: ARCOUNT 1
             wire = wire[:10] + b"\x00\x01" + wire[12:] + OPT_RECORD
         self.wire.put(key, session, wire, now + POLICY_ONLY_SECONDS, event)
         return wire
-
-    def _over_denied(self, query: Query, session: str | None, client: str, now: float
-                     ) -> bytes | None:
-        """REFUSED when the session is past its limit on denied names (the answer to a
-        name, type or class no policy answers counts as one), else None: answer it."""
-        if self.limits.admit_denied(session, now):
-            return None
-        self._refused(session, client, "denied", now)
-        return refusal(query, RCODE.REFUSED)  # not cached: the name stays denied
 
     @staticmethod
     def _refusal(data: bytes) -> bytes:
@@ -222,7 +208,8 @@ class DnsFilter:
         query, session, policy = pending.query, pending.session, pending.policy
         note: dict = {}
         try:
-            reply = await self._answer(query, client, session, policy, note)
+            reply = await self._answer(query, pending.verdict, client, session, policy,
+                                       note)
         except Exception:  # a bug must not cost the client its answer
             self.failures.log(log, session, time.monotonic(), "dns: failed answering %s",
                               client)
@@ -287,39 +274,40 @@ class DnsFilter:
             "sessions": sessions,
         }
 
-    async def _answer(self, query: Query, client: str, session: str | None,
-                      policy: Policy, note: dict) -> DNSRecord:
-        """The reply. `note` gets "event" (the decision) and, when the reply may be served
-        from the wire cache, "expires" (monotonic)."""
+    async def _answer(self, query: Query, verdict: QueryVerdict, client: str,
+                      session: str | None, policy: Policy, note: dict) -> DNSRecord:
+        """The reply to a pending query, as its verdict says (judged once, in `first()`).
+        `note` gets "event" (the decision) and, when the reply may be served from the wire
+        cache, "expires" (monotonic)."""
+        kind = type(verdict)
+        if kind is Allowed:
+            return await self._ask_upstream(verdict, query, client, session, policy, note)
         reply = _reply(query)
-        if query.qclass != 1 or query.qtype in REFUSED_TYPES:
+        if kind is RefusedQuestion:
             reply.header.rcode = RCODE.REFUSED
-            return reply
-        text = query.name
-        try:
-            host = parse_host(text) if text is not None else None
-        except HostNameError:
-            host = None
-        qtype = query.qtype
-        qtype_name = QTYPE.get(qtype)
-        if host is None or host.name is None:
-            shown = query.shown  # the agent's bytes: recorded escaped, never as sent
-            self._event(Decision(False, f"'{shown}' is not a valid host name"),
-                        session, client, shown, qtype_name)
+        elif kind is NotHostName:
+            self._event(verdict.decision, session, client, verdict.shown,
+                        QTYPE.get(query.qtype))
             reply.header.rcode = RCODE.NXDOMAIN
-            return reply
-        name = host.name
-        if name == HOST_NAME:
-            return self._host_corral(reply, policy, session, client, qtype)
-        decision = policy.decide_dns(host)
-        # first() answers these already (_decided); kept here so that no path to the
-        # resolver below ever skips the policy, whoever calls _answer
-        if not decision.allowed or qtype in EMPTY_TYPES:  # decided by the policy alone
-            note["event"] = self._event(decision, session, client, name, qtype_name)
-            note["expires"] = time.monotonic() + POLICY_ONLY_SECONDS
-            if not decision.allowed:
-                reply.header.rcode = RCODE.NXDOMAIN
-            return reply
+        elif kind is HostGateway:
+            return self._host_corral(reply, policy, session, client, query.qtype)
+        else:  # the policy's own answers never wait: first() sends them at once
+            raise TypeError(f"no pending query is answered as {verdict!r}")
+        return reply
+
+    async def _ask_upstream(self, allowed: Allowed, query: Query, client: str,
+                            session: str | None, policy: Policy, note: dict) -> DNSRecord:
+        """The reply to a query for a name the policy allows: the only way from a client's
+        query to the resolver, and it takes the `Allowed` verdict that only `judge_query`
+        makes, so no path asks an upstream for a name the policy did not allow. On the way:
+        the exfiltration limits (a wildcard's names), the answer's blocked addresses
+        removed, the firewall taught a tcp rule's addresses."""
+        if type(allowed) is not Allowed:
+            raise TypeError(f"the resolver is asked with an Allowed verdict of judge_query, "
+                            f"not {allowed!r}")
+        reply = _reply(query)
+        host, decision, qtype = allowed.host, allowed.decision, query.qtype
+        name, qtype_name = host.name, QTYPE.get(qtype)
         rule = decision.rule
         if rule is not None and rule.wildcard:  # a name the client chose: a channel out?
             breach = self.exfil.check(session, name, rule.suffix, time.monotonic(), qtype)

@@ -2,7 +2,10 @@
 
 Start-up is all or nothing: the config and every policy file are parsed first (exit 2 with
 file, key and reason on any error), then every listener is bound (exit 1 naming the address
-that failed). Only then does it serve. SIGHUP re-reads the policy files; a bad file keeps
+that failed): those on fixed addresses and those on the gateways of the config file's
+sessions. Only then does it serve. A session added at run time gets listeners on its
+gateway as it is added, or is refused naming the port that is taken (gateways.py); they
+close when it is removed. SIGHUP re-reads the policy files; a bad file keeps
 the policy in force. SIGTERM/SIGINT stop it after flushing the audit log.
 
 The event loop never waits on a disk or on nftables: a change to the policy store (a rule,
@@ -32,7 +35,7 @@ from appliance.firewall.ledger import Key
 from appliance.firewall.nft import Nft, NftError
 from appliance.policy import ConfigError, Decision, Host, parse_host, split_host_port
 
-from . import relay
+from . import gateways, relay
 from .approvals import Holds, approvable, decide_kind
 from .approvals_file import ApprovalsFile
 from .audit import AuditLog
@@ -52,39 +55,18 @@ from .sshgate import Gate
 from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
-IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
 VERSION = "0.1.0"
 REVOKE_RETRY = 2.0
 """Seconds between attempts to take back learned tcp allowances while nftables refuses."""
-
-
-def _socket(host: str, port: int, kind: int) -> socket.socket:
-    """A bound socket; IP_FREEBIND lets it bind a bridge address that does not exist yet."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, kind)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET:
-            sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
-        else:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        protocol = "udp" if kind == socket.SOCK_DGRAM else "tcp"
-        message = f"cannot bind {host}:{port} ({protocol}): {exc.strerror}"
-        raise OSError(exc.errno, message) from None
-    sock.setblocking(False)
-    return sock
 
 
 def _dns_sockets(host: str, port: int) -> tuple[socket.socket, socket.socket]:
     """UDP and TCP on the same port. With port 0 the kernel picks the UDP port, which may
     be taken for TCP: then pick again (a few times) rather than fail."""
     for attempt in range(20):
-        udp = _socket(host, port, socket.SOCK_DGRAM)
+        udp = gateways.bind(host, port, "udp")
         try:
-            return udp, _socket(host, udp.getsockname()[1], socket.SOCK_STREAM)
+            return udp, gateways.bind(host, udp.getsockname()[1], "tcp")
         except OSError:
             udp.close()
             if port != 0 or attempt == 19:
@@ -103,6 +85,15 @@ def _learner():
 
 class Unaffordable(ControlError):
     """A session the descriptor budget cannot hold at its caps."""
+
+
+class Unbound(ControlError):
+    """A session whose gateway's listeners cannot be bound (a port that is taken)."""
+
+
+class BindError(gateways.BindError):
+    """A listener of a session in the config file that cannot be bound: the filter does
+    not start."""
 
 
 class Service:
@@ -163,6 +154,11 @@ class Service:
         self.listeners: dict[str, list[str]] = {}
         self._servers: list = []
         self._transports: list = []
+        self._gateways: dict[str, list] = {}
+        """Gateway address -> the servers and transports listening there (gateways.py)."""
+        self.unserved: dict[str, str] = {}
+        """Session -> why its gateway has no listeners (a session registered before a
+        restart whose port is taken now): in `status`, and the sandbox gets no answer."""
         self._nflog: socket.socket | None = None
         self.event_loop = ""
         """Which loop runs the filter: "uvloop" or "asyncio"."""
@@ -191,6 +187,7 @@ class Service:
             "event_loop": self.event_loop,
             "uptime": round(time.time() - self.started, 3),
             "listeners": self.listeners,
+            "unserved": self.unserved,
             "sessions": len(self.store.sessions),
             "active_connections": self.proxy.active,
             "proxy": {**self.proxy.stats, "open_flows": len(self.proxy.flows.open),
@@ -247,7 +244,6 @@ class Service:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.event_loop = type(loop).__module__.split(".")[0]
-        limit = self.config.proxy.max_header_bytes
         if self.config.firewall.manage:
             # the full ruleset for the sessions registered before a restart (or none),
             # replacing the boot one; if nftables refuses, the filter does not start and
@@ -257,35 +253,14 @@ class Service:
             except (NftError, ControlError) as exc:
                 raise SystemExit(f"corral-filter: cannot load the ruleset: {exc}") from None
         try:
-            for host, port in self.config.dns.listen:
-                udp, tcp = _dns_sockets(host, port)
-                self._transports.append(UdpServer(self.dns).attach(loop, udp))
-                self._record("dns_udp", udp)
-                server = await asyncio.start_server(
-                    lambda r, w: serve_tcp(self.dns, r, w), sock=tcp, backlog=1024)
-                self._servers.append(server)
-                self._record("dns_tcp", tcp)
-            for key, handler in (("proxy", self.proxy.serve_explicit),
-                                 ("transparent_http", self.proxy.serve_transparent_http),
-                                 ("transparent_tls", self.proxy.serve_transparent_tls)):
-                addresses = {"proxy": self.config.proxy.listen,
-                             "transparent_http": self.config.proxy.transparent_http,
-                             "transparent_tls": self.config.proxy.transparent_tls}[key]
-                for host, port in addresses:
-                    sock = _socket(host, port, socket.SOCK_STREAM)
-                    server = await asyncio.start_server(handler, sock=sock, limit=limit,
-                                                        backlog=4096)
-                    self._servers.append(server)
-                    self._record(key, sock)
-            for host, port in self.config.sshgate.listen if self.gate else ():
-                sock = _socket(host, port, socket.SOCK_STREAM)
-                self._servers.append(await self.gate.listen(sock))
-                self._record("sshgate", sock)
+            await self._serve_fixed()
             self._start_drop_reader()
             self.audit = AuditLog(self.config.audit_path,
                                   segment_bytes=self.config.audit_segment_bytes,
                                   keep=self.config.audit_segments)
             self.bus.audit = self.audit
+            for session in self.store.session_configs():  # an unserved one is audited
+                await self._open_gateway(session)
             self.holds.settle(self.still_open)  # the restored approvals, now audited
             self.approvals.start()
             loop = asyncio.get_running_loop()
@@ -407,10 +382,112 @@ class Service:
             "hint": nflog.hint(drop, appliance, ruleset.gateway_services(self.config)),
         })
 
-    def _record(self, key: str, sock: socket.socket) -> None:
+    @staticmethod
+    def _name(sock: socket.socket) -> str:
         host, port = sock.getsockname()[:2]
-        self.listeners.setdefault(key, []).append(
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _record(self, key: str, sock: socket.socket) -> None:
+        self.listeners.setdefault(key, []).append(self._name(sock))
+
+    async def _serve(self, key: str, sock: socket.socket):
+        """Serve `key` on a bound socket: the server or transport to close it with."""
+        if key == "dns_udp":
+            served = UdpServer(self.dns).attach(asyncio.get_running_loop(), sock)
+        elif key == "dns_tcp":
+            served = await asyncio.start_server(lambda r, w: serve_tcp(self.dns, r, w),
+                                                sock=sock, backlog=1024)
+        elif key == "sshgate":
+            served = await self.gate.listen(sock)
+        else:
+            handler = {"proxy": self.proxy.serve_explicit,
+                       "transparent_http": self.proxy.serve_transparent_http,
+                       "transparent_tls": self.proxy.serve_transparent_tls}[key]
+            served = await asyncio.start_server(
+                handler, sock=sock, limit=self.config.proxy.max_header_bytes, backlog=4096)
+        self._record(key, sock)
+        return served
+
+    async def _serve_fixed(self) -> None:
+        """The listeners the config puts on fixed addresses (IP:PORT): bound at start."""
+        for host in gateways.fixed_hosts(self.config):
+            for listener in gateways.planned(self.config, host):
+                if listener.key == "dns_tcp":
+                    continue  # bound with its UDP twin, on the same port
+                if listener.key == "dns_udp":
+                    udp, tcp = _dns_sockets(host, listener.port)
+                    self._transports.append(await self._serve("dns_udp", udp))
+                    self._servers.append(await self._serve("dns_tcp", tcp))
+                    continue
+                if listener.key == "sshgate" and self.gate is None:
+                    continue
+                sock = gateways.bind(host, listener.port, listener.protocol)
+                self._servers.append(await self._serve(listener.key, sock))
+
+    def _bind_gateway(self, session) -> list:
+        """The session's gateway listeners, bound (none when the config has none, or when
+        its gateway is served already); BindError names the port that is taken."""
+        address = str(session.gateway)
+        if address in self._gateways:
+            return []
+        return gateways.bind_all(address, gateways.planned(self.config))
+
+    async def _serve_gateway(self, session, bound: list) -> None:
+        """Serve what `_bind_gateway` bound, unless the session went meanwhile (a removal
+        that came between its registration and this)."""
+        address = str(session.gateway)
+        if not bound or address in self._gateways or session not in \
+                self.store.session_configs():
+            for _, sock in bound:
+                sock.close()
+            return
+        served = self._gateways[address] = []
+        for listener, sock in bound:
+            served.append(await self._serve(listener.key, sock))
+        self.unserved.pop(session.name, None)
+        log.info("session %s: listening on %s", session.name,
+                 ", ".join(f"{address}:{p}" for p in sorted({b.port for b, _ in bound})))
+
+    async def _open_gateway(self, session) -> None:
+        """At start: a session of the config file whose gateway cannot be had stops the
+        filter (the config is the operator's to fix, as a fixed listener's address); one
+        registered at run time before a restart is left unserved, said in the log, an event
+        and `status`, and every other session served."""
+        try:
+            bound = self._bind_gateway(session)
+        except gateways.BindError as exc:
+            if session in self.config.sessions:
+                raise BindError(exc.errno, f"session {session.name}: {exc}") from None
+            self._unserved(session.name, str(exc))
+            return
+        await self._serve_gateway(session, bound)
+
+    def _unserved(self, session: str, why: str) -> None:
+        self.unserved[session] = why
+        log.error("session %s is not served: %s", session, why)
+        self.bus.emit({"session": session, "client": None, "kind": "session", "name": session,
+                       "port": None, "address": None, "verdict": "error", "rule": None,
+                       "layer": None, "reason": f"session {session} is not served: {why}"})
+
+    def _close_gateway(self, address: str) -> None:
+        """The session on this gateway is gone: its listeners go (open connections are the
+        proxy's to judge, as on every change)."""
+        for served in self._gateways.pop(address, []):
+            served.close()
+        for key in list(self.listeners):
+            kept = [n for n in self.listeners[key] if n.rpartition(":")[0] != address]
+            if kept:
+                self.listeners[key] = kept
+            else:
+                del self.listeners[key]
+
+    def port(self, key: str) -> int:
+        """The port `key` listens on: the configured one, or the one bound (a fixed
+        listener on port 0)."""
+        for listener in gateways.planned(self.config):
+            if listener.key == key:
+                return listener.port
+        return int(self.listeners[key][0].rsplit(":", 1)[1])
 
     async def change(self, plan: Callable[[], Change],
                      first: Callable[[], None] | None = None) -> Change:
@@ -452,6 +529,8 @@ class Service:
         and if nftables refuses it the session is not registered (fail closed). A session
         the descriptor budget cannot hold at its caps is refused (limits.Budget)."""
 
+        bound: list = []
+
         def plan() -> Change:
             change = self.store.plan_register(name, subnet, gateway, files)
             if change.changed:
@@ -459,16 +538,25 @@ class Service:
                     self.budget.check(len(change.session_configs()))
                 except ValueError as exc:
                     raise Unaffordable(f"session {name} not registered: {exc}") from None
+            if change.changed or name in self.unserved:  # added again: try its ports again
+                try:  # before anything is written: a port that is taken refuses the session
+                    bound.extend(self._bind_gateway(change.result[0]))
+                except gateways.BindError as exc:
+                    raise Unbound(f"session {name} not registered: {exc}") from None
             return change
 
         try:
             change = await self.change(plan)
-        except Unaffordable:
+        except BaseException as exc:
+            for _, sock in bound:
+                sock.close()
+            if isinstance(exc, (NftError, ControlError)) and not isinstance(
+                    exc, (Unaffordable, Unbound)):
+                raise ControlError(f"session {name} not registered: the firewall could not "
+                                   f"follow: {exc}") from None
             raise
-        except (NftError, ControlError) as exc:
-            raise ControlError(f"session {name} not registered: the firewall could not "
-                               f"follow: {exc}") from None
         session, added = change.result
+        await self._serve_gateway(session, bound)
         log.info("session %s %s: %s", name, "registered" if added else "unchanged",
                  session.subnet)
         return session, added
@@ -502,10 +590,14 @@ class Service:
 
     async def unregister_session(self, name: str, forget_rules: bool) -> None:
         try:
-            await self.change(lambda: self.store.plan_unregister(name, forget_rules))
+            change = await self.change(lambda: self.store.plan_unregister(name, forget_rules))
         except (NftError, ControlError) as exc:
             raise ControlError(f"session {name} not unregistered: the firewall could not "
                                f"follow: {exc}") from None
+        kept = {str(s.gateway) for s in change.session_configs()}
+        for address in [a for a in self._gateways if a not in kept]:
+            self._close_gateway(address)
+        self.unserved.pop(name, None)
         # its approvals went with it: written off before a session of the same name can come
         await self.approvals.save()
         log.info("session %s unregistered%s", name, " (rules forgotten)" if forget_rules else "")
@@ -648,6 +740,8 @@ class Service:
             server.close()
         for transport in self._transports:
             transport.close()
+        for address in list(self._gateways):
+            self._close_gateway(address)
         if self.gate is not None:
             await self.gate.close()  # its calls cut, their events written before the log closes
         await self.approvals.close()  # the last save (a decision still coming: on the loop)

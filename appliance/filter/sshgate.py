@@ -161,7 +161,7 @@ class Gate:
         policy = self.store.sessions[session].policy
         hosts = sorted({h for s in self.secrets.secrets.values() if s.scheme == "ssh"
                         for h in s.hosts if policy.git(parse_host(h)) is not None})
-        port = int(self.service.listeners["sshgate"][0].rsplit(":", 1)[1])
+        port = self.service.port("sshgate")
         return {"key": self.key_for(session).export_private_key().decode(),
                 "host_key": self.host_key.export_public_key().decode().strip(),
                 "port": port, "hosts": hosts}

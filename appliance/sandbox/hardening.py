@@ -44,10 +44,18 @@ class Sandbox:
     pids: int = 2048
     cpus: str = "2"
     tmp_size: str = "1g"
+    log_size: str = "1mb"
+    """The most of its main process's output podman keeps on the appliance's disk (the
+    rest is dropped from the front): an agent's install prints what its package likes."""
     userns_base: int = 200_000
     """Container ID 0 maps to this host ID; USERNS_SIZE IDs are mapped."""
     volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(source, target) pairs: the home volume and the workspace."""
+    read_only: tuple[tuple[str, str], ...] = ()
+    """(source, target) pairs mounted read-only: an agent's installed tree."""
+    environment: tuple[tuple[str, str], ...] = ()
+    """The session's own variables (an agent's PATH and settings): never over one the
+    confinement sets (proxy, trust) or a secret's placeholder."""
     secrets: tuple[tuple[str, str], ...] = ()
     """(variable, placeholder) for each secret the filter holds: never a value."""
     trust: str | None = None
@@ -92,9 +100,10 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
         # user namespace, so it may only name IDs mapped there
         "--sysctl", f"net.ipv4.ping_group_range=0 {USERNS_SIZE - 1}",
         "--memory", s.memory, "--pids-limit", str(s.pids), "--cpus", s.cpus,
-        "--workdir", s.workdir,
+        "--workdir", s.workdir, f"--log-opt=max-size={s.log_size}",
         "--env", "HOME=/home/agent", "--env", "TERM=xterm-256color",
     ]
+    environment: dict[str, str] = {}
     if s.network is None:
         args += ["--network", "none"]
     else:
@@ -107,12 +116,17 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
                 environment["JAVA_TOOL_OPTIONS"] += " " + trust.java_options()
             for key, value in s.secrets:  # never over a variable of the session's own
                 environment.setdefault(key, value)
-            for key, value in environment.items():
-                args += ["--env", f"{key}={value}"]
+    for key, value in s.environment:
+        if key not in ("HOME", "TERM"):
+            environment.setdefault(key, value)
+    for key, value in environment.items():
+        args += ["--env", f"{key}={value}"]
     if s.trust is not None:
         args += ["--volume", f"{s.trust}:{trust.TRUST_DIR}:ro"]
         if s.ssh:
             args += ["--volume", f"{s.trust}/{sshconf.CONFIG}:{sshconf.SYSTEM_CONFIG}:ro"]
     for source, target in s.volumes:
         args += ["--volume", f"{source}:{target}:rw"]
+    for source, target in s.read_only:
+        args += ["--volume", f"{source}:{target}:ro"]
     return [*args, s.image, *command]

@@ -12,6 +12,7 @@ filter's control socket. A request may carry a payload (a project archive): its 
   {"op": "list"}
   {"op": "create", "name": N, "presets": [P]?, "project_id": ID?, "uid": U?, "gid": G?,
    "max_uptime": S?, "idle": S?, "memory": "8g"?, "cpus": "4"?, "pids": N?,
+   "agent": TOML?, "agent_name": NAME?,                an agent's profile (agents.py)
    "payload": BYTES?}                                  the payload is a tar of the project
   {"op": "stop", "name": N}          {"op": "remove", "name": N, "home": BOOL?}
   {"op": "diff", "name": N}          the diff to read, the changes listed, the notes, and
@@ -55,7 +56,7 @@ from appliance.settings import load_table, non_empty, positive
 from appliance.workspace.compare import Reader
 from appliance.workspace.tree import Unreadable
 
-from . import battery, image, lifetime
+from . import agents, battery, hardening, image, lifetime
 from .podman import Podman, PodmanError
 from .sessions import SessionError, SessionManager
 
@@ -140,6 +141,9 @@ class Sessions:
         self.lock = threading.Lock()
         self.workspace_lock = threading.Lock()
         """Held while a base/ is read for a diff or written by a fold (inside `lock`)."""
+        mapped = manager.uid + hardening.Sandbox.userns_base
+        self.installs = agents.Installs(manager.state_dir / "agents", self._install,
+                                        (mapped, manager.gid + hardening.Sandbox.userns_base))
 
     def answer(self, request: dict, payload: BinaryIO | None) -> dict:
         op = request.get("op")
@@ -222,6 +226,10 @@ class Sessions:
         return {**answer, **({"not_paused": not_paused} if not_paused else {})}
 
     def _create(self, request: dict, payload: BinaryIO | None) -> dict:
+        if _name(request).startswith(agents.INSTALL_PREFIX):
+            raise RequestError(f"session names starting {agents.INSTALL_PREFIX!r} are agent "
+                               "installs' (an install removes a session of its name): "
+                               "choose another name")
         presets = _string_list(request, "presets")
         unknown = sorted(set(presets) - set(preset_names()))
         if unknown:
@@ -241,6 +249,9 @@ class Sessions:
         project_id = request.get("project_id") or ""
         if not isinstance(project_id, str):
             raise RequestError("'project_id' must be a string")
+        if "agent" in request or "agent_name" in request:
+            # before the lock: an install takes minutes, and other sessions go on meanwhile
+            options.update(self._agent(request, project_id))
         with self.lock, tempfile.TemporaryDirectory(
                 dir=self.manager.workspaces.parent, prefix="upload-") as tmp:
             project = None
@@ -249,8 +260,68 @@ class Sessions:
                 self._unpack(payload, project)
             record = self.manager.create(_name(request), project=project, presets=presets,
                                          project_id=project_id, **options)
-        log.info("created session %s on %s", record.name, record.subnet)
+        log.info("created session %s on %s%s", record.name, record.subnet,
+                 f" running agent {record.agent['name']}" if record.agent else "")
         return vars(record)
+
+    def _agent(self, request: dict, project_id: str) -> dict:
+        """What a session of the requested agent gets: its installed tree (installed first
+        if need be) read-only at MOUNT, PATH and its environment, its policy as a layer of
+        its own, its home's directories; refused naming what is wrong."""
+        try:
+            profile = agents.parse(request.get("agent"), request.get("agent_name"))
+        except agents.AgentError as exc:
+            raise RequestError(str(exc)) from None
+        if not project_id:
+            raise RequestError(f"agent {profile.name} keeps its sign-in and settings in the "
+                               "project's home: send a project_id")
+        image_id, image_path = self.manager.image_facts()
+        installed = self.installs.ensure(profile, profile.install.key(image_id))
+        return {"read_only": ((str(installed.tree), agents.MOUNT),
+                              (str(self.installs.profile_script()), agents.PROFILE_D)),
+                "environment": agents.session_environment(profile, image_path),
+                "layers": {f"agent-{profile.name}.toml": profile.policy} if profile.policy
+                else {},
+                "home_directories": agents.home_directories(profile.persist),
+                "agent": agents.record(profile, installed.key)}
+
+    def _install(self, profile, key: str, scratch: Path) -> None:
+        """One install, in a throwaway session whose only layer is the install's policy,
+        with `scratch` at MOUNT; AgentError with the tail of its output when it fails. The
+        session is created under the lock (subnets are handed out there), waited for
+        without it."""
+        name = agents.install_session(agents.tree_name(profile, key))
+        with self.lock:
+            if any(r.name == name for r in self.manager.records()):
+                self.manager.remove(name)  # left by a service stopped mid-install
+            record = self.manager.create(
+                name, command=profile.install.command(),
+                layers={"install.toml": profile.install.policy_text()},
+                mounts=((str(scratch), agents.MOUNT),),
+                environment=agents.INSTALL_ENVIRONMENT, secrets=False)
+        try:
+            try:
+                waited = self.manager.podman.run("wait", record.container,
+                                                 timeout=agents.INSTALL_TIMEOUT)
+                code = int(waited.stdout.split()[-1])
+            except (PodmanError, ValueError, IndexError) as exc:
+                code, waited = None, exc
+            # its last lines only: the package decides how much it prints, the sandbox
+            # service (root, on a small appliance) reads it all into memory otherwise
+            said = self.manager.podman.run("logs", "--tail", str(agents.LOG_LINES),
+                                           record.container, check=False)
+            output = said.stdout + said.stderr
+        finally:
+            with self.lock:
+                self.manager.remove(name)
+        if code != 0:
+            how = f"exit {code}" if code is not None else str(waited)
+            raise agents.AgentError(
+                f"installing agent {profile.name} ({profile.install.spec} from "
+                f"{profile.install.index}) failed ({how}); its last words:\n"
+                f"{agents.tail(output)}\nthe install may reach only what this allows: "
+                f"{profile.install.policy_text().strip()!r} (the profile's [install] index "
+                "and hosts)")
 
     def _unpack(self, payload: BinaryIO, target: Path) -> None:
         """A project archive from the host, unpacked with tarfile's "data" filter: no
@@ -392,7 +463,7 @@ class Handler(socketserver.StreamRequestHandler):
             except json.JSONDecodeError as exc:
                 answer = {"ok": False, "error": f"not JSON: {exc}"}
             except (RequestError, SessionError, PodmanError, workspace.Conflict, ValueError,
-                    ServiceUnavailable) as exc:
+                    ServiceUnavailable) as exc:  # agents.AgentError is a ValueError
                 answer = {"ok": False, "error": str(exc)}
             except Exception as exc:  # answer everything; the service stays up
                 log.exception("request failed")

@@ -17,6 +17,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -27,13 +28,16 @@ from appliance import workspace
 from appliance.atomic import write_atomic
 from appliance.filter.config import SESSION_NAME
 
-from . import confinement, hardening, lifetime, sshconf, trust
+from . import agents, confinement, hardening, lifetime, sshconf, trust
 from .image import IMAGE
 from .podman import Podman, PodmanError
 from .reviews import DamagedSnapshot, Reviews
 
 log = logging.getLogger("corral.sandbox")
 LABEL = "io.corral.session"
+LAYER_FILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}\.toml$")
+"""A layer the session service writes into a session's policy directory (an agent's, an
+install's): never one of the project's names."""
 OWNER = "io.corral.owner"
 """On every container and network: the state directory of the manager that made it, so a
 manager reconciles only its own (two appliances or test runs may share one podman)."""
@@ -67,6 +71,8 @@ class Record:
     cpus: str = ""
     pids: int = 0
     """Its limits (lifetime.Limits; 0 or "": none, or the sandbox's default)."""
+    agent: dict = field(default_factory=dict)
+    """The agent it runs (`corral run --agent`): name, package, version, install key."""
 
     @property
     def limits(self) -> lifetime.Limits:
@@ -170,6 +176,15 @@ class SessionManager:
         trust.write(directory, (answer.get("ca") or {}).get("pem"), self.image_bundle())
         return directory
 
+    def image_facts(self) -> tuple[str, str]:
+        """The session image's id (an agent's install is kept per image: a new one may bring
+        another node or python) and its PATH (an agent's bin goes before it)."""
+        try:
+            inspected = self.podman.json("image", "inspect", self.image)[0]
+            return inspected["Id"], agents.image_path(inspected.get("Config", {}).get("Env"))
+        except (PodmanError, LookupError, TypeError) as exc:
+            raise SessionError(f"cannot inspect image {self.image}: {exc}") from None
+
     def image_bundle(self) -> bytes:
         """What the session image trusts on its own (Debian's bundle, and any CA a team's
         layer added), read from the image once and kept by its id."""
@@ -207,9 +222,11 @@ class SessionManager:
         return done, failed
 
     def _policy_files(self, name: str, project_files: list[str], presets: list[str],
-                      project: Path | None) -> list[str]:
+                      project: Path | None, layers: dict[str, str] | None = None) -> list[str]:
         """The session's own layers: the given files, the project's corral.toml (copied out
-        of the agent's reach first: /work is the agent's, its policy is not), presets."""
+        of the agent's reach first: /work is the agent's, its policy is not), presets, then
+        `layers` written as files of their own (`agent-NAME.toml`: the rules it adds name
+        that file as their source)."""
         directory = self.workspaces / name / "policy"
         directory.mkdir(parents=True, exist_ok=True)
         # the filter runs as its own user and opens these by path: it may pass through every
@@ -223,6 +240,11 @@ class SessionManager:
         if presets:
             (directory / "presets.toml").write_text(f"presets = {json.dumps(list(presets))}\n")
             files.append(str(directory / "presets.toml"))
+        for file_name, text in (layers or {}).items():
+            if not LAYER_FILE.match(file_name) or file_name in ("corral.toml", "presets.toml"):
+                raise SessionError(f"session {name}: {file_name!r} is no layer's file name")
+            (directory / file_name).write_text(text)
+            files.append(str(directory / file_name))
         for path in directory.iterdir():
             path.chmod(0o644)
         return files
@@ -230,7 +252,18 @@ class SessionManager:
     def create(self, name: str, project_files: list[str] = (), project: Path | None = None,
                command: list[str] = ("sleep", "infinity"), presets: list[str] = (),
                project_id: str = "", uid: int | None = None, gid: int | None = None,
-               limits: lifetime.Limits | None = None) -> Record:
+               limits: lifetime.Limits | None = None, layers: dict[str, str] | None = None,
+               read_only: tuple[tuple[str, str], ...] = (),
+               mounts: tuple[tuple[str, str], ...] = (),
+               environment: tuple[tuple[str, str], ...] = (),
+               home_directories: list[str] = (), agent: dict | None = None,
+               secrets: bool = True) -> Record:
+        """A session. An agent's brings its own: `layers` (policy files by name), mounts
+        (`read_only` and read-write `mounts`, (source, target) pairs), `environment`,
+        `home_directories` made in the project's home first, and `agent` for its record.
+        `secrets=False`: no secret's placeholder in its environment and no key for the git
+        gateway (an agent's install: its packages' scripts have no use for the appliance's
+        secrets, and without the session's placeholder the filter attaches none)."""
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
         if project_id and not SESSION_NAME.match(project_id):
@@ -271,8 +304,18 @@ class SessionManager:
                     home.mkdir(parents=True)
                     os.chown(home, mapped + uid, mapped + gid)
                 volumes = (*volumes, (str(home), "/home/agent"))
+                skipped = agents.make_home_directories(home, list(home_directories),
+                                                       mapped + uid, mapped + gid)
+                for path in skipped:
+                    log.warning("session %s: %s in the home of project %s is not a directory "
+                                "(the agent made it something else): left as it is", name,
+                                path, project_id)
+            elif home_directories:
+                raise SessionError(f"session {name} keeps {', '.join(home_directories)} in "
+                                   "its project's home, and has none: give it a project_id")
+            volumes = (*volumes, *mounts)
             files = self._policy_files(name, list(project_files), list(presets),
-                                       Path(project) if project is not None else None)
+                                       Path(project) if project is not None else None, layers)
             trusted = self.trust(name)
             answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
                                    "gateway": gateway, "files": files})
@@ -284,7 +327,8 @@ class SessionManager:
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
             try:
-                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"), mapped)
+                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh") if secrets
+                                    else None, mapped)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()
@@ -295,7 +339,10 @@ class SessionManager:
                                      init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes,
                                      trust=str(trusted), ssh=ssh, secrets=tuple(
-                                         placeholders["environment"].items()), **resources)
+                                         placeholders["environment"].items()) if secrets
+                                     else (),
+                                     read_only=tuple(read_only),
+                                     environment=tuple(environment), **resources)
             arguments = hardening.run_arguments(spec, list(command))
             # before the run: a run that fails half-way may have created the container
             undo.append(lambda: self.podman.remove_container(container))
@@ -305,7 +352,7 @@ class SessionManager:
                             round(time.time(), 3), project=project_id, uid=uid, gid=gid,
                             presets=list(presets), max_uptime=limits.max_uptime,
                             idle=limits.idle, memory=spec.memory, cpus=spec.cpus,
-                            pids=spec.pids)
+                            pids=spec.pids, agent=dict(agent or {}))
             self._save(record)
             return record
         except BaseException:

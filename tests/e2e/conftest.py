@@ -70,15 +70,15 @@ class World:
         self.config = directory / "filter.toml"
         self.config.write_text(f"""
 [dns]
-listen = ["0.0.0.0:53"]          # every gateway, sessions registered later included;
-upstream = ["203.0.113.53:53"]   # the firewall confines each sandbox to its own gateway
+listen = ["gateway:53"]          # on every session's gateway, sessions registered later
+upstream = ["203.0.113.53:53"]   # included, and nowhere else: resolvers.py keeps its :53
 [proxy]
-listen = ["0.0.0.0:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
+listen = ["gateway:3128"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
 header_timeout = 5
 [sshgate]                        # git over SSH to [[git]] hosts, keys held here
-listen = ["0.0.0.0:3122"]
+listen = ["gateway:3122"]
 [inspect]                        # hosts a session's policy names in [[inspect]]
 ca_dir = "{directory}/state/intercept"
 upstream_ca = "{directory}/ca.pem"   # the fake internet's CA (written before the filter starts)
@@ -110,6 +110,14 @@ files = ["{directory}/s2.toml"]
                                     env)
         self.processes.append(self.internet)
         self._wait(lambda: (self.dir / "ready").exists(), "the fake internet", "internet.log")
+        # a workstation's resolvers hold port 53 on their addresses, as systemd-resolved and
+        # dnsmasq do, for the whole run: every test then runs next to them
+        self.resolvers = netns.spawn(netns.APPLIANCE, [sys.executable, "-m",
+                                                       "tests.e2e.resolvers", str(self.dir)],
+                                     self.dir / "resolvers.log", env)
+        self.processes.append(self.resolvers)
+        self._wait(lambda: (self.dir / "resolvers-ready").exists(), "the resolvers' stand-ins",
+                   "resolvers.log")
         started = time.monotonic()
         result = self.corral("up", "--backend", "local", "--name", APPLIANCE_NAME,
                              "--state-dir", str(self.dir), "--no-image", timeout=120)

@@ -13,15 +13,23 @@ fakes.hear_push_options), and the same repositories over SSH
 (git-shell) on WEB:GIT_SSH_PORT for the key in DIR/git-ssh-held-key (made here: the key
 the appliance is to hold; its host key is DIR/git-ssh-host.pub); a long-lived TCP service on
 STREAM_HOST:STREAM_PORT (`stream`: every connection and how it ended goes to
-DIR/stream.log). Writes DIR/ready when everything listens; runs
-until killed.
+DIR/stream.log); the agents' APIs (api.anthropic.com, api.openai.com: the :443 origin, on an
+address of their own); a package index for pip (PEP 503) at https://pypi.test:PYPI_PORT/simple/
+serving the wheels a test puts in DIR/pypi/, every request logged to DIR/pypi-requests.log
+(a download is a `GET pypi.test:PORT /files/NAME` line). Writes DIR/ready when everything
+listens; runs until killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import html
+import http.server
+import re
 import ssl
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +49,10 @@ GIT_PORT = 8443
 GIT_SSH_PORT = 2022
 GIT_REPOS = ["acme/widget", "other/secret"]
 WEB_V6 = "3fff:ff::10"  # RFC 9637 documentation space, not a blocked range
+API = "203.0.113.12"
+"""The agents' API hosts: answered by the :443 origin, which echoes each request."""
+PYPI, PYPI_PORT = "203.0.113.13", 8444
+"""pypi.test: the package index (a port of its own: the origin holds :443 on every address)."""
 
 ZONE = {
     "allowed.test": [("A", WEB, 300), ("AAAA", WEB_V6, 300)],
@@ -53,6 +65,9 @@ ZONE = {
     "ssh.test": [("A", SSH_HOST, 300)],
     "stream.test": [("A", STREAM_HOST, 300)],
     "git.test": [("A", WEB, 300)],
+    "api.anthropic.com": [("A", API, 300)],
+    "api.openai.com": [("A", API, 300)],
+    "pypi.test": [("A", PYPI, 300)],
 }
 
 
@@ -117,11 +132,57 @@ async def extras(loop: Loop, context: ssl.SSLContext, directory: Path):
     return servers
 
 
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def package_index(directory: Path, context: ssl.SSLContext) -> http.server.HTTPServer:
+    """pip's simple index over the wheels in DIR/pypi/ (read at each request, so a test adds
+    its own): /simple/PROJECT/ lists them with their sha256, /files/NAME sends one."""
+    files, log = directory / "pypi", directory / "pypi-requests.log"
+    files.mkdir(exist_ok=True)
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            with open(log, "a") as out:
+                out.write(f"GET {self.headers.get('Host', '-')} {self.path}\n")
+            parts = self.path.split("?")[0].strip("/").split("/")
+            body, kind = None, "text/html"
+            if len(parts) == 2 and parts[0] == "simple":
+                wheels = sorted(p for p in files.glob("*.whl")
+                                if _normalised(p.name.split("-")[0]) == _normalised(parts[1]))
+                if wheels:
+                    links = "".join(
+                        f'<a href="../../files/{html.escape(p.name)}#sha256='
+                        f'{hashlib.sha256(p.read_bytes()).hexdigest()}">{html.escape(p.name)}'
+                        "</a><br>\n" for p in wheels)
+                    body = f"<!DOCTYPE html><html><body>\n{links}</body></html>\n".encode()
+            elif len(parts) == 2 and parts[0] == "files" and (files / parts[1]).is_file():
+                body, kind = (files / parts[1]).read_bytes(), "application/octet-stream"
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # the request log above is the one kept
+            pass
+
+    server = http.server.ThreadingHTTPServer((PYPI, PYPI_PORT), Index)
+    server.daemon_threads = True
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, name="pypi", daemon=True).start()
+    return server
+
+
 def main(directory: str) -> None:
     path = Path(directory)
     loop = Loop()
     ca = TestCA(path)
-    names = [*ZONE, "dns.denied.test"]
+    names = [*ZONE, "dns.denied.test"]  # the agents' API hosts and pypi.test among them
     with open(path / "dns-queries.log", "a") as log:
         dns = FakeDns(loop, RESOLVER, 53, log)
         dns.zone.update(ZONE)
@@ -138,6 +199,7 @@ def main(directory: str) -> None:
         ssh = GitSsh(loop, path / "git", held.export_public_key().decode(), WEB, GIT_SSH_PORT)
         (path / "git-ssh-host.pub").write_text(f"git.test {ssh.public}\n")
         loop.run(extras(loop, ca.server_context(names), path))
+        package_index(path, ca.server_context(["pypi.test"]))
         (path / "ready").write_text("ready\n")
         while True:
             time.sleep(3600)

@@ -3,6 +3,8 @@
   sandbox s1 (10.213.1.2, 2001:db8:1::2) --corral-s1-- appliance --up0-- internet
   sandbox s2 (10.213.2.2)                --corral-s2--   (filter,       (203.0.113.0/24,
                                                            firewall)     2001:db8:ff::/64)
+  the appliance also has virbr0 (192.168.122.1, one end of a veth pair) and, on it and
+  on 127.0.0.53, stand-ins for a workstation's resolvers holding port 53 (resolvers.py)
 
 Every name starts with PREFIX, so a run cleans up whatever an interrupted run left behind
 (processes inside first, then the namespaces) before building, and again when it is done.
@@ -74,9 +76,16 @@ def build(sessions: int = 2) -> None:
         sh("ip", "-6", "addr", "add", v6, "dev", dev, "nodad", ns=ns)
         sh("ip", "link", "set", dev, "up", ns=ns)
     sh("ip", "route", "add", "default", "via", "198.51.100.2", ns=APPLIANCE)
+    # a workstation's other bridge, where libvirt's dnsmasq holds port 53 (resolvers.py):
+    # a veth pair (not every kernel here has the dummy type), both ends in the appliance
+    sh("ip", "link", "add", "virbr0", "type", "veth", "peer", "name", "virbr0-nic",
+       ns=APPLIANCE)
+    sh("ip", "addr", "add", "192.168.122.1/24", "dev", "virbr0", ns=APPLIANCE)
+    for dev in ("virbr0", "virbr0-nic"):
+        sh("ip", "link", "set", dev, "up", ns=APPLIANCE)
     sh("ip", "-6", "route", "add", "default", "via", "2001:db8:ff::2", ns=APPLIANCE)
-    for address in ("203.0.113.10/32", "203.0.113.11/32", "203.0.113.22/32",
-                    "203.0.113.53/32"):
+    for address in ("203.0.113.10/32", "203.0.113.11/32", "203.0.113.12/32",
+                    "203.0.113.13/32", "203.0.113.22/32", "203.0.113.53/32"):
         sh("ip", "addr", "add", address, "dev", "lo", ns=INTERNET)
     sh("ip", "-6", "addr", "add", "3fff:ff::10/128", "dev", "lo", ns=INTERNET)
     sh("ip", "route", "add", "10.213.0.0/16", "via", "198.51.100.1", ns=INTERNET)

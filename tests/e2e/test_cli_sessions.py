@@ -5,6 +5,7 @@ firewall — as a person would use it, in the appliance namespace the World brou
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import pty
@@ -69,11 +70,28 @@ def test_run_starts_a_listed_session(world, c1):
         "cli-project-")
     table = corral(world, "ls").stdout
     assert table.splitlines()[0].split() == ["SESSION", "STATE", "AGE", "LEFT", "SUBNET",
-                                             "ALLOWED", "DENIED", "MEM/CPU/PIDS"]
+                                             "ALLOWED", "DENIED", "MEM/CPU/PIDS", "AGENT"]
     assert listed["c1"]["memory"] == "4g" and listed["c1"]["left"] is None  # no limit set
     assert any(line.split()[:2] == ["c1", "running"] for line in table.splitlines())
     rules = json.loads(corral(world, "rules", "--session", "c1", "--json").stdout)["rules"]
     assert {"allowed.test", "pypi.org"} <= {r["rule"] for r in rules}  # project + preset
+
+
+def test_the_filter_listens_on_gateways_and_leaves_the_hosts_resolvers_their_port(world, c1):
+    """`corral up --backend local` came up next to a workstation's resolvers holding port 53
+    (resolvers.py: systemd-resolved's 127.0.0.53, dnsmasq's 192.168.122.1), and a session
+    resolves through the filter on its own gateway."""
+    assert world.resolvers.poll() is None  # still holding their sockets
+    held = (world.dir / "resolvers-ready").read_text().split()
+    assert held == ["127.0.0.53:53", "127.0.0.53:53", "192.168.122.1:53", "192.168.122.1:53"]
+    listeners = world.control({"op": "status"})["listeners"]
+    sessions = world.control({"op": "sessions"})["sessions"]
+    gateways = {str(next(ipaddress.ip_network(s["subnet"]).hosts())) for s in sessions}
+    assert {"10.213.1.1", "10.213.2.1", c1["gateway"]} <= gateways
+    assert {a.rpartition(":")[0] for names in listeners.values() for a in names} <= gateways
+    assert f"{c1['gateway']}:53" in listeners["dns_udp"]
+    out = corral(world, "shell", "c1", "--", "getent", "ahostsv4", "allowed.test").stdout
+    assert out.split()[0] == "203.0.113.10"  # the fake internet's answer, through the filter
 
 
 def test_a_command_runs_as_the_hardened_user_in_work(world, c1):
@@ -590,4 +608,5 @@ def test_down_stops_everything_and_up_brings_it_back(world, c1):
     assert "appliance going down" in listed["c3"]["reason"]
     assert json.loads(corral(world, "audit", "--verify", "--json").stdout)["intact"]
     corral(world, "rm", "c3")
+
 

@@ -48,7 +48,7 @@ def test_the_local_backends_files_are_the_roles_read_by_the_real_loaders(tmp_pat
     filter_socket, listen = local._configure(state, up_args())
     assert listen == "127.0.0.1:7443" and filter_socket == str(state / "run" / "filter.sock")
     config = load_filter(str(state / "filter.toml"))
-    assert config.dns.listen == (("0.0.0.0", 53),)
+    assert config.dns.listen == (("gateway", 53),)  # the host's resolvers keep their :53
     # the host's resolvers, read at each start: an IPv6 one too, loopback stubs skipped
     assert config.dns.upstream == (("2001:db8::1", 53), ("10.0.2.3", 53))
     assert config.state_dir == str(state / "filter") and config.control_group is None
@@ -81,10 +81,10 @@ def test_a_kept_file_stays_and_the_others_follow_it(tmp_path, resolv):
     state.mkdir()
     (state / "filter.toml").write_text(f"""
 [dns]
-listen = ["0.0.0.0:53"]
+listen = ["gateway:53"]
 upstream = ["192.0.2.53:53"]
 [proxy]
-listen = ["0.0.0.0:8888"]
+listen = ["gateway:8888"]
 [state]
 dir = "{state}/filter"
 [control]

@@ -10,12 +10,16 @@ import json
 import os
 import socket
 import tarfile
+from urllib.parse import urlencode
 
 import pytest
 
+from appliance.agents.profile import shipped
 from cli.client import CliError
 
 from .conftest import tls_client
+
+CLAUDE = (shipped() / "claude.toml").read_text()
 
 
 def send(api, method, path, body: bytes | None = None, content_type="application/json"):
@@ -75,6 +79,17 @@ def test_the_list_joins_the_filters_sessions(api):
      "no session 'none'"),
     ("POST", "/v1/sessions/none/selftest", {"allowed": "a.test", "slow_connections": 9}, 400,
      "unknown field(s): slow_connections"),
+    ("POST", "/v1/sessions", {"name": "x", "agent": CLAUDE}, 400,
+     "'agent' (the profile's TOML text) and 'agent_name' go together"),
+    ("POST", "/v1/sessions", {"name": "x", "agent": CLAUDE, "agent_name": "Claude Code"}, 400,
+     "agent_name 'Claude Code' must be 1-32"),
+    ("POST", "/v1/sessions", {"name": "x", "agent": CLAUDE + "#" * 16384,
+                              "agent_name": "claude"}, 400, "the limit is 16384"),
+    ("POST", "/v1/sessions", {"name": "x", "agent": CLAUDE.replace("[run]", "[runn]"),
+                              "agent_name": "claude", "project_id": "p"}, 400,
+     "agent claude:10: runn: unknown key"),  # parsed again by the sandbox service
+    ("POST", "/v1/sessions", {"name": "x", "agent": CLAUDE, "agent_name": "claude"}, 400,
+     "agent claude keeps its sign-in and settings in the project's home: send a project_id"),
 ])
 def test_bad_session_requests_get_precise_errors(api, method, path, body, status, message):
     got, answer = send(api, method, path, json.dumps(body).encode() if body is not None else None)
@@ -99,6 +114,20 @@ def test_project_uploads_are_checked_before_anything_is_made(api):
     assert 16 * 1024 < len(larger) < 65536
     status, answer = send(api, "POST", "/v1/sessions?name=up1", larger, "application/gzip")
     assert status == 400 and "outside the destination" in answer["error"]["message"], answer
+    # an agent's profile rides in the query (the body is the archive): a larger one than
+    # gunicorn's default request line (4094 bytes) still reaches the sandbox service, which
+    # parses it (and refuses this one's unknown key, naming it)
+    profile = CLAUDE + "\n".join(f"# {'x' * 70}" for _ in range(60)) + "\ncolour = 1\n"
+    query = urlencode({"name": "up1", "project_id": "p", "agent_name": "claude",
+                       "agent": profile})
+    assert 4094 < len(query) < 8000
+    status, answer = send(api, "POST", f"/v1/sessions?{query}", archive(("a", b"1")),
+                          "application/gzip")
+    assert status == 400 and "agent claude:" in answer["error"]["message"], answer
+    assert "[policy] colour: unknown key" in answer["error"]["message"]
+    status, answer = send(api, "POST", "/v1/sessions?name=up1&agent_name=claude",
+                          archive(("a", b"1")), "application/gzip")
+    assert status == 400 and "go together" in answer["error"]["message"]
     big = b"\0" * 70000  # [api] max_upload = 65536 in this fixture
     status, answer = send(api, "POST", "/v1/sessions?name=up1", big, "application/gzip")
     assert status == 413 and "max_upload" in answer["error"]["message"]

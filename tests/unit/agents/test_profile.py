@@ -3,7 +3,10 @@ named by file, line and key before anything reaches an appliance."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tomllib
+import zipfile
 
 import pytest
 from hypothesis import given
@@ -165,3 +168,31 @@ def test_a_policy_table_written_back_as_toml_reads_the_same(table):
     # what the profile's [policy] says is what the filter gets: no key or value bent
     assert tomllib.loads(toml_text(table)) == table
 
+
+
+def test_a_pypi_install_links_only_the_packages_commands_into_bin(tmp_path):
+    # run for real against a PEP 503 index on disk: the venv's own python3 and pip stay
+    # out of bin/ (on the session's PATH they would shadow the image's, and pip would try
+    # to install into the read-only tree); the package's command is there and runs
+    index = tmp_path / "index" / "tool"
+    index.mkdir(parents=True)
+    wheel = index / "tool-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tool/__init__.py", "def main():\n    print('tool ran')\n")
+        archive.writestr("tool-1.0.dist-info/METADATA",
+                         "Metadata-Version: 2.1\nName: tool\nVersion: 1.0\n")
+        archive.writestr("tool-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("tool-1.0.dist-info/entry_points.txt",
+                         "[console_scripts]\ntool = tool:main\n")
+        archive.writestr("tool-1.0.dist-info/RECORD", "")
+    (index / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
+    mount = tmp_path / "mount"
+    install = Install("pypi", "tool", "1.0", (tmp_path / "index").as_uri() + "/")
+    command = install.command()
+    command[command.index(MOUNT)] = str(mount)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    subprocess.run(command, check=True, capture_output=True, timeout=120, env=environment)
+    assert sorted(p.name for p in (mount / "bin").iterdir()) == ["tool"]
+    ran = subprocess.run([mount / "bin" / "tool"], capture_output=True, text=True, check=True)
+    assert ran.stdout == "tool ran\n"

@@ -11,11 +11,14 @@ import pytest
 from cli import exitcodes
 from cli.main import main
 
-ALLOWED_APPLIANCE_IMPORTS = {"appliance.policy", "appliance.pki", "appliance.workspace"}
+ALLOWED_APPLIANCE_IMPORTS = {"appliance.agents", "appliance.policy", "appliance.pki",
+                             "appliance.workspace"}
+"""What both sides read the same way: profiles and policies are parsed on the host (to check
+them early) and again on the appliance (which trusts only its own reading)."""
 
 
-def test_cli_imports_only_policy_pki_and_workspace_from_appliance():
-    for path in Path("cli").rglob("*.py"):
+def test_cli_imports_only_policy_pki_workspace_and_agent_profiles_from_appliance():
+    for path in [*Path("cli").rglob("*.py"), *Path("appliance/agents").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -50,7 +53,7 @@ def test_the_boundary_check_catches_a_forbidden_import(tmp_path, monkeypatch):
     (tmp_path / "cli" / "bad.py").write_text("from appliance import filter\n")
     monkeypatch.chdir(tmp_path)
     try:
-        test_cli_imports_only_policy_pki_and_workspace_from_appliance()
+        test_cli_imports_only_policy_pki_workspace_and_agent_profiles_from_appliance()
     except AssertionError as exc:
         assert "imports appliance.filter" in str(exc)
     else:
@@ -86,7 +89,7 @@ def test_presets_json(capsys):
 
 
 def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_left_out():
-    from cli.sessions import selftest_summary
+    from cli.selftest import selftest_summary
 
     def probe(state, **extra):
         return {"id": "p", "state": state, **extra}
@@ -108,7 +111,7 @@ def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_l
 @pytest.mark.parametrize(("text", "seconds"), [
     ("90s", 90), ("10m", 600), ("1h30m", 5400), ("2d", 172800), ("1d2h3m4s", 93784)])
 def test_for_takes_a_duration(text, seconds):
-    from cli.control import parse_duration
+    from cli.times import parse_duration
 
     assert parse_duration(text) == seconds
 
@@ -116,7 +119,7 @@ def test_for_takes_a_duration(text, seconds):
 @pytest.mark.parametrize("text", ["", "10", "10x", "m", "0s", "1m1h", "-5m"])
 def test_for_refuses_what_is_not_a_duration_with_the_fix(text):
     from cli.client import CliError
-    from cli.control import parse_duration
+    from cli.times import parse_duration
 
     with pytest.raises(CliError) as refused:
         parse_duration(text)
@@ -151,7 +154,7 @@ def throwaway_policy(*args, **kwargs):
     import tarfile
 
     from appliance.policy import Policy, policy_file_rules
-    from cli.sessions import _empty_project
+    from cli.selftest import _empty_project
 
     data, _ = _empty_project(*args, **kwargs)
     with tarfile.open(fileobj=data, mode="r:gz") as tar:
@@ -188,7 +191,7 @@ def test_the_battery_proves_the_legitimate_path_on_a_host_no_probe_treats_otherw
     """Without --allowed, the legitimate flows go to the session's first exact http host
     that is neither --inspected (its TLS is ended), --neighbour (on an inspected host's
     address: refused a tunnel by design) nor --echo-secret's host (a secret inspects it)."""
-    from cli.sessions import plain_allowed
+    from cli.selftest import plain_allowed
 
     rules = [{"kind": "deny", "rule": "metadata.google.internal"},
              *({"kind": "http", "rule": r} for r in (
@@ -197,3 +200,16 @@ def test_the_battery_proves_the_legitimate_path_on_a_host_no_probe_treats_otherw
     assert plain_allowed(rules, ["inspected.test", "neighbour.test", "echo.test"]) == (
         "allowed.test")
     assert plain_allowed(rules[:-2], ["inspected.test", "neighbour.test", "echo.test"]) is None
+
+
+def test_the_parser_loads_neither_flask_nor_the_dashboard_server():
+    """Only `corral dashboard` needs Flask: its module registers the command without it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from cli.main import parser; parser().parse_args(['presets']); "
+             "print(sorted(m for m in ('flask', 'werkzeug', 'cli.dashboard.server') "
+             "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]", loaded

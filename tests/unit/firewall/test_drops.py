@@ -67,14 +67,14 @@ def listening(tmp_path):
     """The service with the listeners a session reaches on its gateway, as the role sets."""
     config = parse_config(f"""
 [dns]
-listen = ["0.0.0.0:53"]
+listen = ["gateway:53"]
 upstream = ["192.0.2.53:53"]
 [proxy]
-listen = ["0.0.0.0:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
+listen = ["gateway:3128"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
 [sshgate]
-listen = ["0.0.0.0:2222"]
+listen = ["gateway:2222"]
 [state]
 dir = "{tmp_path}/state"
 [control]

@@ -17,8 +17,8 @@ listen = ["10.213.1.1:53"]
 upstream = ["192.0.2.53:53"]
 [proxy]
 listen = ["10.213.1.1:3128"]
-transparent_http = ["0.0.0.0:3129"]
-transparent_tls = ["0.0.0.0:3130"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
 [[session]]
 name = "s1"
 subnet = "10.213.1.0/24"
@@ -59,7 +59,7 @@ def test_each_session_reaches_only_its_own_gateway_ports(commands):
 
 
 def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
-    config = parse_config(CONFIG.replace("[[session]]", '[sshgate]\nlisten = ["0.0.0.0:2222"]\n'
+    config = parse_config(CONFIG.replace("[[session]]", '[sshgate]\nlisten = ["gateway:2222"]\n'
                                          "[[session]]", 1), "filter.toml")
     commands = build(config, {})
     assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands, "filter_input"))
