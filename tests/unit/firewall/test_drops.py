@@ -25,12 +25,12 @@ subnet = "10.213.1.0/24"
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     yield service
-    service.blocking.shutdown()
+    service.workers.shutdown()
 
 
 def event_of(service, drop: Drop) -> dict | None:
     before = len(service.bus.recent)
-    service._drop_event(drop)
+    service.drops.event(drop)
     fresh = list(service.bus.recent)[before:]
     assert len(fresh) <= 1
     return fresh[0] if fresh else None
@@ -85,7 +85,7 @@ subnet = "10.213.1.0/24"
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     yield service
-    service.blocking.shutdown()
+    service.workers.shutdown()
 
 
 @pytest.mark.parametrize("drop", [
