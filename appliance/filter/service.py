@@ -13,16 +13,23 @@ a session, a reload) is worked out, written and followed by the firewall on a wo
 thread, one change at a time, and swapped in on the loop (changes.py).
 
 This module only builds the parts, wires them together and starts and stops them in
-order; each part is given the narrow things it uses:
+order; none of them is given the service, each gets the narrow things it uses:
 
-  changes.py       store, workers, firewall     one change at a time, off the loop
-  registration.py  store, changes, budget, listeners, approvals file   session-add/-remove
-  revocation.py    learned set, store, bus, workers     learned tcp allowances taken back
-  expiry.py        store, changes, bus          runtime rules granted for a while
-  drops.py         store, bus                   firewall rejects (NFLOG) become events
-  listeners.py     config, store, bus, what serves each key   fixed and per-gateway sockets
-  status.py        what it reports on           `status` and `sessions`
-  control.py       what requests read and change   the control socket
+  changes.py          store, workers, firewall      one change at a time, off the loop
+  firewalled.py       nftables, learned set         the ruleset loaded; what is loaded
+  revocation.py       learned set, store, bus, workers   allowances a change takes back
+  expiry.py           store, changes, bus           runtime rules granted for a while
+  registration.py     store, changes, budget, listeners, approvals file   sessions at run time
+  listeners.py        config, store, bus, what serves each key   fixed and gateway sockets
+  drops.py            store, bus, NFLOG group       firewall rejects become events
+  approvals_policy.py store, holds                  open approvals under the policy now
+  sshgate.py          store, bus, proxy, secrets, its port   the git gateway
+  status.py           what it reports on            `status` and `sessions`
+  control.py          what requests read and change   the control socket
+
+Stores announce their changes (`on_change`): the policy store's reach the proxy, the DNS
+filter, the gateway, revocation and expiry; the secret store's reach the proxy's
+credentials and the gateway.
 """
 
 from __future__ import annotations
@@ -112,48 +119,62 @@ class Service:
 
     def __init__(self, config: FilterConfig):
         self.config = config
-        store = self.store = PolicyStore(config)  # ConfigError before anything is bound
+        self.store = PolicyStore(config)  # ConfigError before anything is bound
         self.budget = Budget(config, raise_limit())
         try:
-            self.budget.check(len(store.session_configs()))
+            self.budget.check(len(self.store.session_configs()))
         except ValueError as exc:
             raise ConfigError(config.path, "[proxy]", str(exc)) from None
-        bus = self.bus = EventBus(audit_rate=config.audit_events_per_session,
-                                  audit_burst=10 * config.audit_events_per_session)
-        store.on_change(lambda: bus.forget(set(store.sessions)))
+        self.bus = EventBus(audit_rate=config.audit_events_per_session,
+                            audit_burst=10 * config.audit_events_per_session)
+        self.store.on_change(lambda: self.bus.forget(set(self.store.sessions)))
         self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
                                  config.dns.ttl_max, config.dns.cache_share)
         self.workers = Workers()
-        self.holds = Holds(bus.emit)
-        """Approvals in ask mode: requests held for a person, names asked for (DNS)."""
-        self.approvals = ApprovalsFile(Path(config.state_dir) / "approvals.json",
-                                       self.holds.book, store.identity)
-        """The open approvals on disk: read back here, before anything is served (their ids
-        exist at once), judged again once the audit log is open (start)."""
-        self.approvals.restore({name: store.identity(name) for name in store.sessions})
-        self.open_approvals = OpenApprovals(store, self.holds)
-        store.on_change(self.open_approvals.policy_changed)
-        self.frontends = Frontends(store, self.resolver)
+        self._approvals()
+        self.frontends = Frontends(self.store, self.resolver)
         """Where the inspected hosts live: no tunnel and no learned tcp allowance for
         another name reaches one of their addresses (neighbours.py)."""
+        self._firewall()
+        self._traffic()
+        self._jobs()
+        self.audit: AuditLog | None = None
+        self._control_server: asyncio.AbstractServer | None = None
 
+    def _approvals(self) -> None:
+        self.holds = Holds(self.bus.emit)
+        """Approvals in ask mode: requests held for a person, names asked for (DNS)."""
+        self.approvals = ApprovalsFile(Path(self.config.state_dir) / "approvals.json",
+                                       self.holds.book, self.store.identity)
+        """The open approvals on disk: read back here, before anything is served (their ids
+        exist at once), judged again once the audit log is open (start)."""
+        self.approvals.restore({name: self.store.identity(name)
+                                for name in self.store.sessions})
+        self.open_approvals = OpenApprovals(self.store, self.holds)
+        self.store.on_change(self.open_approvals.policy_changed)
+
+    def _firewall(self) -> None:
         nft = nftables()
-        self.reach = Reach(store, self.frontends)
+        self.reach = Reach(self.store, self.frontends)
         self.learned = LearnedSet(nft, self.reach.may_reach) if nft else None
         """The learned set, with who taught each element: a policy change takes back what
         it no longer allows (revocation.py)."""
         self.firewall = Firewall(nft, self.learned)
-        self.changes = Changes(store, self.workers, self.firewall, config.firewall.manage)
-        self.revocation = Revocation(self.learned, store, bus, self.workers)
+        self.changes = Changes(self.store, self.workers, self.firewall,
+                               self.config.firewall.manage)
+        self.revocation = Revocation(self.learned, self.store, self.bus, self.workers)
         self.frontends.listeners.append(self.revocation.policy_changed)
 
+    def _traffic(self) -> None:
+        """What serves the sessions: DNS, the proxy, the git gateway, their listeners."""
+        config, store, bus = self.config, self.store, self.bus
         self.dns = DnsFilter(store, self.resolver, bus, config.gateway, self.learned,
                              config.firewall.learn_ttl_min, config.dns, self.holds,
                              self.frontends)
         self.secrets = SecretStore.load(config.state_dir)
-        inspector, inspect_error = interception(config.inspect)
+        self.inspector, self.inspect_error = interception(config.inspect)
         self.proxy = Proxy(store, self.resolver, bus, config.proxy, config.gateway,
-                           self.dns.exfil, inspector,
+                           self.dns.exfil, self.inspector,
                            Credentials(self.secrets.key, self.secrets.http()), self.holds,
                            self.frontends)
 
@@ -168,6 +189,11 @@ class Service:
             self.gate = Gate(store, bus, self.proxy, self.secrets, config.state_dir,
                              lambda: self.listeners.port("sshgate"))
             self.listeners.serve["sshgate"] = self.gate.listen
+
+    def _jobs(self) -> None:
+        """What runs beside the traffic: sessions coming and going, grants ending, firewall
+        rejects reported, status, the control socket."""
+        config, store, bus = self.config, self.store, self.bus
         self.registration = Registration(store, self.changes.change, self.budget,
                                          self.listeners, self.approvals)
         self.expiry = GrantExpiry(store, self.changes.change, bus)
@@ -176,14 +202,12 @@ class Service:
         self.status = Status(config=config, store=store, bus=bus, listeners=self.listeners,
                              proxy=self.proxy, dns=self.dns, resolver=self.resolver,
                              budget=self.budget, secrets=self.secrets, firewall=self.firewall,
-                             inspect_error=inspect_error)
+                             inspect_error=self.inspect_error)
         self.control = ControlServer(
             store=store, bus=bus, change=self.changes.change, workers=self.workers,
             status=self.status, sessions=self.registration, audit_path=config.audit_path,
-            inspector=inspector, secrets=self.secrets, gate=self.gate, holds=self.holds,
+            inspector=self.inspector, secrets=self.secrets, gate=self.gate, holds=self.holds,
             open_approvals=self.open_approvals, approvals_file=self.approvals)
-        self.audit: AuditLog | None = None
-        self._control_server: asyncio.AbstractServer | None = None
         store.on_change(self.revocation.policy_changed)
         store.on_change(self.expiry.changed)
 
@@ -238,8 +262,8 @@ class Service:
         if self.audit is not None:
             self.audit.close()
             self.audit = None
-        if self.proxy.inspector is not None:
-            self.proxy.inspector.close()
+        if self.inspector is not None:
+            self.inspector.close()
         self.workers.shutdown(wait=False)
 
 

@@ -79,3 +79,25 @@ def test_the_sessions_listing_and_status_come_from_the_parts_not_the_service(ser
     described = service.status.describe()
     assert described["sessions"] == 1 and described["listeners"] == {}
     assert described["firewall"] == {"loaded": False, "error": "not checked yet"}
+
+
+def test_no_part_of_the_filter_is_given_the_service():
+    """service.py builds and wires; every other module gets the narrow parts it uses (the
+    git gateway and the control socket took the whole service before)."""
+    import ast
+    from pathlib import Path
+
+    import appliance.filter
+
+    root = Path(appliance.filter.__file__).parent
+    given = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "service.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("service"):
+                given.append(f"{path.name} imports {node.module}")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                given += [f"{path.name} {node.name}({a.arg})" for a in node.args.args
+                          if a.arg == "service"]
+    assert given == []
