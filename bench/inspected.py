@@ -29,14 +29,29 @@ rep.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .netns import (
+    APP,
+    CLIENT,
+    DIRECT,
+    GATEWAY,
+    INSPECTED_UPSTREAM,
+    PEER_GATEWAY,
+    UPSTREAM,
+    sh,
+    spawn,
+    wait_port,
+)
+from .squid import SQUID_COMMON
+
 HOST = "inspect.allowed.test"
-"""On an address of its own (run.INSPECTED_UPSTREAM): a name sharing it would get no tunnel."""
+"""On an address of its own (netns.INSPECTED_UPSTREAM): a name sharing it would get no tunnel."""
 SPLICED = "bulk.allowed.test"
 """Not inspected: corral's tunnel, the reference for what inspection costs in bulk."""
 MITM_PORT = 3158
@@ -64,8 +79,6 @@ upstream's trust anchor."""
 
 
 def mitmdump(bench) -> subprocess.Popen:
-    from .run import APP, DIRECT, PEER_GATEWAY, spawn, wait_port
-
     if not MITMDUMP.exists():
         raise RuntimeError(f"no {MITMDUMP}: scripts/setup installs mitmproxy there")
     d = bench.dir
@@ -83,10 +96,6 @@ def mitmdump(bench) -> subprocess.Popen:
 def squid_bump(bench) -> subprocess.Popen:
     """squid (Debian's squid-openssl) ending TLS for every CONNECT with a CA of its own
     (ssl-bump), verifying nginx against its certificate: the other peer that inspects."""
-    import shutil
-
-    from .run import APP, DIRECT, PEER_GATEWAY, SQUID_COMMON, UPSTREAM, sh, spawn, wait_port
-
     d = bench.dir
     certgen = Path("/usr/lib/squid/security_file_certgen")
     if "--with-openssl" not in sh("squid", "-v").stdout or not certgen.exists():
@@ -119,13 +128,11 @@ ssl_bump peek step1
 ssl_bump bump all
 tls_outgoing_options cafile={dir}/cert.pem
 """
-"""Followed by run.SQUID_COMMON."""
+"""Followed by squid.SQUID_COMMON."""
 
 
 def routes() -> dict[str, tuple[str, list[str]]]:
     """tool -> (namespace, curl's arguments to reach HOST)."""
-    from .run import CLIENT, DIRECT, GATEWAY, INSPECTED_UPSTREAM, PEER_GATEWAY
-
     return {"direct": (DIRECT, ["--resolve", f"{HOST}:443:{INSPECTED_UPSTREAM}"]),
             "corral": (CLIENT, ["-x", f"http://{GATEWAY}:3128"]),
             "mitmproxy": (DIRECT, ["-x", f"http://{PEER_GATEWAY}:{MITM_PORT}"]),

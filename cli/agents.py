@@ -61,7 +61,7 @@ def secret_problems(profile: Profile, held: list[dict]) -> list[tuple[bool, str,
     for secret in profile.secrets:
         stored = by_name.get(secret.name)
         if stored is None:
-            hint = f" ({secret.hint})" if secret.hint else ""
+            hint = f" ({render.text(secret.hint)})" if secret.hint else ""  # one line
             problems.append((secret.required, f"secret {secret.name} is not set{hint}",
                              secret.set_command()))
             continue
@@ -172,3 +172,16 @@ def cmd_agents(args) -> int:
     output.line("\n`corral run --agent NAME [PROJECT]` runs one; `corral agents NAME` shows "
                 "what it installs, runs, keeps and needs")
     return exitcodes.OK if all("error" not in p for p in profiles) else exitcodes.USAGE
+
+
+def register(sub) -> None:
+    agent_list = sub.add_parser(
+        "agents", help="the agent profiles `corral run --agent` can run",
+        description="List the agent profiles (the project's .corral/agents/, yours in "
+        "~/.config/corral/agents/, then corral's), or show one: what it installs, runs, "
+        "keeps in the project's home and which secrets it needs. Reads no appliance.")
+    agent_list.add_argument("name", nargs="?", metavar="NAME", help="show this one, checked")
+    agent_list.add_argument("--project", metavar="DIR", help="whose .corral/agents/ to read "
+                            "(default: the current directory)")
+    agent_list.add_argument("--json", action="store_true", help="machine-readable output")
+    agent_list.set_defaults(run=cmd_agents)

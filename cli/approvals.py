@@ -14,9 +14,11 @@ from appliance.policy import HostNameError, parse_host, split_host_port
 from appliance.policy.grants import rule_texts
 from appliance.policy.rules import HOLD_DEFAULT, HOLD_MAX
 
-from . import exitcodes, learn, output, projectfile, render
+from . import exitcodes, output, projectfile, render
+from .arguments import appliance_command, project_file
 from .client import CliError
-from .control import client_for, clock, parse_duration, pick_session
+from .targets import client_for, pick_session, project_of
+from .times import clock, parse_duration
 
 NOTE_WIDTH = 60
 """Characters of an agent's reason shown in a table or above a prompt (`--json` has all)."""
@@ -94,7 +96,7 @@ def _always(client, args) -> int:
         raise CliError(f"approval {args.id} would add a {render.text(approval.get('kind'))!r} "
                        "rule, which corral.toml has no list for",
                        "grant it with --session instead")
-    project = learn.project_of(client, approval["session"], args.project, args.force)
+    project = project_of(client, approval["session"], args.project, args.force)
     path, before = projectfile.read(project)
     projectfile.policy_of(path, before)  # a file that is broken already is named as such
     addition = always_addition(approval, time.strftime("%Y-%m-%d"))
@@ -376,3 +378,37 @@ class _AlwaysArgs:
     def __init__(self, approval_id: str, project: str | None):
         self.id, self.project = approval_id, project
         self.yes = self.force = self.json = False
+
+
+def register(sub) -> None:
+    asks = appliance_command(
+        sub, "ask", "ask mode for a session: a request the policy does not name waits for "
+        "`corral approve`", cmd_ask, description="Ask mode for a running session "
+        "(a runtime rule that wins over corral.toml's [approval]): a request or name the "
+        "policy does not name is held (DNS: answered NXDOMAIN) while an approval is open; "
+        "deny rules, IP literals and the appliance's own names are never held.")
+    asks.add_argument("--hold", type=int, metavar="SECONDS",
+                      help=f"how long a request waits for a decision (default {HOLD_DEFAULT})")
+    asks.add_argument("--off", action="store_true", help="deny at once again")
+    appliance_command(sub, "approvals", "what sessions in ask mode wait for", cmd_approvals)
+    approve = appliance_command(sub, "approve", "grant an open approval", cmd_approve,
+                                session=False)
+    approve.add_argument("id", metavar="ID", help="as `corral approvals` shows it")
+    how = approve.add_mutually_exclusive_group()
+    how.add_argument("--once", action="store_true",
+                     help="the requests waiting now whose client is still there go on (a "
+                     "tunnel for its life, a plain HTTP request alone), no rule is added (the "
+                     "default); refused when every client has left")
+    how.add_argument("--for", dest="duration", metavar="DURATION",
+                     help="a runtime rule for this long (90s, 10m, 1h30m, 2d)")
+    how.add_argument("--session", dest="session_grant", action="store_true",
+                     help="a runtime rule for the session's life")
+    how.add_argument("--always", action="store_true",
+                     help="also for every new session of the project: the rule is written "
+                     "into its corral.toml on this host, after a diff (and for this session's "
+                     "life)")
+    project_file(approve)
+    refuse = appliance_command(sub, "refuse", "refuse an open approval: the requests waiting "
+                               "get the usual denial", cmd_refuse, session=False)
+    refuse.add_argument("id", metavar="ID")
+    refuse.add_argument("--reason", metavar="TEXT", help="recorded with the decision")

@@ -250,3 +250,19 @@ def cmd_build(args) -> int:
         raise CliError(f"`vagrant box add` failed (exit {code})", "see its output above")
     output.line(f"box {BOX_NAME} is ready: `corral up` uses it")
     return exitcodes.OK
+
+
+def register(sub) -> None:
+    box_parser = sub.add_parser("box", help="the Debian 12 box the VM is made from")
+    box_sub = box_parser.add_subparsers(dest="box_command", required=True, metavar="COMMAND")
+    box_build = box_sub.add_parser(
+        "build", help="build the box from Debian packages (mmdebstrap; root) and add it to "
+        "vagrant", description="Build a Debian 12 libvirt box from Debian packages alone, "
+        "with the appliance's packages baked in, and add it to vagrant as corral/debian12.")
+    box_build.add_argument("--output", metavar="DIR", help="default: ~/.cache/corral/box")
+    box_build.add_argument("--rebuild", action="store_true", help="even when an image is there")
+    box_build.add_argument("--key", action="append", metavar="FILE.pub",
+                           help="another SSH public key for the vagrant user (repeatable)")
+    box_build.add_argument("--no-add", action="store_true",
+                           help="only build the image, do not add the box to vagrant")
+    box_build.set_defaults(run=cmd_build)

@@ -106,6 +106,11 @@ def write_appliance(name: str, endpoint: str, bundle: pki.Bundle | None = None,
     return directory
 
 
+SLOW = 600.0
+"""Seconds to wait for what takes the appliance long: creating, stopping or removing a
+session, its diff and changes, the bypass battery (`timeout=SLOW`)."""
+
+
 class Client:
     def __init__(self, appliance: Appliance, timeout: float = 10.0):
         self.appliance, self.timeout = appliance, timeout

@@ -1,38 +1,20 @@
-"""Commands that talk to an appliance's admin API: rules, monitor, audit, status, certs."""
+"""Commands that talk to an appliance's admin API about its policy and health: runtime rules
+(allow-*, deny, inspect, *-request, revoke, rules), monitor, audit, status."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import re
-import signal
 import sys
 import time
 
-from appliance import pki
-
-from . import exitcodes, output, render
+from . import approvals, exitcodes, output, render, vm
+from .arguments import appliance_command, granted
 from .client import Client, CliError, load_appliance
+from .targets import client_for, pick_session
+from .times import clock, parse_duration, parse_since
 
 KIND_OF_COMMAND = {"allow-http": "http", "allow-dns": "dns", "allow-tcp": "tcp", "deny": "deny",
                    "inspect": "inspect", "allow-request": "request", "deny-request": "request"}
-
-
-def client_for(args) -> Client:
-    return Client(load_appliance(args.appliance))
-
-
-def pick_session(client: Client, given: str | None) -> str:
-    """The named session, or the only one there is."""
-    if given:
-        return given
-    names = [s["name"] for s in client.request("GET", "/sessions")["sessions"]]
-    if len(names) == 1:
-        return names[0]
-    raise CliError("which session? " + (f"there are {len(names)}: {', '.join(names)}" if names
-                                         else "there are none"),
-                   "pass --session NAME" if names else "start one with `corral run`",
-                   exitcodes.USAGE)
 
 
 def cmd_allow(args) -> int:
@@ -57,27 +39,6 @@ def cmd_allow(args) -> int:
         output.line(f"{verb} {kind} {render.text(answer['rule']['rule'])} (session {session}"
                     f"{until})")
     return exitcodes.OK
-
-
-def parse_duration(text: str, option: str = "--for") -> int:
-    """`90s`, `10m`, `1h30m`, `2d`: seconds (--for, --max-uptime, --idle)."""
-    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text.strip())
-    if not text.strip() or parts is None:
-        raise CliError(f"{option} {text!r} is not a duration",
-                       "write it as 90s, 10m, 1h30m or 2d", exitcodes.USAGE)
-    days, hours, minutes, seconds = (int(p or 0) for p in parts.groups())
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total <= 0:
-        raise CliError(f"{option} {text!r} is no time at all", "give a duration above zero",
-                       exitcodes.USAGE)
-    return total
-
-
-def clock(ts: float) -> str:
-    """A wall-clock time for a person: the time alone today, else the date too."""
-    moment = datetime.datetime.fromtimestamp(ts)
-    today = datetime.datetime.now().date() == moment.date()
-    return moment.strftime("%H:%M:%S" if today else "%Y-%m-%d %H:%M:%S")
 
 
 def cmd_revoke(args) -> int:
@@ -122,9 +83,7 @@ def cmd_rules(args) -> int:
 def cmd_monitor(args) -> int:
     client = client_for(args)
     if args.ask:
-        from .approvals import monitor_ask
-
-        return monitor_ask(client, args, _color(args))
+        return approvals.monitor_ask(client, args, _color(args))
     if args.project is not None:
         raise CliError("--project: only with --ask (where `a` writes the rule)",
                        code=exitcodes.USAGE)
@@ -156,22 +115,6 @@ def _color(args) -> bool:
     if args.color == "auto":
         return sys.stdout.isatty() and "NO_COLOR" not in os.environ
     return args.color == "always"
-
-
-def parse_since(text: str) -> float:
-    """`10m`, `2h`, `3d` ago, or an ISO 8601 time."""
-    match = re.fullmatch(r"(\d+)([smhd])", text)
-    if match:
-        seconds = int(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-        return time.time() - seconds
-    try:
-        moment = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        raise CliError(f"--since {text!r} is neither a duration (10m, 2h) nor an ISO time",
-                       code=exitcodes.USAGE) from None
-    if moment.tzinfo is None:
-        moment = moment.astimezone()
-    return moment.timestamp()
 
 
 VERIFY_TIMEOUT = 600.0
@@ -220,9 +163,7 @@ def cmd_status(args) -> int:
     appliance = load_appliance(args.appliance)
     machine = None
     if appliance.backend == "vm":
-        from .vm import vm_state
-
-        machine = vm_state(appliance)
+        machine = vm.vm_state(appliance)
         if machine["state"] != "running":
             if args.json:
                 output.data({"vm": machine})
@@ -265,79 +206,53 @@ def cmd_status(args) -> int:
         sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
 
 
-def cmd_certs_interception(args) -> int:
-    """The filter's interception CA: what sessions trust for the hosts it inspects."""
-    client = client_for(args)
-    if args.refresh:
-        answer = client.request("POST", "/certs/interception/refresh", {})
-        if args.json:
-            output.data(answer)
-        elif answer["sessions"] is not None:
-            output.line(f"given the CA again: {', '.join(answer['sessions']) or 'no session'}")
-        if answer["failed"]:
-            raise CliError("not given the CA: " + "; ".join(
-                f"{name}: {why}" for name, why in answer["failed"].items()))
-        return exitcodes.OK
-    answer = client.request("GET", "/certs/interception")
-    ca = answer.get("ca")
-    if args.json:
-        output.data(answer)
-    elif ca is None:
-        output.line("inspection is off: the filter has no interception CA (set [inspect] "
-                    "ca_dir in its config, as the roles do)")
-    elif args.pem:
-        output.line(ca["pem"].rstrip("\n"))
-    else:
-        _show_ca(ca)
-    return exitcodes.OK
-
-
-def _show_ca(ca: dict) -> None:
-    output.line(f"interception CA  {ca['subject']}\n"
-                f"sha256           {ca['sha256']}\n"
-                f"valid            {ca['not_before']} to {ca['not_after']} "
-                f"({ca['days_left']} days left)\n"
-                "rotate           " + ("`corral certs rotate --interception`" if ca["rotatable"]
-                                       else "given as files ([inspect] ca_cert): by hand"))
-
-
-def cmd_certs_rotate(args) -> int:
-    """A new CA, server and client certificate; the old client certificate stops working.
-    With --interception: a new interception CA instead, trusted by every running session."""
-    if args.interception:
-        answer = client_for(args).request("POST", "/certs/interception/rotate", {})
-        if args.json:
-            output.data(answer)
-            return exitcodes.OK
-        _show_ca(answer["ca"])
-        sessions = answer["sessions"]
-        output.line(f"rotated: the filter signs with the new CA now (was {answer['previous']})"
-                    + ("" if sessions is None else f"; {len(sessions)} running session(s) "
-                       f"given it: {', '.join(sessions) or 'none'}") + ". Processes started "
-                    "before in a session (a running node, a JVM) keep the old one: restart "
-                    "them")
-        if answer["failed"]:
-            raise CliError("not given the new CA: " + "; ".join(
-                f"{name}: {why}" for name, why in answer["failed"].items()),
-                "fix that, then `corral certs interception --refresh`")
-        return exitcodes.OK
-    appliance = load_appliance(args.appliance)
-    if appliance.server_dir is None:
-        raise CliError(f"appliance {appliance.name} does not run on this host",
-                       "rotate a VM appliance's certificates by re-provisioning it "
-                       "(playbooks/rotate-certs.yml)", exitcodes.USAGE)
-    host = appliance.host_port[0]
-    bundle = pki.issue([host] if host[:1].isdigit() or ":" in host else ["127.0.0.1"],
-                       [] if host[:1].isdigit() or ":" in host else [host])
-    pki.write_server(bundle, appliance.server_dir)
-    pki.write_client(bundle, appliance.directory)
-    if appliance.api_pidfile:
-        try:
-            os.kill(int(appliance.api_pidfile.read_text().split()[0]), signal.SIGHUP)
-        except (OSError, ValueError, IndexError) as exc:
-            raise CliError(f"new certificates written, but the API could not be told to load "
-                           f"them ({appliance.api_pidfile}: {exc})",
-                           "restart corral-api: it loads them when it starts") from None
-    output.line(f"rotated: new CA and certificates for {appliance.name}; the API reloads them, "
-                "and the previous client certificate no longer works")
-    return exitcodes.OK
+def register(sub) -> None:
+    examples = {"allow-http": "HOST[:PORT]   e.g. api.example.com, *.example.org:8443",
+                "allow-dns": "NAME          e.g. example.com, *.example.org",
+                "allow-tcp": "HOST:PORT     e.g. github.com:22",
+                "deny": "NAME          wins over every allow, e.g. upload.example.org"}
+    for name, example in examples.items():
+        metavar, _, text = example.partition(" ")
+        command = appliance_command(
+            sub, name, f"add a {KIND_OF_COMMAND[name]} rule to a session's runtime layer",
+            cmd_allow)
+        command.add_argument("rule", metavar=metavar.strip(), help=text.strip())
+        granted(command)
+    inspect = appliance_command(sub, "inspect", "have the filter end TLS to a host and judge "
+                                "each request (a session's runtime layer)", cmd_allow)
+    inspect.add_argument("rule", metavar="HOST", help="e.g. api.github.com, *.example.org")
+    granted(inspect)
+    for name, verb in (("allow-request", "allow"), ("deny-request", "deny")):
+        command = appliance_command(
+            sub, name, f"{verb} a method and path on an inspected host (a session's runtime "
+            "layer)", cmd_allow, description=f"{verb.capitalize()} requests on an inspected "
+            "host by method and path glob (`*` one segment, `**` any): deny wins; a runtime "
+            "allow only widens a host's allow list.")
+        command.add_argument("rule", metavar="HOST")
+        command.add_argument("method", metavar="METHOD", help="GET, POST, ... or *")
+        command.add_argument("path", metavar="PATH", help="e.g. /repos/acme/widget/pulls/*")
+        granted(command)
+    revoke = appliance_command(sub, "revoke", "remove a rule from a session's runtime layer",
+                               cmd_revoke)
+    revoke.add_argument("rule", nargs="+", metavar="[KIND] RULE",
+                        help="the rule as `corral rules` shows it, optionally after its kind")
+    appliance_command(sub, "rules", "a session's effective rules: rule, kind, layer, source",
+                      cmd_rules)
+    monitor = appliance_command(sub, "monitor", "watch decisions live (reconnects by itself)",
+                                cmd_monitor)
+    monitor.add_argument("--denied", action="store_true", help="only denials")
+    monitor.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    monitor.add_argument("--ask", action="store_true", help="also the open approvals, oldest "
+                         "first, each shown whole on lines of the CLI's own (marked) and "
+                         "decided with a key: o once, s session, a always (the project's "
+                         "corral.toml, after a diff), r refuse, n next, q quit")
+    monitor.add_argument("--project", metavar="DIR", help="with --ask: where `a` writes "
+                         "(default: the current directory)")
+    audit = appliance_command(sub, "audit", "read the audit log, or verify its hash chain",
+                              cmd_audit, session=False)
+    audit.add_argument("--since", metavar="T", help="10m, 2h, 3d, or an ISO time")
+    audit.add_argument("--limit", type=int, default=1000, help="at most this many records")
+    audit.add_argument("--verify", action="store_true", help="check the chain (exit 5 if broken)")
+    audit.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    appliance_command(sub, "status", "the appliance's health: API, filter, firewall",
+                      cmd_status, session=False)

@@ -43,8 +43,8 @@ from appliance.policy.names import HostNameError, split_host_port
 from appliance.policy.rules import overlap
 
 from . import exitcodes, output, projectfile, render
-from .client import CliError
-from .control import client_for, pick_session
+from .arguments import appliance_command, project_file
+from .targets import client_for, pick_session, project_of
 
 PRESET_MIN = 2
 WILDCARD_MIN = 3
@@ -364,32 +364,24 @@ def learn(client, session: str, project: Path, yes: bool, as_json: bool,
     return exitcodes.OK
 
 
-def project_of(client, session: str, project_dir: str | None, force: bool) -> Path:
-    """The project directory whose corral.toml a session's rules go into: --project or the
-    current directory, which must be the one the session was started from. When that is
-    not known (a session from the appliance's own config, or the sandbox service did not
-    answer), only an explicit --project (or --force) says which."""
-    from .sessions import project_id
-
-    project = Path(project_dir or ".").resolve()
-    if not project.is_dir():
-        raise CliError(f"no project directory {project}", code=exitcodes.USAGE)
-    started = client.request("GET", f"/sessions/{session}").get("project")
-    if force:
-        return project
-    if started and started != project_id(project):
-        raise CliError(f"session {session} was started from another project ({started}), "
-                       f"not {project}", "run it in that project, pass --project DIR, or "
-                       "--force", exitcodes.USAGE)
-    if not started and project_dir is None:
-        raise CliError(f"which project session {session} came from is not known",
-                       "name it: --project DIR", exitcodes.USAGE)
-    return project
-
-
 def cmd_learn(args) -> int:
     client = client_for(args)
     session = pick_session(client, args.session)
     project = project_of(client, session, args.project, args.force)
     return learn(client, session, project, args.yes, args.json, args.fold)
 
+
+def register(sub) -> None:
+    learning = appliance_command(
+        sub, "learn", "propose the corral.toml rules a session needed, from its denials",
+        cmd_learn, session=False,
+        description="Read what the session was denied that a person could allow (the audit "
+        "log; never what a person refused or a deny rule covers) and propose the corral.toml "
+        "change letting exactly that through, each line saying how often and by what it was "
+        "asked (--fold: presets and wildcards where they cover several). Shown as a diff and "
+        "written only when you say so.")
+    learning.add_argument("session", nargs="?", help="default: the only one")
+    learning.add_argument("--fold", action="store_true", help="propose a preset where one "
+                          "covers two or more names, and *.parent where three or more share "
+                          "a parent (each lets through more than was asked for)")
+    project_file(learning)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import exitcodes, output
 from .client import CliError
-from .control import client_for
+from .targets import client_for
 
 MAX_VALUE = 8192
 
@@ -156,3 +156,50 @@ def cmd_rm(args) -> int:
         output.line(f"secret {args.name} removed: running sessions' placeholders for it now "
                     "reach nothing")
     return exitcodes.OK
+
+
+def register(sub) -> None:
+    secret = sub.add_parser(
+        "secret", help="secrets the appliance holds for sessions (they get placeholders)",
+        description="A secret's value stays on the appliance: a session is given a "
+        "placeholder in the variable NAME, and the filter puts the value in place of it on "
+        "requests to the secret's hosts (their TLS ended by the filter), in the form given.")
+    secret_sub = secret.add_subparsers(dest="secret_command", required=True, metavar="COMMAND")
+
+    def secret_command(name, help, run):
+        command = secret_sub.add_parser(name, help=help, description=help)
+        command.add_argument("--appliance", default="default", metavar="NAME",
+                             help="which appliance (default: %(default)s)")
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        command.set_defaults(run=run)
+        return command
+
+    store = secret_command("set", "store a secret; its value is read from standard input",
+                           cmd_set)
+    store.add_argument("name", metavar="NAME", help="the variable sessions find its "
+                       "placeholder in, e.g. ANTHROPIC_API_KEY (with --ssh: a name alone)")
+    store.add_argument("--host", action="append", metavar="H",
+                       help="a host it may go to (repeatable; *.example.com for subdomains, "
+                       "not with --ssh)")
+    form = store.add_mutually_exclusive_group()
+    form.add_argument("--bearer", action="store_true",
+                      help="sent as `Authorization: Bearer VALUE` (the default)")
+    form.add_argument("--header", metavar="FIELD", help="sent as `FIELD: VALUE`, e.g. x-api-key")
+    form.add_argument("--basic", metavar="USER", help="sent as basic auth USER:VALUE (git "
+                      "over HTTPS)")
+    form.add_argument("--ssh", action="store_true", help="an SSH private key (no passphrase) "
+                      "the git gateway logs in to the hosts with; sessions get nothing for "
+                      "it. Needs --known-hosts")
+    store.add_argument("--known-hosts", metavar="FILE", help="with --ssh: the hosts' public "
+                       "keys, as ssh-keyscan prints them; the gateway reaches no other")
+    store.add_argument("--user", metavar="LOGIN",
+                       help="with --ssh: the login on the hosts (default: git)")
+    store.add_argument("--port", type=int,
+                       help="with --ssh: the hosts' SSH port (default: 22)")
+    store.add_argument("--only", action="append", metavar="'METHOD /path'",
+                       help="attach it only to these requests (repeatable; patterns as in "
+                       "[[inspect]] allow lists, e.g. 'POST /v1/messages'); any other request "
+                       "carrying its placeholder is refused")
+    secret_command("ls", "the secrets: name, hosts and how each is sent (never values)", cmd_ls)
+    forget = secret_command("rm", "remove a secret", cmd_rm)
+    forget.add_argument("name", metavar="NAME")

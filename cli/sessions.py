@@ -1,4 +1,4 @@
-"""Session commands: run, shell, ls, stop, rm, diff, apply, selftest, image build.
+"""Session commands: run, shell, ls, stop, rm, diff, apply.
 
 The appliance keeps sessions (through the admin API); terminals are `podman exec` on the
 appliance, run with the words its appliance.toml gives (`podman = [...]`): directly for the
@@ -8,11 +8,7 @@ changes, `appliance.workspace` checks them against the project here and writes t
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -25,17 +21,12 @@ from appliance import workspace
 from appliance.policy.config import ConfigError, parse_policy
 
 from . import agents, exitcodes, output, render, scan
-from .client import Client, CliError, load_appliance
-from .control import client_for, parse_duration, pick_session
+from .arguments import appliance_command
+from .client import SLOW, Client, CliError
+from .learn import learn
 from .projectfile import drop_typeahead
-
-SLOW = 600.0  # seconds for creating a session or running the battery
-
-
-def project_id(project: Path) -> str:
-    """Stable per project directory: its name (readable) and a hash of its path (unique)."""
-    stem = re.sub(r"[^a-z0-9-]+", "-", project.name.lower()).strip("-")[:23] or "project"
-    return f"{stem}-{hashlib.sha256(str(project).encode()).hexdigest()[:8]}"
+from .targets import client_for, pick_session, project_id
+from .times import parse_duration
 
 
 def _session_name(project: Path) -> str:
@@ -205,8 +196,6 @@ def cmd_run(args) -> int:
     output.notice(f"session {name} keeps running: `corral shell {name}` re-attaches; "
                   f"`corral diff {name}`, `corral apply {name}`, `corral stop {name}`")
     if args.learn:
-        from .learn import learn
-
         try:
             learn(client, name, project, yes=False, as_json=False)
         except CliError as exc:
@@ -476,146 +465,76 @@ def cmd_apply(args) -> int:
     return exitcodes.FAILURE if result.refused else exitcodes.OK
 
 
-def plain_allowed(rules: list[dict], avoid: list[str]) -> str | None:
-    """The first exact http host of these rules (a wildcard names no host) that is none of
-    `avoid`, or None."""
-    for rule in rules:
-        name = rule["rule"].split(":")[0]
-        if rule["kind"] == "http" and not name.startswith("*") and name not in avoid:
-            return name
-    return None
-
-
-def _default_allowed(client: Client, session: str, args) -> str:
-    """An allowed name to prove the legitimate path works: the session's first exact http
-    rule for a host the other probes do not treat otherwise: not --inspected (they expect a
-    host whose TLS the filter does not end), not --neighbour (on an inspected host's
-    address, it gets no tunnel), not --echo-secret's host (its secret inspects it)."""
-    avoid = [args.inspected, args.neighbour, (args.echo_secret or "").partition("@")[2]]
-    found = plain_allowed(client.request("GET", "/policy", session=session)["rules"],
-                          [h for h in avoid if h])
-    if found is None:
-        raise CliError(f"session {session} allows no http host to test the allowed path with",
-                       "pass --allowed NAME (a host the policy allows)", exitcodes.USAGE)
-    return found
-
-
-PROBE_DENIED = "GET /corral-selftest-denied"
-"""A request the throwaway session's request rule (`GET /corral-selftest-denied/**`) denies
-on its inspected host (the battery's --denied-request; `/corral-selftest-denied.json` is
-how the format-suffix probe spells it)."""
-PROBE_REPO = "corral-selftest/probe"
-"""The repository its [[git]] table lists for that host, only the session's own branches
-pushable (the battery's --git-repo)."""
-
-
-def _empty_project(inspected: str | None = None, neighbour: str | None = None,
-                   echo_secret: str | None = None) -> tuple[io.BytesIO, int]:
-    """A project with nothing in it: the throwaway session gets a workspace, so the review
-    probe has a /work to write into and a diff to check. With `inspected`, a corral.toml
-    that allows that host and inspects it, for the inspection probes: with a request rule
-    denying PROBE_DENIED and a [[git]] table listing PROBE_REPO, which the probes run into
-    (never reaching the host); and allows `neighbour` (not inspected) too. With
-    `echo_secret` (NAME@HOST), it allows HOST: a secret's value goes only to a host
-    `[http]` allows (its secret has it inspected)."""
-    echo_host = (echo_secret or "").partition("@")[2] or None
-    allowed = [h for h in (inspected, neighbour if inspected else None, echo_host) if h]
-    data = io.BytesIO()
-    with tarfile.open(fileobj=data, mode="w:gz") as tar:
-        if allowed:
-            # TOML basic strings, quoted as JSON quotes them
-            hosts = ", ".join(json.dumps(h) for h in dict.fromkeys(allowed))
-            text = f"[http]\nallow = [{hosts}]\n"
-            if inspected:
-                host = json.dumps(inspected)
-                method, path = PROBE_DENIED.split(" ")
-                text += (f'\n[[inspect]]\nhost = {host}\ndeny = ["{method} {path}/**"]\n\n'
-                         f'[[git]]\nhost = {host}\nrepos = ["{PROBE_REPO}"]\n')
-            encoded = text.encode()
-            info = tarfile.TarInfo("corral.toml")
-            info.size, info.mode, info.mtime = len(encoded), 0o644, int(time.time())
-            tar.addfile(info, io.BytesIO(encoded))
-    size = data.tell()
-    data.seek(0)
-    return data, size
-
-
-STATES = {"passed": "ok", "failed": "FAIL", "not-run": "NOT RUN"}
-
-
-def cmd_selftest(args) -> int:
-    if args.ask_hold is not None and args.session is None:
-        raise CliError("--ask-hold runs the approval probes in a session in ask mode: name "
-                       "one (a throwaway session does not ask)",
-                       "corral ask --session S --hold 2, then corral selftest S --ask-hold 2 "
-                       "--only held-request-sends-nothing --only approval-flood-bounded",
-                       exitcodes.USAGE)
-    client = client_for(args)
-    throwaway = None
-    if args.session is None:
-        throwaway = f"selftest-{secrets.token_hex(3)}"
-        output.notice(f"starting throwaway session {throwaway} ...")
-        data, size = _empty_project(args.inspected, args.neighbour, args.echo_secret)
-        client.request("POST", "/sessions", upload=(data, size, "application/gzip"),
-                       timeout=SLOW, name=throwaway, preset=args.preset or [])
-    session = args.session or throwaway
-    try:
-        options = {"allowed": args.allowed or _default_allowed(client, session, args)}
-        if throwaway and args.inspected:  # what its corral.toml forbids there
-            options.update(denied_request=PROBE_DENIED, git_repo=PROBE_REPO)
-        for key in ("denied", "foreign_resolver", "v6_target", "private_name", "tcp_name",
-                    "inspected", "other_gateway", "silence", "connections", "ask_hold", "only",
-                    "skip_group", "denied_request", "git_repo", "git_ssh", "fake_upgrade",
-                    "echo_secret", "neighbour"):
-            if getattr(args, key) is not None:
-                options[key] = getattr(args, key)
-        output.notice(f"running the bypass battery in {session} ...")
-        result = client.request("POST", f"/sessions/{session}/selftest", options, timeout=SLOW)
-    finally:
-        if throwaway:
-            client.request("DELETE", f"/sessions/{throwaway}", timeout=SLOW)
-    if args.json:
-        output.data(result)
-    else:
-        probes = result["probes"]
-        output.table([[STATES.get(p.get("state"), "FAIL"), p["id"], p.get("threat", ""),
-                       f"{p.get('ms', 0):.1f}", p.get("detail", "")] for p in probes],
-                     ["", "PROBE", "THREAT", "MS", "DETAIL"])
-        output.line("\n" + selftest_summary(result, session))
-    return exitcodes.OK if result["passed"] else exitcodes.FAILURE
-
-
-def selftest_summary(result: dict, session: str) -> str:
-    """`N/M probes passed in SESSION`, then what did not pass and what was left out."""
-    probes = result["probes"]
-    count = {state: sum(p.get("state") == state for p in probes) for state in STATES}
-    unrecorded = sum(bool(p.get("unrecorded")) for p in probes)
-    text = f"{count['passed']}/{len(probes)} probes passed in {session}"
-    if count["failed"]:
-        text += f"; {count['failed']} failed"
-        if unrecorded:
-            text += f" ({unrecorded} denied but not recorded)"
-    if count["not-run"]:
-        text += f"; {count['not-run']} not run (could not be tried: see DETAIL)"
-    summary = result.get("summary") or {}
-    for group, ids in (summary.get("skipped_groups") or {}).items():
-        text += f"; group {group} skipped ({len(ids)} probes)"
-    if summary.get("unselected"):
-        text += f"; {len(summary['unselected'])} not selected (an option they need was " \
-            "not given)"
-    if result.get("summary") is None:
-        text += "; the battery did not finish"
-    return text
-
-
-def cmd_image_build(args) -> int:
-    appliance = load_appliance(args.appliance)
-    argv = [*appliance.sandbox, "image", "build", *(["--rebuild"] if args.rebuild else [])]
-    if appliance.state_dir:
-        argv += ["--config", str(appliance.state_dir / "sandbox.toml")]
-    elif appliance.backend == "vm":  # where corral_sandbox writes it
-        argv += ["--config", "/etc/corral/sandbox.toml"]
-    code = subprocess.call(argv)
-    if code != 0:
-        raise CliError(f"the image build failed (exit {code})", "see its output above")
-    return exitcodes.OK
+def register(sub) -> None:
+    run = appliance_command(sub, "run", "start a session for a project and attach to it",
+                            cmd_run, session=False,
+                            description="Copy the project (without .corral/) into a new "
+                            "hardened session and open a shell in it (or run CMD). With "
+                            "--agent NAME: `corral run --agent NAME [PROJECT] [-- ARGS...]` "
+                            "runs that agent there instead (installed once per appliance, "
+                            "its policy and secrets as its profile says; see `corral "
+                            "agents`), with ARGS after its own command.")
+    run.add_argument("--project", metavar="DIR", help="default: the current directory")
+    run.add_argument("--agent", metavar="NAME", help="run this agent's profile (`corral "
+                     "agents` lists them): the first word is then the project directory, "
+                     "and words after -- go to the agent")
+    run.add_argument("--preset", action="append", metavar="P",
+                     help="a policy preset that takes no parameters (repeatable); see "
+                     "`corral presets`; one that takes them goes in corral.toml")
+    run.add_argument("--name", metavar="N", help="the session's name (default: from the "
+                     "project's)")
+    run.add_argument("--detach", action="store_true", help="start it, do not attach")
+    run.add_argument("--ask", action="store_true", help="ask mode: a request the policy does "
+                     "not name waits for `corral approve` (see `corral ask`)")
+    run.add_argument("--max-uptime", metavar="DURATION", help="stop the session this long "
+                     "after it starts (8h, 90m; the workspace stays)")
+    run.add_argument("--idle", metavar="DURATION", help="stop it after this long without "
+                     "activity the filter sees: no DNS query, connection or request of its, "
+                     "none open (direct TCP and an attached shell are not seen)")
+    run.add_argument("--memory", metavar="SIZE", help="memory it may use (default 4g)")
+    run.add_argument("--cpus", metavar="N", help="CPUs it may use (default 2; 1.5 works)")
+    run.add_argument("--pids", type=int, metavar="N", help="processes it may have (default "
+                     "2048)")
+    run.add_argument("--learn", nargs="?", const="closed", choices=["closed", "open"],
+                     help="when you leave the session, propose the corral.toml rules it "
+                     "needed (`corral learn`); --learn=open: meanwhile allow (and record) "
+                     "whatever a person could approve, for bootstrapping a policy on a "
+                     "throwaway project")
+    run.add_argument("--allow-secrets", action="store_true", help="copy the project even if "
+                     "files in it look like secrets (they are read first; see [workspace] "
+                     "exclude in corral.toml)")
+    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell "
+                     "(with --agent: [PROJECT] [-- ARGS...])")
+    shell = appliance_command(sub, "shell", "another terminal in a running session (re-attach)",
+                              cmd_shell, session=False)
+    shell.add_argument("session", nargs="?", help="default: the only one")
+    shell.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
+    appliance_command(sub, "ls", "sessions: state, age, time left, allowed/denied counters, "
+                      "limits", cmd_ls, session=False)
+    for name, text, run_fn in (
+            ("stop", "stop a session: container and network go, the workspace stays",
+             cmd_stop),
+            ("rm", "remove a session and its workspace", cmd_rm),
+            ("diff", "what the agent changed, as a unified diff with a summary, and the "
+             "digest that `apply --digest` takes to apply exactly it", cmd_diff),
+            ("apply", "write the agent's changes into the project on this host",
+             cmd_apply)):
+        command = appliance_command(sub, name, text, run_fn, session=False)
+        command.add_argument("name", metavar="SESSION")
+        if name == "rm":
+            command.add_argument("--home", action="store_true",
+                                 help="also remove the project's home directory")
+        if name == "apply":
+            command.add_argument("--project", metavar="DIR",
+                                 help="default: the current directory")
+            command.add_argument("--path", action="append", metavar="P",
+                                 help="only this file or directory (repeatable)")
+            command.add_argument("--force", action="store_true",
+                                 help="overwrite files changed on this host meanwhile")
+            command.add_argument("--digest", metavar="D",
+                                 help="apply exactly the changeset `corral diff` showed under "
+                                 "this digest (or refuse); without it, a diff is taken and "
+                                 "shown now, and applied when you say so")
+            command.add_argument("--yes", action="store_true",
+                                 help="without --digest: apply the diff shown now without "
+                                 "asking")

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import box, exitcodes, output
+from .arguments import machine_command
 from .client import Client, CliError, config_home, load_appliance, write_appliance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,3 +385,13 @@ def vm_state(appliance) -> dict:
         return {"state": "not created", "error": "the domain Vagrant recorded is gone"}
     finally:
         connection.close()
+
+
+def register(sub) -> None:
+    machine_command(sub, "provision", "re-run playbooks/site.yml on the VM (safe: idempotent)",
+                    provision)
+    machine_command(sub, "destroy", "delete the appliance's VM (its credentials stay)", destroy)
+    machine_command(sub, "verify", "run playbooks/verify.yml: services, ruleset, API and the "
+                    "bypass battery in a throwaway session", verify)
+    shell = machine_command(sub, "ssh", "a shell on the appliance's VM", ssh)
+    shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of a shell")

@@ -107,13 +107,11 @@ class Install:
 
     def policy_text(self) -> str:
         """The install step's own policy: its registry and nothing else."""
-        if self.index == REGISTRIES[self.kind] and not self.hosts:
-            return f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
-        hosts = [_index_host(self.index), *self.hosts]
-        if self.index == REGISTRIES[self.kind]:
-            return (f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
-                    f"[http]\nallow = {json.dumps(list(self.hosts))}\n")
-        return f"[http]\nallow = {json.dumps(hosts)}\n"
+        if self.index != REGISTRIES[self.kind]:
+            return f"[http]\nallow = {json.dumps([_index_host(self.index), *self.hosts])}\n"
+        preset = f'presets = ["{REGISTRY_PRESETS[self.kind]}"]\n'
+        return preset + (f"[http]\nallow = {json.dumps(list(self.hosts))}\n" if self.hosts
+                         else "")
 
     def command(self) -> list[str]:
         """What installs it into MOUNT (run in a throwaway session whose policy is

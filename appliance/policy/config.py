@@ -94,6 +94,9 @@ def parse_toml(text: str, path: str) -> dict:
     except tomllib.TOMLDecodeError as exc:
         line = _line_from_message(str(exc))
         raise ConfigError(path, "", f"not valid TOML: {exc}", line) from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays or tables
+        raise ConfigError(path, "", "not usable TOML: arrays or inline tables nested "
+                          "thousands of levels deep") from None
 
 
 def parse_policy(text: str, path: str, layer: str, *, allow_presets: bool = True,

@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from appliance.agents.profile import MOUNT, Profile, parse_profile
 from appliance.atomic import write_atomic
+from appliance.workspace import remove_tree
 
 log = logging.getLogger("corral.sandbox")
 
@@ -53,6 +53,11 @@ INSTALL_ENVIRONMENT = (("npm_config_cache", "/tmp/npm-cache"),  # noqa: S108 - i
 them belongs in the tree)."""
 MAX_PROFILE = 16 * 1024
 """Bytes of profile text a session may be asked for with."""
+LOG_LINES = 200
+"""Lines of a failed install's output read back (`tail` keeps the last of them)."""
+MAX_TREE_DEPTH = 128
+"""Levels an installed tree may have (npm's and pip's trees are a few dozen deep): a deeper
+one is the package's doing, refused rather than kept."""
 
 
 class AgentError(ValueError):
@@ -80,10 +85,15 @@ def tree_name(profile: Profile, key: str) -> str:
     return f"{profile.name}-{key}"
 
 
+INSTALL_PREFIX = "agent-install-"
+"""Names of install sessions: no one else's session takes one (an install removes a
+session of its name, as one left by a service stopped mid-install)."""
+
+
 def install_session(tree: str) -> str:
     """The throwaway session's name for one tree (a session name: 1-32 of a-z, 0-9, '-'):
     two profiles of one package share a key, not a tree, and may install at once."""
-    return f"agent-install-{hashlib.sha256(tree.encode()).hexdigest()[:12]}"
+    return f"{INSTALL_PREFIX}{hashlib.sha256(tree.encode()).hexdigest()[:12]}"
 
 
 def is_ready(tree: bool, marker: bool) -> str:
@@ -134,11 +144,13 @@ def record(profile: Profile, key: str) -> dict:
 
 
 def tail(output: bytes, lines: int = 25, limit: int = 3000) -> str:
-    """The end of an install's output, for the refusal: what npm or pip said last."""
+    """The end of an install's output, for the refusal: what npm or pip said last, each
+    line quoted (`  | `): the package wrote them, and the person reads them among corral's
+    own lines (the CLI escapes controls, not line breaks)."""
     text = output.decode(errors="replace").replace("\r", "\n").strip()
     kept = "\n".join(line for line in text.splitlines() if line.strip())
-    kept = "\n".join(kept.splitlines()[-lines:])
-    return kept[-limit:]
+    kept = "\n".join(kept.splitlines()[-lines:])[-limit:]
+    return "\n".join(f"  | {line}" for line in kept.splitlines())
 
 
 def make_home_directories(home: Path, directories: list[str], uid: int, gid: int) -> list[str]:
@@ -219,10 +231,13 @@ class Installs:
             if state == "redo":
                 log.warning("agent %s: %s has no marker (an install cut short after its "
                             "rename?): installing it again", profile.name, tree)
-                shutil.rmtree(tree)
+                remove_tree(tree)  # the package made it: as deep as it liked
             self._root()
             for stale in self.root.glob(f".{name}-*"):  # a service stopped mid-install
-                shutil.rmtree(stale, ignore_errors=True)
+                try:
+                    remove_tree(stale)
+                except OSError as exc:
+                    log.warning("agent %s: could not remove %s: %s", profile.name, stale, exc)
             started = time.monotonic()
             log.info("agent %s: installing %s (%s, install key %s) through the filter",
                      profile.name, profile.install.spec, profile.install.index, key)
@@ -235,7 +250,7 @@ class Installs:
                 scratch.rename(tree)  # complete, or not there at all
             finally:
                 if scratch.exists():
-                    shutil.rmtree(scratch, ignore_errors=True)
+                    remove_tree(scratch)
             seconds = time.monotonic() - started
             write_atomic(marker, json.dumps({
                 **record(profile, key), "spec": profile.install.spec,
@@ -248,11 +263,38 @@ class Installs:
 
 def _read_only(tree: Path) -> None:
     """The tree as sessions see it: nobody's to write, even if it were mounted writable
-    (write bits off, so a mistake in a mount does not make it the agent's)."""
-    for directory, dirs, files in os.walk(tree):
-        for entry in [*dirs, *files]:
-            path = os.path.join(directory, entry)
-            mode = os.lstat(path).st_mode
-            if not stat.S_ISLNK(mode):
-                os.chmod(path, stat.S_IMODE(mode) & ~0o222)
-    os.chmod(tree, stat.S_IMODE(os.stat(tree).st_mode) & ~0o222)
+    (write bits off, so a mistake in a mount does not make it the agent's), and no set-uid,
+    set-gid or sticky bit (on the appliance's disk the files are the sandbox's mapped user's:
+    a set-uid one would let any local account act as that user, who owns every session's
+    workspace). Walked by descriptor, without recursion, never through a link (the package
+    made the tree: as deep and as long-named as it liked); AgentError past MAX_TREE_DEPTH.
+    Nothing writes the tree meanwhile: its install session is gone."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    stack = [(os.open(tree, flags), iter(()))]
+    try:
+        stack[0] = (stack[0][0], iter(os.listdir(stack[0][0])))
+        while stack:
+            fd, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & 0o555)
+                os.close(stack.pop()[0])
+                continue
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                continue
+            if not stat.S_ISDIR(mode):
+                os.chmod(name, stat.S_IMODE(mode) & 0o555, dir_fd=fd)
+                continue
+            if len(stack) >= MAX_TREE_DEPTH:
+                raise AgentError(f"the install made a tree more than {MAX_TREE_DEPTH} levels "
+                                 f"deep (under {tree.name}): refused, and removed")
+            child = os.open(name, flags, dir_fd=fd)
+            try:
+                stack.append((child, iter(os.listdir(child))))
+            except BaseException:
+                os.close(child)
+                raise
+    finally:
+        for fd, _ in stack:
+            os.close(fd)

@@ -44,6 +44,9 @@ class Sandbox:
     pids: int = 2048
     cpus: str = "2"
     tmp_size: str = "1g"
+    log_size: str = "1mb"
+    """The most of its main process's output podman keeps on the appliance's disk (the
+    rest is dropped from the front): an agent's install prints what its package likes."""
     userns_base: int = 200_000
     """Container ID 0 maps to this host ID; USERNS_SIZE IDs are mapped."""
     volumes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
@@ -97,7 +100,7 @@ def run_arguments(s: Sandbox, command: list[str]) -> list[str]:
         # user namespace, so it may only name IDs mapped there
         "--sysctl", f"net.ipv4.ping_group_range=0 {USERNS_SIZE - 1}",
         "--memory", s.memory, "--pids-limit", str(s.pids), "--cpus", s.cpus,
-        "--workdir", s.workdir,
+        "--workdir", s.workdir, f"--log-opt=max-size={s.log_size}",
         "--env", "HOME=/home/agent", "--env", "TERM=xterm-256color",
     ]
     environment: dict[str, str] = {}

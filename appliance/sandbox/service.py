@@ -226,6 +226,10 @@ class Sessions:
         return {**answer, **({"not_paused": not_paused} if not_paused else {})}
 
     def _create(self, request: dict, payload: BinaryIO | None) -> dict:
+        if _name(request).startswith(agents.INSTALL_PREFIX):
+            raise RequestError(f"session names starting {agents.INSTALL_PREFIX!r} are agent "
+                               "installs' (an install removes a session of its name): "
+                               "choose another name")
         presets = _string_list(request, "presets")
         unknown = sorted(set(presets) - set(preset_names()))
         if unknown:
@@ -294,7 +298,7 @@ class Sessions:
                 name, command=profile.install.command(),
                 layers={"install.toml": profile.install.policy_text()},
                 mounts=((str(scratch), agents.MOUNT),),
-                environment=agents.INSTALL_ENVIRONMENT)
+                environment=agents.INSTALL_ENVIRONMENT, secrets=False)
         try:
             try:
                 waited = self.manager.podman.run("wait", record.container,
@@ -302,7 +306,10 @@ class Sessions:
                 code = int(waited.stdout.split()[-1])
             except (PodmanError, ValueError, IndexError) as exc:
                 code, waited = None, exc
-            said = self.manager.podman.run("logs", record.container, check=False)
+            # its last lines only: the package decides how much it prints, the sandbox
+            # service (root, on a small appliance) reads it all into memory otherwise
+            said = self.manager.podman.run("logs", "--tail", str(agents.LOG_LINES),
+                                           record.container, check=False)
             output = said.stdout + said.stderr
         finally:
             with self.lock:

@@ -256,10 +256,14 @@ class SessionManager:
                read_only: tuple[tuple[str, str], ...] = (),
                mounts: tuple[tuple[str, str], ...] = (),
                environment: tuple[tuple[str, str], ...] = (),
-               home_directories: list[str] = (), agent: dict | None = None) -> Record:
+               home_directories: list[str] = (), agent: dict | None = None,
+               secrets: bool = True) -> Record:
         """A session. An agent's brings its own: `layers` (policy files by name), mounts
         (`read_only` and read-write `mounts`, (source, target) pairs), `environment`,
-        `home_directories` made in the project's home first, and `agent` for its record."""
+        `home_directories` made in the project's home first, and `agent` for its record.
+        `secrets=False`: no secret's placeholder in its environment and no key for the git
+        gateway (an agent's install: its packages' scripts have no use for the appliance's
+        secrets, and without the session's placeholder the filter attaches none)."""
         if not SESSION_NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
         if project_id and not SESSION_NAME.match(project_id):
@@ -323,7 +327,8 @@ class SessionManager:
                 raise SessionError(f"the filter gave no placeholders for session {name}: "
                                    f"{placeholders.get('error')}")
             try:
-                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh"), mapped)
+                ssh = sshconf.write(trusted, gateway, placeholders.get("ssh") if secrets
+                                    else None, mapped)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()
@@ -334,7 +339,8 @@ class SessionManager:
                                      init=str(confined.init), uid=uid, gid=gid,
                                      proxy_port=self.proxy_port, volumes=volumes,
                                      trust=str(trusted), ssh=ssh, secrets=tuple(
-                                         placeholders["environment"].items()),
+                                         placeholders["environment"].items()) if secrets
+                                     else (),
                                      read_only=tuple(read_only),
                                      environment=tuple(environment), **resources)
             arguments = hardening.run_arguments(spec, list(command))

@@ -12,7 +12,7 @@ letter), a git push onto refs/heads/main of a repository a [[git]] table lists f
 host (`--git-repo OWNER/REPO`, T25: only the session's own branches may be pushed), and a
 push onto the session's own branch carrying push options (T31: none named in the table),
 asked for as git's receive-pack reads them, not as `git push` writes them. The throwaway
-session of `corral selftest --inspected HOST` has them (cli/sessions.py, `PROBE_DENIED`,
+session of `corral selftest --inspected HOST` has them (cli/selftest.py, `PROBE_DENIED`,
 `PROBE_REPO`). With `--git-ssh HOST` the pushes go over SSH through the git gateway
 instead.
 With `--neighbour NAME` (a name the session allows and does not inspect, on an address the

@@ -11,15 +11,20 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .wire import Context
+from typing import Protocol
 
 FAST = 3.0  # seconds: a denial slower than this counts as a hang
 GROUPS = ("network", "kernel", "review")
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not-run"
 """How a probe ends (appliance/sandbox/battery.py judges the --json output by these)."""
+
+
+class ProbeContext(Protocol):
+    """What the runner reads of the context a probe is given: its arguments. The battery
+    gives wire.Context (which adds the lookups probes share); declared here so that the
+    registry needs nothing of wire, which needs the registry."""
+
+    args: argparse.Namespace
 
 
 class NotRun(Exception):
@@ -45,7 +50,7 @@ class Probe:
     """A flow that must work, next to the attacks."""
     records: str
     """What records a denial, in words (`--list`, docs/threats.md)."""
-    run: Callable[[Context], Outcome]
+    run: Callable[[ProbeContext], Outcome]
     needs: str | None = None
     """An option without which the probe cannot be tried (it is not selected then)."""
     budget: float | Callable[[argparse.Namespace], float] | None = FAST
@@ -100,7 +105,7 @@ class Result:
                 "detail": self.detail, "expect": self.expect}
 
 
-def run_probe(probe: Probe, ctx: Context, clock=time.monotonic) -> Result:
+def run_probe(probe: Probe, ctx: ProbeContext, clock=time.monotonic) -> Result:
     """One probe, whatever it does: an exception of its own is a failure, NotRun is not run,
     and an attack that failed too slowly (past its budget) is a hang, so a failure too."""
     started = clock()

@@ -61,6 +61,33 @@ def safe_path(relative: str) -> str:
     return ""
 
 
+GIT_CONTROL = ("config", "config.worktree", "commondir", "gitdir")
+"""Files of a git directory that say what git runs (a config's core.fsmonitor, hooksPath,
+sshCommand, pager, aliases, filter drivers) or which directory it takes as the repository."""
+
+
+def git_runs(relative: str) -> str:
+    """Why writing this path on the host would have git run what the agent wrote there
+    (empty when it would not): anything under a `hooks` directory, or a control file
+    (GIT_CONTROL), inside any git directory in the project (its own `.git`, a submodule's
+    under `.git/modules/`, a nested repository's), or a `.git` that is no directory (a
+    `gitdir:` pointing git at a directory the agent filled). The person's next `git status`
+    (which a shell prompt runs by itself), commit or checkout would run it, outside any
+    session. A ref so named (a branch `config`) is refused too: a submodule may be named
+    `refs`, so no part of a git directory is taken for data by its name."""
+    parts = relative.split("/")
+    if parts[-1] == ".git":
+        return ("a .git that is not a directory (it points git at another directory): git "
+                "would run what that one says, on this host; never applied, copy it by hand "
+                "if you mean it")
+    if ".git" in parts[:-1]:
+        inside = parts[parts.index(".git") + 1:]
+        if "hooks" in inside[:-1] or inside[-1] in GIT_CONTROL:
+            return ("a git hook or config: git would run what it names, on this host; never "
+                    "applied, copy it by hand if you mean it")
+    return ""
+
+
 def _b64(text: object, where: str) -> bytes:
     if not isinstance(text, str):
         raise ValueError(f"{where}: must be base64 text")

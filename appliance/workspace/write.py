@@ -32,7 +32,7 @@ from . import tree
 from .compare import selected
 from .model import MAX_LINK, Change, Entry, shown
 from .tree import DIR_FLAGS, Unreadable
-from .wire import safe_path
+from .wire import git_runs, safe_path
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class _Plan:
         self.refused.append(Refusal(change.path, reason))
 
     def decide(self, change: Change, check: bool = True) -> None:
-        problem = safe_path(change.path)
+        problem = safe_path(change.path) or git_runs(change.path)
         if problem:
             return self.refuse(change, problem)
         if change.note:

@@ -841,3 +841,43 @@ def test_the_diff_answer_names_every_file_the_review_probe_writes(dirs):
         "corral-selftest-review/never-written"]
     assert unnamed({"changes": [{"path": "a/b"}], "notes": [{"path": "d"}]},
                    ["a/b", "d/e/f", "a/bc", "dd/x"]) == ["a/bc", "dd/x"]
+
+
+def test_what_would_have_git_run_a_command_on_the_host_is_refused_by_name(dirs):
+    """The agent writes /work/.git (and any nested repository's) as it likes; applied on the
+    host, a hook runs at the person's next commit or checkout, and `core.fsmonitor` (or
+    core.hooksPath, core.sshCommand, a filter driver) in a config at their next `git
+    status`, which a shell prompt runs on its own. Those are refused by name, whatever
+    else the agent did to the repository is applied."""
+    project, work, base = dirs
+    for root in (project, work, base):
+        (root / ".git" / "hooks").mkdir(parents=True)
+        (root / ".git" / "refs" / "heads").mkdir(parents=True)
+        (root / ".git" / "config").write_text("[core]\n\tbare = false\n")
+    (work / ".git" / "config").write_text("[core]\n\tfsmonitor = touch /tmp/owned\n")
+    (work / ".git" / "config.worktree").write_text("[core]\n\thooksPath = /tmp\n")
+    (work / ".git" / "hooks" / "post-checkout").write_text("#!/bin/sh\ntouch /tmp/owned\n")
+    (work / ".git" / "modules" / "lib" / "hooks").mkdir(parents=True)
+    (work / ".git" / "modules" / "lib" / "config").write_text("[core]\n\tfsmonitor = x\n")
+    (work / ".git" / "modules" / "lib" / "hooks" / "pre-commit").write_text("#!/bin/sh\n")
+    (work / "vendor" / "tool" / ".git").mkdir(parents=True)  # a repository of its own
+    (work / "vendor" / "tool" / ".git" / "config").write_text("[core]\n\tfsmonitor = x\n")
+    (work / "sub").mkdir()
+    (work / "sub" / ".git").write_text("gitdir: ../evil\n")  # points git elsewhere
+    (work / ".git" / "modules" / "refs").mkdir()  # a submodule named like git's data
+    (work / ".git" / "modules" / "refs" / "config").write_text("[core]\n\tfsmonitor = x\n")
+    (work / ".git" / "refs" / "heads" / "main").write_text("0" * 40 + "\n")  # a branch
+    (work / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    applied = round_trip(project, base, work)
+    refused = sorted(r.path for r in applied.refused)
+    assert refused == [".git/config", ".git/config.worktree",
+                       ".git/hooks/post-checkout", ".git/modules/lib/config",
+                       ".git/modules/lib/hooks/pre-commit", ".git/modules/refs/config",
+                       "sub/.git",
+                       "vendor/tool/.git/config"], refused
+    assert all("git" in r.reason and "host" in r.reason for r in applied.refused)
+    assert (project / ".git" / "config").read_text() == "[core]\n\tbare = false\n"
+    assert not (project / ".git" / "hooks" / "post-checkout").exists()
+    assert (project / ".git" / "refs" / "heads" / "main").is_file()  # a branch: applied
+    assert (project / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert (project / "README").read_text() == "readme\n"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cli.client import Client, load_appliance
-from cli.dashboard import Dashboard
+from cli.dashboard.server import Dashboard
 from tests.integration.api.test_cli import home  # noqa: F401  (a fixture)
 from tests.integration.conftest import S2_CLIENT, connect, recv_all
 

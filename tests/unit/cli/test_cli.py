@@ -89,7 +89,7 @@ def test_presets_json(capsys):
 
 
 def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_left_out():
-    from cli.sessions import selftest_summary
+    from cli.selftest import selftest_summary
 
     def probe(state, **extra):
         return {"id": "p", "state": state, **extra}
@@ -111,7 +111,7 @@ def test_selftest_summary_says_what_failed_was_not_recorded_did_not_run_or_was_l
 @pytest.mark.parametrize(("text", "seconds"), [
     ("90s", 90), ("10m", 600), ("1h30m", 5400), ("2d", 172800), ("1d2h3m4s", 93784)])
 def test_for_takes_a_duration(text, seconds):
-    from cli.control import parse_duration
+    from cli.times import parse_duration
 
     assert parse_duration(text) == seconds
 
@@ -119,7 +119,7 @@ def test_for_takes_a_duration(text, seconds):
 @pytest.mark.parametrize("text", ["", "10", "10x", "m", "0s", "1m1h", "-5m"])
 def test_for_refuses_what_is_not_a_duration_with_the_fix(text):
     from cli.client import CliError
-    from cli.control import parse_duration
+    from cli.times import parse_duration
 
     with pytest.raises(CliError) as refused:
         parse_duration(text)
@@ -154,7 +154,7 @@ def throwaway_policy(*args, **kwargs):
     import tarfile
 
     from appliance.policy import Policy, policy_file_rules
-    from cli.sessions import _empty_project
+    from cli.selftest import _empty_project
 
     data, _ = _empty_project(*args, **kwargs)
     with tarfile.open(fileobj=data, mode="r:gz") as tar:
@@ -191,7 +191,7 @@ def test_the_battery_proves_the_legitimate_path_on_a_host_no_probe_treats_otherw
     """Without --allowed, the legitimate flows go to the session's first exact http host
     that is neither --inspected (its TLS is ended), --neighbour (on an inspected host's
     address: refused a tunnel by design) nor --echo-secret's host (a secret inspects it)."""
-    from cli.sessions import plain_allowed
+    from cli.selftest import plain_allowed
 
     rules = [{"kind": "deny", "rule": "metadata.google.internal"},
              *({"kind": "http", "rule": r} for r in (
@@ -200,3 +200,16 @@ def test_the_battery_proves_the_legitimate_path_on_a_host_no_probe_treats_otherw
     assert plain_allowed(rules, ["inspected.test", "neighbour.test", "echo.test"]) == (
         "allowed.test")
     assert plain_allowed(rules[:-2], ["inspected.test", "neighbour.test", "echo.test"]) is None
+
+
+def test_the_parser_loads_neither_flask_nor_the_dashboard_server():
+    """Only `corral dashboard` needs Flask: its module registers the command without it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from cli.main import parser; parser().parse_args(['presets']); "
+             "print(sorted(m for m in ('flask', 'werkzeug', 'cli.dashboard.server') "
+             "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]", loaded

