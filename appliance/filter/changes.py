@@ -15,7 +15,7 @@ from appliance.firewall import ruleset
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
 
-from .control import ControlError
+from .errors import ControlError
 from .firewalled import Firewall
 from .store import Change, PolicyStore
 from .workers import Workers

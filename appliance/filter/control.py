@@ -61,11 +61,12 @@ from appliance.policy import ConfigError, RuleError
 from . import approvals, audit, secrets
 from .approvals_file import ApprovalsFile, Unwritten
 from .config import SessionError
+from .errors import ControlError
 from .events import rule_changed
 from .proxy.credentials import Credentials
 from .store import MAX_GRANT
 
-if TYPE_CHECKING:  # the parts it is given; they import ControlError from here
+if TYPE_CHECKING:  # the parts it is given
     from .approvals_policy import OpenApprovals
     from .events import EventBus
     from .proxy.inspect import Inspector
@@ -82,10 +83,6 @@ MAX_REQUEST = 64 * 1024
 AUDIT_READERS = 2
 """Audit pages and verifies running at once; the service's other workers stay free for
 changes and status."""
-
-
-class ControlError(Exception):
-    pass
 
 
 class NotJson(ControlError):

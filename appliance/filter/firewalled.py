@@ -10,7 +10,7 @@ from appliance.firewall import ruleset
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.nft import Nft, NftError
 
-from .control import ControlError
+from .errors import ControlError
 
 log = logging.getLogger("corral.filter")
 

@@ -16,7 +16,7 @@ from appliance.firewall.nft import NftError
 
 from . import gateways
 from .approvals_file import ApprovalsFile
-from .control import ControlError
+from .errors import ControlError
 from .limits import Budget
 from .listeners import Listeners
 from .store import Change, PolicyStore

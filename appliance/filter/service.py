@@ -52,9 +52,10 @@ from .approvals_policy import OpenApprovals
 from .audit import AuditLog
 from .changes import Changes
 from .config import FilterConfig, InspectConfig, load_config
-from .control import ControlError, ControlServer
+from .control import ControlServer
 from .dns import DnsFilter, UdpServer, serve_tcp
 from .drops import DropReader
+from .errors import ControlError
 from .events import EventBus, retired
 from .expiry import GrantExpiry
 from .firewalled import Firewall, nftables
