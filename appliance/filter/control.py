@@ -39,7 +39,7 @@ the client hangs up. Requests:
 The loop that runs this also answers every sandbox's DNS and proxy traffic, so nothing here
 waits on a disk or on nftables on it: audit pages and the firewall check run on the
 service's worker threads, an audit verify in a process of its own, and changes go through
-`Service.change` (worked out and written off the loop, one at a time, swapped in on it).
+`Changes.change` (worked out and written off the loop, one at a time, swapped in on it).
 """
 
 from __future__ import annotations
@@ -53,15 +53,29 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
 
 from . import approvals, audit, secrets
-from .approvals_file import Unwritten
+from .approvals_file import ApprovalsFile, Unwritten
 from .config import SessionError
+from .errors import ControlError
+from .events import rule_changed
 from .proxy.credentials import Credentials
 from .store import MAX_GRANT
+
+if TYPE_CHECKING:  # the parts it is given
+    from .approvals_policy import OpenApprovals
+    from .events import EventBus
+    from .proxy.inspect import Inspector
+    from .registration import Registration
+    from .secrets import SecretStore
+    from .sshgate import Gate
+    from .status import Status
+    from .store import PolicyStore
+    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +83,6 @@ MAX_REQUEST = 64 * 1024
 AUDIT_READERS = 2
 """Audit pages and verifies running at once; the service's other workers stay free for
 changes and status."""
-
-
-class ControlError(Exception):
-    pass
 
 
 class NotJson(ControlError):
@@ -152,8 +162,20 @@ def handles(op: str):
 
 
 class ControlServer:
-    def __init__(self, service):
-        self.service = service  # the running Service: store, bus, audit, listeners, workers
+    def __init__(self, *, store: PolicyStore, bus: EventBus, change: Callable[..., Awaitable],
+                 workers: Workers, status: Status, sessions: Registration,
+                 audit_path: Path | str, inspector: Inspector | None, secrets: SecretStore,
+                 gate: Gate | None, holds: approvals.Holds, open_approvals: OpenApprovals,
+                 approvals_file: ApprovalsFile):
+        """The parts of the running filter that requests read and change. `change`: how a
+        change reaches the store (changes.Changes.change); `workers`: where disk work runs;
+        `sessions`: session-add and session-remove; `inspector`: the interception CA (None
+        when inspection is off); `gate`: the git gateway (None when it listens nowhere)."""
+        self.store, self.bus, self.change, self.workers = store, bus, change, workers
+        self.status, self.sessions, self.audit_path = status, sessions, Path(audit_path)
+        self.inspector, self.secrets, self.gate = inspector, secrets, gate
+        self.holds, self.open_approvals, self.approvals_file = holds, open_approvals, \
+            approvals_file
         self._audit_readers = asyncio.Semaphore(AUDIT_READERS)
         self._writing = asyncio.Lock()
         """One change of the CA or the secrets file at a time."""
@@ -191,7 +213,7 @@ class ControlServer:
                         raise ControlError("a request is a JSON object")
                     op = _field(request, "op")
                     if op == "subscribe":
-                        subscription = self.service.bus.subscribe(
+                        subscription = self.bus.subscribe(
                             _field(request, "session", required=False),
                             _field(request, "verdict", required=False))
                     else:
@@ -209,7 +231,7 @@ class ControlServer:
 
     async def _send(self, writer, message: dict) -> None:
         """An answer, its words redacted: approvals and status quote what sessions sent."""
-        self.service.proxy.redactor.fields(message)
+        self.bus.redactor.fields(message)
         writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         await writer.drain()
 
@@ -223,32 +245,23 @@ class ControlServer:
     async def _read_audit(self, work: Callable, *args):
         """An audit read (it may cover hundreds of MB) on a worker, a bounded number at once."""
         async with self._audit_readers:
-            return await self.service.off_loop(work, *args)
+            return await self.workers.run(work, *args)
 
     @handles("status")
     async def _status(self, request: dict) -> dict:
-        await self.service.off_loop(self.service.check_firewall)
-        return {"ok": True, **self.service.status()}
+        await self.workers.run(self.status.check)
+        return {"ok": True, **self.status.describe()}
 
     @handles("sessions")
     async def _sessions(self, request: dict) -> dict:
-        store, counters = self.service.store, self.service.bus.counters
-        registered = {s.name for s in store.registered}
-        return {"ok": True, "sessions": [
-            {"name": s.name, "subnet": str(s.subnet), "runtime_rules": len(s.runtime),
-             "registered": s.name in registered,
-             "allowed": counters[(s.name, "allow")], "denied": counters[(s.name, "deny")],
-             "last_activity": max(self.service.bus.last_seen.get(s.name, 0.0),
-                                  self.service.bus.started),
-             "open_connections": self.service.proxy.flows.connections.held[s.name]}
-            for s in store.sessions.values()]}
+        return {"ok": True, "sessions": self.status.sessions()}
 
     @handles("session-add")
     async def _session_add(self, request: dict) -> dict:
         files = _field(request, "files", list, required=False) or []
         if not all(isinstance(f, str) and f for f in files):
             raise ControlError("'files' must be a list of file paths")
-        session, added = await self.service.register_session(
+        session, added = await self.sessions.register(
             _field(request, "name"), _field(request, "subnet"),
             _field(request, "gateway", required=False), files)
         return {"ok": True, "added": added, "session": {
@@ -262,19 +275,19 @@ class ControlServer:
             raise ControlError("'forget_rules' must be true or false")
         name = _field(request, "name")
         reason = _field(request, "reason", required=False)
-        await self.service.unregister_session(name, forget)
+        await self.sessions.unregister(name, forget)
         if reason:  # stopped by itself (its limits, a crash): an event and an audit record
-            self.service.bus.emit({
+            self.bus.emit({
                 "session": name, "client": None, "kind": "session", "name": name,
                 "port": None, "address": None, "verdict": "change", "action": "stopped",
                 "rule": None, "layer": None, "reason": f"session {name} stopped: {reason}"})
-        self.service.bus.last_seen.pop(name, None)
+        self.bus.last_seen.pop(name, None)
         return {"ok": True}
 
     @handles("policy")
     async def _policy(self, request: dict) -> dict:
         session = _field(request, "session", required=False)
-        return {"ok": True, "session": session, "rules": self.service.store.effective(session)}
+        return {"ok": True, "session": session, "rules": self.store.effective(session)}
 
     @handles("add")
     async def _add(self, request: dict) -> dict:
@@ -287,29 +300,29 @@ class ControlServer:
                 raise ControlError(f"'expires_in' must be more than 0 and at most "
                                    f"{MAX_GRANT:.0f} seconds, got {seconds}")
             until = time.time() + seconds
-        store = self.service.store
-        change = await self.service.change(lambda: store.plan_add(session, kind, text, until))
+        store = self.store
+        change = await self.change(lambda: store.plan_add(session, kind, text, until))
         rule, added = change.result
         ends = store.until(session, rule)
         log.info("control: %s %s rule %s in session %s%s", "added" if added else "kept", kind,
                  rule.text, session, f" until {ends:.0f}" if ends else "")
         if added:
-            self.service.rule_event(session, rule, "added", ends)
+            self.bus.emit(rule_changed(session, rule, "added", ends))
         return {"ok": True, "rule": rule.to_json(), "added": added, "expires": ends}
 
     @handles("remove")
     async def _remove(self, request: dict) -> dict:
         session, kind, text = (_field(request, "session"), _field(request, "kind"),
                                _field(request, "rule"))
-        store = self.service.store
-        rule = (await self.service.change(lambda: store.plan_remove(session, kind, text))).result
+        store = self.store
+        rule = (await self.change(lambda: store.plan_remove(session, kind, text))).result
         log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
-        self.service.rule_event(session, rule, "revoked")
+        self.bus.emit(rule_changed(session, rule, "revoked"))
         return {"ok": True, "rule": rule.to_json()}
 
     @handles("events")
     async def _events(self, request: dict) -> dict:
-        return {"ok": True, "events": self.service.bus.last(
+        return {"ok": True, "events": self.bus.last(
             _count(request, "last", 100, 0, 10000), _field(request, "session", required=False),
             _field(request, "verdict", required=False))}
 
@@ -318,35 +331,35 @@ class ControlServer:
         after = _count(request, "after", 0, 0, 2**63)
         since = _field(request, "since", (int, float), required=False)
         limit = _count(request, "limit", 100, 1, 1000)
-        head = self.service.audit_head()  # every record up to it is on disk
+        head = self._audit_head()  # every record up to it is on disk
         records, more = await self._read_audit(
-            audit.page, self.service.config.audit_path, after, since, limit)
+            audit.page, self.audit_path, after, since, limit)
         return {"ok": True, "records": records, "more": more, "head": head}
 
     @handles("audit-verify")
     async def _audit_verify(self, request: dict) -> dict:
-        head = self.service.audit_head()  # every record up to it is on disk
+        head = self._audit_head()  # every record up to it is on disk
         async with self._audit_readers:
-            verdict = await verify_apart(self.service.config.audit_path, head)
+            verdict = await verify_apart(self.audit_path, head)
         return {"ok": True, **verdict}
 
     @handles("inspect-ca")
     async def _inspect_ca(self, request: dict) -> dict:
-        inspector = self.service.proxy.inspector
+        inspector = self.inspector
         return {"ok": True, "ca": inspector.describe() if inspector else None}
 
     @handles("inspect-rotate")
     async def _inspect_rotate(self, request: dict) -> dict:
-        inspector = self.service.proxy.inspector
+        inspector = self.inspector
         if inspector is None:
             raise ControlError("inspection is off (no [inspect] ca_dir in the filter's "
                                "config): there is no CA to rotate")
         async with self._writing:  # each new CA removes the ones before it
             old = inspector.describe()["sha256"]
-            inspector.use(await self.service.off_loop(inspector.renewed))
+            inspector.use(await self.workers.run(inspector.renewed))
         ca = inspector.describe()
         log.info("control: interception CA rotated: %s -> %s", old, ca["sha256"])
-        self.service.bus.emit({
+        self.bus.emit({
             "session": None, "client": None, "kind": "certs", "name": None, "port": None,
             "address": None, "verdict": "change", "rule": None, "layer": None,
             "reason": f"new interception CA {ca['sha256']} (was {old}), valid until "
@@ -357,7 +370,7 @@ class ControlServer:
     async def _secret_set(self, request: dict) -> dict:
         secret = secrets.parse(request)
         async with self._writing:
-            new = await self.service.off_loop(self.service.secrets.set, secret)
+            new = await self._commit_secrets(self.secrets.plan_set(secret))
         self._secrets_changed(f"secret {secret.name} {'set' if new else 'replaced'}: bound to "
                               f"{', '.join(secret.hosts)} ({secret.scheme})")
         return {"ok": True, "secret": secret.describe(), "added": new}
@@ -365,13 +378,13 @@ class ControlServer:
     @handles("secret-list")
     async def _secret_list(self, request: dict) -> dict:
         return {"ok": True, "secrets": [s.describe() for _, s in
-                                        sorted(self.service.secrets.secrets.items())]}
+                                        sorted(self.secrets.secrets.items())]}
 
     @handles("secret-remove")
     async def _secret_remove(self, request: dict) -> dict:
         name = _field(request, "name")
         async with self._writing:
-            secret = await self.service.off_loop(self.service.secrets.remove, name)
+            secret = await self._commit_secrets(self.secrets.plan_remove(name))
         self._secrets_changed(f"secret {name} removed: it goes to "
                               f"{', '.join(secret.hosts)} no more")
         return {"ok": True, "secret": secret.describe()}
@@ -379,18 +392,19 @@ class ControlServer:
     @handles("secret-environment")
     async def _secret_environment(self, request: dict) -> dict:
         session = _field(request, "session")
-        if session not in self.service.store.sessions:
+        if session not in self.store.sessions:
             raise LookupError(f"no session {session!r}")
-        answer = {"ok": True,
-                  "environment": self.service.proxy.credentials.environment(session)}
-        gate = self.service.gate
+        # the placeholders the proxy swaps, worked out from the same secrets
+        answer = {"ok": True, "environment": Credentials(
+            self.secrets.key, self.secrets.http()).environment(session)}
+        gate = self.gate
         if gate is not None:  # git over SSH: the session's key, the hosts it reaches so
             answer["ssh"] = gate.session_files(session)
         return answer
 
     @handles("approvals")
     async def _approvals(self, request: dict) -> dict:
-        holds = self.service.holds
+        holds = self.holds
         holds.expire()
         return {"ok": True, "approvals": holds.book.listing(
             _field(request, "session", required=False))}
@@ -409,7 +423,7 @@ class ControlServer:
         if seconds is not None and not 0 < seconds <= MAX_GRANT:
             raise ControlError(f"'duration' must be more than 0 and at most {MAX_GRANT:.0f} "
                                f"seconds, got {seconds}")
-        holds, store = self.service.holds, self.service.store
+        holds, store = self.holds, self.store
         # claimed while its rule is written: no other decision, expiry or settling meanwhile
         pending = holds.claim(approval_id, None if grant == "refuse" else grant)
         detail, ends = "", None
@@ -421,18 +435,18 @@ class ControlServer:
                     if holds.book.pending.get(approval_id) is not pending:
                         raise approvals.ApprovalError(f"{approval_id} ended meanwhile (its "
                                                       "session went): nothing was granted")
-                    open_now, why = self.service.still_open(pending)
+                    open_now, why = self.open_approvals.still_open(pending)
                     if open_now is False:
                         raise approvals.ApprovalError(f"{approval_id}: {why}; nothing was "
                                                       "granted")
 
-                change = await self.service.change(
+                change = await self.change(
                     lambda: store.plan_add(pending.session, pending.kind, pending.target,
                                            until), first=still)
                 rule, added = change.result
                 ends = store.until(pending.session, rule)
                 if added:
-                    self.service.rule_event(pending.session, rule, "added", ends)
+                    self.bus.emit(rule_changed(pending.session, rule, "added", ends))
                 detail = f", {pending.kind} {rule.text}" + (
                     f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
             # the rule is in force (or none is needed): the held requests may learn of it;
@@ -443,7 +457,7 @@ class ControlServer:
             holds.book.release(pending)
             raise
         try:  # answered once a crash cannot bring it back
-            await self.service.approvals.save(strict=True)
+            await self.approvals_file.save(strict=True)
         except Unwritten as exc:
             raise ControlError(f"{approval_id} was decided ({grant}), but {exc}") from None
         log.info("control: approval %s %s by %s (%s %s in session %s)", approval_id, grant,
@@ -451,16 +465,23 @@ class ControlServer:
         return {"ok": True, "approval": pending.to_json(), "grant": grant, "expires": ends,
                 "released": released}
 
+    async def _commit_secrets(self, change: secrets.SecretChange):
+        """Written off the loop, committed on it: the secret store's listeners (the proxy's
+        credentials, the git gateway's calls) follow there."""
+        await self.workers.run(change.write)
+        self.secrets.commit(change)
+        return change.result
+
     def _secrets_changed(self, reason: str) -> None:
-        store = self.service.secrets
-        self.service.proxy.credentials = Credentials(store.key, store.http())
-        if self.service.gate is not None:  # an ssh key replaced or removed: its calls end
-            self.service.gate.rejudge()
         log.info("control: %s", reason)
-        self.service.bus.emit({
+        self.bus.emit({
             "session": None, "client": None, "kind": "secret", "name": None, "port": None,
             "address": None, "verdict": "change", "rule": None, "layer": None,
             "reason": reason})
+
+    def _audit_head(self) -> dict | None:
+        """Where the audit log stands: every record up to it is on disk."""
+        return self.bus.audit.head if self.bus.audit is not None else None
 
     async def _stream(self, subscription, writer: asyncio.StreamWriter) -> None:
         try:

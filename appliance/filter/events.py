@@ -221,3 +221,25 @@ class EventBus:
     def last(self, n: int, session: str | None = None, verdict: str | None = None) -> list[dict]:
         probe = Subscription(self, session, verdict, 1)
         return [e for e in self.recent if probe.wants(e)][-n:] if n > 0 else []
+
+
+def rule_changed(session: str, rule, action: str, until: float | None = None) -> dict:
+    """A runtime rule added (for good, or `until` a time), revoked or expired: kind `rule`,
+    verdict `change` (its audit record is never charged to the session's budget)."""
+    text = f"{rule.kind} {rule.text}"
+    if until is not None:
+        text += " until " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(until))
+    return {"session": session, "client": None, "kind": "rule",
+            "name": rule.host or None, "port": None, "address": None,
+            "verdict": "change", "action": action, "rule": rule.text,
+            "rule_kind": rule.kind, "layer": rule.layer, "expires": until,
+            "reason": f"{action}: {text} (session runtime layer)"}
+
+
+def retired(names: list[str], kept: int | None) -> dict:
+    """Audit retention removed segments: which, and where the log now starts (so a
+    verifier can tell retention from a cut)."""
+    return {"session": None, "client": None, "kind": "audit", "name": None,
+            "port": None, "address": None, "verdict": "error", "rule": None,
+            "layer": None, "reason": f"retention removed {', '.join(names)}; the "
+            f"log now starts at seq {kept}"}

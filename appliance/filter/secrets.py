@@ -18,10 +18,12 @@ value: events, the audit log, `secret-list` and `status` name secrets, never sho
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets as random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +32,8 @@ from appliance.atomic import write_atomic
 from appliance.policy import ConfigError, HostNameError, normalise_name
 from appliance.policy.patterns import PatternError, RequestSpec
 from appliance.policy.targets import Ambiguous, query_pairs, read_target
+
+log = logging.getLogger(__name__)
 
 FILE = "secrets.json"
 NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
@@ -245,12 +249,39 @@ def _spec(text: str) -> RequestSpec:
     return RequestSpec.parse(text)
 
 
+@dataclass(frozen=True)
+class SecretChange:
+    """A change to the secrets, worked out aside (`SecretStore.plan_set`, `plan_remove`):
+    the whole set it leads to. Written off the loop (`write`), then committed on it."""
+
+    path: Path
+    key: bytes
+    secrets: dict[str, Secret]
+    result: object
+    """What the caller is told: True if a set secret is new; the removed secret."""
+
+    def write(self) -> None:
+        """Put the file on disk, atomically (it is as it was if this raises). Blocks."""
+        data = {"key": self.key.hex(),
+                "secrets": {n: {**asdict(s), "hosts": list(s.hosts),
+                                "requests": list(s.requests), "host_keys": list(s.host_keys)}
+                            for n, s in sorted(self.secrets.items())}}
+        write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+
+
 class SecretStore:
     """The file: {"key": hex, "secrets": {name: secret}}. Read at start; each change written
-    (atomically) before it is answered."""
+    (atomically) before it is committed and answered. As the policy store, it tells
+    `on_change` listeners (the proxy's credentials, the git gateway) after each commit."""
 
     def __init__(self, path: Path, key: bytes, secrets: dict[str, Secret]):
         self.path, self.key, self.secrets = path, key, secrets
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` after every committed change, on the thread that commits (the
+        event loop's, once the filter serves)."""
+        self._listeners.append(callback)
 
     @classmethod
     def load(cls, state_dir: str | Path) -> SecretStore:
@@ -288,11 +319,7 @@ class SecretStore:
         return cls(path, key, found)
 
     def save(self) -> None:
-        data = {"key": self.key.hex(),
-                "secrets": {n: {**asdict(s), "hosts": list(s.hosts),
-                                "requests": list(s.requests), "host_keys": list(s.host_keys)}
-                            for n, s in sorted(self.secrets.items())}}
-        write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+        SecretChange(self.path, self.key, self.secrets, None).write()
 
     def http(self) -> dict[str, Secret]:
         """The secrets the proxy attaches (every one but ssh keys, which no session sees
@@ -304,30 +331,44 @@ class SecretStore:
         return next((s for _, s in sorted(self.secrets.items())
                      if s.scheme == "ssh" and host_name in s.hosts), None)
 
-    def set(self, secret: Secret) -> bool:
-        """Store it (replacing one of that name, whose placeholders stay good); True if it
-        is new."""
+    def plan_set(self, secret: Secret) -> SecretChange:
+        """Store it (replacing one of that name, whose placeholders stay good); the result
+        is True if it is new."""
         old = self.secrets
         if secret.name in old:
             secret = replace(secret, nonce=old[secret.name].nonce)
-        self.secrets = {**old, secret.name: secret}
-        try:
-            self.save()
-        except BaseException:
-            self.secrets = old
-            raise
-        return secret.name not in old
+        return SecretChange(self.path, self.key, {**old, secret.name: secret},
+                            secret.name not in old)
 
-    def remove(self, name: str) -> Secret:
-        """Forget it. Raises LookupError naming the secrets there are."""
+    def plan_remove(self, name: str) -> SecretChange:
+        """Forget it; the result is the secret. Raises LookupError naming the secrets
+        there are."""
         if name not in self.secrets:
             raise LookupError(f"no secret {name!r}; secrets: "
                               f"{', '.join(sorted(self.secrets)) or 'none'}")
-        old = self.secrets
-        self.secrets = {k: v for k, v in old.items() if k != name}
-        try:
-            self.save()
-        except BaseException:
-            self.secrets = old
-            raise
-        return old[name]
+        return SecretChange(self.path, self.key,
+                            {k: v for k, v in self.secrets.items() if k != name},
+                            self.secrets[name])
+
+    def commit(self, change: SecretChange) -> None:
+        """Make a written change the store's state, then tell the listeners."""
+        self.secrets = change.secrets
+        for callback in self._listeners:
+            try:
+                callback()
+            except Exception:  # the change is in force: one listener's bug must not hide it
+                log.exception("secrets: a listener failed after a change")
+
+    def set(self, secret: Secret) -> bool:
+        """Plan, write and commit at once (callers on the loop's thread, or without one)."""
+        change = self.plan_set(secret)
+        change.write()
+        self.commit(change)
+        return change.result
+
+    def remove(self, name: str) -> Secret:
+        """Plan, write and commit at once (see `set`)."""
+        change = self.plan_remove(name)
+        change.write()
+        self.commit(change)
+        return change.result

@@ -30,6 +30,7 @@ import hmac
 import ipaddress
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +43,12 @@ from appliance.policy import HOST_NAME, ConfigError, Decision, HostNameError, Po
 from appliance.policy.git import SSH_HOST_VARIABLE
 
 from . import gitssh
+from .events import EventBus
 from .http import HttpError
-from .proxy import git
+from .proxy import Proxy, git
 from .proxy.forward import judge_push
+from .secrets import SecretStore
+from .store import PolicyStore
 
 log = logging.getLogger(__name__)
 
@@ -127,26 +131,25 @@ class _Held:
 
 
 class Gate:
-    """The gateway of one filter: the policy, resolver, secrets and events are the
-    filter's (service.py gives them)."""
+    """The gateway of one filter: the policy, the secrets, the events, and the proxy it
+    dials and judges pushes through, are the filter's (service.py gives them)."""
 
-    def __init__(self, service):
-        self.service = service
-        self.store, self.bus, self.proxy = service.store, service.bus, service.proxy
-        self.host_key = host_key(service.config.state_dir)
+    def __init__(self, store: PolicyStore, bus: EventBus, proxy: Proxy, secrets: SecretStore,
+                 state_dir: str | Path, port: Callable[[], int]):
+        """`port()`: the port the gateway listens on (for a session's ssh client)."""
+        self.store, self.bus, self.proxy, self.secrets = store, bus, proxy, secrets
+        self.port = port
+        self.host_key = host_key(state_dir)
         self.open: set[_Open] = set()
         self.calls: dict[str, int] = {}
         self.connections: set[asyncssh.SSHServerConnection] = set()
         self._session_keys: dict[tuple[str, str], asyncssh.SSHKey] = {}
         self._held: dict[object, _Held] = {}
         self.store.on_change(self.rejudge)
-
-    @property
-    def secrets(self):
-        return self.service.secrets
+        self.secrets.on_change(self.rejudge)  # an ssh key replaced or removed: its calls end
 
     def key_for(self, session: str) -> asyncssh.SSHKey:
-        identity = (session, self.service._identity(session))
+        identity = (session, self.store.identity(session))
         found = self._session_keys.get(identity)
         if found is None:
             if len(self._session_keys) > 4096:
@@ -161,7 +164,7 @@ class Gate:
         policy = self.store.sessions[session].policy
         hosts = sorted({h for s in self.secrets.secrets.values() if s.scheme == "ssh"
                         for h in s.hosts if policy.git(parse_host(h)) is not None})
-        port = self.service.port("sshgate")
+        port = self.port()
         return {"key": self.key_for(session).export_private_key().decode(),
                 "host_key": self.host_key.export_public_key().decode().strip(),
                 "port": port, "hosts": hosts}

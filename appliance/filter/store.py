@@ -286,6 +286,12 @@ class PolicyStore:
                 return session.name
         return None
 
+    def identity(self, name: str) -> str:
+        """What tells a session from a later one of the same name: its subnet ("" for
+        none)."""
+        found = self.sessions.get(name)
+        return str(found.subnet) if found is not None else ""
+
     def session(self, name: str) -> Session:
         try:
             return self.sessions[name]

@@ -65,7 +65,7 @@ class InProcessFilter:
         self.thread = threading.Thread(target=self.loop.run_forever, name="filter", daemon=True)
         self.thread.start()
         self.service = self.run(self._start(load_config(str(config_path))))
-        listeners = self.service.listeners
+        listeners = self.service.listeners.names
         self.proxy_port = int(listeners["proxy"][0].rsplit(":", 1)[1])
         self.tls_port = int(listeners["transparent_tls"][0].rsplit(":", 1)[1])
 
@@ -79,7 +79,7 @@ class InProcessFilter:
 
     def status(self) -> dict:
         async def status():
-            return self.service.status()
+            return self.service.status.describe()
         return self.run(status())
 
     def events(self) -> list[dict]:

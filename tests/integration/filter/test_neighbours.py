@@ -163,7 +163,7 @@ def spliced_get(internet, sock, name: str, host: str, path: str, method: str = "
 
 
 def query(lab, name: str, qtype: str = "A") -> DNSRecord:
-    port = int(lab.service.listeners["dns_udp"][0].rsplit(":", 1)[1])
+    port = int(lab.service.listeners.names["dns_udp"][0].rsplit(":", 1)[1])
     return DNSRecord.parse(DNSRecord.question(name, qtype).send("127.0.0.1", port, timeout=5))
 
 
@@ -253,7 +253,7 @@ def test_plain_http_to_the_neighbour_is_judged_by_its_host_header(lab, internet)
     sock.close()
     assert head.startswith(b"HTTP/1.1 403")
     if internet.edge80 is not None:
-        http_port = int(lab.service.listeners["transparent_http"][0].rsplit(":", 1)[1])
+        http_port = int(lab.service.listeners.names["transparent_http"][0].rsplit(":", 1)[1])
         with connect(http_port) as sock:
             sock.sendall(b"DELETE /repo HTTP/1.1\r\nHost: api.test\r\n\r\n")
             status, headers, _ = read_response(sock)
@@ -416,7 +416,7 @@ def test_the_batterys_connect_probe_passes_and_its_denial_is_recorded(lab, inter
     mark = battery.mark_before(control_)
     result = subprocess.run(
         [sys.executable, "-m", "appliance.selftest", "--json", "--gateway", "127.0.0.1",
-         "--dns-port", lab.service.listeners["dns_udp"][0].rsplit(":", 1)[1],
+         "--dns-port", lab.service.listeners.names["dns_udp"][0].rsplit(":", 1)[1],
          "--proxy-port", str(lab.proxy_port), "--allowed", "elsewhere.test",
          "--inspected", "api.test", "--neighbour", "front.test",
          "--only", "neighbour-connect-refused"], capture_output=True, text=True, timeout=60)

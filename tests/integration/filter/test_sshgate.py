@@ -71,7 +71,7 @@ class Gated(GitClient):
         self.filter = InProcessFilter(directory, origins.dns.address, "asyncio", config, POLICY)
         self.held = held.export_private_key().decode()
         self.set_secret(self.held, [self.server.public])
-        self.port = int(self.filter.service.listeners["sshgate"][0].rsplit(":", 1)[1])
+        self.port = int(self.filter.service.listeners.names["sshgate"][0].rsplit(":", 1)[1])
         self.home = root / "home"
         self.home.mkdir()
         (self.home / ".gitconfig").write_text(

@@ -13,7 +13,7 @@ import pytest
 
 from appliance.filter import control
 from appliance.filter.config import parse_config
-from appliance.filter.control import ControlError, ControlServer, answer_for
+from appliance.filter.control import ControlError, answer_for
 from appliance.filter.service import Service
 from appliance.filter.store import PolicyStore
 from appliance.firewall.nft import NftError
@@ -147,13 +147,13 @@ def test_changes_run_one_at_a_time_off_the_loop_and_swap_in_on_it(config):
 
     async def main():
         loop_thread.append(threading.get_ident())
-        await asyncio.gather(service.change(plan("one.test", True)),
-                             service.change(plan("two.test", False)))
+        await asyncio.gather(service.changes.change(plan("one.test", True)),
+                             service.changes.change(plan("two.test", False)))
 
     try:
         asyncio.run(main())
     finally:
-        service.blocking.shutdown()
+        service.workers.shutdown()
     assert most[0] == 1, "two changes were worked out at once"
     assert sorted(runtime_rules(store)) == ["one.test", "two.test"]
     assert set(callback_threads) == set(loop_thread)
@@ -166,21 +166,21 @@ def test_a_firewall_that_cannot_follow_leaves_the_session_unregistered(config):
     managed = dataclasses.replace(config, firewall=dataclasses.replace(config.firewall,
                                                                         manage=True))
     service = Service(managed)
-    service.learner = None  # what a filter without the nftables bindings has
+    service.firewall.nft = None  # what a filter without the nftables bindings has
     store = service.store
     sessions = store.sessions
 
     async def main():
         with pytest.raises(ControlError, match=r"s3 not registered: the firewall could not "
                            r"follow: .*nftables is unavailable"):
-            await service.register_session("s3", "10.3.0.0/24", None, [])
+            await service.registration.register("s3", "10.3.0.0/24", None, [])
         # a rule needs no firewall: it goes through
-        return await service.change(lambda: store.plan_add("s1", "dns", "fine.test"))
+        return await service.changes.change(lambda: store.plan_add("s1", "dns", "fine.test"))
 
     try:
         change = asyncio.run(main())
     finally:
-        service.blocking.shutdown()
+        service.workers.shutdown()
     assert change.result[1] is True
     assert "s3" not in store.sessions and store.registered == ()
     assert not store.registered_path.exists()
@@ -223,7 +223,7 @@ def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
     service.store.effective = broken
 
     async def main():
-        server = await ControlServer(service).start(path)
+        server = await service.control.start(path)
         reader, writer = await asyncio.open_unix_connection(path)
         answers = []
         for request in ({"op": "policy", "session": "s1"}, {"op": "sessions"},
@@ -239,7 +239,7 @@ def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
         with caplog.at_level(logging.ERROR, "appliance.filter.control"):
             failed, sessions, bad_limit, events = asyncio.run(main())
     finally:
-        service.blocking.shutdown()
+        service.workers.shutdown()
     assert failed == {"ok": False, "error": "internal error: RuntimeError: a bug"}
     assert sessions["ok"] and [s["name"] for s in sessions["sessions"]] == ["s1"]
     assert bad_limit == {"ok": False, "error": "'limit' must be at least 1, got 0"}

@@ -283,3 +283,36 @@ def test_a_value_stored_before_values_had_a_minimum_still_loads(tmp_path):
     assert secrets.SecretStore.load(tmp_path).secrets["API_TOKEN"].value == "short"
     with pytest.raises(secrets.SecretError, match="at least 8"):
         secret(value="short")
+
+
+def test_the_store_announces_a_change_once_it_is_committed_and_not_before(tmp_path):
+    """As the policy store: planned aside, written, then committed and told to listeners;
+    a change that cannot be written is told to no one."""
+    store = secrets.SecretStore.load(tmp_path)
+    seen: list[list[str]] = []
+    store.on_change(lambda: seen.append(sorted(store.secrets)))
+    change = store.plan_set(secret())
+    assert change.result is True and store.secrets == {} and seen == []
+    change.write()
+    assert seen == [] and "API_TOKEN" in json.loads(store.path.read_text())["secrets"]
+    store.commit(change)
+    assert seen == [["API_TOKEN"]]
+    store.path = tmp_path / "missing" / "dir" / secrets.FILE
+    (tmp_path / "missing").write_text("")  # a directory that is a file: even root fails
+    with pytest.raises(OSError):
+        store.remove("API_TOKEN")
+    assert seen == [["API_TOKEN"]] and list(store.secrets) == ["API_TOKEN"]
+
+
+def test_a_listener_that_fails_does_not_hide_the_change_from_the_others(tmp_path, caplog):
+    store = secrets.SecretStore.load(tmp_path)
+    told = []
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    store.on_change(broken)
+    store.on_change(lambda: told.append(True))
+    assert store.set(secret()) is True
+    assert told == [True] and "API_TOKEN" in store.secrets
+    assert "a listener failed" in caplog.text

@@ -25,12 +25,12 @@ subnet = "10.213.1.0/24"
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     yield service
-    service.blocking.shutdown()
+    service.workers.shutdown()
 
 
 def event_of(service, drop: Drop) -> dict | None:
     before = len(service.bus.recent)
-    service._drop_event(drop)
+    service.drops.event(drop)
     fresh = list(service.bus.recent)[before:]
     assert len(fresh) <= 1
     return fresh[0] if fresh else None
@@ -85,7 +85,7 @@ subnet = "10.213.1.0/24"
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     yield service
-    service.blocking.shutdown()
+    service.workers.shutdown()
 
 
 @pytest.mark.parametrize("drop", [
@@ -104,3 +104,16 @@ def test_a_reject_at_a_listener_of_the_gateway_is_a_limit_not_a_closed_door(list
 
 def test_other_ports_of_the_gateway_keep_their_hint(listening):
     assert "host.corral" in event_of(listening, Drop("s1", "tcp", S1, GW, 22))["hint"]
+
+
+def test_a_drop_is_judged_without_the_service_or_a_socket():
+    """drops.drop_event is pure: a session that is gone is not named (its name in the
+    prefix may be a later session's), the gateway is told by the addresses given."""
+    from appliance.filter.drops import drop_event
+
+    gone = drop_event(Drop("s9", "tcp", S1, GW, 22), {"s1"}, {GW}, frozenset())
+    assert gone["session"] is None and "host.corral" in gone["hint"]
+    named = drop_event(Drop("s1", "tcp", S1, GW, 22), {"s1"}, set(), frozenset())
+    assert named["session"] == "s1" and "host.corral" not in named["hint"]
+    assert drop_event(Drop("s1", "udp", S1, "224.0.0.251", 5353), {"s1"}, {GW},
+                      frozenset()) is None

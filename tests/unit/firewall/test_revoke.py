@@ -36,11 +36,13 @@ files = ["{tmp_path}/s1.toml"]
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     log: list = []
-    service.learned = LearnedSet(Nft(log), service._may_reach, Conntrack(log, ended=2))
-    service.dns.learner = service.learned
+    learned = LearnedSet(Nft(log), service.reach.may_reach, Conntrack(log, ended=2))
+    # the recorders in place of nftables, wherever the learned set is used
+    service.learned = service.dns.learner = service.revocation.learned = learned
+    service.firewall.learned = learned
     service.log = log
     yield service
-    service.blocking.shutdown()
+    service.workers.shutdown()
 
 
 async def learn(service, session, client, name, address, port):
@@ -52,8 +54,8 @@ async def learn(service, session, client, name, address, port):
 
 async def settle(service):
     """Until the pass that the last change asked for has run."""
-    if service._revoking is not None:
-        await service._revoking
+    if service.revocation.running is not None:
+        await service.revocation.running
 
 
 def cuts(service) -> list[dict]:
@@ -64,11 +66,11 @@ def test_removing_a_tcp_rule_cuts_what_its_name_taught_and_records_it(service):
     store = service.store
 
     async def main():
-        await service.change(lambda: store.plan_add("s1", "tcp", "stream.test:7007"))
+        await service.changes.change(lambda: store.plan_add("s1", "tcp", "stream.test:7007"))
         assert (await learn(service, "s1", S1, "stream.test", SSH, 7007)) == {
             "learned": [f"{SSH}:7007"]}
         await learn(service, "s1", S1, "ssh.test", SSH, 22)
-        await service.change(lambda: store.plan_remove("s1", "tcp", "stream.test:7007"))
+        await service.changes.change(lambda: store.plan_remove("s1", "tcp", "stream.test:7007"))
         await settle(service)
 
     asyncio.run(main())
@@ -87,7 +89,7 @@ def test_a_deny_that_covers_a_name_a_tcp_rule_allows_cuts_it(service):
 
     async def main():
         await learn(service, "s1", S1, "db.test", DB, 5432)
-        await service.change(lambda: store.plan_add("s1", "deny", "db.test"))
+        await service.changes.change(lambda: store.plan_add("s1", "deny", "db.test"))
         await settle(service)
 
     asyncio.run(main())
@@ -101,7 +103,7 @@ def test_a_change_that_still_allows_every_name_cuts_nothing(service):
 
     async def main():
         await learn(service, "s1", S1, "ssh.test", SSH, 22)
-        await service.change(lambda: store.plan_add("s1", "dns", "unrelated.test"))
+        await service.changes.change(lambda: store.plan_add("s1", "dns", "unrelated.test"))
         await settle(service)
 
     asyncio.run(main())
@@ -112,10 +114,11 @@ def test_a_session_that_goes_loses_every_allowance_and_its_connections(service, 
     (tmp_path / "s3.toml").write_text('[tcp]\nallow = ["ssh.test:22"]\n')
 
     async def main():
-        await service.register_session("s3", "10.213.3.0/24", None, [str(tmp_path / "s3.toml")])
+        await service.registration.register("s3", "10.213.3.0/24", None,
+                                            [str(tmp_path / "s3.toml")])
         await learn(service, "s3", S3, "ssh.test", SSH, 22)
         await learn(service, "s1", S1, "ssh.test", SSH, 22)
-        await service.unregister_session("s3", forget_rules=False)
+        await service.registration.unregister("s3", forget_rules=False)
         await settle(service)
 
     asyncio.run(main())
@@ -132,8 +135,8 @@ def test_an_answer_for_a_name_revoked_while_it_waited_teaches_nothing(service):
     store = service.store
 
     async def main():
-        await service.change(lambda: store.plan_add("s1", "tcp", "late.test:7007"))
-        await service.change(lambda: store.plan_remove("s1", "tcp", "late.test:7007"))
+        await service.changes.change(lambda: store.plan_add("s1", "tcp", "late.test:7007"))
+        await service.changes.change(lambda: store.plan_remove("s1", "tcp", "late.test:7007"))
         return await learn(service, "s1", S1, "late.test", SSH, 7007)
 
     result = asyncio.run(main())
@@ -163,16 +166,16 @@ def test_many_changes_at_once_take_one_pass_each_at_most_and_one_more(service):
 def test_a_take_back_nftables_refuses_is_tried_again_until_it_goes_through(service,
                                                                           monkeypatch):
     """No later change is needed: the allowance must not stay until its timeout."""
-    from appliance.filter import service as module
+    from appliance.filter import revocation
 
-    monkeypatch.setattr(module, "REVOKE_RETRY", 0.01)
+    monkeypatch.setattr(revocation, "RETRY", 0.01)
     store = service.store
 
     async def main():
         await learn(service, "s1", S1, "db.test", DB, 5432)
         service.learned.nft.fail = "forget"
         refused = service.bus.subscribe(verdict="error")
-        await service.change(lambda: store.plan_add("s1", "deny", "db.test"))
+        await service.changes.change(lambda: store.plan_add("s1", "deny", "db.test"))
         await asyncio.wait_for(refused.ready.wait(), 5)
         await asyncio.sleep(0.05)  # a few attempts more, refused too
         service.learned.nft.fail = None  # nftables lets go

@@ -1,0 +1,86 @@
+"""Changes to the policy store, one at a time, never on the event loop.
+
+A change (a rule, a session, a reload, grants whose time came) is worked out by a `plan`,
+written and followed by the firewall on a worker thread, then swapped in on the loop:
+all or nothing, and never two starting from the same state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from appliance.firewall import ruleset
+from appliance.firewall.nft import NftError
+from appliance.policy import ConfigError
+
+from .errors import ControlError
+from .firewalled import Firewall
+from .store import Change, PolicyStore
+from .workers import Workers
+
+log = logging.getLogger("corral.filter")
+
+
+class Changes:
+    def __init__(self, store: PolicyStore, workers: Workers, firewall: Firewall,
+                 manage: bool):
+        """`manage`: the firewall follows each change its ruleset depends on
+        (`[firewall] manage`)."""
+        self.store, self.workers, self.firewall, self.manage = store, workers, firewall, manage
+        self._changing: asyncio.Lock | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def change(self, plan: Callable[[], Change],
+                     first: Callable[[], None] | None = None) -> Change:
+        """One change to the policy store: `plan()` works it out, it is written and (with
+        `[firewall] manage`, when the ruleset depends on it) the firewall follows, all on a
+        worker thread; then it is swapped in on the loop. One change at a time, so that two
+        never start from the same state (the second would lose the first's rule). All or
+        nothing: a file that cannot be written or a ruleset nftables refuses leaves the
+        disk and the store as they were, and raises. `first` runs on the loop once the
+        change's turn has come, before `plan`: it may refuse (raise) what waited meanwhile."""
+        if self._changing is None:
+            self._changing = asyncio.Lock()
+        async with self._changing:
+            if first is not None:
+                first()
+            change = await self.workers.run(self._prepare, plan)
+            self.store.commit(change)
+            return change
+
+    def _prepare(self, plan: Callable[[], Change]) -> Change:
+        change = plan()
+        if change.changed:
+            change.write()
+            if self.manage and self._ruleset_changes(change):
+                try:
+                    self.firewall.apply(change)
+                except BaseException:
+                    change.undo()
+                    raise
+        return change
+
+    def _ruleset_changes(self, change: Change) -> bool:
+        """The ruleset holds the sessions and the tcp rules that name an address."""
+        return (change.session_configs() != self.store.session_configs()
+                or ruleset.static_tcp_rules(change) != ruleset.static_tcp_rules(self.store))
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the policy files, as a change like any other (off the loop, after
+        the changes before it)."""
+        task = asyncio.get_running_loop().create_task(self._reload(), name="corral-reload")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reload(self) -> None:
+        try:
+            await self.change(self.store.plan_reload)
+        except (ConfigError, NftError, ControlError, OSError) as exc:
+            log.error("reload refused, policy unchanged: %s", exc)
+            return
+        except Exception:
+            log.exception("reload refused, policy unchanged: internal error")
+            return
+        log.info("policy reloaded: %d sessions", len(self.store.sessions))
