@@ -90,6 +90,21 @@ async def drain(writer, idle: float) -> None:
         raise ConnectionError(f"the peer read nothing for {idle:g} s") from None
 
 
+async def settled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Take the error a connection closed here ended with, if it ended with one. asyncio
+    keeps a reset twice: raised to whoever reads the connection, and as the outcome of its
+    closing (the protocol's close future). Raised through the frames that hold the
+    connection, the reset ties them, the connection and that future into a cycle; when the
+    garbage collector frees it, the future may go before the protocol whose __del__ would
+    take its error, and asyncio logs "Future exception was never retrieved" with a traceback
+    (one per upstream that hangs up mid-response). A connection that has ended has its
+    closing done already: taking it does not wait. One still open is not waited for (a
+    peer that reads nothing would hold it): its closing ends without a cycle of ours."""
+    if reader.exception() is not None:
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
 def original_port(writer: asyncio.StreamWriter, default: int) -> int:
     """The destination port before nftables redirected the connection to us.
 

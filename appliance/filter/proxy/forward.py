@@ -27,7 +27,17 @@ from ..http import (
     parse_response,
     serialise_response,
 )
-from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
+from ..relay import (
+    CHUNK,
+    Counters,
+    copy_body,
+    copy_until_eof,
+    drain,
+    read_body,
+    settled,
+    tunnel,
+    within,
+)
 from .git import judge_push as judge_push  # where sshgate.py takes it from
 from .pipeline import (
     MAX_EMPTY_LINES,
@@ -75,6 +85,11 @@ class Upstream:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     address: str
+
+    async def close(self) -> None:
+        """Close it, and take the error it ended with (relay.settled; never waits)."""
+        self.writer.close()
+        await settled(self.reader, self.writer)
 
 
 class Forward:
@@ -144,7 +159,7 @@ class Forward:
                 try:
                     if head.start[0] == "CONNECT" and isinstance(mode, Explicit):
                         if kept is not None:  # the tunnel needs no other upstream
-                            kept.writer.close()
+                            await kept.close()
                             kept = None
                         await self.proxy.tunnels.connect(client, head)
                         return
@@ -166,7 +181,7 @@ class Forward:
                     return
         finally:
             if kept is not None and not in_tunnel:
-                kept.writer.close()
+                await kept.close()
 
     def _tunnel_refused(self, client: Client, mode: InTunnel, tunnel_event, reason: str):
         session, _ = self.proxy.store.lookup(client.address)
@@ -303,7 +318,7 @@ class Forward:
                                 where.port, kept.address, event_id=flow.id, **fields)
         else:
             if kept is not None:
-                kept.writer.close()
+                await kept.close()
                 kept = None
             up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
                                                        where.target, **fields)
@@ -314,7 +329,7 @@ class Forward:
                                         send.attached, send.body)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
-                kept.writer.close()
+                await kept.close()
             raise
         finally:
             proxy.untrack(flow)
@@ -323,7 +338,7 @@ class Forward:
         if isinstance(mode, InTunnel):  # the tunnel has one upstream: it ends with it
             return keep_client and keep_upstream, kept
         if not keep_upstream:
-            kept.writer.close()
+            await kept.close()
             kept = None
         return keep_client, kept
 

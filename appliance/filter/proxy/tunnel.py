@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from appliance.policy import Decision, Host
 
 from ..http import Head, parse_authority
-from ..relay import CHUNK, Counters, drain, tunnel, within
+from ..relay import CHUNK, Counters, drain, settled, tunnel, within
 from ..sni import TlsError, parse_client_hello
 from ..tlsstream import TlsServer
 from .flows import Flow
@@ -90,7 +90,7 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                _close_upstream(up_w)
+                await _close_upstream(up_r, up_w)
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         except Denied as denied:  # refused before the tunnel opened: answered in HTTP
@@ -308,7 +308,7 @@ class Tunnels:
                                    Upstream((str(host), port), up_r, up_w, event["address"]),
                                    event, flow, counters)
             finally:
-                _close_upstream(up_w)
+                await _close_upstream(up_r, up_w)
                 proxy.untrack(flow)
                 proxy.closed(event, counters)
         finally:
@@ -325,13 +325,15 @@ async def _abandon(task: asyncio.Future) -> None:
         task.exception()
 
 
-def _close_upstream(writer) -> None:
+async def _close_upstream(reader, writer) -> None:
     """End a tunnel's upstream connection with the tunnel. TLS the filter began (an
     inspected host) is aborted: a close would send close_notify and wait for the host's,
     which a host the filter stopped reading never delivers, keeping the socket past the
     tunnel's share until TLS's 30 s shutdown timeout. HTTP framed what was exchanged:
-    nothing more is owed to the host."""
+    nothing more is owed to the host. The error it ended with is taken (relay.settled;
+    never waits)."""
     if writer.get_extra_info("ssl_object") is not None:
         writer.transport.abort()
     else:
         writer.close()
+    await settled(reader, writer)
