@@ -423,3 +423,28 @@ def test_each_check_comes_in_its_order(what, text, tls, first, kind):
             "target": "the target"}[first]
     assert said in reason(steps) or said in steps[0].event.get("detector", "")
     assert steps[0].ends == (first == "ends")
+
+
+CHECKS = {"judge_request", "judge_asked", "asked_methods", "keeps_after_refusal",
+          "request_fields", "examine", "body_kinds", "header_paths", "classify",
+          "in_fields", "apply", "unpermitted", "bare_file", "lfs_batch"}
+"""The plan's checks, by the names it calls them: none of them is made outside it."""
+
+
+@pytest.mark.parametrize("module", ["forward", "tunnel"])
+def test_the_modules_that_move_a_requests_bytes_make_none_of_its_checks(module):
+    """forward.py (explicit, transparent and in-tunnel HTTP, inspected TLS included: tunnel.py
+    hands its plaintext to forward.serve) only executes the plan's steps: it imports and
+    calls none of the checks the plan makes, so that no path has a sequence of its own."""
+    import ast
+    from pathlib import Path
+
+    import appliance.filter.proxy as proxy
+
+    tree = ast.parse((Path(proxy.__file__).parent / f"{module}.py").read_text())
+    named = {alias.asname or alias.name for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) for alias in node.names}
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else
+              getattr(node.func, "id", None) for node in ast.walk(tree)
+              if isinstance(node, ast.Call)}
+    assert (named | called) & CHECKS == set()
