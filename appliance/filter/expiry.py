@@ -15,8 +15,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from appliance.policystore import Change, PolicyStore
+
 from .events import EventBus, rule_changed
-from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
 LONGEST_SLEEP = 60.0

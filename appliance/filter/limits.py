@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import resource
 
-from .config import FilterConfig
-from .dns import MAX_PENDING
+from appliance.sessionconfig import FilterConfig
+
+from .dns.filter import MAX_PENDING
 from .relay import TUNNEL_FDS
 
 HEADROOM = 256

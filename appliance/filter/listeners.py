@@ -12,10 +12,11 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import FilterConfig
+
 from . import gateways
-from .config import FilterConfig
 from .events import EventBus
-from .store import PolicyStore
 
 log = logging.getLogger("corral.filter")
 Serve = Callable[[socket.socket], Awaitable]

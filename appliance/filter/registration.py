@@ -13,13 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from appliance.firewall.nft import NftError
+from appliance.policystore import Change, PolicyStore
 
 from . import gateways
 from .approvals_file import ApprovalsFile
 from .errors import ControlError
 from .limits import Budget
 from .listeners import Listeners
-from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
 

@@ -16,10 +16,10 @@ import logging
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.ledger import Key
 from appliance.policy import Decision, Host
+from appliance.policystore import PolicyStore
 
 from .events import EventBus
-from .frontends import Frontends
-from .store import PolicyStore
+from .proxy.frontends import Frontends
 from .workers import Workers
 
 log = logging.getLogger("corral.filter")

@@ -45,34 +45,34 @@ from appliance.firewall import ruleset
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import FilterConfig, InspectConfig, load_config
 
 from .approvals import Holds
 from .approvals_file import ApprovalsFile
 from .approvals_policy import OpenApprovals
 from .audit import AuditLog
 from .changes import Changes
-from .config import FilterConfig, InspectConfig, load_config
 from .control import ControlServer
-from .dns import DnsFilter, UdpServer, serve_tcp
+from .dns.filter import DnsFilter, UdpServer, serve_tcp
+from .dns.resolver import Resolver
 from .drops import DropReader
 from .errors import ControlError
 from .events import EventBus, retired
 from .expiry import GrantExpiry
 from .firewalled import Firewall, nftables
-from .frontends import Frontends
+from .git.gateway import Gate
 from .limits import Budget, raise_limit
 from .listeners import Listeners, Serve
 from .proxy import Proxy
 from .proxy.credentials import Credentials
+from .proxy.frontends import Frontends
 from .proxy.inspect import Inspector
 from .redact import LogFilter
 from .registration import Registration
-from .resolver import Resolver
 from .revocation import Reach, Revocation
 from .secrets import SecretStore
-from .sshgate import Gate
 from .status import VERSION, Status
-from .store import PolicyStore
 from .workers import Workers
 
 log = logging.getLogger("corral.filter")

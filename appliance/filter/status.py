@@ -7,16 +7,17 @@ from __future__ import annotations
 import os
 import time
 
+from appliance.policystore import PolicyStore
+
 from . import relay
-from .dns import DnsFilter
+from .dns.filter import DnsFilter
+from .dns.resolver import Resolver
 from .events import EventBus
 from .firewalled import Firewall
 from .limits import Budget
 from .listeners import Listeners
 from .proxy import Proxy
-from .resolver import Resolver
 from .secrets import SecretStore
-from .store import PolicyStore
 
 VERSION = "0.1.0"
 

@@ -24,21 +24,21 @@ import time
 from dataclasses import dataclass, field
 
 from appliance.policy import HOST_NAME, Decision, Host, Policy
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import ProxyConfig
 
 from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_agent_ask
-from ..config import ProxyConfig
-from ..dnsguard import ExfilGuard, TokenBucket
+from ..dns.guard import ExfilGuard, TokenBucket
+from ..dns.resolver import Resolver, UpstreamError
 from ..events import EventBus
-from ..frontends import Frontends
 from ..http import HttpError
-from ..loglimit import LogBudget
+from ..ratelimit import LogBudget
 from ..redact import Redactor
 from ..relay import Counters, PeerWriter, original_port, within
-from ..resolver import Resolver, UpstreamError
-from ..store import PolicyStore
 from .credentials import Credentials, Leak
 from .flows import Cap, Flow, Flows
 from .forward import Forward
+from .frontends import Frontends
 from .inspect import Inspector
 from .pipeline import Denied, Explicit, Transparent, deny_response, error_response
 from .tunnel import TLS_ACCESS_DENIED, Tunnels

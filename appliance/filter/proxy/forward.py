@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 from appliance.policy import Decision
 from appliance.policy.targets import Ambiguous
+from appliance.sessionconfig import SCAN_BYTES
 
 from ..approvals import REQUEST_NAME, approvable
-from ..config import SCAN_BYTES
+from ..git import http as git
 from ..http import (
     HttpError,
     check_request_line,
@@ -28,7 +29,6 @@ from ..http import (
     serialise_response,
 )
 from ..relay import CHUNK, Counters, copy_body, copy_until_eof, drain, read_body, tunnel, within
-from . import git
 from .content import codings
 from .credentials import Leak
 from .overrides import body_kinds, header_paths

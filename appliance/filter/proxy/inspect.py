@@ -37,9 +37,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance.pki import CaDirectory
 from appliance.policy import ConfigError, Decision, Host
+from appliance.sessionconfig import InspectConfig
 
-from ..config import InspectConfig
-from ..dnsguard import TokenBucket
+from ..dns.guard import TokenBucket
 from .pipeline import Denied
 
 log = logging.getLogger(__name__)

@@ -30,12 +30,12 @@ from appliance.policy import Decision, Host
 
 from ..http import Head, parse_authority
 from ..relay import CHUNK, Counters, drain, tunnel, within
-from ..sni import TlsError, parse_client_hello
-from ..tlsstream import TlsServer
 from .flows import Flow
 from .forward import Upstream
 from .inspect import no_inspector
 from .pipeline import Denied, InTunnel, host_of
+from .sni import TlsError, parse_client_hello
+from .tlsstream import TlsServer
 
 if TYPE_CHECKING:
     from . import Client, Proxy

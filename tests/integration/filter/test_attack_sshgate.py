@@ -22,8 +22,10 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from appliance.filter import gitssh, secrets, sshgate
-from appliance.filter.proxy import git
+from appliance.filter import secrets
+from appliance.filter.git import gateway as sshgate
+from appliance.filter.git import http as git
+from appliance.filter.git import sshwire as gitssh
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes

@@ -11,7 +11,7 @@ import ssl
 import pytest
 
 from appliance import pki
-from appliance.filter import tlsstream
+from appliance.filter.proxy import tlsstream
 from appliance.filter.proxy.inspect import Authority, mint, server_context
 from appliance.filter.relay import Counters
 from appliance.policy import Host

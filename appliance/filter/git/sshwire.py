@@ -27,8 +27,8 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from appliance.filter.gitcommands import PKT_LENGTH, GitProtocolError, read_push
-from appliance.filter.proxy import git
+from appliance.filter.git import http as git
+from appliance.filter.git.protocol import PKT_LENGTH, GitProtocolError, read_push
 
 MAX_COMMAND = 4096
 MAX_PATH = 1024

@@ -20,7 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import pki
-from appliance.filter.config import InspectConfig, parse_config
 from appliance.filter.proxy.inspect import (
     LEAF_LIFETIME,
     Authority,
@@ -35,10 +34,11 @@ from appliance.filter.proxy.pipeline import (
     deny_response,
     keeps_after_refusal,
 )
+from appliance.filter.proxy.tlsstream import TlsServer
 from appliance.filter.redact import NONE
 from appliance.filter.relay import Counters
-from appliance.filter.tlsstream import TlsServer
 from appliance.policy import ConfigError, Decision, Host, parse_host
+from appliance.sessionconfig import InspectConfig, parse_config
 
 NOW = datetime.datetime.now(datetime.UTC)
 

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from appliance.filter.proxy import git
+from appliance.filter.git import http as git
 from appliance.policy import Policy, parse_host
 from appliance.policy.config import ConfigError, parse_policy
 from appliance.policy.git import GitSpec

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.filter import gitssh
-from appliance.filter.gitssh import PushStream, SshCall, read_exec
-from appliance.filter.proxy import git
+from appliance.filter.git import http as git
+from appliance.filter.git import sshwire as gitssh
+from appliance.filter.git.sshwire import PushStream, SshCall, read_exec
 from appliance.policy.git import GitSpec
 
 SPEC = GitSpec.parse("acme/widget")

@@ -12,7 +12,15 @@ from dnslib import EDNS0, RR, DNSError, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dnswire import (
+from appliance.filter.dns.resolver import (
+    MAX_JUMPS,
+    MAX_RECORDS,
+    REPLY_STEPS_MAX,
+    _BoundedBuffer,
+    _matching,
+    parse_reply,
+)
+from appliance.filter.dns.wire import (
     FORMERR,
     MAX_MESSAGE,
     NOTIMP,
@@ -23,14 +31,6 @@ from appliance.filter.dnswire import (
     parse_query,
     pointer_bomb,
     refusal,
-)
-from appliance.filter.resolver import (
-    MAX_JUMPS,
-    MAX_RECORDS,
-    REPLY_STEPS_MAX,
-    _BoundedBuffer,
-    _matching,
-    parse_reply,
 )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from .dnsguard import TokenBucket
+from .dns.guard import TokenBucket
 
 RATE = 0.1
 """Failures logged a second per session, once its burst is spent."""

@@ -6,7 +6,7 @@ from dnslib import RR, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dnscache import SharedLru, WireCache, ttl_offsets
+from appliance.filter.dns.cache import SharedLru, WireCache, ttl_offsets
 
 
 def test_a_full_cache_evicts_its_least_recently_used_entry_one_at_a_time():

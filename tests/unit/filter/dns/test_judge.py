@@ -13,9 +13,8 @@ from dnslib import QTYPE, RCODE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.config import parse_config
-from appliance.filter.dns import DnsFilter, Pending
-from appliance.filter.dnsjudge import (
+from appliance.filter.dns.filter import DnsFilter, Pending
+from appliance.filter.dns.judge import (
     Allowed,
     HostGateway,
     NotHostName,
@@ -23,11 +22,12 @@ from appliance.filter.dnsjudge import (
     RefusedQuestion,
     judge_query,
 )
-from appliance.filter.dnswire import Query, parse_query
+from appliance.filter.dns.resolver import Resolver
+from appliance.filter.dns.wire import Query, parse_query
 from appliance.filter.events import EventBus
-from appliance.filter.resolver import Resolver
-from appliance.filter.store import PolicyStore
 from appliance.policy import Decision, Policy, parse_host, policy_file_rules
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 
 POLICY = Policy(policy_file_rules("""
 [dns]

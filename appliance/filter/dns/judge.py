@@ -28,7 +28,7 @@ from dnslib import QTYPE, RCODE
 
 from appliance.policy import HOST_NAME, Decision, Host, HostNameError, Policy, parse_host
 
-from .dnswire import Query
+from .wire import Query
 
 REFUSED_TYPES = frozenset({QTYPE.ANY, QTYPE.AXFR, QTYPE.IXFR})
 EMPTY_TYPES = frozenset({64, 65})

@@ -11,7 +11,8 @@ import subprocess
 import asyncssh
 import pytest
 
-from appliance.filter import secrets, sshgate
+from appliance.filter import secrets
+from appliance.filter.git import gateway as sshgate
 from appliance.filter.proxy.credentials import Credentials
 from appliance.policy import DEFAULT_RULES, Policy, parse_host, policy_file_rules
 from appliance.policy.git import SSH_HOST_VARIABLE

@@ -34,8 +34,13 @@ from appliance.policy import (
     parse_host,
     policy_file_rules,
 )
-
-from .config import FilterConfig, SessionConfig, SessionError, make_session, read_text
+from appliance.sessionconfig import (
+    FilterConfig,
+    SessionConfig,
+    SessionError,
+    make_session,
+    read_text,
+)
 
 log = logging.getLogger(__name__)
 RUNTIME_KINDS = ("dns", "http", "tcp", "deny", "inspect", "request", "approval")

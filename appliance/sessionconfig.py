@@ -19,10 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.filter import audit
 from appliance.policy import ConfigError, HostNameError, parse_toml, split_host_port
 from appliance.policy.config import Locator
-
-from . import audit
 
 Address = tuple[str, int]
 GATEWAY = "gateway"

@@ -7,8 +7,8 @@ import string
 
 import pytest
 
-from appliance.filter.config import DnsConfig
-from appliance.filter.dnsguard import ExfilGuard, Report, SessionLimits, TokenBucket, entropy
+from appliance.filter.dns.guard import ExfilGuard, Report, SessionLimits, TokenBucket, entropy
+from appliance.sessionconfig import DnsConfig
 
 
 def test_a_bucket_gives_its_burst_then_its_rate():

@@ -26,7 +26,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from .relay import CHUNK, Counters, within
+from ..relay import CHUNK, Counters, within
 
 log = logging.getLogger("corral.filter")
 

@@ -11,12 +11,12 @@ import struct
 import pytest
 from dnslib import EDNS0, RCODE, DNSRecord
 
-from appliance.filter.config import parse_config
-from appliance.filter.dns import DnsFilter, Pending, _reply
-from appliance.filter.dnswire import parse_query, pointer_bomb
+from appliance.filter.dns.filter import DnsFilter, Pending, _reply
+from appliance.filter.dns.resolver import Resolver
+from appliance.filter.dns.wire import parse_query, pointer_bomb
 from appliance.filter.events import EventBus
-from appliance.filter.resolver import Resolver
-from appliance.filter.store import PolicyStore
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 
 S1, S2 = "10.213.1.2", "10.213.2.2"
 

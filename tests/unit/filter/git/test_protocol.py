@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter import gitcommands
-from appliance.filter.gitcommands import FLUSH, GitProtocolError, pkt, read_push
+from appliance.filter.git import protocol as gitcommands
+from appliance.filter.git.protocol import FLUSH, GitProtocolError, pkt, read_push
 from tests import fakes
 
 ZERO, ONE, OID256 = "0" * 40, "1" * 40, "2" * 64

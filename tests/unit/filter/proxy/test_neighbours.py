@@ -9,13 +9,7 @@ import ipaddress
 
 import pytest
 
-from appliance.filter.neighbours import (
-    PER_PATTERN,
-    REMEMBER,
-    AddressBook,
-    Watch,
-    neighbour,
-)
+from appliance.filter.proxy.neighbours import PER_PATTERN, REMEMBER, AddressBook, Watch, neighbour
 from appliance.policy import DEFAULT_RULES, Policy, dedupe, parse_host, policy_file_rules
 from appliance.policy.names import unmap
 

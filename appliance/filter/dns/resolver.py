@@ -35,8 +35,8 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, DNSError, DNSHeader, DNSLabel, DNSQu
 from dnslib.buffer import BufferError
 from dnslib.label import DNSBuffer
 
-from .dnscache import RESOLVER_CACHE_MAX, SharedLru
-from .dnswire import Budget, WireError, read_name
+from .cache import RESOLVER_CACHE_MAX, SharedLru
+from .wire import Budget, WireError, read_name
 
 log = logging.getLogger(__name__)
 

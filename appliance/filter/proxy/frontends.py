@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 from dnslib import QTYPE
 
 from appliance.policy import Decision, Host, Policy
+from appliance.policystore import PolicyStore
 
+from ..dns.resolver import Answer, Resolver, UpstreamError
 from .neighbours import REMEMBER, AddressBook, Watch, address_of, neighbour
-from .resolver import Answer, Resolver, UpstreamError
-from .store import PolicyStore
 
 if TYPE_CHECKING:
-    from .proxy.credentials import Credentials
+    from .credentials import Credentials
 
 EXPIRE_EVERY = 60.0
 """Seconds between two sweeps of what the book has remembered long enough."""

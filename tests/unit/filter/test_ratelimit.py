@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from appliance.filter.loglimit import BURST, RATE, SESSIONS_MAX, LogBudget
+from appliance.filter.ratelimit import BURST, RATE, SESSIONS_MAX, LogBudget
 
 
 @pytest.mark.parametrize(("steps", "expected"), [

@@ -41,14 +41,15 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from appliance.atomic import write_atomic
 from appliance.policy import HOST_NAME, ConfigError, Decision, HostNameError, Policy, parse_host
 from appliance.policy.git import SSH_HOST_VARIABLE
+from appliance.policystore import PolicyStore
 
-from . import gitssh
-from .events import EventBus
-from .http import HttpError
-from .proxy import Proxy, git
-from .proxy.forward import judge_push
-from .secrets import SecretStore
-from .store import PolicyStore
+from ..events import EventBus
+from ..http import HttpError
+from ..proxy import Proxy
+from ..proxy.forward import judge_push
+from ..secrets import SecretStore
+from . import http as git
+from . import sshwire as gitssh
 
 log = logging.getLogger(__name__)
 

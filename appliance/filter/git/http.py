@@ -34,7 +34,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from appliance.filter.gitcommands import (  # noqa: F401  (git's wire, named here too)
+from appliance.filter.git.protocol import (  # noqa: F401  (git's wire, named here too)
     FLUSH,
     OID,
     Command,

@@ -31,12 +31,16 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion,
 from appliance.firewall.learned import Teaching
 from appliance.policy import HOST_NAME, Decision, Policy, parse_host
 from appliance.policy.grants import rule_text
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import DnsConfig
 
-from .approvals import Holds, approvable
-from .config import DnsConfig
-from .dnscache import WIRE_CACHE_MAX, WireCache
-from .dnsguard import ExfilGuard, Report, SessionLimits
-from .dnsjudge import (
+from ..approvals import Holds, approvable
+from ..events import EventBus
+from ..ratelimit import LogBudget
+from ..relay import within
+from .cache import WIRE_CACHE_MAX, WireCache
+from .guard import ExfilGuard, Report, SessionLimits
+from .judge import (
     Allowed,
     HostGateway,
     NotHostName,
@@ -45,12 +49,8 @@ from .dnsjudge import (
     RefusedQuestion,
     judge_query,
 )
-from .dnswire import Query, WireError, error_reply, parse_query, refusal
-from .events import EventBus
-from .loglimit import LogBudget
-from .relay import within
 from .resolver import Resolver, UpstreamError
-from .store import PolicyStore
+from .wire import Query, WireError, error_reply, parse_query, refusal
 
 log = logging.getLogger(__name__)
 
