@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.filter import audit
 from appliance.policy import ConfigError, HostNameError, parse_toml, split_host_port
 from appliance.policy.config import Locator
 
@@ -145,6 +144,10 @@ def setting(default, check, key: str | None = None):
     return field(default=default, metadata={"check": check, "key": key})
 
 
+SEGMENT_BYTES = 64 * 1024 * 1024
+"""Default size at which the active segment is rotated ([state] audit_segment_bytes)."""
+SEGMENTS_KEPT = 8
+"""Default number of segments kept, the active one included ([state] audit_segments)."""
 SCAN_BYTES = 1 << 20
 """`[inspect] scan_bytes`' default: the largest request body read for leaks."""
 
@@ -335,14 +338,14 @@ class FilterConfig:
     """The appliance layer: applies to every client."""
     state_dir: str = setting("/var/lib/corral-filter", string, "state.dir")
     """Runtime rules and the audit log live here."""
-    audit_segment_bytes: int = setting(audit.SEGMENT_BYTES, whole(4095),
+    audit_segment_bytes: int = setting(SEGMENT_BYTES, whole(4095),
                                        "state.audit_segment_bytes")
     """The audit log's active segment is rotated before it grows past this many bytes. 64 MiB
     (about 170,000 DNS denials of ~380 bytes): large enough that rotations are rare, small
     enough that retention drops an eighth of the log at a time and one segment verifies in
     under a second (0.7 s on the CI machine). Paging costs the same whatever the size: it
     bisects."""
-    audit_segments: int = setting(audit.SEGMENTS_KEPT, whole(1), "state.audit_segments")
+    audit_segments: int = setting(SEGMENTS_KEPT, whole(1), "state.audit_segments")
     audit_events_per_session: int = setting(200, whole(), "state.audit_events_per_session")
     """Records a second one session may add to the audit log (ten seconds' worth at once);
     past that its events still reach `monitor`, and the log gets one record a second saying

@@ -1,4 +1,6 @@
-"""What the filter logs about a failure it did not expect, within a budget per session.
+"""Rate limits, sans-IO: the token bucket every per-session rate in the filter is made of
+(DNS queries and denied names, events, leaf certificates, log lines), and what the filter
+logs about a failure it did not expect, within a budget per session.
 
 A connection that fails in a way the filter does not expect is logged with its traceback
 (about 36 lines): that is a bug, and someone must see it. But what a session does with its
@@ -18,14 +20,32 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from .dns.guard import TokenBucket
-
 RATE = 0.1
 """Failures logged a second per session, once its burst is spent."""
 BURST = 5
 """Failures a session may have logged at once."""
 SESSIONS_MAX = 4096
 """Buckets kept (sessions, and None); past it they start again."""
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; each query, event or mint takes one."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: int, now: float):
+        self.rate, self.burst = rate, burst
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def take(self, now: float) -> bool:
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
 
 
 class LogBudget:

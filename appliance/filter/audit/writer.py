@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from appliance.sessionconfig import SEGMENT_BYTES, SEGMENTS_KEPT
+
 from .files import (
     GENESIS,
     encode,
@@ -39,10 +41,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_WINDOW = 0.005
 """Seconds the writer lets lines gather after the first of a batch arrives."""
-SEGMENT_BYTES = 64 * 1024 * 1024
-"""Default size at which the active segment is rotated ([state] audit_segment_bytes)."""
-SEGMENTS_KEPT = 8
-"""Default number of segments kept, the active one included ([state] audit_segments)."""
 _STOP = object()
 
 

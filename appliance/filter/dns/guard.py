@@ -20,30 +20,12 @@ import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from ..ratelimit import TokenBucket
+
 REPORT_INTERVAL = 1.0
 """Seconds between two events about the same limit and session."""
 WINDOW = 60.0
 """The exfiltration guard's window for distinct names, in seconds."""
-
-
-class TokenBucket:
-    """`rate` tokens a second, at most `burst` saved up; a query takes one."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: int, now: float):
-        self.rate, self.burst = rate, burst
-        self.tokens = float(burst)
-        self.stamp = now
-
-    def take(self, now: float) -> bool:
-        if now > self.stamp:
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,11 +28,11 @@ from appliance.policystore import PolicyStore
 from appliance.sessionconfig import ProxyConfig
 
 from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_agent_ask
-from ..dns.guard import ExfilGuard, TokenBucket
+from ..dns.guard import ExfilGuard
 from ..dns.resolver import Resolver, UpstreamError
 from ..events import EventBus
 from ..http import HttpError
-from ..ratelimit import LogBudget
+from ..ratelimit import LogBudget, TokenBucket
 from ..redact import Redactor
 from ..relay import Counters, PeerWriter, original_port, within
 from .credentials import Credentials, Leak

@@ -39,7 +39,7 @@ from appliance.pki import CaDirectory
 from appliance.policy import ConfigError, Decision, Host
 from appliance.sessionconfig import InspectConfig
 
-from ..dns.guard import TokenBucket
+from ..ratelimit import TokenBucket
 from .pipeline import Denied
 
 log = logging.getLogger(__name__)

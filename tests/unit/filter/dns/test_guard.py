@@ -7,7 +7,8 @@ import string
 
 import pytest
 
-from appliance.filter.dns.guard import ExfilGuard, Report, SessionLimits, TokenBucket, entropy
+from appliance.filter.dns.guard import ExfilGuard, Report, SessionLimits, entropy
+from appliance.filter.ratelimit import TokenBucket
 from appliance.sessionconfig import DnsConfig
 
 
