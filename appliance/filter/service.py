@@ -187,8 +187,11 @@ class Service:
         self.gate = None
         """The git gateway (git over SSH, confined); None when it listens nowhere."""
         if config.sshgate.listen:
-            self.gate = Gate(store, bus, self.proxy, self.secrets, config.state_dir,
-                             lambda: self.listeners.port("sshgate"))
+            self.gate = Gate(store, bus, self.secrets, config.state_dir,
+                             lambda: self.listeners.port("sshgate"), judges=self.proxy.forward,
+                             admission=self.proxy.flows.connections,
+                             failures=self.proxy.failures, timeouts=config.proxy,
+                             gateway=config.gateway, resolver=self.resolver)
             self.listeners.serve["sshgate"] = self.gate.listen
 
     def _jobs(self) -> None:

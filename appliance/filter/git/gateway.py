@@ -33,20 +33,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import asyncssh
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from appliance.atomic import write_atomic
-from appliance.policy import HOST_NAME, ConfigError, Decision, HostNameError, Policy, parse_host
+from appliance.policy import ConfigError, Decision, HostNameError, Policy, parse_host
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.policystore import PolicyStore
+from appliance.sessionconfig import ProxyConfig
 
+from .. import dial
+from ..dns.resolver import Resolver
 from ..events import EventBus
 from ..http import HttpError
-from ..proxy import Proxy
-from ..proxy.forward import judge_push
+from ..ratelimit import LogBudget
 from ..secrets import SecretStore
 from . import http as git
 from . import sshwire as gitssh
@@ -131,14 +134,37 @@ class _Held:
     host_keys: list = field(default_factory=list)
 
 
-class Gate:
-    """The gateway of one filter: the policy, the secrets, the events, and the proxy it
-    dials and judges pushes through, are the filter's (service.py gives them)."""
+class Judges(Protocol):
+    """The proxy's judges (proxy/forward.py), whose threads and held-bytes budget a push
+    over SSH shares with those over HTTPS."""
 
-    def __init__(self, store: PolicyStore, bus: EventBus, proxy: Proxy, secrets: SecretStore,
-                 state_dir: str | Path, port: Callable[[], int]):
-        """`port()`: the port the gateway listens on (for a session's ssh client)."""
-        self.store, self.bus, self.proxy, self.secrets = store, bus, proxy, secrets
+    def hold(self, session: str | None, n: int, holding: list) -> None: ...
+    def release(self, holding: list) -> None: ...
+    async def judged(self, session: str | None, work, *args): ...
+
+
+class Admission(Protocol):
+    """The proxy's cap on a session's connections (proxy/flows.py), which the gateway's
+    count against too."""
+
+    def admit(self, session: str | None) -> bool: ...
+    def release(self, session: str | None) -> None: ...
+
+
+class Gate:
+    """The gateway of one filter: the policy, the secrets, the events, and the parts of the
+    proxy it dials and judges pushes with, are the filter's (service.py gives them)."""
+
+    def __init__(self, store: PolicyStore, bus: EventBus, secrets: SecretStore,
+                 state_dir: str | Path, port: Callable[[], int], *, judges: Judges,
+                 admission: Admission, failures: LogBudget, timeouts: ProxyConfig,
+                 gateway, resolver: Resolver):
+        """`port()`: the port the gateway listens on (for a session's ssh client);
+        `gateway` and `resolver`: what host.corral and every other name dial (dial.py);
+        `failures`: the proxy's budget of logged failures, which the gateway's share."""
+        self.store, self.bus, self.secrets = store, bus, secrets
+        self.judges, self.admission, self.failures = judges, admission, failures
+        self.timeouts, self.gateway, self.resolver = timeouts, gateway, resolver
         self.port = port
         self.host_key = host_key(state_dir)
         self.open: set[_Open] = set()
@@ -244,8 +270,8 @@ class Gate:
                     raise Refused(Decision(False, f"ssh key {secret.name} for {opened.host} "
                                            "was replaced or removed"))
                 if opened.upstream is not None:
-                    check = _address_check(policy, ipaddress.ip_address(opened.upstream),
-                                           parse_host(opened.host), secret.port)
+                    check = dial.decide(policy, ipaddress.ip_address(opened.upstream),
+                                        parse_host(opened.host), secret.port)
                     if not check.allowed:
                         raise Refused(check)
             except Refused as refused:
@@ -285,7 +311,7 @@ class Gate:
         except (asyncssh.Error, OSError, TimeoutError) as exc:
             _say(process, f"corral: the gateway lost the host: {str(exc) or 'timed out'}")
         except Exception:  # one broken call must never take the gateway down
-            self.proxy.failures.log(log, self.store.lookup(peer[0])[0], time.monotonic(),
+            self.failures.log(log, self.store.lookup(peer[0])[0], time.monotonic(),
                                     "sshgate: %s failed", label)
             _say(process, "corral: the gateway failed; see the filter's log")
         with contextlib.suppress(Exception):
@@ -354,51 +380,38 @@ class Gate:
     async def _connect(self, policy: Policy, host, secret, held: _Held, session: str):
         """An SSH connection to the first of `host`'s addresses the policy lets the filter
         dial, the host checked against the secret's pinned keys only."""
-        config = self.proxy.config
-        if host.name == HOST_NAME:  # the VM host: the address the appliance was given
-            if self.proxy.gateway is None:
-                raise Refused(Decision(False, f"{HOST_NAME} is no address here: the filter "
-                                       "has no [host] gateway", hint=(
-                                           "set corral_filter_host_gateway (the Vagrantfile "
-                                           "sets the VM host's address)")))
-            addresses = [self.proxy.gateway]
-        else:
+        timeout = self.timeouts.connect_timeout
+
+        async def connect(address):
             try:
-                addresses = await self.proxy.resolver.addresses(host.name, session)
-            except Exception as exc:
-                raise Refused(Decision(False, f"cannot resolve {host}: {exc}")) from None
-        refusal, failure = None, None
-        for address in addresses:
-            check = _address_check(policy, address, host, secret.port)
-            if not check.allowed:
-                refusal = refusal or check
-                continue
-            try:
-                connection = await asyncio.wait_for(asyncssh.connect(
+                return await asyncio.wait_for(asyncssh.connect(
                     str(address), secret.port, username=secret.user,
                     client_keys=[held.client_key], known_hosts=(held.host_keys, [], []),
                     config=None, agent_path=None, agent_forwarding=False, gss_host=None,
                     preferred_auth="publickey", x509_trusted_certs=None,
                     keepalive_interval=KEEPALIVE, keepalive_count_max=4,
-                    login_timeout=config.connect_timeout), config.connect_timeout * 2)
+                    login_timeout=timeout), timeout * 2)
             except asyncssh.HostKeyNotVerifiable:
-                failure = (f"{host} ({address}) showed a host key the appliance does not "
-                           f"pin for it (secret {secret.name}): refused")
-                continue
+                raise dial.Unanswered(f"{host} ({address}) showed a host key the appliance "
+                                      f"does not pin for it (secret {secret.name}): "
+                                      "refused") from None
             except (asyncssh.Error, OSError, TimeoutError) as exc:
-                failure = f"ssh to {address}:{secret.port} failed: {str(exc) or 'timed out'}"
-                continue
-            return str(address), connection
-        if failure is not None:
-            raise Refused(Decision(False, failure))
-        raise Refused(refusal or Decision(False, f"{host} has no address"))
+                raise dial.Unanswered(f"ssh to {address}:{secret.port} failed: "
+                                      f"{str(exc) or 'timed out'}") from None
+
+        try:
+            addresses = await dial.candidates(host, self.gateway, self.resolver, session)
+            return await dial.first_answering(
+                addresses, lambda a: dial.decide(policy, a, host, secret.port), connect, host)
+        except dial.Undialable as exc:
+            raise Refused(exc.decision) from None
 
     async def _push(self, process, remote, opened: _Open, event: dict) -> int:
         """git-receive-pack: the host's refs go to the client as they come; the client's
         push is read whole (gitssh.PushStream, on the judges' threads: reading a pack is
         inflating it) and judged under the policy in force then, before a byte of it goes
         on."""
-        session, host, forward = opened.session, opened.host, self.proxy.forward
+        session, host, forward = opened.session, opened.host, self.judges
         copies = [asyncio.ensure_future(_copy(remote.stdout, process.stdout)),
                   asyncio.ensure_future(_copy(remote.stderr, process.stderr))]
         holding: list = []
@@ -407,7 +420,7 @@ class Gate:
         try:
             try:
                 deadline = time.monotonic() + PUSH_SECONDS
-                idle = self.proxy.config.idle_timeout
+                idle = self.timeouts.idle_timeout
                 while True:
                     data = await _read(process, copies[0], min(idle, deadline - time.monotonic()))
                     _still(opened)
@@ -434,7 +447,7 @@ class Gate:
                                       read.commands if read else (),
                                       str(exc) or "the push stopped coming")
             else:
-                verdict = await forward.judged(session, judge_push, stream.body, (), spec,
+                verdict = await forward.judged(session, git.judge_push, stream.body, (), spec,
                                                session)
                 _still(opened)
             if not verdict.allowed:
@@ -467,7 +480,7 @@ class _Server(asyncssh.SSHServer):
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         peer = conn.get_extra_info("peername") or ("?", 0)
         self.session, _ = self.gate.store.lookup(peer[0])
-        connections = self.gate.proxy.flows.connections
+        connections = self.gate.admission
         # no session's address: nothing here for it, not even a key exchange; and each
         # session within its share of the filter's connections, as for the proxy
         if self.session is None or not connections.admit(self.session):
@@ -480,7 +493,7 @@ class _Server(asyncssh.SSHServer):
         if self.connection is not None:
             self.gate.connections.discard(self.connection)
             self.connection = None
-            self.gate.proxy.flows.connections.release(self.session)
+            self.gate.admission.release(self.session)
 
     def begin_auth(self, username: str) -> bool:
         return True
@@ -493,15 +506,6 @@ class _Server(asyncssh.SSHServer):
             return False
         expected = self.gate.key_for(self.session)
         return hmac.compare_digest(key.public_data, expected.public_data)
-
-
-def _address_check(policy: Policy, address, host, port: int) -> Decision:
-    """May the filter dial `address` for `host`? host.corral's one address is the VM host's,
-    which the appliance was given ([host] gateway), as the proxy dials it; every other host's
-    addresses are checked against the blocked ranges and cidr rules."""
-    if host.name == HOST_NAME:
-        return Decision(True, f"{HOST_NAME} is the VM host")
-    return policy.decide_address(address, host, port)
 
 
 def _still(opened: _Open) -> None:

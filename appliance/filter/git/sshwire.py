@@ -28,6 +28,7 @@ import zlib
 from dataclasses import dataclass
 
 from appliance.filter.git import http as git
+from appliance.filter.git import pack as packs
 from appliance.filter.git.protocol import PKT_LENGTH, GitProtocolError, read_push
 
 MAX_COMMAND = 4096
@@ -35,10 +36,10 @@ MAX_PATH = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SEGMENT = re.compile(r"[A-Za-z0-9._~-]+")
 """A repository path's segment: policy/git.py's repository characters, less its glob."""
-_KINDS = (git.COMMIT, git.TREE, git.BLOB, git.TAG, git.OFS_DELTA, git.REF_DELTA)
+_KINDS = (packs.COMMIT, packs.TREE, packs.BLOB, packs.TAG, packs.OFS_DELTA, packs.REF_DELTA)
 _FIRST_PIECE = 64
 """What an object's inflater is fed first; each later piece is as long as all before it
-(up to git.STEP). zlib hands back what follows a stream's end as a copy: small first pieces
+(up to packs.STEP). zlib hands back what follows a stream's end as a copy: small first pieces
 keep that copy proportional to the object (a million tiny objects fed 64 KiB each would
 copy 64 GB)."""
 
@@ -124,7 +125,7 @@ class PushStream:
         self._push: git.Push | None = None
         self._digest = hashlib.sha1(usedforsecurity=False)  # git's ids: sha256 when asked
         self._hashed = self._count = self._index = 0
-        self._budget = git._Budget(git.MAX_INFLATED)
+        self._budget = packs._Budget(packs.MAX_INFLATED)
         self._inflater = zlib.decompressobj()
         self._fed = self._size = self._inflated = 0  # of the object being inflated
 
@@ -225,9 +226,9 @@ class PushStream:
         if header[:4] != b"PACK" or header[4:8] not in (b"\0\0\0\2", b"\0\0\0\3"):
             raise GitProtocolError("the push's pack does not start with a pack header")
         self._count = int.from_bytes(header[8:], "big")
-        if self._count > git.MAX_OBJECTS:
+        if self._count > packs.MAX_OBJECTS:
             raise GitProtocolError(f"a pack of {self._count} objects; corral reads at most "
-                                   f"{git.MAX_OBJECTS}")
+                                   f"{packs.MAX_OBJECTS}")
         self._pos += 12
         self._stage = "object" if self._count else "trailer"
         return True
@@ -235,17 +236,17 @@ class PushStream:
     def _object_header(self) -> bool:
         """The next object's type and size, and its base; False until they are all here."""
         try:
-            kind, size, pos = git._varint_header(self._data, self._pos)
+            kind, size, pos = packs._varint_header(self._data, self._pos)
             if kind not in _KINDS:
                 raise GitProtocolError(f"an object of unknown type {kind} in the pack")
-            if kind == git.OFS_DELTA:
+            if kind == packs.OFS_DELTA:
                 for length in range(1, 11):  # as iter_commits reads it
                     if not self._data[pos + length - 1] & 0x80:
                         break
                 else:
                     raise GitProtocolError("a delta offset longer than git writes")
                 pos += length
-            elif kind == git.REF_DELTA:
+            elif kind == packs.REF_DELTA:
                 pos += self._digest.digest_size  # the base's id
         except IndexError:
             return False
@@ -263,17 +264,17 @@ class PushStream:
         ends."""
         inflater = self._inflater
         while self._fed < len(self._data):
-            length = min(git.STEP, max(_FIRST_PIECE, self._fed - self._pos))
+            length = min(packs.STEP, max(_FIRST_PIECE, self._fed - self._pos))
             piece = bytes(self._data[self._fed : self._fed + length])
             self._fed += len(piece)
             while True:
-                out = len(inflater.decompress(piece, git.STEP))
+                out = len(inflater.decompress(piece, packs.STEP))
                 self._inflated += out
                 if self._inflated > self._size:
                     raise GitProtocolError("an object inflates past the size it declares")
                 self._budget.spend(out)
                 piece = inflater.unconsumed_tail
-                if inflater.eof or (not piece and out < git.STEP):
+                if inflater.eof or (not piece and out < packs.STEP):
                     break
             if inflater.eof:
                 if self._inflated != self._size:

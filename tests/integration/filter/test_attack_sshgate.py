@@ -25,6 +25,7 @@ import pytest
 from appliance.filter import secrets
 from appliance.filter.git import gateway as sshgate
 from appliance.filter.git import http as git
+from appliance.filter.git import pack as packs
 from appliance.filter.git import sshwire as gitssh
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
@@ -200,7 +201,7 @@ def bomb(size: int) -> bytes:
     deflate = zlib.compressobj(9)
     chunk = b"\0" * (1 << 20)
     data = b"".join(deflate.compress(chunk) for _ in range(size >> 20)) + deflate.flush()
-    return obj_header(git.BLOB, size) + data
+    return obj_header(packs.BLOB, size) + data
 
 
 def events_since(gated, seen: set) -> list[dict]:
@@ -613,7 +614,7 @@ def test_crafted_pushes_are_refused_and_change_nothing(gated, case):
         if case == "bad trailer":
             return commands(f"{ZERO} {new} {own}") + pack[:-1] + bytes([pack[-1] ^ 1])
         if case == "size lie":  # one object's header says one byte more
-            objects = pack_bytes([obj_header(git.BLOB, 6) + zlib.compress(b"hello")])
+            objects = pack_bytes([obj_header(packs.BLOB, 6) + zlib.compress(b"hello")])
             return commands(f"{ZERO} {new} {own}") + objects
         if case == "object count lie":
             lie = pack[:8] + (int.from_bytes(pack[8:12], "big") - 1).to_bytes(4, "big")

@@ -4,7 +4,6 @@ client files (sandbox/sshconf.py), read back by OpenSSH's own `ssh -G`."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import subprocess
 
@@ -14,7 +13,6 @@ import pytest
 from appliance.filter import secrets
 from appliance.filter.git import gateway as sshgate
 from appliance.filter.proxy.credentials import Credentials
-from appliance.policy import DEFAULT_RULES, Policy, parse_host, policy_file_rules
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import hardening, sshconf
 
@@ -112,18 +110,3 @@ def test_the_config_is_mounted_as_the_systems_only_when_there_is_one():
     assert f"/t/{sshconf.CONFIG}:{sshconf.SYSTEM_CONFIG}:ro" in args
     args = hardening.run_arguments(hardening.Sandbox(**base), [])
     assert not any(sshconf.SYSTEM_CONFIG in a for a in args)
-
-
-@pytest.mark.parametrize("address", ["192.168.121.1", "127.0.0.1", "10.0.2.2"])
-def test_only_host_corral_is_dialled_in_a_blocked_range(address):
-    """The VM host's address is the one the appliance was given ([host] gateway), and
-    private; every other name's addresses are checked against the blocked ranges, however
-    they are spelt."""
-    policy = Policy([*DEFAULT_RULES, *policy_file_rules(
-        '[[git]]\nhost = "git.example.com"\nrepos = ["acme/widget"]\n', "corral.toml",
-        "project")])
-    ip = ipaddress.ip_address(address)
-    assert sshgate._address_check(policy, ip, parse_host("host.corral"), 2222).allowed
-    assert sshgate._address_check(policy, ip, parse_host("HOST.corral."), 22).allowed
-    for name in ("git.example.com", "host.corral.example.com", "corral"):
-        assert not sshgate._address_check(policy, ip, parse_host(name), 22).allowed, name

@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from appliance.filter.git import http as git
+from appliance.filter.git import pack as packs
 from appliance.policy import Policy, parse_host
 from appliance.policy.config import ConfigError, parse_policy
 from appliance.policy.git import GitSpec
@@ -127,11 +128,11 @@ def body(commands: list[tuple[str, str, str]], pack: bytes = b"",
 
 def test_a_real_pack_shows_which_updates_are_fast_forwards(history):
     ids, pack = history
-    commits = git.pack_commits(pack(ids["two"], ids["base"]))
+    commits = packs.pack_commits(pack(ids["two"], ids["base"]))
     assert set(commits) == {ids["one"], ids["two"]}
-    assert git.fast_forward(commits, ids["base"], ids["two"])
-    side = git.pack_commits(pack(ids["other"], ids["two"]))
-    assert not git.fast_forward(side, ids["two"], ids["other"])
+    assert packs.fast_forward(commits, ids["base"], ids["two"])
+    side = packs.pack_commits(pack(ids["other"], ids["two"]))
+    assert not packs.fast_forward(side, ids["two"], ids["other"])
 
 
 def test_the_verdict_on_pushes(history):
@@ -207,7 +208,7 @@ def test_a_parent_line_out_of_its_place_is_refused_not_read_as_a_parent():
     body = (f"tree {EMPTY_TREE}\nauthor a <a@b> 0 +0000\ncommitter a <a@b> 0 +0000\n"
             f"parent {old}\n\nrewritten\n").encode()  # a root commit, as git reads it
     verdict = git.judge(body_of([(old, commit_id(body), "refs/heads/corral/s1/work")],
-                                make_pack([whole(git.COMMIT, body)])), SPEC, "s1")
+                                make_pack([whole(packs.COMMIT, body)])), SPEC, "s1")
     assert not verdict.allowed and "parent line out of its place" in verdict.reason
 
 
@@ -216,10 +217,10 @@ def body_of(commands, pack: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("pack", "message"), [
-    (make_pack([whole(git.COMMIT, b"x" * (4 << 20), declared=10)]), "declares"),
+    (make_pack([whole(packs.COMMIT, b"x" * (4 << 20), declared=10)]), "declares"),
     # a blob ends the reading before it is inflated: the commits come first
-    (make_pack([whole(git.BLOB, b"x" * (4 << 20), declared=1 << 62)]), "not shown to descend"),
-    (make_pack([whole(git.COMMIT, b"x" * 10, declared=(2 << 20))]), "writes them small"),
+    (make_pack([whole(packs.BLOB, b"x" * (4 << 20), declared=1 << 62)]), "not shown to descend"),
+    (make_pack([whole(packs.COMMIT, b"x" * 10, declared=(2 << 20))]), "writes them small"),
     (b"PACK\0\0\0\2\0\0\0\1" + b"\xbf" + b"\xff" * 20_000 + b"\0", "longer than git"),
     (b"PACK\0\0\0\2\xff\xff\xff\xff", "at most"),
 ])
@@ -235,7 +236,7 @@ def test_a_delta_that_grows_past_what_it_declares_is_refused():
     delta = bytes([len(base) & 0x7F | 0x80, (len(base) >> 7) & 0x7F | 0x80, len(base) >> 14,
                    100]) + b"\x80" * 4000  # declares 100 bytes, copies 64 KiB 4000 times
     with pytest.raises(git.GitProtocolError, match="larger than it says"):
-        git.apply_delta(base, delta)
+        packs.apply_delta(base, delta)
 
 
 def test_a_push_without_a_session_is_refused():
@@ -269,11 +270,11 @@ def test_the_files_of_a_bare_repository_name_it_for_writes_without_dot_git():
 
 
 def test_a_push_of_more_commits_than_corral_reads_is_refused(monkeypatch):
-    monkeypatch.setattr(git, "MAX_COMMITS", 3)
+    monkeypatch.setattr(packs, "MAX_COMMITS", 3)
     bodies = [(f"tree {EMPTY_TREE}\nauthor a <a@b> {n} +0000\ncommitter a <a@b> 0 +0000\n\n"
                ).encode() for n in range(4)]
     verdict = git.judge(body_of([("1" * 40, commit_id(bodies[-1]), "refs/heads/corral/s1/w")],
-                                make_pack([whole(git.COMMIT, b) for b in bodies])), SPEC, "s1")
+                                make_pack([whole(packs.COMMIT, b) for b in bodies])), SPEC, "s1")
     assert not verdict.allowed and "more than 3 commits" in verdict.reason
 
 

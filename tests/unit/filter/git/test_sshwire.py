@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from appliance.filter.git import http as git
+from appliance.filter.git import pack as packs
 from appliance.filter.git import sshwire as gitssh
 from appliance.filter.git.sshwire import PushStream, SshCall, read_exec
 from appliance.policy.git import GitSpec
@@ -278,13 +279,13 @@ def test_a_push_cut_short_says_where_it_stopped(pushes):
     (b"0003", "length of 3"),
     (b"0009abcde0000", "is not 'OLD NEW REF'"),  # read_push's own rules
     (command_section() + b"PACK\0\0\0\4\0\0\0\0", "does not start with a pack header"),
-    (command_section() + b"PACK\0\0\0\2" + (git.MAX_OBJECTS + 1).to_bytes(4, "big"),
+    (command_section() + b"PACK\0\0\0\2" + (packs.MAX_OBJECTS + 1).to_bytes(4, "big"),
      "at most 1000000"),
     (command_section() + packed(obj(5, b"x")), "unknown type 5"),
     (command_section() + packed(b"\x61" + b"\x80" * 10 + b"\0"), "delta offset longer"),
     (command_section() + packed(b"\x91" + b"\x80" * 20), "header longer than git writes"),
-    (command_section() + packed(obj(git.BLOB, b"x" * 100, declared=10)), "past the size"),
-    (command_section() + packed(obj(git.BLOB, b"x" * 10, declared=100)), "less than the size"),
+    (command_section() + packed(obj(packs.BLOB, b"x" * 100, declared=10)), "past the size"),
+    (command_section() + packed(obj(packs.BLOB, b"x" * 10, declared=100)), "less than the size"),
     (command_section() + packed(b"\x31xx"), "does not inflate"),
 ])
 def test_streams_git_does_not_send_are_refused(stream, message):
@@ -292,7 +293,7 @@ def test_streams_git_does_not_send_are_refused(stream, message):
 
 
 def test_a_delta_against_an_object_of_the_pack_or_the_remote_is_walked_past():
-    base = obj(git.BLOB, b"base " * 20)
+    base = obj(packs.BLOB, b"base " * 20)
     ofs = b"\x60" + b"\x8f\x7f" + zlib.compress(b"")  # size 0, offset 2 bytes long
     ref = b"\x70" + b"\xaa" * 20 + zlib.compress(b"")
     sent = command_section() + packed(base, ofs, ref)
@@ -327,7 +328,7 @@ def zeros(mib: int) -> bytes:
 def test_a_zlib_bomb_costs_cpu_not_memory(monkeypatch):
     assert zlib.decompress(zeros(2)) == bytes(2 << 20)
     size = 256 << 20
-    header = obj(git.BLOB, b"", declared=size)[:-len(zlib.compress(b""))]
+    header = obj(packs.BLOB, b"", declared=size)[:-len(zlib.compress(b""))]
     sent = command_section() + packed(header + zeros(size >> 20))
     chunks = [sent[i : i + 32768] for i in range(0, len(sent), 32768)]
     tracemalloc.start()
@@ -338,7 +339,7 @@ def test_a_zlib_bomb_costs_cpu_not_memory(monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < len(sent) * 2 + (2 << 20), peak  # what was sent, not what it inflates to
-    monkeypatch.setattr(git, "MAX_INFLATED", 64 << 20)
+    monkeypatch.setattr(packs, "MAX_INFLATED", 64 << 20)
     assert "inflates to more than 64 MiB" in refusal(*chunks)
 
 
@@ -364,7 +365,7 @@ def test_reading_is_linear_in_the_push_however_it_arrives(monkeypatch):
 
     monkeypatch.setattr(gitssh.zlib, "decompressobj", Counting)
     count = 32_000
-    sent = command_section() + packed(*(obj(git.BLOB, b"%d" % i) for i in range(count)))
+    sent = command_section() + packed(*(obj(packs.BLOB, b"%d" % i) for i in range(count)))
     assert PushStream().feed(sent)
     stream = PushStream()
     assert [stream.feed(sent[i : i + 32768]) for i in range(0, len(sent), 32768)][-1]
