@@ -12,8 +12,8 @@ import pytest
 
 from appliance import pki
 from appliance.filter.proxy import tlsstream
-from appliance.filter.proxy.inspect import Authority, mint, server_context
 from appliance.filter.relay import Counters
+from appliance.pki.intercept import Authority, mint, server_context
 from appliance.policy import Host
 
 RECORDS = 8000

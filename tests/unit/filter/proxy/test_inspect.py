@@ -20,14 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import pki
-from appliance.filter.proxy.inspect import (
-    LEAF_LIFETIME,
-    Authority,
-    Inspector,
-    Leaves,
-    mint,
-    server_context,
-)
+from appliance.filter.proxy.inspect import Inspector, Leaves
 from appliance.filter.proxy.pipeline import (
     DISCARD_MAX,
     Denied,
@@ -37,6 +30,7 @@ from appliance.filter.proxy.pipeline import (
 from appliance.filter.proxy.tlsstream import TlsServer
 from appliance.filter.redact import NONE
 from appliance.filter.relay import Counters
+from appliance.pki.intercept import LEAF_LIFETIME, Authority, mint, server_context
 from appliance.policy import ConfigError, Decision, Host, parse_host
 from appliance.sessionconfig import InspectConfig, parse_config
 
