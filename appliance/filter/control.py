@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # the parts it is given
 
     from .approvals_policy import OpenApprovals
     from .events import EventBus
-    from .git.gateway import Gate
+    from .git.sshgate import Gate
     from .proxy.inspect import Inspector
     from .registration import Registration
     from .secrets import SecretStore

@@ -51,7 +51,7 @@ class Reach:
             if not check.allowed:
                 return check
             # raw TCP to an inspected host's front-end would carry its requests unread
-            shared = self.frontends.judge(current.policy, host, destination, "tcp")
+            shared = self.frontends.refusal(current.policy, host, destination, "tcp")
             if shared is not None:
                 return shared
         return decision

@@ -61,8 +61,8 @@ from .errors import ControlError
 from .events import EventBus, retired
 from .expiry import GrantExpiry
 from .firewalled import Firewall, nftables
-from .git.gateway import Gate
-from .limits import Budget, raise_limit
+from .git.sshgate import Gate
+from .limits import DescriptorBudget, raise_limit
 from .listeners import Listeners, Serve
 from .proxy import Proxy
 from .proxy.credentials import Credentials
@@ -121,7 +121,7 @@ class Service:
     def __init__(self, config: FilterConfig):
         self.config = config
         self.store = PolicyStore(config)  # ConfigError before anything is bound
-        self.budget = Budget(config, raise_limit())
+        self.budget = DescriptorBudget(config, raise_limit())
         try:
             self.budget.check(len(self.store.session_configs()))
         except ValueError as exc:

@@ -181,7 +181,7 @@ TOO_BIG = {
     "appliance/filter/dns/filter.py":
         "judges every query twice (issue 27 item 3: judged once, the verdict travelling "
         "with the pending query); that work splits it",
-    "appliance/filter/git/gateway.py":
+    "appliance/filter/git/sshgate.py":
         "Gate still keeps calls, pushes and cuts in one class (issue 27 item 4: the narrow "
         "objects it is given)",
     "appliance/firewall/ruleset.py": "outside the filter's rooms (issue 27 item 1)",

@@ -35,7 +35,7 @@ from .files import (
     segments,
     seq_of,
 )
-from .reader import Verdict, verify
+from .reader import Verification, verify
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class AuditLog:
                 "bytes": sum(sizes.values()), "segment_bytes": self.segment_bytes,
                 "segments_kept": self.keep, "error": self.failed}
 
-    def verify(self) -> Verdict:
+    def verify(self) -> Verification:
         """The files against the head: every record up to it (a batch being written after
         it is not read), without stopping the writer."""
         return verify(self.path, self.head)

@@ -66,7 +66,7 @@ policy change makes a new Policy object, which is part of the key, so it never g
 
 
 @dataclass(slots=True)
-class Pending:
+class PendingQuery:
     """A query that passed the quick checks and goes the slow way, with the verdict it was
     judged (`finish()` acts on it, never judges again; an `Allowed` one may ask an
     upstream); it holds one of its session's `max_pending` places until answered."""
@@ -122,10 +122,10 @@ class DnsFilter:
             self.policies[session] = policy
         return (policy, session, udp, bytes(data[2:]))
 
-    def first(self, data: bytes, client: str, udp: bool) -> bytes | Pending | None:
+    def first(self, data: bytes, client: str, udp: bool) -> bytes | PendingQuery | None:
         """What can be known at once, without awaiting: the reply (over the rate limit, a
         cached answer, a malformed query, too many waiting), None (nothing to answer: too
-        short, or a response), or a Pending query for `finish()`."""
+        short, or a response), or a PendingQuery query for `finish()`."""
         if len(data) < 12 or data[2] & 0x80:
             return None
         session, policy = self.store.lookup(client)
@@ -155,7 +155,7 @@ class DnsFilter:
         if not self.limits.begin(session):
             self._refused(session, client, "pending", now)
             return refusal(query, RCODE.REFUSED)
-        return Pending(key, session, policy, query, verdict)
+        return PendingQuery(key, session, policy, query, verdict)
 
     def _answered_by_policy(self, query: Query, verdict: PolicyAnswer, key: tuple,
                             session: str | None, policy: Policy, client: str, now: float
@@ -203,8 +203,8 @@ class DnsFilter:
                        "reason": f"{self.limits.describe(report.limit)}: {report.count} "
                                  f"{what} refused since the last report"})
 
-    async def finish(self, data: bytes, client: str, udp: bool, pending: Pending) -> bytes:
-        """The reply to a Pending query; frees its place."""
+    async def finish(self, data: bytes, client: str, udp: bool, pending: PendingQuery) -> bytes:
+        """The reply to a PendingQuery query; frees its place."""
         query, session, policy = pending.query, pending.session, pending.policy
         note: dict = {}
         try:
@@ -231,7 +231,7 @@ class DnsFilter:
     async def answer(self, data: bytes, client: str, udp: bool) -> bytes | None:
         """The reply to one query (None: nothing to answer)."""
         first = self.first(data, client, udp)
-        if not isinstance(first, Pending):
+        if not isinstance(first, PendingQuery):
             return first
         return await self.finish(data, client, udp, first)
 
@@ -479,7 +479,7 @@ class UdpServer:
             first = error_reply(data, RCODE.SERVFAIL) if len(data) >= 12 else None
         if first is None:
             return
-        if not isinstance(first, Pending):
+        if not isinstance(first, PendingQuery):
             self.sendto(first, addr)
             return
         if len(self.tasks) >= MAX_PENDING:
@@ -490,7 +490,7 @@ class UdpServer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _reply(self, data: bytes, addr, pending: Pending) -> None:
+    async def _reply(self, data: bytes, addr, pending: PendingQuery) -> None:
         self.sendto(await self.dns.finish(data, addr[0], True, pending), addr)
 
 

@@ -36,7 +36,7 @@ from dnslib.buffer import BufferError
 from dnslib.label import DNSBuffer
 
 from .cache import RESOLVER_CACHE_MAX, SharedLru
-from .wire import Budget, WireError, read_name
+from .wire import ParseBudget, WireError, read_name
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _BoundedBuffer(DNSBuffer):
 
     def __init__(self, data: bytes):
         super().__init__(data)
-        self.budget = Budget(REPLY_STEPS_MAX)
+        self.budget = ParseBudget(REPLY_STEPS_MAX)
 
     def decode_name(self, last=-1) -> DNSLabel:
         try:

@@ -43,7 +43,7 @@ class WireError(ValueError):
         self.rcode = rcode
 
 
-class Budget:
+class ParseBudget:
     """Counts the steps of a parse and refuses to go past `limit`: the proof that a parse
     is bounded (tests read `used`) and the bound itself where the input decides the work
     (a reply's compressed names)."""
@@ -60,7 +60,7 @@ class Budget:
             raise WireError(f"more than {self.limit} steps of parsing: refused")
 
 
-def read_name(data: bytes | bytearray, pos: int, budget: Budget, jumps: int = 0
+def read_name(data: bytes | bytearray, pos: int, budget: ParseBudget, jumps: int = 0
               ) -> tuple[list[bytes], int]:
     """The labels of the name at `pos`, and the offset just after it.
 
@@ -146,11 +146,11 @@ _ESCAPED = frozenset(b".\\")
 """Printable bytes a name shown escapes too: a label's dot would read as a label's end."""
 
 
-def parse_query(data: bytes, budget: Budget | None = None) -> Query | None:
+def parse_query(data: bytes, budget: ParseBudget | None = None) -> Query | None:
     """The query in `data`; None for what gets no answer at all (too short to carry an ID,
     or a response: answering those makes reflection loops). Raises WireError for anything
     else that is not a plain query; its rcode goes back with the query's ID."""
-    budget = budget if budget is not None else Budget(QUERY_STEPS_MAX)
+    budget = budget if budget is not None else ParseBudget(QUERY_STEPS_MAX)
     size = len(data)
     if size < 12:
         return None

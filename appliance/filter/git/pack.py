@@ -46,7 +46,7 @@ def _varint_header(data, pos: int) -> tuple[int, int, int]:
     return kind, size, pos
 
 
-class _Budget:
+class InflateBudget:
     """What the objects of one push may still inflate to."""
 
     def __init__(self, left: int = MAX_INFLATED):
@@ -58,7 +58,7 @@ class _Budget:
             raise GitProtocolError(f"the pack inflates to more than {MAX_INFLATED >> 20} MiB")
 
 
-def _inflate(data, pos: int, size: int, keep: bool, budget: _Budget) -> tuple[bytes, int]:
+def _inflate(data, pos: int, size: int, keep: bool, budget: InflateBudget) -> tuple[bytes, int]:
     """The object at `pos` inflated (b"" unless `keep`), and where its zlib stream ends.
     Output is taken a step at a time, never more than the object says it holds."""
     if keep and size > MAX_COMMIT:
@@ -166,7 +166,7 @@ def iter_commits(pack, sha256: bool = False, deadline: float | None = None):
     digest = hashlib.sha256 if sha256 else hashlib.sha1
     kept: dict[int, bytes] = {}  # offset -> commit body, for deltas against it
     by_id: dict[bytes, bytes] = {}  # binary id -> commit body
-    budget, pos, commits = _Budget(), 12, 0
+    budget, pos, commits = InflateBudget(), 12, 0
     try:
         for index in range(count):
             if index % 256 == 0:

@@ -125,7 +125,7 @@ class PushStream:
         self._push: git.Push | None = None
         self._digest = hashlib.sha1(usedforsecurity=False)  # git's ids: sha256 when asked
         self._hashed = self._count = self._index = 0
-        self._budget = packs._Budget(packs.MAX_INFLATED)
+        self._budget = packs.InflateBudget(packs.MAX_INFLATED)
         self._inflater = zlib.decompressobj()
         self._fed = self._size = self._inflated = 0  # of the object being inflated
 

@@ -273,7 +273,7 @@ class Proxy:
         def check(address) -> Decision:
             verdict = dial.decide(policy, address, host, port)
             if verdict.allowed and splice and host.name != HOST_NAME:
-                verdict = self.frontends.judge(policy, host, str(address)) or verdict
+                verdict = self.frontends.refusal(policy, host, str(address)) or verdict
             return verdict
 
         async def connect(address):
@@ -446,13 +446,13 @@ class Proxy:
         (neighbours.py); None when there is none."""
         if host.name == HOST_NAME:
             return None
-        return self.frontends.judge(policy, host, address)
+        return self.frontends.refusal(policy, host, address)
 
     def rejudge(self, because: str = "the policy changed while it was open") -> None:
         """The policy changed (the store calls this on the loop's thread), or an inspected
         host was seen at a new address (`frontends`): every open flow is judged again, and
         those now denied are cut at once, each with an event."""
-        for flow, decision in self.flows.judge(self._judge):
+        for flow, decision in self.flows.denied_by(self._judge):
             self.flows.remove(flow.id)
             self.stats["cut"] += 1
             rule = decision.rule

@@ -152,7 +152,7 @@ class Frontends:
             until = min(until, answer.expires)
         return until
 
-    def judge(self, policy: Policy, host: Host, address: str, kind: str = "http"
+    def refusal(self, policy: Policy, host: Host, address: str, kind: str = "http"
               ) -> Decision | None:
         """The refusal of a tunnel to `host` (not inspected) at `address` under `policy` (a
         tcp rule's connection, with `kind` "tcp"), or None. No I/O: may run on a worker

@@ -1,4 +1,4 @@
-"""Attacks on the git gateway (filter/sshgate.py, gitssh.py, proxy/git.py's judge), from
+"""Attacks on the git gateway (filter/sshgate.py, sshwire.py, proxy/git.py's judge), from
 inside session s1 (and s2), with real git and ssh and with asyncssh as a crafted client.
 
 Each test asserts the SAFE behaviour: a failing test is a finding. Tests that pass document
@@ -23,10 +23,9 @@ import asyncssh
 import pytest
 
 from appliance.filter import secrets
-from appliance.filter.git import gateway as sshgate
 from appliance.filter.git import http as git
 from appliance.filter.git import pack as packs
-from appliance.filter.git import sshwire as gitssh
+from appliance.filter.git import sshgate, sshwire
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
@@ -770,13 +769,13 @@ def test_a_zlib_bomb_in_a_push_is_read_off_the_filters_loop(gated, monkeypatch):
     judges' threads: checked by where each feed runs, not by timing the loop."""
     tip = gated.refs()["refs/heads/main"]
     body = pack_bytes([bomb(256 << 20)])
-    threads, feed = [], gitssh.PushStream.feed
+    threads, feed = [], sshwire.PushStream.feed
 
     def recorded(self, data):
         threads.append(threading.current_thread().name)
         return feed(self, data)
 
-    monkeypatch.setattr(gitssh.PushStream, "feed", recorded)
+    monkeypatch.setattr(sshwire.PushStream, "feed", recorded)
 
     async def attack():
         async with await connect(gated) as conn:

@@ -17,7 +17,7 @@ from appliance.filter.changes import Changes
 from appliance.filter.control import ControlError
 from appliance.filter.events import EventBus
 from appliance.filter.firewalled import Firewall
-from appliance.filter.limits import Budget
+from appliance.filter.limits import DescriptorBudget
 from appliance.filter.listeners import Listeners
 from appliance.filter.registration import Registration, Unaffordable, Unbound
 from appliance.filter.workers import Workers
@@ -61,7 +61,7 @@ subnet = "10.213.1.0/24"
         self.approvals = ApprovalsFile(tmp_path / "state" / "approvals.json", Approvals(),
                                        self.store.identity)
         self.registration = Registration(self.store, self.changes.change,
-                                         Budget(self.config, limit), self.listeners,
+                                         DescriptorBudget(self.config, limit), self.listeners,
                                          self.approvals)
 
 

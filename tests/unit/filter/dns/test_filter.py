@@ -11,7 +11,7 @@ import struct
 import pytest
 from dnslib import EDNS0, RCODE, DNSRecord
 
-from appliance.filter.dns.filter import DnsFilter, Pending, _reply
+from appliance.filter.dns.filter import DnsFilter, PendingQuery, _reply
 from appliance.filter.dns.resolver import Resolver
 from appliance.filter.dns.wire import parse_query, pointer_bomb
 from appliance.filter.events import EventBus
@@ -166,7 +166,7 @@ def test_past_its_denied_names_limit_a_session_gets_refused_for_new_denied_names
     # a denied name answered before is a cached answer: no token, still NXDOMAIN
     assert rcode(dns.first(query("n0.flood.example", 20), S1, udp=True)) == RCODE.NXDOMAIN
     # a name the policy allows is not this limit's: on its way to the upstream
-    assert isinstance(dns.first(query("exact.example", 21), S1, udp=True), Pending)
+    assert isinstance(dns.first(query("exact.example", 21), S1, udp=True), PendingQuery)
     reports = [e for e in dns.bus.recent if e.get("limit") == "denied"]
     assert len(reports) == 1 and reports[0]["refused"] == 1 and reports[0]["session"] == "s1"
     assert ("DNS rate limit on denied names: more than 0.01 names the policy denies a "
@@ -192,17 +192,17 @@ def test_names_that_are_no_host_names_and_refused_types_take_from_the_denied_lim
 
 def test_a_session_has_a_bounded_number_of_queries_waiting_for_an_upstream(dns):
     waiting = [dns.first(query(f"n{i}.zone.example", i), S2, udp=True) for i in range(3)]
-    assert all(isinstance(w, Pending) for w in waiting)
+    assert all(isinstance(w, PendingQuery) for w in waiting)
     refused = DNSRecord.parse(dns.first(query("n9.zone.example", 9), S2, udp=True))
     assert (refused.header.rcode, refused.header.id, str(refused.q.qname)) == (
         RCODE.REFUSED, 9, "n9.zone.example.")
-    assert isinstance(dns.first(query("a.wild.example"), S1, udp=True), Pending)  # s1's own
+    assert isinstance(dns.first(query("a.wild.example"), S1, udp=True), PendingQuery)  # s1's own
     assert dns.stats()["sessions"]["s2"]["pending"] == 3
     assert dns.stats()["sessions"]["s2"]["pending_refused"] == 1
     # one finishes (the upstream here refuses at once: SERVFAIL), and its place is free
     assert rcode(asyncio.run(dns.finish(query("n0.zone.example", 0), S2, True, waiting[0]))
                  ) == RCODE.SERVFAIL
-    assert isinstance(dns.first(query("n8.zone.example", 8), S2, udp=True), Pending)
+    assert isinstance(dns.first(query("n8.zone.example", 8), S2, udp=True), PendingQuery)
     event = next(e for e in dns.bus.recent if e.get("limit") == "pending")
     assert "more than 3 queries of this session waiting" in event["reason"]
 

@@ -13,7 +13,7 @@ from dnslib import QTYPE, RCODE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dns.filter import DnsFilter, Pending
+from appliance.filter.dns.filter import DnsFilter, PendingQuery
 from appliance.filter.dns.judge import (
     Allowed,
     HostGateway,
@@ -177,7 +177,7 @@ def test_the_resolver_is_never_asked_without_an_allowed_verdict(dns):
     # a pending query carrying one is answered, its place freed, nothing asked upstream
     for forged, rcode in forgeries():
         assert dns.limits.begin("s1")
-        pending = Pending(("k",), "s1", POLICY, query, forged)
+        pending = PendingQuery(("k",), "s1", POLICY, query, forged)
         reply = asyncio.run(dns.finish(wire([b"exact", b"example"]), S1, True, pending))
         assert reply[3] & 0x0F == rcode and dns.limits.pending["s1"] == 0
     assert dns.resolver.stats["upstream_queries"] == 0 and not dns.resolver._inflight
@@ -190,7 +190,7 @@ def test_the_resolver_is_never_asked_without_an_allowed_verdict(dns):
 
 @pytest.mark.parametrize("name, qtype, qclass, at_once, after_limit", [
     # (what first() gives with tokens left, and once the denied-names limit is spent):
-    # an rcode sent at once, or the verdict that waits in a Pending
+    # an rcode sent at once, or the verdict that waits in a PendingQuery
     ("x.other.example", QTYPE.A, IN, RCODE.NXDOMAIN, RCODE.REFUSED),
     ("exact.example", HTTPS, IN, RCODE.NOERROR, RCODE.NOERROR),
     ("exact.example", QTYPE.ANY, IN, RefusedQuestion, RCODE.REFUSED),
@@ -206,7 +206,7 @@ def test_what_the_filter_does_with_each_verdict_before_and_past_the_denied_limit
     for expected in (at_once, after_limit):
         first = dns.first(data, S1, udp=True)
         if isinstance(expected, type):
-            assert isinstance(first, Pending) and type(first.verdict) is expected
+            assert isinstance(first, PendingQuery) and type(first.verdict) is expected
             dns.limits.end("s1")
         else:
             assert isinstance(first, bytes) and first[3] & 0x0F == expected

@@ -25,7 +25,7 @@ from appliance.filter.dns.wire import (
     MAX_MESSAGE,
     NOTIMP,
     QUERY_STEPS_MAX,
-    Budget,
+    ParseBudget,
     WireError,
     error_reply,
     parse_query,
@@ -137,13 +137,13 @@ def test_the_error_reply_echoes_id_opcode_and_rd_and_nothing_else():
 def test_the_pointer_bomb_is_refused_in_a_few_steps(layout):
     bomb = pointer_bomb(layout=layout)
     assert len(bomb) > 11_000
-    budget = Budget(math.inf)
+    budget = ParseBudget(math.inf)
     with pytest.raises(WireError, match="1232"):
         parse_query(bomb, budget)
     assert budget.used == 1
     # the same shape inside 1232 bytes is refused by its counts before any name is read
     small = pointer_bomb(size=1200, chain=100, layout=layout)
-    budget = Budget(math.inf)
+    budget = ParseBudget(math.inf)
     with pytest.raises(WireError, match="a query has 1 question"):
         parse_query(small, budget)
     assert budget.used == 1
@@ -214,7 +214,7 @@ def hostile(draw):
 @settings(max_examples=1500)
 @given(hostile())
 def test_any_packet_is_parsed_or_refused_within_a_fixed_number_of_steps(data):
-    budget = Budget(math.inf)  # counts, never stops: the bound is the parser's own
+    budget = ParseBudget(math.inf)  # counts, never stops: the bound is the parser's own
     try:
         query = parse_query(data, budget)
     except WireError as exc:
@@ -227,7 +227,7 @@ def test_any_packet_is_parsed_or_refused_within_a_fixed_number_of_steps(data):
 
 def test_the_step_bound_is_reached_by_the_longest_name():
     labels = [b"a"] * 127  # 127 labels of one byte: 255 bytes with the root
-    budget = Budget(math.inf)
+    budget = ParseBudget(math.inf)
     parse_query(header(ar=1) + name(*labels) + A_IN + OPT_RECORD, budget)
     assert budget.used == QUERY_STEPS_MAX
 

@@ -18,7 +18,7 @@ import pytest
 
 from appliance.filter.git import http as git
 from appliance.filter.git import pack as packs
-from appliance.filter.git import sshwire as gitssh
+from appliance.filter.git import sshwire
 from appliance.filter.git.sshwire import PushStream, SshCall, read_exec
 from appliance.policy.git import GitSpec
 
@@ -363,7 +363,7 @@ def test_reading_is_linear_in_the_push_however_it_arrives(monkeypatch):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    monkeypatch.setattr(gitssh.zlib, "decompressobj", Counting)
+    monkeypatch.setattr(sshwire.zlib, "decompressobj", Counting)
     count = 32_000
     sent = command_section() + packed(*(obj(packs.BLOB, b"%d" % i) for i in range(count)))
     assert PushStream().feed(sent)
@@ -373,7 +373,7 @@ def test_reading_is_linear_in_the_push_however_it_arrives(monkeypatch):
 
 
 def test_the_module_keeps_to_the_standard_library():
-    imports = [line for line in Path(gitssh.__file__).read_text().splitlines()
+    imports = [line for line in Path(sshwire.__file__).read_text().splitlines()
                if line.startswith(("import ", "from "))]
     assert all(line.split()[1].split(".")[0] in {"__future__", "hashlib", "re", "zlib",
                                                  "dataclasses", "appliance"}

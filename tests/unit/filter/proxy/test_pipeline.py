@@ -210,7 +210,7 @@ def test_judge_names_the_flows_the_new_policy_denies():
     for n, name in enumerate(["keep.test", "drop.test", "drop.test"]):
         flows.add(Flow(n, "s1", "10.0.0.2", f"10.0.0.2:{n}", "connect", Host(name=name), 443,
                        lambda n=n: cut.append(n)))
-    denied = list(flows.judge(lambda f: Decision(f.host.name == "keep.test", "x")))
+    denied = list(flows.denied_by(lambda f: Decision(f.host.name == "keep.test", "x")))
     assert [f.id for f, _ in denied] == [1, 2]
     flows.remove(1)
     assert sorted(flows.open) == [0, 2]

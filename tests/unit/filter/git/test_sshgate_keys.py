@@ -11,7 +11,7 @@ import asyncssh
 import pytest
 
 from appliance.filter import secrets
-from appliance.filter.git import gateway as sshgate
+from appliance.filter.git import sshgate
 from appliance.filter.proxy.credentials import Credentials
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import hardening, sshconf

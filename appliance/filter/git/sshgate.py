@@ -1,5 +1,5 @@
 """The git gateway: git over SSH, confined as it is over HTTPS. The socket edge; what git
-sends is read by gitssh.py and judged by proxy/git.py, without sockets.
+sends is read by sshwire.py and judged by proxy/git.py, without sockets.
 
 A session's ssh client is configured (sandbox/sshconf.py) to reach a `[[git]]` host
 through the gateway, on its gateway address, with a key of its own and the host's name
@@ -52,7 +52,7 @@ from ..http import HttpError
 from ..ratelimit import LogBudget
 from ..secrets import SecretStore
 from . import http as git
-from . import sshwire as gitssh
+from . import sshwire
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class _Open:
     address: str
     label: str
     host: str
-    call: gitssh.SshCall
+    call: sshwire.SshCall
     task: asyncio.Task
     secret: object = None
     upstream: str | None = None
@@ -228,7 +228,7 @@ class Gate:
 
     # -- deciding ------------------------------------------------------------------------
 
-    def decide(self, session: str, policy: Policy, host_name: str, call: gitssh.SshCall):
+    def decide(self, session: str, policy: Policy, host_name: str, call: sshwire.SshCall):
         """(decision, spec, secret) for this call now; Refused when it may not be made."""
         try:
             host = parse_host(host_name)
@@ -322,7 +322,7 @@ class Gate:
         if session is None:
             raise Refused(Decision(False, "git over ssh from an address no session holds"))
         try:
-            call = gitssh.read_exec(process.command or "")
+            call = sshwire.read_exec(process.command or "")
         except git.GitProtocolError as exc:
             raise Refused(Decision(False, f"the gateway runs git only: {exc}")) from None
         host = _env(process).get(SSH_HOST_VARIABLE)
@@ -408,14 +408,14 @@ class Gate:
 
     async def _push(self, process, remote, opened: _Open, event: dict) -> int:
         """git-receive-pack: the host's refs go to the client as they come; the client's
-        push is read whole (gitssh.PushStream, on the judges' threads: reading a pack is
+        push is read whole (sshwire.PushStream, on the judges' threads: reading a pack is
         inflating it) and judged under the policy in force then, before a byte of it goes
         on."""
         session, host, forward = opened.session, opened.host, self.judges
         copies = [asyncio.ensure_future(_copy(remote.stdout, process.stdout)),
                   asyncio.ensure_future(_copy(remote.stderr, process.stderr))]
         holding: list = []
-        stream = gitssh.PushStream()
+        stream = sshwire.PushStream()
         spec = None
         try:
             try:
