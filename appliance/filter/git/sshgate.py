@@ -46,6 +46,7 @@ from appliance.policystore import PolicyStore
 from appliance.sessionconfig import ProxyConfig
 
 from .. import dial
+from ..denied import Denied
 from ..dns.resolver import Resolver
 from ..events import EventBus
 from ..http import HttpError
@@ -71,14 +72,6 @@ KEX = ["curve25519-sha256", "curve25519-sha256@libssh.org", "curve448-sha512",
 """Key exchanges the gateway offers: elliptic curves only, each a fraction of a millisecond
 of the loop. RSA key exchange makes a key per connection and 8192-bit DH costs tens of
 milliseconds: a session logging in over and over would stall every other's traffic."""
-
-
-class Refused(Exception):
-    """A git call the gateway will not make; the message is what git prints."""
-
-    def __init__(self, decision: Decision):
-        super().__init__(decision.reason)
-        self.decision = decision
 
 
 def session_key(key: bytes, session: str, identity: str) -> asyncssh.SSHKey:
@@ -229,30 +222,30 @@ class Gate:
     # -- deciding ------------------------------------------------------------------------
 
     def decide(self, session: str, policy: Policy, host_name: str, call: sshwire.SshCall):
-        """(decision, spec, secret) for this call now; Refused when it may not be made."""
+        """(decision, spec, secret) for this call now; Denied when it may not be made."""
         try:
             host = parse_host(host_name)
         except HostNameError as exc:
-            raise Refused(Decision(False, f"{SSH_HOST_VARIABLE}={host_name[:100]!r}: "
+            raise Denied(Decision(False, f"{SSH_HOST_VARIABLE}={host_name[:100]!r}: "
                                    f"{exc}")) from None
         denied = policy.denied_by(host)
         if denied is not None:  # a deny rule wins over every allow, a [[git]] table's too
-            raise Refused(Decision(False, f"{host} is denied to session {session} "
+            raise Denied(Decision(False, f"{host} is denied to session {session} "
                                    f"({denied.text})", denied))
         access = policy.git(host)
         if access is None:
-            raise Refused(Decision(False, f"{host} has no [[git]] table in session {session}'s "
+            raise Denied(Decision(False, f"{host} has no [[git]] table in session {session}'s "
                                    "policy", hint=f'add [[git]] host = "{host}" with its '
                                    "repos to corral.toml"))
         spec = access.repository(call.repo)
         if spec is None:
-            raise Refused(Decision(False, f"git repository {call.repo[:100]!r} on {host} is "
+            raise Denied(Decision(False, f"git repository {call.repo[:100]!r} on {host} is "
                                    f"not listed (listed: {access.listed()})",
                                    hint=f'add "{call.repo[:100]}" to repos of the [[git]] '
                                    f"table for {host} in corral.toml"))
         secret = self.secrets.ssh(host.name)
         if secret is None:
-            raise Refused(Decision(False, f"the appliance holds no ssh key for {host}", hint=(
+            raise Denied(Decision(False, f"the appliance holds no ssh key for {host}", hint=(
                 f"corral secret set NAME --ssh --host {host} --known-hosts FILE < KEY")))
         return (Decision(True, f"git {call.service} of {call.repo} on {host} through the "
                          f"gateway (ssh key {secret.name})"), spec, secret)
@@ -264,17 +257,17 @@ class Gate:
             session, policy = self.store.lookup(opened.address)
             try:
                 if session != opened.session:
-                    raise Refused(Decision(False, f"session {opened.session} has ended"))
+                    raise Denied(Decision(False, f"session {opened.session} has ended"))
                 _, _, secret = self.decide(session, policy, opened.host, opened.call)
                 if secret is not opened.secret:
-                    raise Refused(Decision(False, f"ssh key {secret.name} for {opened.host} "
+                    raise Denied(Decision(False, f"ssh key {secret.name} for {opened.host} "
                                            "was replaced or removed"))
                 if opened.upstream is not None:
                     check = dial.decide(policy, ipaddress.ip_address(opened.upstream),
                                         parse_host(opened.host), secret.port)
                     if not check.allowed:
-                        raise Refused(check)
-            except Refused as refused:
+                        raise Denied(check)
+            except Denied as refused:
                 self.event(Decision(False, f"cut: {refused.decision.reason} (the policy "
                                     "changed while it was open)"), opened.session,
                            opened.label, opened.host)
@@ -297,7 +290,7 @@ class Gate:
         status = 128
         try:
             status = await self._serve(process, peer[0], label)
-        except Refused as refused:
+        except Denied as refused:
             decision = refused.decision
             session, _ = self.store.lookup(peer[0])
             self.event(decision, session, label, _shown(_env(process).get(SSH_HOST_VARIABLE)))
@@ -320,20 +313,20 @@ class Gate:
     async def _serve(self, process, address: str, label: str) -> int:
         session, policy = self.store.lookup(address)
         if session is None:
-            raise Refused(Decision(False, "git over ssh from an address no session holds"))
+            raise Denied(Decision(False, "git over ssh from an address no session holds"))
         try:
             call = sshwire.read_exec(process.command or "")
         except git.GitProtocolError as exc:
-            raise Refused(Decision(False, f"the gateway runs git only: {exc}")) from None
+            raise Denied(Decision(False, f"the gateway runs git only: {exc}")) from None
         host = _env(process).get(SSH_HOST_VARIABLE)
         if not host:
-            raise Refused(Decision(False, f"no {SSH_HOST_VARIABLE}: say which host this is "
+            raise Denied(Decision(False, f"no {SSH_HOST_VARIABLE}: say which host this is "
                                    "for (the session's ssh config does; use "
                                    "git@HOST:OWNER/REPO)"))
         decision, _, secret = self.decide(session, policy, host, call)
         host = str(parse_host(host))  # as decide read it: events and rejudge name it so
         if self.calls.get(session, 0) >= MAX_CALLS:
-            raise Refused(Decision(False, f"session {session} has {MAX_CALLS} git calls open "
+            raise Denied(Decision(False, f"session {session} has {MAX_CALLS} git calls open "
                                    "through the gateway: the limit"))
         opened = _Open(session, address, label, host, call, asyncio.current_task(), secret)
         self.open.add(opened)
@@ -404,7 +397,7 @@ class Gate:
             return await dial.first_answering(
                 addresses, lambda a: dial.decide(policy, a, host, secret.port), connect, host)
         except dial.Undialable as exc:
-            raise Refused(exc.decision) from None
+            raise Denied(exc.decision) from None
 
     async def _push(self, process, remote, opened: _Open, event: dict) -> int:
         """git-receive-pack: the host's refs go to the client as they come; the client's
@@ -436,12 +429,12 @@ class Gate:
                         break
                 session_now, policy = self.store.lookup(opened.address)
                 if session_now != session:
-                    raise Refused(Decision(False, f"session {session} has ended"))
+                    raise Denied(Decision(False, f"session {session} has ended"))
                 _, spec, secret = self.decide(session, policy, host, opened.call)
                 if secret is not opened.secret:
-                    raise Refused(Decision(False, f"ssh key {secret.name} for {host} was "
+                    raise Denied(Decision(False, f"ssh key {secret.name} for {host} was "
                                            "replaced"))
-            except (git.GitProtocolError, HttpError, TimeoutError, Refused) as exc:
+            except (git.GitProtocolError, HttpError, TimeoutError, Denied) as exc:
                 read = stream.push  # the commands, when they were read: refused in their form
                 verdict = git.Verdict((), read.capabilities if read else frozenset(),
                                       read.commands if read else (),

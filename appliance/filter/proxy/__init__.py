@@ -29,6 +29,7 @@ from appliance.sessionconfig import ProxyConfig
 
 from .. import dial
 from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_agent_ask
+from ..denied import Denied
 from ..dns.guard import ExfilGuard
 from ..dns.resolver import Resolver
 from ..events import EventBus
@@ -41,7 +42,7 @@ from .flows import Cap, Flow, Flows
 from .forward import Forward
 from .frontends import Frontends
 from .inspect import Inspector
-from .pipeline import Denied, Explicit, Transparent, deny_response, error_response
+from .pipeline import Explicit, Transparent, deny_response, error_response
 from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
 __all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]

@@ -34,8 +34,8 @@ from appliance.pki.intercept import ALPN, LEAF_REUSE, Authority, Unusable, mint,
 from appliance.policy import ConfigError, Decision, Host
 from appliance.sessionconfig import InspectConfig
 
+from ..denied import Denied
 from ..ratelimit import TokenBucket
-from .pipeline import Denied
 
 log = logging.getLogger(__name__)
 

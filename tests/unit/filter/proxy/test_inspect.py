@@ -20,10 +20,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import pki
+from appliance.filter.denied import Denied
 from appliance.filter.proxy.inspect import Inspector, Leaves
 from appliance.filter.proxy.pipeline import (
     DISCARD_MAX,
-    Denied,
     deny_response,
     keeps_after_refusal,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from appliance.filter.denied import Denied
 from appliance.filter.http import (
     HttpError,
     check_request_line,
@@ -14,7 +15,6 @@ from appliance.filter.http import (
 )
 from appliance.filter.proxy.flows import Flow, Flows
 from appliance.filter.proxy.pipeline import (
-    Denied,
     Explicit,
     InTunnel,
     Route,
