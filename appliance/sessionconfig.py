@@ -249,7 +249,7 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class SshgateConfig:
     listen: tuple[Address, ...] = setting((), listeners)
-    """The git gateway (sshgate.py): where sessions reach it with git over SSH. Empty: no
+    """The git gateway (filter/git/sshgate.py): where sessions reach it with git over SSH. Empty: no
     gateway, and git over SSH reaches only what a tcp rule allows."""
 
 

@@ -23,7 +23,8 @@ order; none of them is given the service, each gets the narrow things it uses:
   listeners.py        config, store, bus, what serves each key   fixed and gateway sockets
   drops.py            store, bus, NFLOG group       firewall rejects become events
   approvals_policy.py store, holds                  open approvals under the policy now
-  sshgate.py          store, bus, proxy, secrets, its port   the git gateway
+  git/sshgate.py      store, bus, secrets, its port, the proxy's judges, cap, budget and
+                      timeouts, host.corral's address, the resolver   the git gateway
   status.py           what it reports on            `status` and `sessions`
   control.py          what requests read and change   the control socket
 

@@ -7,10 +7,10 @@ removed from answers (rebinding) unless a cidr rule covers them. Malformed -> FO
 unsupported -> NOTIMP/REFUSED; a packet too short to carry an ID, or one that is itself a
 response, is dropped. `answer()` never raises: every failure becomes an rcode.
 
-Client bytes are read only by `dnswire.parse_query` (bounded: no packet can hold the loop);
-dnslib only builds replies. Each query is judged once, by `dnsjudge.judge_query` (pure): its
+Client bytes are read only by `wire.parse_query` (bounded: no packet can hold the loop);
+dnslib only builds replies. Each query is judged once, by `judge.judge_query` (pure): its
 verdict travels with the pending query, and the resolver is asked only with an `Allowed`
-one. Each session is held to its share (`dnsguard`): a query rate (over it: REFUSED at
+one. Each session is held to its share (`guard.py`): a query rate (over it: REFUSED at
 once), names it may not have (a bucket of their own, which names that are no host names and
 types no policy answers also take from), queries waiting for an upstream, DNS-over-TCP
 connections, its share of the caches, and for names a wildcard allows, the exfiltration

@@ -1,7 +1,7 @@
 """What a session's policy says of one DNS query: judged once, without I/O.
 
-`judge_query(query, policy)` takes a parsed question (`dnswire.Query`) and the policy of the
-session that asked, and returns its verdict. The filter (`dns.py`) only acts on it: it
+`judge_query(query, policy)` takes a parsed question (`wire.Query`) and the policy of the
+session that asked, and returns its verdict. The filter (`filter.py`) only acts on it: it
 answers at once what the policy answers alone, takes a token from the session's limit on
 denied names when the verdict is `counted`, and carries the rest with the pending query to
 the slow path. The resolver is asked only through `DnsFilter._ask_upstream`, which takes an
@@ -94,7 +94,7 @@ class Allowed:
 
     def __init__(self, host: Host, decision: Decision, token: object = None):
         if token is not _JUDGED:
-            raise TypeError("an Allowed verdict is made by dnsjudge.judge_query only: judge "
+            raise TypeError("an Allowed verdict is made by judge.judge_query only: judge "
                             "the query against the session's policy to get one")
         self.host, self.decision = host, decision
 

@@ -11,12 +11,12 @@ for the next one; when all fail the caller gets UpstreamError (-> SERVFAIL, neve
 
 A reply is parsed by dnslib, but never unbounded: at most MAX_REPLY bytes and MAX_RECORDS
 records, and every name in it (owner names and the names inside CNAME, MX, SOA, SRV...
-data alike) is read by the bounded reader of `dnswire` instead of dnslib's recursive one:
+data alike) is read by the bounded reader of `wire.py` instead of dnslib's recursive one:
 at most MAX_JUMPS compression pointers per name, each pointing back, and REPLY_STEPS_MAX
 steps for all the names of a reply. A hostile upstream cannot freeze the loop either.
 
 The cache gives each session (the `owner` of what it caused to be asked) a share: a session
-flooding random names evicts its own answers, never another's (`dnscache.SharedLru`).
+flooding random names evicts its own answers, never another's (`cache.SharedLru`).
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ class Resolver:
 
 
 class _BoundedBuffer(DNSBuffer):
-    """dnslib's buffer, with names read by dnswire's bounded reader under one budget for
-    the whole message (dnslib's own reader recurses and copies: see dnswire)."""
+    """dnslib's buffer, with names read by wire.py's bounded reader under one budget for
+    the whole message (dnslib's own reader recurses and copies: see wire.py)."""
 
     def __init__(self, data: bytes):
         super().__init__(data)

@@ -9,7 +9,7 @@ a verdict and git's own answer out (policy/git.py holds the rules).
 
 A push's body is commands (`OLD NEW REF`, one per ref, each line may carry capabilities
 after a NUL), a flush, push options when a line asked for them, then the pack: read as
-git's receive-pack reads them (gitcommands.py). Each command must pass `judge`: a valid ref
+git's receive-pack reads them (protocol.py). Each command must pass `judge`: a valid ref
 name the rule's patterns name for this session, never a delete, never a tag moved, and an
 update only when the pack shows NEW descends from OLD (a fast-forward); each push option
 must be one the rule's `push_options` name (GitLab's `merge_request.create` with

@@ -1,6 +1,6 @@
 """What a push says before its pack, read as git's receive-pack reads it: the commands, the
 capabilities they ask for, and the push options. Sans-IO, standard library only; the one
-reading of them for git over HTTP (proxy/git.py) and over SSH (gitssh.py).
+reading of them for git over HTTP (http.py) and over SSH (sshwire.py).
 
 A push is pkt-lines (4 hex digits of length, then data; `0000` a flush):
 
@@ -28,7 +28,7 @@ one pkt-line per option after the commands' flush, up to the next flush, before 
 and hands them to its hooks (`GIT_PUSH_OPTION_0`, ...): on GitLab `merge_request.create`
 and `merge_request.target=main` open and merge a merge request. corral reads the block
 whenever a line asks for it (it cannot know what the server advertises; a server that does
-not read the block fails on it as on a bad pack) and judges each option (proxy/git.py). An
+not read the block fails on it as on a bad pack) and judges each option (http.py). An
 option git's client would not send (a NUL or another control character; git refuses a
 newline in `-o`) or one that is not UTF-8 makes the push unreadable: refused.
 

@@ -1,5 +1,5 @@
 """The git gateway: git over SSH, confined as it is over HTTPS. The socket edge; what git
-sends is read by sshwire.py and judged by proxy/git.py, without sockets.
+sends is read by sshwire.py and judged by http.py, without sockets.
 
 A session's ssh client is configured (sandbox/sshconf.py) to reach a `[[git]]` host
 through the gateway, on its gateway address, with a key of its own and the host's name

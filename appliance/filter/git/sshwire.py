@@ -1,6 +1,6 @@
 """git over SSH, read by the appliance's gateway: which repository an exec channel reaches
 and where a push sent on it ends. Sans-IO, standard library only; the rules are git over
-HTTP's (proxy/git.py judges the push, policy/git.py holds the rules).
+HTTP's (http.py judges the push, policy/git.py holds the rules).
 
 OpenSSH's git client asks for one command on its exec channel, the path quoted as git's
 sq_quote writes it (`'`, and `'\\''` or `'\\!'` for a quote or a `!` inside):
@@ -14,7 +14,7 @@ and refuses everything else: the gateway runs no shell, so nothing else may pass
 
 A push on SSH has no length: the body is the client's stream. `PushStream` is fed what the
 client sends and says when the push is whole (commands, options, the pack and its trailer;
-the commands and options read by gitcommands.read_push, as over HTTP),
+the commands and options read by protocol.read_push, as over HTTP),
 so the gateway can judge it before any of it reaches the upstream. Whole means the pack's
 trailer is read: git closes its side after the pack, but a delete-only push ends with its
 commands, and the client then waits for the report with the channel open.

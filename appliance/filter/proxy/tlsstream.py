@@ -78,7 +78,7 @@ class TlsServer:
         self.pump: asyncio.Task | None = None
         self.failed = failed
         """Logs a failure of the pump (a bug), called in its `except` block: the proxy's,
-        within the session's budget (loglimit.py). None: logged here, unbudgeted."""
+        within the session's budget (ratelimit.py). None: logged here, unbudgeted."""
 
     async def handshake(self, received: bytes, seconds: float) -> None:
         """Complete the handshake, `received` (the ClientHello and anything after it) first.

@@ -1,4 +1,4 @@
-"""Attacks on the git gateway (filter/sshgate.py, sshwire.py, proxy/git.py's judge), from
+"""Attacks on the git gateway (filter/git/sshgate.py, sshwire.py, http.py's judge), from
 inside session s1 (and s2), with real git and ssh and with asyncssh as a crafted client.
 
 Each test asserts the SAFE behaviour: a failing test is a finding. Tests that pass document
@@ -396,7 +396,7 @@ def test_what_the_session_writes_as_host_reaches_events_only_as_a_clean_host(gat
 
 
 def test_a_pushed_ref_name_reaches_events_only_cleaned(gated):
-    """FINDING candidate (shared with HTTPS: proxy/git.py's judge). A refused ref's name is
+    """FINDING candidate (shared with HTTPS: git/http.py's judge). A refused ref's name is
     put in the refusal's reason as sent ("git push to {ref} refused: not a valid ref name"),
     and the event's reason is printed as is by `corral monitor`: escape sequences in a ref
     name reach the operator's terminal."""

@@ -1,4 +1,4 @@
-"""The per-session budget for what the filter logs about a failure (loglimit.py): a session
+"""The per-session budget for what the filter logs about a failure (ratelimit.py): a session
 whose connections keep failing is logged a few times, then at a trickle, each line saying
 how many of its failures went unlogged since the last; another session is never held back
 by it."""

@@ -126,7 +126,7 @@ def test_whatever_the_query_allowed_means_the_policy_allows_that_name(labels, qt
 def test_an_allowed_verdict_is_made_by_judge_query_only():
     host, decision = parse_host("exact.example"), Decision(True, "forged")
     for forged in ((host, decision), (host, decision, object()), (host, decision, None)):
-        with pytest.raises(TypeError, match=r"made by dnsjudge\.judge_query only"):
+        with pytest.raises(TypeError, match=r"made by judge\.judge_query only"):
             Allowed(*forged)
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.git import protocol as gitcommands
+from appliance.filter.git import protocol
 from appliance.filter.git.protocol import FLUSH, GitProtocolError, pkt, read_push
 from tests import fakes
 
@@ -70,7 +70,7 @@ def line(ref: str, listing: bytes | None = None, new: str = ONE) -> bytes:
     (b"", {}),
 ])
 def test_a_capability_list_is_read_word_by_word_as_git_reads_it(listing, expected):
-    assert gitcommands.features(listing) == expected
+    assert protocol.features(listing) == expected
 
 
 @settings(max_examples=2000)
@@ -81,7 +81,7 @@ def test_every_capability_is_read_as_receive_pack_reads_it(listing):
     """Whatever the list, each capability is there (with the value) exactly when git's own
     reader finds it: in the C string (to the first NUL), a word at the start or after git's
     space, ended by the end, git's space or `=`."""
-    found = gitcommands.features(listing.split(b"\0", 1)[0])
+    found = protocol.features(listing.split(b"\0", 1)[0])
     for name in NAMES:
         value = parse_feature_value(listing, name)
         assert found.get(name.decode()) == (value.decode("latin-1") if value is not None
@@ -150,8 +150,8 @@ def test_each_command_lines_object_format_is_read():
     (pkt(b"shallow xyz") + FLUSH, "shallow"),
     (line("refs/heads/a", b"push-options") + FLUSH + pkt(b"ci.skip"), "push options"),
     (line("refs/heads/a", b"push-options") + FLUSH
-     + b"".join(pkt(b"o%d" % i) for i in range(gitcommands.MAX_OPTIONS + 1)) + FLUSH,
-     f"more than {gitcommands.MAX_OPTIONS} push options"),
+     + b"".join(pkt(b"o%d" % i) for i in range(protocol.MAX_OPTIONS + 1)) + FLUSH,
+     f"more than {protocol.MAX_OPTIONS} push options"),
 ])
 def test_a_command_list_git_does_not_send_is_refused(body, message):
     with pytest.raises(GitProtocolError, match=message):
