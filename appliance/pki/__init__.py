@@ -283,6 +283,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"issued: server side in {args.server_dir}, client side in {args.client_dir}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
