@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from appliance import pki
-from appliance.filter.proxy.inspect import Authority, Leaves, mint, server_context
+from appliance.filter.proxy.inspect import Leaves
+from appliance.pki.intercept import Authority, mint, server_context
 from appliance.policy import Host
 
 

@@ -22,7 +22,7 @@ import struct
 import sys
 import time
 
-from appliance.filter.dnswire import pointer_bomb
+from appliance.filter.dns.wire import pointer_bomb
 
 
 def query(name: str) -> bytes:

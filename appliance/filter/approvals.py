@@ -204,7 +204,7 @@ class Pending:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Ruling:
     """What a held request learns: a grant, or None (refused, no decision in time)."""
 
     grant: str | None
@@ -440,7 +440,7 @@ class Holds:
     def __init__(self, emit: Callable[[dict], None], book: Approvals | None = None):
         self.book = book or Approvals()
         self.emit = emit
-        self._decided: dict[str, asyncio.Future[Verdict]] = {}
+        self._decided: dict[str, asyncio.Future[Ruling]] = {}
         self._held: dict[str, list[Callable[[], bool]]] = {}
         """Approval id -> how to ask each counted request held for it whether its client
         is still there (a grant `once` is for those alone)."""
@@ -462,7 +462,7 @@ class Holds:
         return pending
 
     async def wait(self, pending: Pending, hold: float, counted: bool = True,
-                   gone: Callable[[], bool] | None = None) -> Verdict:
+                   gone: Callable[[], bool] | None = None) -> Ruling:
         """Hold the caller until the approval is decided, or for `hold` seconds. `counted`:
         a request that goes on if granted once (an agent only asking is not one). `gone`,
         asked every GONE_POLL seconds: the caller's client has left, so nothing waits any
@@ -482,16 +482,16 @@ class Holds:
                     # asyncio.wait never cancels the future it watches (other requests share it)
                     await asyncio.wait([future], timeout=GONE_POLL if gone else None)
                     if gone is not None and not future.done() and gone():
-                        return Verdict(None, "the client left while it waited; the approval "
+                        return Ruling(None, "the client left while it waited; the approval "
                                        f"{pending.id} stays open")
                 verdict = future.result()
             if verdict.grant is not None and not there():
                 # its turn came after the grant: a client gone since is dialled nothing
-                return Verdict(None, f"the client left before the grant ({pending.id}) "
+                return Ruling(None, f"the client left before the grant ({pending.id}) "
                                "reached it")
             return verdict
         except TimeoutError:
-            return Verdict(None, f"no decision within {hold:g}s (ask mode); the approval "
+            return Ruling(None, f"no decision within {hold:g}s (ask mode); the approval "
                            f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "
                            "the next attempt through")
         finally:
@@ -548,7 +548,7 @@ class Holds:
         else:
             reason = f"approved by {by}: {grant}{detail}" + (f" ({clean(note)})" if note
                                                               else "")
-        self._resolve(pending, Verdict(grant, reason))
+        self._resolve(pending, Ruling(grant, reason))
         self._event(pending, "approved" if grant else "refused", reason, grant=grant, by=by,
                     **({"released": released} if grant is not None else {}))
         return released
@@ -568,25 +568,25 @@ class Holds:
                 continue
             if verdict is None:
                 if why:  # the approval stays; its requests get the denial now
-                    self._resolve(pending, Verdict(None, why))
+                    self._resolve(pending, Ruling(None, why))
                 continue
             self.book.drop(pending)
-            self._resolve(pending, Verdict("policy" if verdict else None, why))
+            self._resolve(pending, Ruling("policy" if verdict else None, why))
             self._event(pending, "settled", why)
 
     def expire(self, every: float = 0.0) -> None:
         """Drop the approvals nobody waits for or asked again for a while, each an event."""
         for stale in self.book.expire(every=every):
-            self._resolve(stale, Verdict(None, "expired"))
+            self._resolve(stale, Ruling(None, "expired"))
             self._event(stale, "expired", f"no decision within {self.book.keep:.0f}s of the "
                         "last request for it")
 
     def forget(self, session: str) -> None:
         for pending in self.book.forget(session):
-            self._resolve(pending, Verdict(None, f"session {session} ended"))
+            self._resolve(pending, Ruling(None, f"session {session} ended"))
             self._event(pending, "ended", f"session {session} ended")
 
-    def _resolve(self, pending: Pending, verdict: Verdict) -> None:
+    def _resolve(self, pending: Pending, verdict: Ruling) -> None:
         """Tell the requests waiting for `pending` (if any) the verdict."""
         future = self._decided.pop(pending.id, None)
         if future is not None and not future.done():

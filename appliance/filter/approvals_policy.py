@@ -6,9 +6,9 @@ approve it."""
 from __future__ import annotations
 
 from appliance.policy import parse_host, split_host_port
+from appliance.policystore import PolicyStore
 
 from .approvals import Holds, approvable, decide_kind
-from .store import PolicyStore
 
 
 class OpenApprovals:

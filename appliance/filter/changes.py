@@ -14,10 +14,10 @@ from collections.abc import Callable
 from appliance.firewall import ruleset
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
+from appliance.policystore import Change, PolicyStore
 
 from .errors import ControlError
 from .firewalled import Firewall
-from .store import Change, PolicyStore
 from .workers import Workers
 
 log = logging.getLogger("corral.filter")

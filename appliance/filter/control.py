@@ -57,24 +57,25 @@ from typing import TYPE_CHECKING
 
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
+from appliance.policystore import MAX_GRANT
+from appliance.sessionconfig import SessionError
 
 from . import approvals, audit, secrets
 from .approvals_file import ApprovalsFile, Unwritten
-from .config import SessionError
 from .errors import ControlError
 from .events import rule_changed
 from .proxy.credentials import Credentials
-from .store import MAX_GRANT
 
 if TYPE_CHECKING:  # the parts it is given
+    from appliance.policystore import PolicyStore
+
     from .approvals_policy import OpenApprovals
     from .events import EventBus
+    from .git.sshgate import Gate
     from .proxy.inspect import Inspector
     from .registration import Registration
     from .secrets import SecretStore
-    from .sshgate import Gate
     from .status import Status
-    from .store import PolicyStore
     from .workers import Workers
 
 log = logging.getLogger(__name__)

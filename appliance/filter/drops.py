@@ -12,9 +12,9 @@ import socket
 from collections.abc import Collection
 
 from appliance.firewall import nflog
+from appliance.policystore import PolicyStore
 
 from .events import EventBus
-from .store import PolicyStore
 
 log = logging.getLogger("corral.filter")
 

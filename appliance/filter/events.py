@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 
 from appliance.policy import Decision
 
-from .dnsguard import TokenBucket
+from .ratelimit import TokenBucket
 from .redact import NONE
 
 

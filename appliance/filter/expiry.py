@@ -1,6 +1,6 @@
 """Runtime rules granted for a while, taken back when their time comes.
 
-Ends are wall-clock and kept on disk with the rules (store.py): one already past at start
+Ends are wall-clock and kept on disk with the rules (policystore.py): one already past at start
 is taken back at once. `GrantExpiry` wakes at the next end or on any change, and never
 sleeps more than a minute (the clock may be set). Taking back is a change like any other
 (changes.py); if the disk or nftables refuse it, the rules go from memory anyway: the
@@ -15,8 +15,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from appliance.policystore import Change, PolicyStore
+
 from .events import EventBus, rule_changed
-from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
 LONGEST_SLEEP = 60.0

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import GATEWAY, FilterConfig
+from appliance.sessionconfig import GATEWAY, FilterConfig
 
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
 

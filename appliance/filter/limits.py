@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import resource
 
-from .config import FilterConfig
-from .dns import MAX_PENDING
+from appliance.sessionconfig import FilterConfig
+
+from .dns.filter import MAX_PENDING
 from .relay import TUNNEL_FDS
 
 HEADROOM = 256
@@ -22,7 +23,7 @@ HEADROOM = 256
 threads and monitor streams), the audit log, netlink sockets, the event loop's own."""
 
 
-class Budget:
+class DescriptorBudget:
     """The descriptor budget of a running filter, and the global caps that must hold every
     session at its own caps too (or a session at its caps would take from the others)."""
 

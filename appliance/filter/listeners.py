@@ -12,17 +12,18 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import FilterConfig
+
 from . import gateways
-from .config import FilterConfig
 from .events import EventBus
-from .store import PolicyStore
 
 log = logging.getLogger("corral.filter")
 Serve = Callable[[socket.socket], Awaitable]
 """Serve a bound socket: the server or transport to close it with."""
 
 
-class BindError(gateways.BindError):
+class StartupBindError(gateways.BindError):
     """A listener of a session in the config file that cannot be bound: the filter does
     not start."""
 
@@ -114,7 +115,7 @@ class Listeners:
             bound = self.bind_gateway(session)
         except gateways.BindError as exc:
             if session in self.config.sessions:
-                raise BindError(exc.errno, f"session {session.name}: {exc}") from None
+                raise StartupBindError(exc.errno, f"session {session.name}: {exc}") from None
             self._unserved(session.name, str(exc))
             return
         await self.serve_gateway(session, bound)

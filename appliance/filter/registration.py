@@ -1,7 +1,7 @@
 """Sessions registered and removed at run time (`session-add`, `session-remove`).
 
 A session comes all or nothing: it is refused when the descriptor budget cannot hold it at
-its caps (limits.Budget), when a listener port on its gateway is taken (bound before
+its caps (limits.DescriptorBudget), when a listener port on its gateway is taken (bound before
 anything is written), or when the firewall cannot follow (`[firewall] manage`): nothing of
 it stays. When it goes, its gateway's listeners close and its open approvals are written
 off before a session of the same name can come.
@@ -13,13 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from appliance.firewall.nft import NftError
+from appliance.policystore import Change, PolicyStore
 
 from . import gateways
 from .approvals_file import ApprovalsFile
 from .errors import ControlError
-from .limits import Budget
+from .limits import DescriptorBudget
 from .listeners import Listeners
-from .store import Change, PolicyStore
 
 log = logging.getLogger("corral.filter")
 
@@ -34,7 +34,7 @@ class Unbound(ControlError):
 
 class Registration:
     def __init__(self, store: PolicyStore, change: Callable[..., Awaitable[Change]],
-                 budget: Budget, listeners: Listeners, approvals: ApprovalsFile):
+                 budget: DescriptorBudget, listeners: Listeners, approvals: ApprovalsFile):
         """`change`: how a change reaches the store (changes.Changes.change)."""
         self.store, self.change, self.budget = store, change, budget
         self.listeners, self.approvals = listeners, approvals

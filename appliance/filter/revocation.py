@@ -16,10 +16,10 @@ import logging
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.ledger import Key
 from appliance.policy import Decision, Host
+from appliance.policystore import PolicyStore
 
 from .events import EventBus
-from .frontends import Frontends
-from .store import PolicyStore
+from .proxy.frontends import Frontends
 from .workers import Workers
 
 log = logging.getLogger("corral.filter")
@@ -51,7 +51,7 @@ class Reach:
             if not check.allowed:
                 return check
             # raw TCP to an inspected host's front-end would carry its requests unread
-            shared = self.frontends.judge(current.policy, host, destination, "tcp")
+            shared = self.frontends.refusal(current.policy, host, destination, "tcp")
             if shared is not None:
                 return shared
         return decision

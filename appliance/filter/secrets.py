@@ -5,7 +5,7 @@ hosts it may go to and how it goes (a header of its own, `Authorization: Bearer`
 auth with a user). A session is given a placeholder in that variable instead of the value
 (proxy/credentials.py swaps it on the way out to the secret's hosts).
 
-An `ssh` secret is a private key the git gateway (sshgate.py) logs in to its hosts with, as
+An `ssh` secret is a private key the git gateway (git/sshgate.py) logs in to its hosts with, as
 `user`, checking the host against `host_keys` (pinned: no key, no connection). A session
 gets nothing for it, not even a placeholder: its git reaches the gateway with a key of its
 own (sshgate.session_key).

@@ -23,7 +23,8 @@ order; none of them is given the service, each gets the narrow things it uses:
   listeners.py        config, store, bus, what serves each key   fixed and gateway sockets
   drops.py            store, bus, NFLOG group       firewall rejects become events
   approvals_policy.py store, holds                  open approvals under the policy now
-  sshgate.py          store, bus, proxy, secrets, its port   the git gateway
+  git/sshgate.py      store, bus, secrets, its port, the proxy's judges, cap, budget and
+                      timeouts, host.corral's address, the resolver   the git gateway
   status.py           what it reports on            `status` and `sessions`
   control.py          what requests read and change   the control socket
 
@@ -45,34 +46,34 @@ from appliance.firewall import ruleset
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import FilterConfig, InspectConfig, load_config
 
 from .approvals import Holds
 from .approvals_file import ApprovalsFile
 from .approvals_policy import OpenApprovals
 from .audit import AuditLog
 from .changes import Changes
-from .config import FilterConfig, InspectConfig, load_config
 from .control import ControlServer
-from .dns import DnsFilter, UdpServer, serve_tcp
+from .dns.filter import DnsFilter, UdpServer, serve_tcp
+from .dns.resolver import Resolver
 from .drops import DropReader
 from .errors import ControlError
 from .events import EventBus, retired
 from .expiry import GrantExpiry
 from .firewalled import Firewall, nftables
-from .frontends import Frontends
-from .limits import Budget, raise_limit
+from .git.sshgate import Gate
+from .limits import DescriptorBudget, raise_limit
 from .listeners import Listeners, Serve
 from .proxy import Proxy
 from .proxy.credentials import Credentials
+from .proxy.frontends import Frontends
 from .proxy.inspect import Inspector
 from .redact import LogFilter
 from .registration import Registration
-from .resolver import Resolver
 from .revocation import Reach, Revocation
 from .secrets import SecretStore
-from .sshgate import Gate
 from .status import VERSION, Status
-from .store import PolicyStore
 from .workers import Workers
 
 log = logging.getLogger("corral.filter")
@@ -121,7 +122,7 @@ class Service:
     def __init__(self, config: FilterConfig):
         self.config = config
         self.store = PolicyStore(config)  # ConfigError before anything is bound
-        self.budget = Budget(config, raise_limit())
+        self.budget = DescriptorBudget(config, raise_limit())
         try:
             self.budget.check(len(self.store.session_configs()))
         except ValueError as exc:
@@ -187,8 +188,11 @@ class Service:
         self.gate = None
         """The git gateway (git over SSH, confined); None when it listens nowhere."""
         if config.sshgate.listen:
-            self.gate = Gate(store, bus, self.proxy, self.secrets, config.state_dir,
-                             lambda: self.listeners.port("sshgate"))
+            self.gate = Gate(store, bus, self.secrets, config.state_dir,
+                             lambda: self.listeners.port("sshgate"), judges=self.proxy.forward,
+                             admission=self.proxy.flows.connections,
+                             failures=self.proxy.failures, timeouts=config.proxy,
+                             gateway=config.gateway, resolver=self.resolver)
             self.listeners.serve["sshgate"] = self.gate.listen
 
     def _jobs(self) -> None:

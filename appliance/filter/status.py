@@ -7,23 +7,24 @@ from __future__ import annotations
 import os
 import time
 
+from appliance.policystore import PolicyStore
+
 from . import relay
-from .dns import DnsFilter
+from .dns.filter import DnsFilter
+from .dns.resolver import Resolver
 from .events import EventBus
 from .firewalled import Firewall
-from .limits import Budget
+from .limits import DescriptorBudget
 from .listeners import Listeners
 from .proxy import Proxy
-from .resolver import Resolver
 from .secrets import SecretStore
-from .store import PolicyStore
 
 VERSION = "0.1.0"
 
 
 class Status:
     def __init__(self, *, config, store: PolicyStore, bus: EventBus, listeners: Listeners,
-                 proxy: Proxy, dns: DnsFilter, resolver: Resolver, budget: Budget,
+                 proxy: Proxy, dns: DnsFilter, resolver: Resolver, budget: DescriptorBudget,
                  secrets: SecretStore, firewall: Firewall, inspect_error: str | None):
         """`config`: the filter's (the audit log's path); `inspect_error`: why there is
         no interception CA, if there is none."""

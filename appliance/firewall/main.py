@@ -17,9 +17,9 @@ import argparse
 import json
 import sys
 
-from appliance.filter.config import FirewallConfig, load_config
-from appliance.filter.store import PolicyStore
 from appliance.policy import ConfigError
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import FirewallConfig, load_config
 
 from .nft import Nft, NftError
 from .ruleset import QUIET, build_base, for_store

@@ -34,8 +34,8 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 
-from appliance.filter.config import FilterConfig, SessionConfig
 from appliance.policy import Host, parse_address
+from appliance.sessionconfig import FilterConfig, SessionConfig
 
 from .nflog import LINK_LOCAL_MULTICAST
 

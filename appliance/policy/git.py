@@ -1,5 +1,5 @@
 """git over smart HTTP, confined: which repositories of a host git may reach, and which refs
-a push may write. Parsed once into matchers; the proxy (filter/proxy/git.py) reads the
+a push may write. Parsed once into matchers; the proxy (filter/git/http.py) reads the
 protocol and asks these.
 
 A `git` rule is `HOST REPO [REF ...] [-o OPTION ...]`, written in corral.toml as a
@@ -31,7 +31,7 @@ A `git` rule is `HOST REPO [REF ...] [-o OPTION ...]`, written in corral.toml as
 A git rule makes its host inspected (git's requests are read inside TLS the filter ends);
 it does not allow the host: that stays with http, as for `[[inspect]]`. Over SSH it is the
 allowance (with a key the appliance holds for the host, `corral secret set --ssh`): the git
-gateway (filter/sshgate.py) reaches the host for the listed repositories only, and a deny
+gateway (filter/git/sshgate.py) reaches the host for the listed repositories only, and a deny
 rule naming the host still wins.
 """
 

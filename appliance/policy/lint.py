@@ -1,7 +1,7 @@
 """Rules that parse but do not do what they look like: `corral check` warns about them.
 
 Pure: a compiled Policy in, one sentence per finding out. Nothing here changes a decision;
-what must never be written is refused by the parser instead (config.py: a resolver port
+what must never be written is refused by the parser instead (sessionconfig.py: a resolver port
 of the host without `force_ports`).
 """
 

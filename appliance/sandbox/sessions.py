@@ -26,7 +26,7 @@ from pathlib import Path
 
 from appliance import workspace
 from appliance.atomic import write_atomic
-from appliance.filter.config import SESSION_NAME
+from appliance.sessionconfig import SESSION_NAME
 
 from . import agents, confinement, hardening, lifetime, sshconf, trust
 from .image import IMAGE

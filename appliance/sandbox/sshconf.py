@@ -1,4 +1,4 @@
-"""A session's ssh client, pointed at the git gateway (filter/sshgate.py) for the hosts it
+"""A session's ssh client, pointed at the git gateway (filter/git/sshgate.py) for the hosts it
 serves: `git clone git@github.com:acme/widget.git` works in a session as it does anywhere,
 and reaches github.com only through the gateway, which holds the key github.com knows.
 

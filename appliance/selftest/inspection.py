@@ -46,7 +46,7 @@ from .wire import (
 )
 
 CA_NAME = b"corral interception CA"
-"""The common name the filter's interception CA carries (appliance/pki.py), in every leaf's
+"""The common name the filter's interception CA carries (appliance/pki/), in every leaf's
 issuer: how a probe tells the filter's certificate from the origin's without trusting it."""
 REFUSALS = 3
 """Handshakes a distrusting client fails before the probe looks again: a proxy that falls

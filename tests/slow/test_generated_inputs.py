@@ -15,15 +15,15 @@ import random
 import pytest
 from dnslib import DNSRecord
 
-from appliance.filter.config import parse_config
-from appliance.filter.dns import DnsFilter
+from appliance.filter.dns.filter import DnsFilter
+from appliance.filter.dns.resolver import Resolver
 from appliance.filter.events import EventBus
 from appliance.filter.http import HOP_BY_HOP, HttpError, parse_request
 from appliance.filter.proxy.pipeline import OWN, Route, outgoing
-from appliance.filter.resolver import Resolver
-from appliance.filter.sni import TlsError, parse_client_hello
-from appliance.filter.store import PolicyStore
+from appliance.filter.proxy.sni import TlsError, parse_client_hello
 from appliance.policy import Host, Policy, Rule, parse_host
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 from tests.unit.filter.hello import client_hello, split_records
 from tests.unit.policy import lax
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from appliance.api.config import load as load_api
-from appliance.filter.config import load_config as load_filter
 from appliance.local import Supervisor
 from appliance.sandbox.service import load as load_sandbox
+from appliance.sessionconfig import load_config as load_filter
 from cli import local
 from cli.client import CliError
 

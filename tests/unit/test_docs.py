@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import appliance.selftest  # noqa: F401  (the probes register themselves on import)
-from appliance.filter.config import schema as filter_schema
 from appliance.policy.config import GIT, INSPECT, KEYS
 from appliance.selftest.registry import REGISTRY
+from appliance.sessionconfig import schema as filter_schema
 from cli.main import parser
 
 ROOT = Path(__file__).resolve().parents[2]

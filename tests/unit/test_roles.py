@@ -18,10 +18,10 @@ import yaml
 
 from appliance.api.config import ApiConfig
 from appliance.api.config import load as load_api
-from appliance.filter.config import TABLES, FilterConfig
-from appliance.filter.config import load_config as load_filter
 from appliance.sandbox.service import SandboxConfig
 from appliance.sandbox.service import load as load_sandbox
+from appliance.sessionconfig import TABLES, FilterConfig
+from appliance.sessionconfig import load_config as load_filter
 from cli import roles
 
 ROOT = Path(__file__).resolve().parents[2]

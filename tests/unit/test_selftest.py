@@ -76,7 +76,7 @@ def test_the_push_options_probes_push_what_the_filter_refuses_for_its_options_al
     branches of the session's own, push options asked for on the second command line as
     `push-options=1`, a merge request into main. The filter's own judge refuses it for the
     options; the same push without them it would let through."""
-    from appliance.filter.proxy import git
+    from appliance.filter.git import http as git
     from appliance.policy.git import GitSpec
 
     ref, body = inspection.push_with_options("s1")

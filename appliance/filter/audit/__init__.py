@@ -25,8 +25,8 @@ other.
 from __future__ import annotations
 
 from .files import GENESIS, Segment, encode, segment_path, segments
-from .reader import Verdict, page, verify
+from .reader import Verification, page, verify
 from .writer import COMMIT_WINDOW, SEGMENT_BYTES, SEGMENTS_KEPT, AuditLog
 
 __all__ = ["COMMIT_WINDOW", "GENESIS", "SEGMENTS_KEPT", "SEGMENT_BYTES", "AuditLog", "Segment",
-           "Verdict", "encode", "page", "segment_path", "segments", "verify"]
+           "Verification", "encode", "page", "segment_path", "segments", "verify"]

@@ -15,7 +15,7 @@ from .files import GENESIS, Segment, line_hash, opened
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Verification:
     ok: bool
     lines: int
     """Records checked."""
@@ -46,7 +46,7 @@ class Verdict:
                 "first": self.first, "segments": self.segments, "note": self.note}
 
 
-def verify(path: Path, expect_head: dict | None = None) -> Verdict:
+def verify(path: Path, expect_head: dict | None = None) -> Verification:
     """Check the chain through every segment, oldest first; report the first break by file
     and line. With `expect_head` (the running filter's), read up to that record and require
     it: a cut tail is a break too; lines written after it are not read."""
@@ -83,9 +83,9 @@ class _Walk:
     def head(self) -> dict:
         return {"seq": self.seq, "hash": self.prev}
 
-    def verdict(self, error: str, files: int, at: tuple | None = None) -> Verdict:
+    def verdict(self, error: str, files: int, at: tuple | None = None) -> Verification:
         name, line = (at or self.at) if error else (None, None)
-        return Verdict(not error, self.count, error, line, name, self.head, self.first, files)
+        return Verification(not error, self.count, error, line, name, self.head, self.first, files)
 
     def segment(self, segment: Segment, f: BinaryIO) -> str:
         """Check one file's lines; the break's message, or "" (then `done` says whether the

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from appliance.sessionconfig import SEGMENT_BYTES, SEGMENTS_KEPT
+
 from .files import (
     GENESIS,
     encode,
@@ -33,16 +35,12 @@ from .files import (
     segments,
     seq_of,
 )
-from .reader import Verdict, verify
+from .reader import Verification, verify
 
 log = logging.getLogger(__name__)
 
 COMMIT_WINDOW = 0.005
 """Seconds the writer lets lines gather after the first of a batch arrives."""
-SEGMENT_BYTES = 64 * 1024 * 1024
-"""Default size at which the active segment is rotated ([state] audit_segment_bytes)."""
-SEGMENTS_KEPT = 8
-"""Default number of segments kept, the active one included ([state] audit_segments)."""
 _STOP = object()
 
 
@@ -92,7 +90,7 @@ class AuditLog:
                 "bytes": sum(sizes.values()), "segment_bytes": self.segment_bytes,
                 "segments_kept": self.keep, "error": self.failed}
 
-    def verify(self) -> Verdict:
+    def verify(self) -> Verification:
         """The files against the head: every record up to it (a batch being written after
         it is not read), without stopping the writer."""
         return verify(self.path, self.head)

@@ -24,23 +24,25 @@ import time
 from dataclasses import dataclass, field
 
 from appliance.policy import HOST_NAME, Decision, Host, Policy
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import ProxyConfig
 
+from .. import dial
 from ..approvals import ApprovalError, Holds, approvable, decide_kind, parse_agent_ask
-from ..config import ProxyConfig
-from ..dnsguard import ExfilGuard, TokenBucket
+from ..denied import Denied
+from ..dns.guard import ExfilGuard
+from ..dns.resolver import Resolver
 from ..events import EventBus
-from ..frontends import Frontends
 from ..http import HttpError
-from ..loglimit import LogBudget
+from ..ratelimit import LogBudget, TokenBucket
 from ..redact import Redactor
 from ..relay import Counters, PeerWriter, original_port, within
-from ..resolver import Resolver, UpstreamError
-from ..store import PolicyStore
 from .credentials import Credentials, Leak
 from .flows import Cap, Flow, Flows
 from .forward import Forward
+from .frontends import Frontends
 from .inspect import Inspector
-from .pipeline import Denied, Explicit, Transparent, deny_response, error_response
+from .pipeline import Explicit, Transparent, deny_response, error_response
 from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
 __all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]
@@ -254,45 +256,37 @@ class Proxy:
         Raises Denied (403: refused; 502: unreachable). With `splice` (a tunnel to a host
         that is not inspected), an address where an inspected host lives is refused too
         (neighbours.py)."""
-        if host.name == HOST_NAME:
-            if self.gateway is None:
-                raise Denied(Decision(False, "no [host] gateway configured"), target)
-            candidates = [self.gateway]
-        elif host.address is not None:
-            candidates = [host.address]
-        else:
-            try:
-                candidates = await self.resolver.addresses(host.name, session)
-            except UpstreamError as exc:
-                raise Denied(Decision(False, f"cannot resolve {host}: {exc}"), target,
-                             502) from None
-            if not candidates:
-                raise Denied(Decision(False, f"{host} has no address"), target, 502)
-        refusal, failure = None, None
+        try:
+            found = await dial.candidates(host, self.gateway, self.resolver, session)
+        except dial.Undialable as exc:
+            raise Denied(exc.decision, target, 502 if exc.failed else 403) from None
         if splice and host.name != HOST_NAME:
             unknown = await self.frontends.ready(policy)
             if unknown is not None:  # fail closed: nobody can tell what is shared
                 raise Denied(Decision(False, f"cannot tell whether {host} shares an address "
                                       f"with an inspected host: {unknown}"), target, 502)
-        for address in candidates:
-            if host.name != HOST_NAME:
-                check = policy.decide_address(address, host, port)
-                if check.allowed and splice:
-                    check = self.frontends.judge(policy, host, str(address)) or check
-                if not check.allowed:
-                    refusal = refusal or check
-                    continue
+
+        def check(address) -> Decision:
+            verdict = dial.decide(policy, address, host, port)
+            if verdict.allowed and splice and host.name != HOST_NAME:
+                verdict = self.frontends.refusal(policy, host, str(address)) or verdict
+            return verdict
+
+        async def connect(address):
             try:
                 up_r, up_w = await within(
                     asyncio.open_connection(str(address), port, limit=self.config.max_header_bytes),
                     self.config.connect_timeout)
             except (OSError, TimeoutError) as exc:
-                failure = f"connect to {address}:{port} failed: {exc or 'timed out'}"
-                continue
-            return up_r, PeerWriter(up_w), str(address)
-        if failure is not None:
-            raise Denied(Decision(False, failure), target, 502)
-        raise Denied(refusal, target)
+                raise dial.Unanswered(f"connect to {address}:{port} failed: "
+                                      f"{exc or 'timed out'}") from None
+            return up_r, PeerWriter(up_w)
+
+        try:
+            address, (up_r, up_w) = await dial.first_answering(found, check, connect, host)
+        except dial.Undialable as exc:
+            raise Denied(exc.decision, target, 502 if exc.failed else 403) from None
+        return up_r, up_w, address
 
     async def open(self, client: Client, host: Host, port: int, kind: str, target: str,
                    **extra):
@@ -448,13 +442,13 @@ class Proxy:
         (neighbours.py); None when there is none."""
         if host.name == HOST_NAME:
             return None
-        return self.frontends.judge(policy, host, address)
+        return self.frontends.refusal(policy, host, address)
 
     def rejudge(self, because: str = "the policy changed while it was open") -> None:
         """The policy changed (the store calls this on the loop's thread), or an inspected
         host was seen at a new address (`frontends`): every open flow is judged again, and
         those now denied are cut at once, each with an event."""
-        for flow, decision in self.flows.judge(self._judge):
+        for flow, decision in self.flows.denied_by(self._judge):
             self.flows.remove(flow.id)
             self.stats["cut"] += 1
             rule = decision.rule

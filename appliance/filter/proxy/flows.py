@@ -84,7 +84,7 @@ class Flows:
     def remove(self, flow_id: int) -> None:
         self.open.pop(flow_id, None)
 
-    def judge(self, decide: Callable[[Flow], Decision]) -> Iterator[tuple[Flow, Decision]]:
+    def denied_by(self, decide: Callable[[Flow], Decision]) -> Iterator[tuple[Flow, Decision]]:
         """The open flows that `decide` (the policy in force now) denies."""
         for flow in list(self.open.values()):
             decision = decide(flow)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from appliance.policy import Decision
+from appliance.sessionconfig import SCAN_BYTES
 
 from ..approvals import REQUEST_NAME, approvable
-from ..config import SCAN_BYTES
 from ..http import (
     HttpError,
     check_request_line,
@@ -38,7 +38,6 @@ from ..relay import (
     tunnel,
     within,
 )
-from .git import judge_push as judge_push  # where sshgate.py takes it from
 from .pipeline import (
     MAX_EMPTY_LINES,
     Denied,

@@ -28,6 +28,7 @@ from appliance.policy import Decision, Host, HostNameError, parse_host
 from appliance.policy.targets import MAX_TARGET
 
 from ..approvals import request_hint
+from ..denied import Denied
 from ..http import HOP_BY_HOP, Head, HttpError, parse_absolute, parse_authority
 from ..redact import Redactor
 from . import overrides
@@ -42,17 +43,6 @@ waits for a 100 Continue to send) ends the connection instead."""
 MAX_EMPTY_LINES = 8
 """Empty lines (CRLF) ignored before a request line (RFC 9112 §2.2 asks servers to ignore at
 least one; more than a few is not a client being robust)."""
-
-
-class Denied(Exception):
-    """A request the proxy refuses by decision (403); carries what to tell the client."""
-
-    def __init__(self, decision: Decision, target: str, status: int = 403,
-                 recorded: bool = False):
-        super().__init__(decision.reason)
-        self.decision, self.target, self.status = decision, target, status
-        self.recorded = recorded
-        """Whether an event already says so; the edge records the ones that are not."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,10 +40,10 @@ from typing import Any
 
 from appliance.policy import Decision, Host, Policy
 from appliance.policy.targets import Ambiguous
+from appliance.sessionconfig import SCAN_BYTES
 
-from ..config import SCAN_BYTES
+from ..git import http as git
 from ..http import Head, HttpError
-from . import git
 from .content import codings
 from .credentials import Credentials, Leak
 from .overrides import body_kinds, header_paths

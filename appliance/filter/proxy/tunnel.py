@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING
 
 from appliance.policy import Decision, Host
 
+from ..denied import Denied
 from ..http import Head, parse_authority
 from ..relay import CHUNK, Counters, drain, settled, tunnel, within
-from ..sni import TlsError, parse_client_hello
-from ..tlsstream import TlsServer
 from .flows import Flow
 from .forward import Upstream
 from .inspect import no_inspector
-from .pipeline import Denied, InTunnel, host_of
+from .pipeline import InTunnel, host_of
+from .sni import TlsError, parse_client_hello
+from .tlsstream import TlsServer
 
 if TYPE_CHECKING:
     from . import Client, Proxy

@@ -304,7 +304,7 @@ def test_a_bug_every_connection_reaches_is_logged_within_the_sessions_budget(lab
     """What is logged with a traceback is a bug; even so, one session's connections are
     logged BURST times and then at RATE a second, and the next line says how many were
     not. (The bug is made here: the explicit proxy's handler raises.)"""
-    from appliance.filter.loglimit import BURST
+    from appliance.filter.ratelimit import BURST
     from tests.integration.conftest import S2_CLIENT
 
     before, _ = fresh(lab)

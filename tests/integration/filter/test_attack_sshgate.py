@@ -1,4 +1,4 @@
-"""Attacks on the git gateway (filter/sshgate.py, gitssh.py, proxy/git.py's judge), from
+"""Attacks on the git gateway (filter/git/sshgate.py, sshwire.py, http.py's judge), from
 inside session s1 (and s2), with real git and ssh and with asyncssh as a crafted client.
 
 Each test asserts the SAFE behaviour: a failing test is a finding. Tests that pass document
@@ -22,8 +22,10 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from appliance.filter import gitssh, secrets, sshgate
-from appliance.filter.proxy import git
+from appliance.filter import secrets
+from appliance.filter.git import http as git
+from appliance.filter.git import pack as packs
+from appliance.filter.git import sshgate, sshwire
 from appliance.policy.git import SSH_HOST_VARIABLE
 from appliance.sandbox import sshconf
 from tests import fakes
@@ -198,7 +200,7 @@ def bomb(size: int) -> bytes:
     deflate = zlib.compressobj(9)
     chunk = b"\0" * (1 << 20)
     data = b"".join(deflate.compress(chunk) for _ in range(size >> 20)) + deflate.flush()
-    return obj_header(git.BLOB, size) + data
+    return obj_header(packs.BLOB, size) + data
 
 
 def events_since(gated, seen: set) -> list[dict]:
@@ -394,7 +396,7 @@ def test_what_the_session_writes_as_host_reaches_events_only_as_a_clean_host(gat
 
 
 def test_a_pushed_ref_name_reaches_events_only_cleaned(gated):
-    """FINDING candidate (shared with HTTPS: proxy/git.py's judge). A refused ref's name is
+    """FINDING candidate (shared with HTTPS: git/http.py's judge). A refused ref's name is
     put in the refusal's reason as sent ("git push to {ref} refused: not a valid ref name"),
     and the event's reason is printed as is by `corral monitor`: escape sequences in a ref
     name reach the operator's terminal."""
@@ -611,7 +613,7 @@ def test_crafted_pushes_are_refused_and_change_nothing(gated, case):
         if case == "bad trailer":
             return commands(f"{ZERO} {new} {own}") + pack[:-1] + bytes([pack[-1] ^ 1])
         if case == "size lie":  # one object's header says one byte more
-            objects = pack_bytes([obj_header(git.BLOB, 6) + zlib.compress(b"hello")])
+            objects = pack_bytes([obj_header(packs.BLOB, 6) + zlib.compress(b"hello")])
             return commands(f"{ZERO} {new} {own}") + objects
         if case == "object count lie":
             lie = pack[:8] + (int.from_bytes(pack[8:12], "big") - 1).to_bytes(4, "big")
@@ -767,13 +769,13 @@ def test_a_zlib_bomb_in_a_push_is_read_off_the_filters_loop(gated, monkeypatch):
     judges' threads: checked by where each feed runs, not by timing the loop."""
     tip = gated.refs()["refs/heads/main"]
     body = pack_bytes([bomb(256 << 20)])
-    threads, feed = [], gitssh.PushStream.feed
+    threads, feed = [], sshwire.PushStream.feed
 
     def recorded(self, data):
         threads.append(threading.current_thread().name)
         return feed(self, data)
 
-    monkeypatch.setattr(gitssh.PushStream, "feed", recorded)
+    monkeypatch.setattr(sshwire.PushStream, "feed", recorded)
 
     async def attack():
         async with await connect(gated) as conn:

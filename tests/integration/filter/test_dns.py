@@ -10,7 +10,7 @@ import struct
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from appliance.filter.dnswire import pointer_bomb
+from appliance.filter.dns.wire import pointer_bomb
 from tests.integration.conftest import (
     ORIGIN,
     OUTSIDE_CLIENT,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.filter.proxy import git
+from appliance.filter.git import http as git
 from tests import fakes
 
 from .test_inspect import (  # noqa: F401  (fixtures)

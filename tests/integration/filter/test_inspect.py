@@ -23,8 +23,8 @@ import pytest
 from cryptography import x509
 
 from appliance import pki
-from appliance.filter.config import load_config
 from appliance.filter.service import Service, loop_factory
+from appliance.sessionconfig import load_config
 from tests import fakes
 from tests.fakes import FakeHttp
 from tests.helpers import control

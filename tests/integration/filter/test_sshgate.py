@@ -242,7 +242,7 @@ def test_the_vm_host_is_host_corral_dialled_at_the_address_the_appliance_was_giv
                            asyncssh.import_private_key(gated.held).export_public_key().decode(),
                            ORIGIN)
     gated.set_secret(gated.held, [vm_host.public], "host.corral", "VM_HOST_GIT", vm_host.port)
-    proxy = gated.filter.service.proxy
+    gate = gated.filter.service.gate  # dials with the gateway the service gave it
     work = tmp_path / "work"
     try:
         assert gated.write_client("s1")["hosts"] == ["git.test", "host.corral"]
@@ -267,12 +267,12 @@ def test_the_vm_host_is_host_corral_dialled_at_the_address_the_appliance_was_giv
         assert allowed["name"] == "host.corral" and allowed["address"] == ORIGIN
         # no [host] gateway: host.corral is no address, and nothing is looked up for it
         calls = len(vm_host.commands)
-        proxy.gateway = None
+        gate.gateway = None
         done = gated.run("ls-remote", "git@host.corral:acme/widget.git", check=False)
         assert done.returncode != 0 and "the filter has no [host] gateway" in done.stderr
         assert len(vm_host.commands) == calls
     finally:
-        proxy.gateway = ipaddress.IPv4Address(ORIGIN)
+        gate.gateway = ipaddress.IPv4Address(ORIGIN)
         gated.remove_secret("VM_HOST_GIT")
         gated.write_client("s1")
         vm_host.close()

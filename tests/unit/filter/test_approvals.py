@@ -17,7 +17,6 @@ from appliance.filter.approvals import (
     clean,
     grant_of,
 )
-from appliance.filter.store import PolicyStore
 from appliance.policy import (
     ConfigError,
     Decision,
@@ -27,6 +26,7 @@ from appliance.policy import (
     parse_host,
     parse_policy,
 )
+from appliance.policystore import PolicyStore
 from tests.unit.filter.test_changes import config  # noqa: F401  (a fixture)
 
 DEFAULT_DENY = Policy([Rule.parse("http", "a.test")]).decide_http(parse_host("b.test"), 443)

@@ -11,9 +11,9 @@ import ssl
 import pytest
 
 from appliance import pki
-from appliance.filter import tlsstream
-from appliance.filter.proxy.inspect import Authority, mint, server_context
+from appliance.filter.proxy import tlsstream
 from appliance.filter.relay import Counters
+from appliance.pki.intercept import Authority, mint, server_context
 from appliance.policy import Host
 
 RECORDS = 8000

@@ -12,12 +12,12 @@ import threading
 import pytest
 
 from appliance.filter import control
-from appliance.filter.config import parse_config
 from appliance.filter.control import ControlError, answer_for
 from appliance.filter.service import Service
-from appliance.filter.store import PolicyStore
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError, parse_host
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 
 
 @pytest.fixture

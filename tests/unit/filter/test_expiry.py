@@ -10,12 +10,12 @@ import time
 import pytest
 
 from appliance.filter.changes import Changes
-from appliance.filter.config import parse_config
 from appliance.filter.events import EventBus
 from appliance.filter.expiry import LONGEST_SLEEP, GrantExpiry, due_in
 from appliance.filter.firewalled import Firewall
-from appliance.filter.store import PolicyStore
 from appliance.filter.workers import Workers
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 
 
 @pytest.mark.parametrize(("end", "now", "wait"), [

@@ -6,9 +6,9 @@ import ipaddress
 
 import pytest
 
-from appliance.filter.config import parse_config
 from appliance.filter.gateways import Listener, _proc_address, fixed_hosts, planned
 from appliance.policy import ConfigError
+from appliance.sessionconfig import parse_config
 
 CONFIG = """
 [dns]

@@ -12,7 +12,7 @@ from appliance.filter.http import (
     parse_request,
     parse_response,
 )
-from appliance.filter.sni import TlsError, looks_like_tls, parse_client_hello
+from appliance.filter.proxy.sni import TlsError, looks_like_tls, parse_client_hello
 
 from .hello import client_hello, split_records
 

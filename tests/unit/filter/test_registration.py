@@ -14,15 +14,15 @@ from appliance.filter import gateways
 from appliance.filter.approvals import Approvals
 from appliance.filter.approvals_file import ApprovalsFile
 from appliance.filter.changes import Changes
-from appliance.filter.config import parse_config
 from appliance.filter.control import ControlError
 from appliance.filter.events import EventBus
 from appliance.filter.firewalled import Firewall
-from appliance.filter.limits import Budget
+from appliance.filter.limits import DescriptorBudget
 from appliance.filter.listeners import Listeners
 from appliance.filter.registration import Registration, Unaffordable, Unbound
-from appliance.filter.store import PolicyStore
 from appliance.filter.workers import Workers
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
 
 S3_GATEWAY = "10.213.3.1"
 
@@ -61,7 +61,7 @@ subnet = "10.213.1.0/24"
         self.approvals = ApprovalsFile(tmp_path / "state" / "approvals.json", Approvals(),
                                        self.store.identity)
         self.registration = Registration(self.store, self.changes.change,
-                                         Budget(self.config, limit), self.listeners,
+                                         DescriptorBudget(self.config, limit), self.listeners,
                                          self.approvals)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from appliance.filter.config import load_config
 from appliance.policy import ConfigError
+from appliance.sessionconfig import load_config
 
 
 def _config(tmp_path, dns: str):

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from appliance.filter.config import parse_config
 from appliance.filter.service import Service
+from appliance.sessionconfig import parse_config
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.filter.config import parse_config
 from appliance.filter.service import Service
 from appliance.firewall.nflog import Drop
+from appliance.sessionconfig import parse_config
 
 S1, GW = "10.213.1.2", "10.213.1.1"
 

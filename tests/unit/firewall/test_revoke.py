@@ -10,10 +10,10 @@ import asyncio
 import pytest
 from dnslib import QTYPE, RR, A
 
-from appliance.filter.config import parse_config
 from appliance.filter.service import Service
 from appliance.firewall.learned import LearnedSet
 from appliance.policy import Rule
+from appliance.sessionconfig import parse_config
 
 from .test_learned import Conntrack, Nft
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from appliance.filter.config import parse_config
 from appliance.firewall.ruleset import build, build_base, listener_ports
+from appliance.sessionconfig import parse_config
 
 from .verdict import Packet, Unknown, verdict
 
@@ -105,8 +105,8 @@ def test_learned_allowances_of_a_gone_session_are_not_carried_over():
 
 
 def test_static_tcp_rules_open_the_named_address_on_the_ports_the_policy_allows(tmp_path):
-    from appliance.filter.store import PolicyStore
     from appliance.firewall.ruleset import static_tcp_rules
+    from appliance.policystore import PolicyStore
 
     (tmp_path / "s1.toml").write_text("""
 [tcp]
