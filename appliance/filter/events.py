@@ -1,10 +1,12 @@
 """The event bus: every decision goes to live subscribers, the recent ring and the audit log.
 
-An event is an `Event` (event.py: every field, what it means, which kinds carry it). `emit`
-takes one and encodes it once into its dict, the one form everything downstream gets: it is
-JSON on the control socket and in the audit log. A tunnel or proxied request produces its
-decision event at once (so `monitor` is live) and a second event with `closed: true` and the
-byte counts when it ends (`Event.closing`); both share `id`.
+An event is an `Event` (appliance/event.py: SCHEMA says every field, what it means and which
+kinds carry it), a dict of the fields its emitter gave. `emit` takes nothing else, makes
+every string in it printable once and publishes that one object to subscribers, the ring
+and the audit log: it is JSON as it is on the control socket and in the audit log. A
+tunnel or proxied request produces its decision event at once (so `monitor` is live) and a
+second event with `closed: true` and the byte counts when it ends (`closing`); both share
+`id`.
 
 Subscribers are bounded queues: a subscriber that cannot keep up loses its oldest events
 (counted in `dropped`), never slows the proxy down.
@@ -164,9 +166,9 @@ class EventBus:
 
     def decision(self, decision: Decision, *, session: str | None, client: str, kind: str,
                  name: str, port: int | None = None, address: str | None = None,
-                 event_id: int | None = None, verdict: str | None = None, **extra) -> dict:
+                 event_id: int | None = None, verdict: str | None = None, **extra) -> Event:
         """The event of a decision (its verdict unless `verdict` says otherwise; `extra`:
-        Event fields), emitted; returns its dict."""
+        more of SCHEMA's fields), emitted; returns it as published."""
         rule = decision.rule
         if extra and not NAMES.issuperset(extra):  # the callers' own names, unseen by tests
             check(Event(extra, kind=kind, verdict=decision.verdict, reason=decision.reason))
