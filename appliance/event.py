@@ -124,9 +124,6 @@ FIELDS: tuple[str, ...] = tuple(f.name for f in SCHEMA)
 """Every name an event may carry."""
 NAMES = frozenset(FIELDS)
 REQUIRED = frozenset({"kind", "verdict", "reason"})
-FLOW = ("id", "session", "client", "kind", "name", "port", "address", "verdict", "reason",
-        "rule", "layer")
-"""What a flow's closing event repeats of its decision event."""
 
 
 class Event(dict):
@@ -162,8 +159,11 @@ def check(event: object) -> None:
 def closing(opened: Mapping, ts: float, up: int, down: int, duration: float) -> Event:
     """The second event of a flow, from its decision event as emitted: the same id and what
     it was about, with when it ended and the bytes each way."""
-    return Event({name: opened[name] for name in FLOW}, ts=ts, closed=True, up=up,
-                 down=down, duration=duration)
+    return Event(id=opened["id"], session=opened["session"], client=opened["client"],
+                 kind=opened["kind"], name=opened["name"], port=opened["port"],
+                 address=opened["address"], verdict=opened["verdict"],
+                 reason=opened["reason"], rule=opened["rule"], layer=opened["layer"],
+                 ts=ts, closed=True, up=up, down=down, duration=duration)
 
 
 def printable(text: str) -> str:
