@@ -1,20 +1,22 @@
 """What an event is: one type, `Event`, and `SCHEMA`, the only names an event may carry.
 
 Every decision and every change the filter makes is an `Event` handed to `EventBus.emit`
-(events.py), which checks it against SCHEMA (`check`), makes every string in it printable
-(`printable_fields`) and publishes it: the one object live subscribers, the recent ring,
-the control socket's `events`/`subscribe`, the admin API and the audit log (sorted keys,
-chained: audit/files.py) get. An Event is a dict of exactly the fields its emitter gave,
-in that order (so it is JSON as it is); a field not given is not there (None is, as null).
+(events.py), which makes every string in it printable (`printable_fields`) and publishes
+it: the one object live subscribers, the recent ring, the control socket's
+`events`/`subscribe`, the admin API and the audit log (sorted keys, chained:
+audit/files.py) get. An Event is a dict of exactly the fields its emitter gave, in that
+order (so it is JSON as it is); a field not given is not there (None is, as null).
 
 The readers (`corral monitor`, `monitor --ask`, the dashboard, the log export) take the
 dict back with `decode`, which keeps the names SCHEMA knows and drops any other (an
-appliance newer than the CLI). Both sides are held to the same names: `emit` refuses a
-field SCHEMA lacks, or an event without `kind`, `verdict` and `reason`, with a TypeError
-that names the fix; unit tests (tests/unit/filter/test_event.py) read every `Event(...)`
-in appliance/ and every field the CLI and the dashboard read, and check them against
-SCHEMA, and check docs/filter.md's table of fields against it. This module is the
-standard library only, so the CLI imports it without the filter's runtime.
+appliance newer than the CLI). Both sides are held to the same names. At run time `emit`
+refuses anything but an Event, and `EventBus.decision` a name its callers add that SCHEMA
+lacks, with a TypeError that names the fix (`check`). Once, in the unit tests
+(tests/unit/filter/test_event.py), not per event: every `Event(...)` written in appliance/
+uses SCHEMA's names (and says kind, verdict and reason, the kind one of KINDS), every
+field the CLI and the dashboard read is SCHEMA's, and docs/filter.md's table is SCHEMA.
+This module is the standard library only, so the CLI imports it without the filter's
+runtime.
 
 Why a dict with a schema and not a dataclass: the proxy emits an event per request, and an
 event sets about a dozen of the forty-odd fields. A slotted dataclass costs each event all

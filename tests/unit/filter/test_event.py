@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from appliance.event import FIELDS, NAMES, REQUIRED, SCHEMA, Event, decode
+from appliance.event import FIELDS, KINDS, NAMES, REQUIRED, SCHEMA, Event, decode
 from appliance.filter import events as ev
 from appliance.filter.approvals import Holds
 from appliance.filter.dns import DnsFilter
@@ -153,6 +153,9 @@ def test_every_event_the_code_builds_uses_schema_names_and_says_kind_verdict_and
             whole = None not in names and not node.args  # no **spread, no mapping
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
             wrong += [f"{where}: {n}" for n in sorted(names - NAMES - {None})]
+            wrong += [f"{where}: kind {k.value.value!r}" for k in node.keywords
+                      if k.arg == "kind" and isinstance(k.value, ast.Constant)
+                      and k.value.value not in KINDS]
             if whole and not names >= REQUIRED:
                 wrong.append(f"{where}: without {sorted(REQUIRED - names)}")
     assert built >= 15 and not wrong
