@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from appliance.event import decode
+
 from . import render
 
 MARK = "\u25b6"
@@ -76,9 +78,11 @@ agent's words; `--json` and the audit log have the rest)."""
 
 def event(e: dict, color: bool = False) -> None:
     """One decision, one line: time, session, verdict, kind, target, reason, and the fix;
-    every field as render draws it, whatever the appliance sent."""
+    every field as render draws it, whatever the appliance sent. Read by the names of the
+    filter's event SCHEMA (appliance/event.py; a unit test holds this to them)."""
     import datetime
 
+    e = decode(e)
     ts = e.get("ts", 0)
     when = datetime.datetime.fromtimestamp(ts if isinstance(ts, int | float) else 0)
     verdict = e.get("verdict", "?")

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from appliance.event import Event
 from appliance.policy import (
     Decision,
     Host,
@@ -437,7 +438,7 @@ class Holds:
     rule covers it), `expired` or `ended` (its session). Nothing here decides: the control
     socket does, and the policy (settle)."""
 
-    def __init__(self, emit: Callable[[dict], None], book: Approvals | None = None):
+    def __init__(self, emit: Callable[[Event], object], book: Approvals | None = None):
         self.book = book or Approvals()
         self.emit = emit
         self._decided: dict[str, asyncio.Future[Ruling]] = {}
@@ -594,9 +595,9 @@ class Holds:
 
     def _event(self, pending: Pending, action: str, reason: str, client: str | None = None,
                name: str | None = None, port: int | None = None, **extra) -> None:
-        self.emit({"session": pending.session, "client": client, "kind": "approval",
-                   "name": name, "port": port, "address": None,
-                   "verdict": "pending" if action == "pending" else "change",
-                   "action": action, "approval": pending.id, "grant_kind": pending.kind,
-                   "target": pending.target, "rule": None, "layer": None,
-                   "reason": reason, **extra})
+        self.emit(Event(session=pending.session, client=client, kind="approval",
+                        name=name, port=port, address=None,
+                        verdict="pending" if action == "pending" else "change",
+                        action=action, approval=pending.id, grant_kind=pending.kind,
+                        target=pending.target, rule=None, layer=None,
+                        reason=reason, **extra))

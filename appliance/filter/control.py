@@ -55,6 +55,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance.event import Event
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError, RuleError
 from appliance.policystore import MAX_GRANT
@@ -278,10 +279,10 @@ class ControlServer:
         reason = _field(request, "reason", required=False)
         await self.sessions.unregister(name, forget)
         if reason:  # stopped by itself (its limits, a crash): an event and an audit record
-            self.bus.emit({
-                "session": name, "client": None, "kind": "session", "name": name,
-                "port": None, "address": None, "verdict": "change", "action": "stopped",
-                "rule": None, "layer": None, "reason": f"session {name} stopped: {reason}"})
+            self.bus.emit(Event(
+                session=name, client=None, kind="session", name=name,
+                port=None, address=None, verdict="change", action="stopped",
+                rule=None, layer=None, reason=f"session {name} stopped: {reason}"))
         self.bus.last_seen.pop(name, None)
         return {"ok": True}
 
@@ -360,11 +361,11 @@ class ControlServer:
             inspector.use(await self.workers.run(inspector.renewed))
         ca = inspector.describe()
         log.info("control: interception CA rotated: %s -> %s", old, ca["sha256"])
-        self.bus.emit({
-            "session": None, "client": None, "kind": "certs", "name": None, "port": None,
-            "address": None, "verdict": "change", "rule": None, "layer": None,
-            "reason": f"new interception CA {ca['sha256']} (was {old}), valid until "
-                      f"{ca['not_after']}"})
+        self.bus.emit(Event(
+            session=None, client=None, kind="certs", name=None, port=None,
+            address=None, verdict="change", rule=None, layer=None,
+            reason=f"new interception CA {ca['sha256']} (was {old}), valid until "
+                   f"{ca['not_after']}"))
         return {"ok": True, "ca": ca, "previous": old}
 
     @handles("secret-set")
@@ -475,10 +476,10 @@ class ControlServer:
 
     def _secrets_changed(self, reason: str) -> None:
         log.info("control: %s", reason)
-        self.bus.emit({
-            "session": None, "client": None, "kind": "secret", "name": None, "port": None,
-            "address": None, "verdict": "change", "rule": None, "layer": None,
-            "reason": reason})
+        self.bus.emit(Event(
+            session=None, client=None, kind="secret", name=None, port=None,
+            address=None, verdict="change", rule=None, layer=None,
+            reason=reason))
 
     def _audit_head(self) -> dict | None:
         """Where the audit log stands: every record up to it is on disk."""

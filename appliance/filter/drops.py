@@ -11,6 +11,7 @@ import logging
 import socket
 from collections.abc import Collection
 
+from appliance.event import Event
 from appliance.firewall import nflog
 from appliance.policystore import PolicyStore
 
@@ -20,7 +21,7 @@ log = logging.getLogger("corral.filter")
 
 
 def drop_event(drop: nflog.Drop, sessions: Collection[str], gateways: Collection[str],
-               services: frozenset[tuple[str, int]]) -> dict | None:
+               services: frozenset[tuple[str, int]]) -> Event | None:
     """The event of a reject: None for link-local multicast (counted quietly by the
     ruleset: nothing was denied). `sessions`: their names now; `gateways`: their gateway
     addresses; `services`: what a session reaches on its gateway (ruleset.gateway_services),
@@ -28,14 +29,14 @@ def drop_event(drop: nflog.Drop, sessions: Collection[str], gateways: Collection
     if nflog.link_local_multicast(drop):
         return None
     target = f"{drop.destination}:{drop.port}" if drop.port else drop.destination
-    return {
-        "session": drop.session if drop.session in sessions else None,
-        "client": drop.source, "kind": "firewall", "name": drop.destination,
-        "port": drop.port, "address": drop.destination, "verdict": "deny",
-        "reason": f"rejected by the firewall: {drop.protocol} to {target}",
-        "rule": None, "layer": None, "protocol": drop.protocol,
-        "hint": nflog.hint(drop, drop.destination in gateways, services),
-    }
+    return Event(
+        session=drop.session if drop.session in sessions else None,
+        client=drop.source, kind="firewall", name=drop.destination,
+        port=drop.port, address=drop.destination, verdict="deny",
+        reason=f"rejected by the firewall: {drop.protocol} to {target}",
+        rule=None, layer=None, protocol=drop.protocol,
+        hint=nflog.hint(drop, drop.destination in gateways, services),
+    )
 
 
 class DropReader:
@@ -45,13 +46,12 @@ class DropReader:
         self._sock: socket.socket | None = None
 
     def event(self, drop: nflog.Drop) -> dict | None:
-        """Emit the drop's event (if it is one), as the sessions are now."""
+        """Emit the drop's event (if it is one), as the sessions are now; returns it as
+        emitted."""
         event = drop_event(drop, self.store.sessions,
                            {str(s.gateway) for s in self.store.session_configs()},
                            self.services)
-        if event is not None:
-            self.bus.emit(event)
-        return event
+        return self.bus.emit(event) if event is not None else None
 
     def start(self) -> None:
         """Read the group on the running loop; without it (no CAP_NET_ADMIN, no module),

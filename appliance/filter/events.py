@@ -1,15 +1,12 @@
 """The event bus: every decision goes to live subscribers, the recent ring and the audit log.
 
-An event is a flat dict (it is JSON on the control socket and in the audit log):
-  ts, id, session, client, kind (dns|http|connect|tls|...), name, port, address,
-  verdict (allow|deny|error), reason, rule, layer, up, down, duration, closed.
-A change to a session's runtime rules is kind `rule`, verdict `change`, with `action`
-(added|revoked|expired), `rule_kind` and `expires` (when one added for a while ends).
-An approval (ask mode, approvals.py) is kind `approval`: verdict `pending` when it opens,
-then `change` with `action` approved|refused|expired, `approval` (its id), `grant_kind` and
-`target` (the rule a grant adds), `grant` and `by` (who decided).
-A tunnel or proxied request produces its decision event at once (so `monitor` is live) and
-a second event with `closed: true` and the byte counts when it ends; both share `id`.
+An event is an `Event` (appliance/event.py: SCHEMA says every field, what it means and which
+kinds carry it), a dict of the fields its emitter gave. `emit` takes nothing else, makes
+every string in it printable once and publishes that one object to subscribers, the ring
+and the audit log: it is JSON as it is on the control socket and in the audit log. A
+tunnel or proxied request produces its decision event at once (so `monitor` is live) and a
+second event with `closed: true` and the byte counts when it ends (`closing`); both share
+`id`.
 
 Subscribers are bounded queues: a subscriber that cannot keep up loses its oldest events
 (counted in `dropped`), never slows the proxy down.
@@ -30,46 +27,13 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 
+from appliance.event import NAMES, Event, check, printable, printable_fields
 from appliance.policy import Decision
 
 from .ratelimit import TokenBucket
 from .redact import NONE
 
-
-def printable(text: str) -> str:
-    """`text` with every character that is not printable (str.isprintable: C0 and C1
-    controls, DEL, format characters such as bidi overrides and zero-width ones, line and
-    paragraph separators, surrogates) as `\\xNN`, `\\uNNNN` or `\\UNNNNNNNN`."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    if code < 0x100:
-        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(ch, f"\\x{code:02x}")
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-def _printable_values(container: dict | list, keys: bool = False) -> None:
-    """Make every string in an event (in its lists and tables, their keys too) printable, in
-    place: the event's identity is kept (a flow's second event is made from its first).
-    An event's own keys are the code's; each value is looked at once, by its type."""
-    items = container.items() if type(container) is dict else enumerate(container)
-    for key, value in items:
-        kind = type(value)
-        if kind is str:
-            if not value.isprintable():
-                container[key] = printable(value)
-        elif kind is dict or kind is list:
-            _printable_values(value, keys=True)
-        elif kind is tuple:
-            container[key] = value = list(value)
-            _printable_values(value, keys=True)
-    if keys and type(container) is dict:
-        for key in [k for k in container if type(k) is str and not k.isprintable()]:
-            container[printable(key)] = container.pop(key)
+__all__ = ["Event", "EventBus", "Subscription", "printable", "retired", "rule_changed"]
 
 
 class Subscription:
@@ -128,20 +92,26 @@ class EventBus:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def emit(self, event: dict) -> dict:
-        _printable_values(event)  # what a terminal acts on, escaped; then the one door
+    def emit(self, event: Event) -> Event:
+        """Publish `event` (refused with a TypeError unless it is an Event of SCHEMA's
+        fields) with `ts` and `id` given when it has none; returns it, as published."""
+        if type(event) is not Event:
+            check(event)  # raises, naming the fix (an Event's names: test_event.py)
+        printable_fields(event)  # what a terminal acts on, escaped; then the one door
         self.redactor.fields(event)  # for the secrets' values to subscribers, the ring, the log
         if "ts" not in event:
             event["ts"] = round(time.time(), 6)
         if "id" not in event:
-            event["id"] = self.next_id()
+            event["id"] = next(self._ids)
+        session, verdict = event.get("session"), event["verdict"]
         if not event.get("closed"):
-            self.counters[(event.get("session"), event.get("verdict"))] += 1
-        if event.get("session") is not None:
-            self.last_seen[event["session"]] = event["ts"]
+            self.counters[(session, verdict)] += 1
+        if session is not None:
+            self.last_seen[session] = event["ts"]
         self.recent.append(event)
-        for subscription in self.subscribers:
-            if subscription.wants(event):
+        for subscription in self.subscribers:  # Subscription.wants, without a call each
+            if (subscription.session is None or subscription.session == session) and (
+                    subscription.verdict is None or subscription.verdict == verdict):
                 subscription.push(event)
         if self.audit is not None:
             self._record(event)
@@ -181,12 +151,11 @@ class EventBus:
         self._summary_due = False
         for session, count in list(self.held.items()):
             del self.held[session]
-            self.audit.append({
-                "ts": round(time.time(), 6), "id": self.next_id(), "session": session,
-                "kind": "audit", "name": None, "verdict": "error", "rule": None,
-                "layer": None, "reason": f"{count} events of this session not recorded "
-                f"one by one: more than {self.audit_rate:g} a second ([state] "
-                "audit_events_per_session)"})
+            self.audit.append(Event(
+                ts=round(time.time(), 6), id=self.next_id(), session=session, kind="audit",
+                name=None, verdict="error", rule=None, layer=None,
+                reason=f"{count} events of this session not recorded one by one: more than "
+                f"{self.audit_rate:g} a second ([state] audit_events_per_session)"))
 
     def forget(self, alive: set) -> None:
         """Drop the budgets of sessions that are gone."""
@@ -197,20 +166,21 @@ class EventBus:
 
     def decision(self, decision: Decision, *, session: str | None, client: str, kind: str,
                  name: str, port: int | None = None, address: str | None = None,
-                 event_id: int | None = None, **extra) -> dict:
+                 event_id: int | None = None, verdict: str | None = None, **extra) -> Event:
+        """The event of a decision (its verdict unless `verdict` says otherwise; `extra`:
+        more of SCHEMA's fields), emitted; returns it as published."""
         rule = decision.rule
-        event = {
-            "id": event_id if event_id is not None else self.next_id(),
-            "session": session, "client": client, "kind": kind, "name": name, "port": port,
-            "address": address, "verdict": decision.verdict, "reason": decision.reason,
-            "rule": rule.text if rule else None, "layer": rule.layer if rule else None,
-            **extra,
-        }
+        if extra and not NAMES.issuperset(extra):  # the callers' own names, unseen by tests
+            check(Event(extra, kind=kind, verdict=decision.verdict, reason=decision.reason))
         if decision.hint:
-            event["hint"] = decision.hint
-            if decision.allowed:  # only learning-open allowances keep their hint
-                event["learning"] = "open"
-        return self.emit(event)
+            # only learning-open allowances keep their hint
+            extra = {**extra, "hint": decision.hint, "learning": "open"} if decision.allowed \
+                else {**extra, "hint": decision.hint}
+        return self.emit(Event(
+            id=event_id if event_id is not None else self.next_id(),
+            session=session, client=client, kind=kind, name=name, port=port, address=address,
+            verdict=verdict or decision.verdict, reason=decision.reason,
+            rule=rule.text if rule else None, layer=rule.layer if rule else None, **extra))
 
     def subscribe(self, session: str | None = None, verdict: str | None = None,
                   size: int = 10000) -> Subscription:
@@ -223,23 +193,22 @@ class EventBus:
         return [e for e in self.recent if probe.wants(e)][-n:] if n > 0 else []
 
 
-def rule_changed(session: str, rule, action: str, until: float | None = None) -> dict:
+def rule_changed(session: str, rule, action: str, until: float | None = None) -> Event:
     """A runtime rule added (for good, or `until` a time), revoked or expired: kind `rule`,
     verdict `change` (its audit record is never charged to the session's budget)."""
     text = f"{rule.kind} {rule.text}"
     if until is not None:
         text += " until " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(until))
-    return {"session": session, "client": None, "kind": "rule",
-            "name": rule.host or None, "port": None, "address": None,
-            "verdict": "change", "action": action, "rule": rule.text,
-            "rule_kind": rule.kind, "layer": rule.layer, "expires": until,
-            "reason": f"{action}: {text} (session runtime layer)"}
+    return Event(session=session, client=None, kind="rule", name=rule.host or None,
+                 port=None, address=None, verdict="change", action=action, rule=rule.text,
+                 rule_kind=rule.kind, layer=rule.layer, expires=until,
+                 reason=f"{action}: {text} (session runtime layer)")
 
 
-def retired(names: list[str], kept: int | None) -> dict:
+def retired(names: list[str], kept: int | None) -> Event:
     """Audit retention removed segments: which, and where the log now starts (so a
     verifier can tell retention from a cut)."""
-    return {"session": None, "client": None, "kind": "audit", "name": None,
-            "port": None, "address": None, "verdict": "error", "rule": None,
-            "layer": None, "reason": f"retention removed {', '.join(names)}; the "
-            f"log now starts at seq {kept}"}
+    return Event(session=None, client=None, kind="audit", name=None, port=None,
+                 address=None, verdict="error", rule=None, layer=None,
+                 reason=f"retention removed {', '.join(names)}; the log now starts at seq "
+                 f"{kept}")

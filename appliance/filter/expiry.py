@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from appliance.event import Event
 from appliance.policystore import Change, PolicyStore
 
 from .events import EventBus, rule_changed
@@ -86,11 +87,11 @@ class GrantExpiry:
             self.store.commit(change)  # fail closed: the filter no longer grants it
             log.error("grants: rules whose time came are taken back in the filter, but "
                       "not on disk or in the firewall: %s", exc)
-            self.bus.emit({"session": None, "client": None, "kind": "rule", "name": None,
-                           "verdict": "error", "rule": None, "layer": None,
-                           "reason": "runtime rules whose time came are taken back in the "
-                           "filter but could not be on disk or in the firewall (a "
-                           f"restart takes them back there): {exc}"})
+            self.bus.emit(Event(session=None, client=None, kind="rule", name=None,
+                                verdict="error", rule=None, layer=None,
+                                reason="runtime rules whose time came are taken back in the "
+                                "filter but could not be on disk or in the firewall (a "
+                                f"restart takes them back there): {exc}"))
         for session, rule in change.result:
             log.info("grants: %s rule %s of session %s expired", rule.kind, rule.text,
                      session)

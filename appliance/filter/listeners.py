@@ -12,6 +12,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from appliance.event import Event
 from appliance.policystore import PolicyStore
 from appliance.sessionconfig import FilterConfig
 
@@ -123,9 +124,9 @@ class Listeners:
     def _unserved(self, session: str, why: str) -> None:
         self.unserved[session] = why
         log.error("session %s is not served: %s", session, why)
-        self.bus.emit({"session": session, "client": None, "kind": "session", "name": session,
-                       "port": None, "address": None, "verdict": "error", "rule": None,
-                       "layer": None, "reason": f"session {session} is not served: {why}"})
+        self.bus.emit(Event(session=session, client=None, kind="session", name=session,
+                            port=None, address=None, verdict="error", rule=None,
+                            layer=None, reason=f"session {session} is not served: {why}"))
 
     def close_gateways(self, kept: set[str]) -> None:
         """The listeners of every gateway but those `kept` go (their sessions are gone;

@@ -13,6 +13,7 @@ import asyncio
 import ipaddress
 import logging
 
+from appliance.event import Event
 from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.ledger import Key
 from appliance.policy import Decision, Host
@@ -95,11 +96,11 @@ class Revocation:
                 except Exception as exc:
                     if not failing:
                         log.error("learned tcp allowances not taken back: %s", exc)
-                        self.bus.emit({
-                            "session": None, "client": None, "kind": "firewall", "name": None,
-                            "verdict": "error", "rule": None, "layer": None,
-                            "reason": "learned tcp allowances the policy no longer gives "
-                                      f"could not be taken back (trying again): {exc}"})
+                        self.bus.emit(Event(
+                            session=None, client=None, kind="firewall", name=None,
+                            verdict="error", rule=None, layer=None,
+                            reason="learned tcp allowances the policy no longer gives "
+                                   f"could not be taken back (trying again): {exc}"))
                     failing = self._again = True
                     await asyncio.sleep(RETRY)
                     continue
@@ -117,7 +118,7 @@ class Revocation:
             self.bus.emit(cut_event(cut, owner))
 
 
-def cut_event(cut: Cut, owner: str | None) -> dict:
+def cut_event(cut: Cut, owner: str | None) -> Event:
     """The event of a cut; `owner`: the session whose subnet holds the sandbox's address now,
     for an element that does not say whose it was."""
     revoked = cut.revoked
@@ -128,13 +129,11 @@ def cut_event(cut: Cut, owner: str | None) -> dict:
     ended = cut.error or (f"{cut.connections} connection"
                           f"{'' if cut.connections == 1 else 's'} ended")
     rule = revoked.decision.rule
-    event = {"session": session, "client": sandbox, "kind": "firewall",
-             "name": names[0] if names else None, "port": port, "address": destination,
-             "verdict": "deny", "rule": rule.text if rule else None,
-             "layer": rule.layer if rule else None, "protocol": "tcp",
-             "reason": f"cut: {session or sandbox} -> {destination}:{port}{through}: "
-                       f"{revoked.decision.reason}; {ended}",
-             "names": names, "connections": cut.connections}
-    if cut.error:
-        event["error"] = cut.error
-    return event
+    return Event(session=session, client=sandbox, kind="firewall",
+                 name=names[0] if names else None, port=port, address=destination,
+                 verdict="deny", rule=rule.text if rule else None,
+                 layer=rule.layer if rule else None, protocol="tcp",
+                 reason=f"cut: {session or sandbox} -> {destination}:{port}{through}: "
+                        f"{revoked.decision.reason}; {ended}",
+                 names=names, connections=cut.connections,
+                 **({"error": cut.error} if cut.error else {}))

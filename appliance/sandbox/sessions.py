@@ -96,6 +96,18 @@ def _remove(path: Path) -> None:
         log.warning("could not remove all of %s: %s", path, exc)
 
 
+def _identity(name: str, project_id: str, uid, gid) -> tuple[int, int]:
+    """The session's name, project id and the agent's ids, checked: (uid, gid)."""
+    if not SESSION_NAME.match(name):
+        raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
+    if project_id and not SESSION_NAME.match(project_id):
+        raise SessionError(f"project id {project_id!r} must be 1-32 of a-z, 0-9 and '-'")
+    for what, value in (("uid", uid), ("gid", gid)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 65536:
+            raise SessionError(f"{what} must be 1-65535 (never root), got {value!r}")
+    return uid, gid
+
+
 class SessionManager:
     def __init__(self, podman: Podman, control: Callable[[dict], dict], state_dir: Path,
                  pool: str = "10.213.0.0/16", image: str = IMAGE, uid: int = 1000,
@@ -264,20 +276,15 @@ class SessionManager:
         `secrets=False`: no secret's placeholder in its environment and no key for the git
         gateway (an agent's install: its packages' scripts have no use for the appliance's
         secrets, and without the session's placeholder the filter attaches none)."""
-        if not SESSION_NAME.match(name):
-            raise SessionError(f"session name {name!r} must be 1-32 of a-z, 0-9 and '-'")
-        if project_id and not SESSION_NAME.match(project_id):
-            raise SessionError(f"project id {project_id!r} must be 1-32 of a-z, 0-9 and '-'")
-        uid, gid = self.uid if uid is None else uid, self.gid if gid is None else gid
-        for what, value in (("uid", uid), ("gid", gid)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 65536:
-                raise SessionError(f"{what} must be 1-65535 (never root), got {value!r}")
+        uid, gid = _identity(name, project_id, self.uid if uid is None else uid,
+                             self.gid if gid is None else gid)
+        if not project_id and home_directories:
+            raise SessionError(f"session {name} keeps {', '.join(home_directories)} in "
+                               "its project's home, and has none: give it a project_id")
         if self._path(name).exists():
             raise SessionError(f"session {name!r} exists; `corral rm {name}` first")
         network = container = f"corral-{name}"
         undo: list[Callable[[], object]] = []
-        volumes: tuple[tuple[str, str], ...] = ()
-        mapped = hardening.Sandbox.userns_base
         try:
             # first, before anything needs undoing; written before every start, so that a
             # containers-common update reaches the next session
@@ -289,46 +296,15 @@ class SessionManager:
             gateway = str(next(subnet.hosts()))
             undo.append(lambda: self.podman.run("network", "rm", "--force", network,
                                                 check=False))
-            if project is not None:
-                work, base = self.workspace(name)
-                _remove(work.parent)  # a stopped session's old copy
-                undo.append(lambda: _remove(work.parent))
-                workspace.copy_in(Path(project), work, base)
-                _chown_tree(work, mapped + uid, mapped + gid)
-                volumes = ((str(work), "/work"),)
-            else:
-                undo.append(lambda: _remove(self.workspaces / name))
-            if project_id:
-                home = self.home(project_id)
-                if not home.exists():
-                    home.mkdir(parents=True)
-                    os.chown(home, mapped + uid, mapped + gid)
-                volumes = (*volumes, (str(home), "/home/agent"))
-                skipped = agents.make_home_directories(home, list(home_directories),
-                                                       mapped + uid, mapped + gid)
-                for path in skipped:
-                    log.warning("session %s: %s in the home of project %s is not a directory "
-                                "(the agent made it something else): left as it is", name,
-                                path, project_id)
-            elif home_directories:
-                raise SessionError(f"session {name} keeps {', '.join(home_directories)} in "
-                                   "its project's home, and has none: give it a project_id")
-            volumes = (*volumes, *mounts)
+            volumes = self._volumes(name, project, project_id, list(home_directories),
+                                    uid, gid, undo)
             files = self._policy_files(name, list(project_files), list(presets),
                                        Path(project) if project is not None else None, layers)
             trusted = self.trust(name)
-            answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
-                                   "gateway": gateway, "files": files})
-            if not answer.get("ok"):
-                raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
-            undo.append(lambda: self.control({"op": "session-remove", "name": name}))
-            placeholders = self.control({"op": "secret-environment", "session": name})
-            if not placeholders.get("ok"):
-                raise SessionError(f"the filter gave no placeholders for session {name}: "
-                                   f"{placeholders.get('error')}")
+            placeholders = self._registered(name, subnet, gateway, files, undo)
             try:
                 ssh = sshconf.write(trusted, gateway, placeholders.get("ssh") if secrets
-                                    else None, mapped)
+                                    else None, hardening.Sandbox.userns_base)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise SessionError(f"session {name}: the git gateway's files: {exc}") from None
             limits = limits or lifetime.Limits()
@@ -337,7 +313,8 @@ class SessionManager:
             spec = hardening.Sandbox(name=container, image=self.image, network=network,
                                      gateway=gateway, seccomp_profile=str(confined.profile),
                                      init=str(confined.init), uid=uid, gid=gid,
-                                     proxy_port=self.proxy_port, volumes=volumes,
+                                     proxy_port=self.proxy_port,
+                                     volumes=(*volumes, *mounts),
                                      trust=str(trusted), ssh=ssh, secrets=tuple(
                                          placeholders["environment"].items()) if secrets
                                      else (),
@@ -359,6 +336,53 @@ class SessionManager:
             for step in reversed(undo):
                 step()
             raise
+
+    def _volumes(self, name: str, project: Path | None, project_id: str,
+                 home_directories: list[str], uid: int, gid: int,
+                 undo: list[Callable[[], object]]) -> tuple[tuple[str, str], ...]:
+        """The session's /work (a copy of the project, owned by the agent's mapped ids) and
+        /home/agent (the project's home, kept across its sessions), each undone on failure
+        by a step added to `undo`."""
+        mapped = hardening.Sandbox.userns_base
+        volumes: tuple[tuple[str, str], ...] = ()
+        if project is not None:
+            work, base = self.workspace(name)
+            _remove(work.parent)  # a stopped session's old copy
+            undo.append(lambda: _remove(work.parent))
+            workspace.copy_in(Path(project), work, base)
+            _chown_tree(work, mapped + uid, mapped + gid)
+            volumes = ((str(work), "/work"),)
+        else:
+            undo.append(lambda: _remove(self.workspaces / name))
+        if project_id:
+            home = self.home(project_id)
+            if not home.exists():
+                home.mkdir(parents=True)
+                os.chown(home, mapped + uid, mapped + gid)
+            volumes = (*volumes, (str(home), "/home/agent"))
+            skipped = agents.make_home_directories(home, home_directories,
+                                                   mapped + uid, mapped + gid)
+            for path in skipped:
+                log.warning("session %s: %s in the home of project %s is not a directory "
+                            "(the agent made it something else): left as it is", name,
+                            path, project_id)
+        return volumes
+
+    def _registered(self, name: str, subnet: ipaddress.IPv4Network, gateway: str,
+                    files: list[str], undo: list[Callable[[], object]]) -> dict:
+        """Register the session with the filter (its subnet, gateway and policy files; the
+        filter re-applies the firewall) and return the secrets' placeholders it hands out
+        for it; unregistered by a step added to `undo`."""
+        answer = self.control({"op": "session-add", "name": name, "subnet": str(subnet),
+                               "gateway": gateway, "files": files})
+        if not answer.get("ok"):
+            raise SessionError(f"the filter refused session {name}: {answer.get('error')}")
+        undo.append(lambda: self.control({"op": "session-remove", "name": name}))
+        placeholders = self.control({"op": "secret-environment", "session": name})
+        if not placeholders.get("ok"):
+            raise SessionError(f"the filter gave no placeholders for session {name}: "
+                               f"{placeholders.get('error')}")
+        return placeholders
 
     def stop(self, name: str, reason: str = "") -> Record:
         """Container, filter session and network go; the record stays, marked stopped."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
 
+from appliance.event import Event
 from appliance.firewall.learned import Teaching
 from appliance.policy import HOST_NAME, Decision, Policy, parse_host
 from appliance.policy.grants import rule_text
@@ -136,13 +137,13 @@ class DnsFilter:
         key = self._key(session, policy, data, udp)
         hit = self.wire.get(key, data[:2], client, now)
         if hit is not None:
-            self.bus.emit(hit[1])
+            self.bus.emit(Event(hit[1]))  # the decision's, without its id, ts, client
             return hit[0]
         try:
             query = parse_query(data)
         except WireError as exc:
-            self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
-                           "verdict": "error", "reason": f"malformed query: {exc}"[:200]})
+            self.bus.emit(Event(session=session, client=client, kind="dns", name=None,
+                                verdict="error", reason=f"malformed query: {exc}"[:200]))
             return error_reply(data, exc.rcode)
         if query is None:
             return None
@@ -198,10 +199,10 @@ class DnsFilter:
 
     def _report(self, session: str | None, client: str, report: Report) -> None:
         what = "connections" if report.limit == "tcp" else "queries"
-        self.bus.emit({"session": session, "client": client, "kind": "dns", "name": None,
-                       "verdict": "deny", "limit": report.limit, "refused": report.count,
-                       "reason": f"{self.limits.describe(report.limit)}: {report.count} "
-                                 f"{what} refused since the last report"})
+        self.bus.emit(Event(session=session, client=client, kind="dns", name=None,
+                            verdict="deny", limit=report.limit, refused=report.count,
+                            reason=f"{self.limits.describe(report.limit)}: {report.count} "
+                                   f"{what} refused since the last report"))
 
     async def finish(self, data: bytes, client: str, udp: bool, pending: PendingQuery) -> bytes:
         """The reply to a PendingQuery query; frees its place."""

@@ -23,6 +23,7 @@ import select
 import time
 from dataclasses import dataclass, field
 
+from appliance.event import Event, closing
 from appliance.policy import HOST_NAME, Decision, Host, Policy
 from appliance.policystore import PolicyStore
 from appliance.sessionconfig import ProxyConfig
@@ -47,9 +48,6 @@ from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
 __all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]
 log = logging.getLogger(__name__)
-
-_EVENT_KEYS = ("id", "session", "client", "kind", "name", "port", "address", "verdict",
-               "reason", "rule", "layer")
 
 
 ASK_RATE, ASK_BURST = 1.0, 5
@@ -224,21 +222,21 @@ class Proxy:
                decision: Decision) -> None:
         """A placeholder going where it may not: an event of its own (kind "secret"), before
         the one of the request it refuses (`decision`: plan.leak_decision)."""
-        self.bus.emit({"session": session, "client": client.label, "kind": "secret",
-                       "name": str(host), "port": None, "address": None, "verdict": "deny",
-                       "rule": None, "layer": None, "secret": leak.secret,
-                       "reason": decision.reason})
+        self.bus.emit(Event(session=session, client=client.label, kind="secret",
+                            name=str(host), port=None, address=None, verdict="deny",
+                            rule=None, layer=None, secret=leak.secret,
+                            reason=decision.reason))
 
     def refused(self, client: Client, session: str | None, cap: Cap) -> None:
         """A connection or tunnel over its session's cap: an event, once a second."""
         count = cap.report(session, time.monotonic())
         if count:
-            self.bus.emit({
-                "session": session, "client": client.label, "kind": "http", "name": None,
-                "port": None, "address": None, "verdict": "deny", "rule": None, "layer": None,
-                "reason": f"session {session or '(outside every session)'} has {cap.limit} "
-                          f"{cap.what} open: the limit ([proxy] max_{cap.what}_per_session); "
-                          f"{count} refused"})
+            self.bus.emit(Event(
+                session=session, client=client.label, kind="http", name=None,
+                port=None, address=None, verdict="deny", rule=None, layer=None,
+                reason=f"session {session or '(outside every session)'} has {cap.limit} "
+                       f"{cap.what} open: the limit ([proxy] max_{cap.what}_per_session); "
+                       f"{count} refused"))
 
     # -- deciding, dialling, events ---------------------------------------------------------
 
@@ -414,14 +412,13 @@ class Proxy:
     def error_event(self, client: Client, exc: HttpError, kind: str = "http") -> None:
         """Requests refused as malformed are visible too (verdict "error")."""
         session, _ = self.store.lookup(client.address)
-        self.bus.emit({"session": session, "client": client.label, "kind": kind, "name": None,
-                       "verdict": "error", "reason": f"{exc.status}: {exc}"[:200]})
+        self.bus.emit(Event(session=session, client=client.label, kind=kind, name=None,
+                            verdict="error", reason=f"{exc.status}: {exc}"[:200]))
 
     def closed(self, opened: dict, counters: Counters) -> None:
         """The second event of an allowed flow: same id, with bytes and duration."""
-        self.bus.emit({**{k: opened[k] for k in _EVENT_KEYS}, "ts": round(time.time(), 6),
-                       "closed": True, "up": counters.up, "down": counters.down,
-                       "duration": counters.duration()})
+        self.bus.emit(closing(opened, round(time.time(), 6), counters.up, counters.down,
+                              counters.duration()))
 
     # -- flows that a policy change may cut -------------------------------------------------
 
@@ -452,13 +449,13 @@ class Proxy:
             self.flows.remove(flow.id)
             self.stats["cut"] += 1
             rule = decision.rule
-            self.bus.emit({
-                "id": flow.id, "session": flow.session, "client": flow.label,
-                "kind": flow.kind, "name": str(flow.host), "port": flow.port,
-                "address": flow.address,
-                "verdict": "deny", "rule": rule.text if rule else None,
-                "layer": rule.layer if rule else None,
-                "reason": f"cut: {decision.reason} ({because})"})
+            self.bus.emit(Event(
+                id=flow.id, session=flow.session, client=flow.label,
+                kind=flow.kind, name=str(flow.host), port=flow.port,
+                address=flow.address,
+                verdict="deny", rule=rule.text if rule else None,
+                layer=rule.layer if rule else None,
+                reason=f"cut: {decision.reason} ({because})"))
             flow.cut()
 
     def _judge(self, flow: Flow) -> Decision:

@@ -11,8 +11,8 @@ import pytest
 from cli import exitcodes
 from cli.main import main
 
-ALLOWED_APPLIANCE_IMPORTS = {"appliance.agents", "appliance.policy", "appliance.pki",
-                             "appliance.workspace"}
+ALLOWED_APPLIANCE_IMPORTS = {"appliance.agents", "appliance.event", "appliance.policy",
+                             "appliance.pki", "appliance.workspace"}
 """What both sides read the same way: profiles and policies are parsed on the host (to check
 them early) and again on the appliance (which trusts only its own reading)."""
 

@@ -392,15 +392,17 @@ def test_a_fresh_log_starts_at_genesis(active):
 def test_rule_changes_are_recorded_whatever_the_sessions_audit_budget(tmp_path):
     """A session that spent its budget cannot keep the operator's rule changes for it out of
     the log: kind `rule` is never charged to it."""
+    from appliance.event import Event
     from appliance.filter.audit.reader import page
     from appliance.filter.events import EventBus
 
     bus = EventBus(audit_rate=0.001, audit_burst=1)
     bus.audit = AuditLog(tmp_path / "audit.jsonl")
     for n in range(3):
-        bus.emit({"session": "s1", "kind": "dns", "verdict": "deny", "name": f"d{n}.test"})
-    bus.emit({"session": "s1", "kind": "rule", "verdict": "change", "action": "expired",
-              "rule": "x.test"})
+        bus.emit(Event(session="s1", kind="dns", verdict="deny", name=f"d{n}.test",
+                       reason="denied"))
+    bus.emit(Event(session="s1", kind="rule", verdict="change", action="expired",
+                   rule="x.test", reason="expired"))
     bus.audit.close()
     records, _ = page(tmp_path / "audit.jsonl", limit=100)
     assert [r["kind"] for r in records] == ["dns", "rule"]  # the 2 held dns are summarised

@@ -9,6 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from appliance.event import Event
 from appliance.filter.audit.reader import page
 from appliance.filter.audit.writer import AuditLog
 from appliance.filter.events import EventBus, printable
@@ -28,10 +29,10 @@ def test_what_an_event_quotes_is_recorded_escaped_everywhere_it_goes(tmp_path):
     bus = EventBus()
     bus.audit = AuditLog(tmp_path / "audit.jsonl")
     live = bus.subscribe()
-    event = bus.emit({"session": "s1", "kind": "http", "verdict": "error",
-                      "name": "a\x1b]52;c;eA==\x07.test",
-                      "reason": "400: malformed header field 'X-\r\x1b[2K\u202eok'",
-                      "answers": ["1.2.3.4", "\x9b2J"], "not_learned": {"k\x07": "v\u2028"}})
+    event = bus.emit(Event(session="s1", kind="http", verdict="error",
+                           name="a\x1b]52;c;eA==\x07.test",
+                           reason="400: malformed header field 'X-\r\x1b[2K\u202eok'",
+                           answers=["1.2.3.4", "\x9b2J"], not_learned={"k\x07": "v\u2028"}))
     bus.audit.close()
     (recorded,), _ = page(tmp_path / "audit.jsonl", limit=10)
     assert live.queue[0] is event and bus.recent[-1] is event
@@ -48,8 +49,8 @@ def test_what_an_event_quotes_is_recorded_escaped_everywhere_it_goes(tmp_path):
 @settings(max_examples=300)
 def test_whatever_an_event_carries_it_leaves_the_bus_printable(value):
     bus = EventBus()
-    event = bus.emit({"session": "s1", "kind": "dns", "verdict": "deny", "name": "x.test",
-                      "extra": value})
+    event = bus.emit(Event(session="s1", kind="dns", verdict="deny", name="x.test",
+                           reason="", not_learned=value))
     assert all(text.isprintable() for text in all_text(event))
 
 

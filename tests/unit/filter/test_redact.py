@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.event import Event
 from appliance.filter.events import EventBus
 from appliance.filter.http import HttpError, check_trailer_line, parse_request, parse_response
 from appliance.filter.proxy.credentials import Credentials
@@ -89,7 +90,8 @@ def test_a_value_planted_anywhere_in_malformed_input_leaves_no_door(read, templa
             except HttpError as exc:
                 answer = error_response(exc.status, str(exc),
                                         redactor=credentials.redactor).decode("latin-1")
-                event = bus.emit({"reason": f"{exc.status}: {exc}"[:200], "kind": "http"})
+                event = bus.emit(Event(reason=f"{exc.status}: {exc}"[:200], kind="http",
+                                       verdict="error"))
                 assert gone(value, answer) and gone(value, event["reason"]), (text, answer)
 
 
