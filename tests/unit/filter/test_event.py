@@ -24,6 +24,7 @@ from appliance.filter.drops import drop_event
 from appliance.filter.listeners import Listeners
 from appliance.filter.proxy import Proxy
 from appliance.filter.proxy.credentials import Leak
+from appliance.filter.proxy.plan import leak_decision
 from appliance.filter.relay import Counters
 from appliance.filter.revocation import cut_event
 from appliance.firewall.learned import Cut
@@ -84,7 +85,9 @@ def _published(monkeypatch) -> list[str]:
     counters = Counters(up=10, down=20)
     counters.duration = lambda: 0.25
     Proxy.closed(proxy, opened, counters)
-    Proxy.leaked(proxy, client, "s1", parse_host("evil.test"), Leak("a header", "gh"))
+    leak = Leak("a header", "gh")
+    Proxy.leaked(proxy, client, "s1", parse_host("evil.test"), leak,
+                 leak_decision(parse_host("evil.test"), leak))
     Proxy.refused(proxy, client, "s1", SimpleNamespace(report=lambda s, n: 3, limit=64,
                                                        what="connections"))
     bus.emit(ev.rule_changed("s1", runtime, "added", 1764300000.0))
