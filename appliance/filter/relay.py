@@ -348,42 +348,51 @@ async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, i
         writer.write(prefix)
 
 
+async def _chunk_line(reader, idle: float) -> bytes:
+    """A chunk's size line, the CRLF after its data, or a trailer line, without its CRLF."""
+    try:
+        data = await within(reader.readuntil(b"\r\n"), idle)
+    except asyncio.LimitOverrunError:
+        raise HttpError(400, "chunk line too long") from None
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("peer closed in the middle of a chunked body") from None
+    return data[:-2]
+
+
+async def _next_chunk(reader, idle: float, max_trailer: int, chunks: int) -> int:
+    """The size of the body's `chunks`-th chunk, for the caller to read its data (then
+    _chunk_end). At the last chunk (0) the trailer is read, checked and dropped."""
+    size = parse_chunk_size(await _chunk_line(reader, idle))
+    if chunks % YIELD_EVERY == 0:  # buffered chunks never wait: let the loop run
+        await asyncio.sleep(0)
+    if size == 0:
+        trailer = 0
+        while (field := await _chunk_line(reader, idle)) != b"":
+            check_trailer_line(field)
+            trailer += len(field)
+            if trailer > max_trailer:
+                raise HttpError(400, f"chunked trailer larger than {max_trailer} bytes")
+    return size
+
+
+async def _chunk_end(reader, idle: float) -> None:
+    if await _chunk_line(reader, idle) != b"":
+        raise HttpError(400, "chunk data not followed by CRLF")
+
+
 async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: float,
                        max_trailer: int = 65536):
     """Copy a chunked body re-serialised: each chunk as `{size:x}` CRLF, data, CRLF, whatever
     spelling the sender used (extensions dropped), the last chunk as `0` CRLF CRLF (trailer
     fields read, checked and dropped). A line the parser refuses ends the body with an
     HttpError before anything of it is passed on."""
-
-    async def line() -> bytes:
-        try:
-            data = await within(reader.readuntil(b"\r\n"), idle)
-        except asyncio.LimitOverrunError:
-            raise HttpError(400, "chunk line too long") from None
-        except asyncio.IncompleteReadError:
-            raise ConnectionError("peer closed in the middle of a chunked body") from None
-        return data[:-2]
-
     chunks = 0
-    while True:
-        size = parse_chunk_size(await line())
-        chunks += 1
-        if chunks % YIELD_EVERY == 0:  # buffered chunks never wait: let the loop run
-            await asyncio.sleep(0)
-        if size == 0:
-            trailer = 0
-            while (field := await line()) != b"":
-                check_trailer_line(field)
-                trailer += len(field)
-                if trailer > max_trailer:
-                    raise HttpError(400, f"chunked trailer larger than {max_trailer} bytes")
-            writer.write(b"0\r\n\r\n")
-            await drain(writer, idle)
-            return
+    while size := await _next_chunk(reader, idle, max_trailer, chunks := chunks + 1):
         await copy_exact(reader, writer, size, counters, upward, idle, b"%x\r\n" % size)
-        if await line() != b"":
-            raise HttpError(400, "chunk data not followed by CRLF")
+        await _chunk_end(reader, idle)
         writer.write(b"\r\n")
+    writer.write(b"0\r\n\r\n")
+    await drain(writer, idle)
 
 
 async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: float,
@@ -424,36 +433,15 @@ async def read_body(head: Head, reader, limit: int, idle: float,
         except asyncio.IncompleteReadError:
             raise ConnectionError("peer closed in the middle of a message body") from None
 
-    async def line() -> bytes:
-        try:
-            data = await within(reader.readuntil(b"\r\n"), idle)
-        except asyncio.LimitOverrunError:
-            raise HttpError(400, "chunk line too long") from None
-        except asyncio.IncompleteReadError:
-            raise ConnectionError("peer closed in the middle of a chunked body") from None
-        return data[:-2]
-
     if not head.chunked:
         length = head.content_length or 0
         if length > limit:
             raise too_large()
         return await exactly(length) if length else b""
     body, chunks = bytearray(), 0
-    while True:
-        size = parse_chunk_size(await line())
-        chunks += 1
-        if chunks % YIELD_EVERY == 0:
-            await asyncio.sleep(0)
-        if size == 0:
-            trailer = 0
-            while (field := await line()) != b"":
-                check_trailer_line(field)
-                trailer += len(field)
-                if trailer > max_trailer:
-                    raise HttpError(400, f"chunked trailer larger than {max_trailer} bytes")
-            return bytes(body)
+    while size := await _next_chunk(reader, idle, max_trailer, chunks := chunks + 1):
         if len(body) + size > limit:
             raise too_large()
         body += await exactly(size)
-        if await line() != b"":
-            raise HttpError(400, "chunk data not followed by CRLF")
+        await _chunk_end(reader, idle)
+    return bytes(body)

@@ -57,27 +57,21 @@ class Tunnels:
         proxy = self.proxy
         name, port = parse_authority(head.start[1], None)
         host = host_of(name)
-        target = f"{host}:{port}"
-        if not proxy.flows.tunnels.admit(client.session):
-            proxy.stats["refused_tunnels"] += 1
-            proxy.refused(client, client.session, proxy.flows.tunnels)
+        if not self._admit(client):
             message = (f"too many tunnels open for this session ([proxy] "
                        f"max_tunnels_per_session = {proxy.flows.tunnels.limit})")
             client.writer.write(self.proxy.failed(503, message))
             return
         try:
-            up_r, up_w, event, flow = await proxy.open(client, host, port, "connect", target)
-            counters = Counters()
-            try:
+            async with self._upstream(client, host, port, "connect") as (up, event, flow,
+                                                                         counters):
                 client.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 await drain(client.writer, self.config.idle_timeout)
-                first = await self._first_byte(client, up_r, counters)
+                first = await self._first_byte(client, up.reader, counters)
                 if not first:
                     return  # either side left, or both sat idle, before the client spoke
                 if first[0] != TLS_HANDSHAKE:
-                    upstream = Upstream((str(host), port), up_r, up_w, event["address"])
-                    await proxy.forward.serve(client, InTunnel(host, port), upstream, first,
-                                              event)
+                    await proxy.forward.serve(client, InTunnel(host, port), up, first, event)
                     return
                 buf = bytearray(first)
                 try:
@@ -87,19 +81,39 @@ class Tunnels:
                                 port, event["address"], event_id=event["id"])
                     client.writer.write(TLS_ACCESS_DENIED)
                     return
-                await self._onward(client, bytes(buf), host, port,
-                                   Upstream((str(host), port), up_r, up_w, event["address"]),
-                                   event, flow, counters)
-            finally:
-                await _close_upstream(up_r, up_w)
-                proxy.untrack(flow)
-                proxy.closed(event, counters)
+                await self._onward(client, bytes(buf), host, port, up, event, flow, counters)
         except Denied as denied:  # refused before the tunnel opened: answered in HTTP
             if not denied.recorded:
                 proxy.event(denied.decision, client, client.session, "connect", host, port)
             client.writer.write(self.proxy.refusal(denied))
         finally:
             proxy.flows.tunnels.release(client.session)
+
+    def _admit(self, client: Client) -> bool:
+        """Whether the client's session may open one more tunnel (released by the caller
+        when it ends); a refusal is counted and logged."""
+        tunnels = self.proxy.flows.tunnels
+        if tunnels.admit(client.session):
+            return True
+        self.proxy.stats["refused_tunnels"] += 1
+        self.proxy.refused(client, client.session, tunnels)
+        return False
+
+    @contextlib.asynccontextmanager
+    async def _upstream(self, client: Client, host: Host, port: int, kind: str):
+        """The tunnel's upstream, opened (proxy.open: judged, dialled, its event emitted and
+        its flow tracked; Denied, recorded, if not) and, however the tunnel ends, closed,
+        untracked and its closing event emitted with what was counted."""
+        proxy = self.proxy
+        up_r, up_w, event, flow = await proxy.open(client, host, port, kind, f"{host}:{port}")
+        counters = Counters()
+        try:
+            yield (Upstream((str(host), port), up_r, up_w, event["address"]), event, flow,
+                   counters)
+        finally:
+            await _close_upstream(up_r, up_w)
+            proxy.untrack(flow)
+            proxy.closed(event, counters)
 
     # -- after the ClientHello: splice, or inspect ---------------------------------------------
 
@@ -291,27 +305,15 @@ class Tunnels:
             client.writer.write(TLS_ACCESS_DENIED)
             return
         host = Host(name=hello.sni)
-        if not proxy.flows.tunnels.admit(client.session):
-            proxy.stats["refused_tunnels"] += 1
-            proxy.refused(client, client.session, proxy.flows.tunnels)
+        if not self._admit(client):
             client.writer.transport.abort()
             return
         try:
-            try:
-                up_r, up_w, event, flow = await proxy.open(client, host, port, "tls",
-                                                           f"{host}:{port}")
-            except Denied:  # open() has emitted the event
-                client.writer.write(TLS_ACCESS_DENIED)
-                return
-            counters = Counters()
-            try:
-                await self._onward(client, bytes(buf), host, port,
-                                   Upstream((str(host), port), up_r, up_w, event["address"]),
-                                   event, flow, counters)
-            finally:
-                await _close_upstream(up_r, up_w)
-                proxy.untrack(flow)
-                proxy.closed(event, counters)
+            async with self._upstream(client, host, port, "tls") as (up, event, flow,
+                                                                     counters):
+                await self._onward(client, bytes(buf), host, port, up, event, flow, counters)
+        except Denied:  # open() has emitted the event (_onward answers its own)
+            client.writer.write(TLS_ACCESS_DENIED)
         finally:
             proxy.flows.tunnels.release(client.session)
 
