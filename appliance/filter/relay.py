@@ -90,19 +90,27 @@ async def drain(writer, idle: float) -> None:
         raise ConnectionError(f"the peer read nothing for {idle:g} s") from None
 
 
-async def settled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Take the error a connection closed here ended with, if it ended with one. asyncio
-    keeps a reset twice: raised to whoever reads the connection, and as the outcome of its
-    closing (the protocol's close future). Raised through the frames that hold the
+def settled(writer: asyncio.StreamWriter) -> None:
+    """Take the error a connection closed here ends with, now or whenever it arrives, so
+    that asyncio never logs it as "Future exception was never retrieved". asyncio keeps a
+    reset twice: raised to whoever reads the connection, and as the outcome of its closing
+    (the stream protocol's close future). Raised through the frames that hold the
     connection, the reset ties them, the connection and that future into a cycle; when the
     garbage collector frees it, the future may go before the protocol whose __del__ would
-    take its error, and asyncio logs "Future exception was never retrieved" with a traceback
-    (one per upstream that hangs up mid-response). A connection that has ended has its
-    closing done already: taking it does not wait. One still open is not waited for (a
-    peer that reads nothing would hold it): its closing ends without a cycle of ours."""
-    if reader.exception() is not None:
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+    take its error (one log line and traceback per upstream that hangs up mid-response).
+    And uvloop delivers an upstream TLS handshake's timeout to a connection a loop turn or
+    more after the filter closed it. A callback on the future takes either; it never
+    waits, and a closing that never ends (stock asyncio after a cancelled handshake)
+    holds nothing but the callback. The future is asyncio's (StreamReaderProtocol._closed,
+    3.8 to 3.13; tests/unit/filter/test_relay.py fails if it goes)."""
+    closing = getattr(getattr(writer, "_protocol", None), "_closed", None)
+    if isinstance(closing, asyncio.Future):
+        closing.add_done_callback(_take_error)
+
+
+def _take_error(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def original_port(writer: asyncio.StreamWriter, default: int) -> int:

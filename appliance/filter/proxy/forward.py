@@ -85,10 +85,10 @@ class Upstream:
     writer: asyncio.StreamWriter
     address: str
 
-    async def close(self) -> None:
-        """Close it, and take the error it ended with (relay.settled; never waits)."""
+    def close(self) -> None:
+        """Close it, and take the error it ends with (relay.settled)."""
         self.writer.close()
-        await settled(self.reader, self.writer)
+        settled(self.writer)
 
 
 class Forward:
@@ -158,7 +158,7 @@ class Forward:
                 try:
                     if head.start[0] == "CONNECT" and isinstance(mode, Explicit):
                         if kept is not None:  # the tunnel needs no other upstream
-                            await kept.close()
+                            kept.close()
                             kept = None
                         await self.proxy.tunnels.connect(client, head)
                         return
@@ -180,7 +180,7 @@ class Forward:
                     return
         finally:
             if kept is not None and not in_tunnel:
-                await kept.close()
+                kept.close()
 
     def _tunnel_refused(self, client: Client, mode: InTunnel, tunnel_event, reason: str):
         session, _ = self.proxy.store.lookup(client.address)
@@ -317,7 +317,7 @@ class Forward:
                                 where.port, kept.address, event_id=flow.id, **fields)
         else:
             if kept is not None:
-                await kept.close()
+                kept.close()
                 kept = None
             up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
                                                        where.target, **fields)
@@ -328,7 +328,7 @@ class Forward:
                                         send.attached, send.body)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
-                await kept.close()
+                kept.close()
             raise
         finally:
             proxy.untrack(flow)
@@ -337,7 +337,7 @@ class Forward:
         if isinstance(mode, InTunnel):  # the tunnel has one upstream: it ends with it
             return keep_client and keep_upstream, kept
         if not keep_upstream:
-            await kept.close()
+            kept.close()
             kept = None
         return keep_client, kept
 

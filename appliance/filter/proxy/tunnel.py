@@ -111,7 +111,7 @@ class Tunnels:
             yield (Upstream((str(host), port), up_r, up_w, event["address"]), event, flow,
                    counters)
         finally:
-            await _close_upstream(up_r, up_w)
+            _close_upstream(up_w)
             proxy.untrack(flow)
             proxy.closed(event, counters)
 
@@ -328,15 +328,14 @@ async def _abandon(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _close_upstream(reader, writer) -> None:
+def _close_upstream(writer) -> None:
     """End a tunnel's upstream connection with the tunnel. TLS the filter began (an
     inspected host) is aborted: a close would send close_notify and wait for the host's,
     which a host the filter stopped reading never delivers, keeping the socket past the
     tunnel's share until TLS's 30 s shutdown timeout. HTTP framed what was exchanged:
-    nothing more is owed to the host. The error it ended with is taken (relay.settled;
-    never waits)."""
+    nothing more is owed to the host. The error it ends with is taken (relay.settled)."""
     if writer.get_extra_info("ssl_object") is not None:
         writer.transport.abort()
     else:
         writer.close()
-    await settled(reader, writer)
+    settled(writer)

@@ -158,14 +158,13 @@ def unretrieved(lab) -> list[str]:
     return lab.run(find())
 
 
-def clean(lab, before_tasks, untaken: bool = False):
+def clean(lab, before_tasks):
     """No task left behind, no loop exception handler call, no warning logged; and no
-    future holding an error nobody took (unretrieved), unless `untaken` says why one is."""
+    future holding an error nobody took (unretrieved)."""
     deadline = time.monotonic() + 5
     while filter_tasks(lab) > before_tasks and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not untaken:
-        assert unretrieved(lab) == []
+    assert unretrieved(lab) == []
     collect(lab)
     assert filter_tasks(lab) <= before_tasks
     assert lab.handled == [], lab.handled

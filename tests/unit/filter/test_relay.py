@@ -111,3 +111,49 @@ def test_a_body_of_tiny_chunks_gives_the_loop_its_turns():
     turns, out = asyncio.run(run())
     assert out == b"1\r\na\r\n" * 10_000 + b"0\r\n\r\n"  # re-framed: the extensions are gone
     assert turns >= 10_000 // YIELD_EVERY
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_reset_upstream_closed_here_leaves_no_error_nobody_takes(loop):
+    """A connection reset by its peer, read (the reset raised to the reader) and closed:
+    relay.settled takes the error its closing holds too, the one asyncio would log as
+    "Future exception was never retrieved" if the garbage collector freed it first. On a
+    real loopback connection, reset with SO_LINGER 0; the future is asyncio's own, so an
+    interpreter that renames it fails here rather than logging in production."""
+    import struct
+
+    import uvloop
+
+    from appliance.filter.relay import settled
+
+    async def main() -> asyncio.Future:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_accept(sock_reader, sock_writer):
+            accepted.set_result(sock_writer)
+
+        server = await asyncio.start_server(on_accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        peer = await accepted
+        sock = peer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.transport.abort()  # RST
+        with pytest.raises(ConnectionResetError):
+            while await reader.read(65536):
+                pass
+        closing = writer._protocol._closed
+        assert isinstance(closing, asyncio.Future)
+        writer.close()
+        settled(writer)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        server.close()
+        await server.wait_closed()
+        return closing
+
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    closing = run(main())
+    assert closing.done()
+    assert closing._log_traceback is False  # taken: nothing will log it (read before
+    assert isinstance(closing.exception(), ConnectionResetError)  # this takes it too)
