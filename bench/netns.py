@@ -18,7 +18,7 @@ CLIENT, DIRECT, APP, UP, NOISY = (PREFIX + n for n in ("client", "direct", "app"
 GATEWAY, PEER_GATEWAY, UPSTREAM = "10.232.0.1", "10.232.2.1", "10.232.1.2"
 INSPECTED_UPSTREAM = "10.232.1.3"
 """The same nginx, for the inspected host (bench/inspected.py) alone: a name on an inspected
-host's address gets no tunnel from corral (filter/neighbours.py), and every other row
+host's address gets no tunnel from corral (filter/proxy/neighbours.py), and every other row
 tunnels to UPSTREAM."""
 NOISY_GATEWAY = "10.232.3.1"
 NETNS_ETC = Path("/etc/netns") / APP

@@ -269,6 +269,10 @@ class SecretChange:
         write_atomic(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
 
 
+class ListenerFailed(RuntimeError):
+    """A change was committed, but a part that follows the store failed to take it."""
+
+
 class SecretStore:
     """The file: {"key": hex, "secrets": {name: secret}}. Read at start; each change written
     (atomically) before it is committed and answered. As the policy store, it tells
@@ -351,13 +355,22 @@ class SecretStore:
                             self.secrets[name])
 
     def commit(self, change: SecretChange) -> None:
-        """Make a written change the store's state, then tell the listeners."""
+        """Make a written change the store's state, then tell every listener. Raises
+        ListenerFailed after all were told if one failed: the change is written and in force
+        here, but a part of the filter (the proxy's credentials, the gateway) may not
+        follow it, and the caller (a control call) must not answer that all is well."""
         self.secrets = change.secrets
+        failed = 0
         for callback in self._listeners:
             try:
                 callback()
-            except Exception:  # the change is in force: one listener's bug must not hide it
+            except Exception:  # one listener's bug must not keep the others from the change
                 log.exception("secrets: a listener failed after a change")
+                failed += 1
+        if failed:
+            raise ListenerFailed(f"the secret store changed, but {failed} of the parts that "
+                                 "follow it failed to (the filter's log says which); "
+                                 "restart corral-filter to load the store afresh")
 
     def set(self, secret: Secret) -> bool:
         """Plan, write and commit at once (callers on the loop's thread, or without one)."""

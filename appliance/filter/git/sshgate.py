@@ -393,7 +393,12 @@ class Gate:
                                       f"{str(exc) or 'timed out'}") from None
 
         try:
-            addresses = await dial.candidates(host, self.gateway, self.resolver, session)
+            try:
+                addresses = await dial.candidates(host, self.gateway, self.resolver, session)
+            except dial.Undialable:
+                raise
+            except Exception as exc:  # any resolver failure is a refusal, with its event
+                raise Denied(Decision(False, f"cannot resolve {host}: {exc}")) from None
             return await dial.first_answering(
                 addresses, lambda a: dial.decide(policy, a, host, secret.port), connect, host)
         except dial.Undialable as exc:

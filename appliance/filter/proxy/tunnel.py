@@ -308,12 +308,16 @@ class Tunnels:
         if not self._admit(client):
             client.writer.transport.abort()
             return
+        opened = False
         try:
             async with self._upstream(client, host, port, "tls") as (up, event, flow,
                                                                      counters):
+                opened = True
                 await self._onward(client, bytes(buf), host, port, up, event, flow, counters)
-        except Denied:  # open() has emitted the event (_onward answers its own)
-            client.writer.write(TLS_ACCESS_DENIED)
+        except Denied:
+            if opened:  # _onward answers its own refusals: one that escapes it is a bug
+                raise
+            client.writer.write(TLS_ACCESS_DENIED)  # open() has emitted the event
         finally:
             proxy.flows.tunnels.release(client.session)
 
