@@ -15,7 +15,7 @@ from appliance.filter.expiry import LONGEST_SLEEP, GrantExpiry, due_in
 from appliance.filter.firewalled import Firewall
 from appliance.filter.workers import Workers
 from appliance.policystore import PolicyStore
-from appliance.sessionconfig import parse_config
+from tests.unit.filterconfig import one_session
 
 
 @pytest.mark.parametrize(("end", "now", "wait"), [
@@ -31,15 +31,7 @@ def test_it_looks_again_at_the_next_end_and_at_least_once_a_minute(end, now, wai
 
 @pytest.fixture
 def parts(tmp_path):
-    config = parse_config(f"""
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/control.sock"
-[[session]]
-name = "s1"
-subnet = "10.213.1.0/24"
-""", str(tmp_path / "filter.toml"))
+    config = one_session(tmp_path)
     store, bus, workers = PolicyStore(config), EventBus(), Workers()
     changes = Changes(store, workers, Firewall(None, None), manage=False)
     yield store, bus, changes

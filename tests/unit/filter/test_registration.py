@@ -22,7 +22,7 @@ from appliance.filter.listeners import Listeners
 from appliance.filter.registration import Registration, Unaffordable, Unbound
 from appliance.filter.workers import Workers
 from appliance.policystore import PolicyStore
-from appliance.sessionconfig import parse_config
+from tests.unit.filterconfig import one_session
 
 S3_GATEWAY = "10.213.3.1"
 
@@ -36,17 +36,7 @@ def free_port() -> int:
 class Parts:
     def __init__(self, tmp_path, manage: bool = False, limit: int = 1 << 20):
         self.port = free_port()
-        self.config = parse_config(f"""
-[proxy]
-listen = ["gateway:{self.port}"]
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/control.sock"
-[[session]]
-name = "s1"
-subnet = "10.213.1.0/24"
-""", str(tmp_path / "filter.toml"))
+        self.config = one_session(tmp_path, f'[proxy]\nlisten = ["gateway:{self.port}"]')
         if manage:
             self.config = dataclasses.replace(self.config, firewall=dataclasses.replace(
                 self.config.firewall, manage=True))

@@ -10,20 +10,12 @@ import json
 import pytest
 
 from appliance.filter.service import Service
-from appliance.sessionconfig import parse_config
+from tests.unit.filterconfig import one_session
 
 
 @pytest.fixture
 def service(tmp_path):
-    config = parse_config(f"""
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/control.sock"
-[[session]]
-name = "s1"
-subnet = "10.213.1.0/24"
-""", str(tmp_path / "filter.toml"))
+    config = one_session(tmp_path)
     service = Service(config)
     yield service
     service.workers.shutdown()

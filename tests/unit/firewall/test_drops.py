@@ -8,21 +8,14 @@ import pytest
 from appliance.filter.service import Service
 from appliance.firewall.nflog import Drop
 from appliance.sessionconfig import parse_config
+from tests.unit.filterconfig import one_session
 
 S1, GW = "10.213.1.2", "10.213.1.1"
 
 
 @pytest.fixture
 def service(tmp_path):
-    config = parse_config(f"""
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/control.sock"
-[[session]]
-name = "s1"
-subnet = "10.213.1.0/24"
-""", str(tmp_path / "filter.toml"))
+    config = one_session(tmp_path)
     service = Service(config)
     yield service
     service.workers.shutdown()

@@ -13,7 +13,7 @@ from dnslib import QTYPE, RR, A
 from appliance.filter.service import Service
 from appliance.firewall.learned import LearnedSet
 from appliance.policy import Rule
-from appliance.sessionconfig import parse_config
+from tests.unit.filterconfig import one_session
 
 from .test_learned import Conntrack, Nft
 
@@ -24,16 +24,7 @@ SSH, DB = "203.0.113.22", "203.0.113.30"
 @pytest.fixture
 def service(tmp_path):
     (tmp_path / "s1.toml").write_text('[tcp]\nallow = ["ssh.test:22", "db.test:5432"]\n')
-    config = parse_config(f"""
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/control.sock"
-[[session]]
-name = "s1"
-subnet = "10.213.1.0/24"
-files = ["{tmp_path}/s1.toml"]
-""", str(tmp_path / "filter.toml"))
+    config = one_session(tmp_path, session=f'files = ["{tmp_path}/s1.toml"]')
     service = Service(config)
     log: list = []
     learned = LearnedSet(Nft(log), service.reach.may_reach, Conntrack(log, ended=2))
