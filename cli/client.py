@@ -60,13 +60,18 @@ class Appliance:
         return host.strip("[]"), int(port)
 
 
+def known_appliances() -> list[str]:
+    """The appliances this host has settings for, by name."""
+    return sorted(p.parent.name for p in (config_home() / "appliances").glob("*/appliance.toml"))
+
+
 def load_appliance(name: str) -> Appliance:
     from . import exitcodes
 
     directory = config_home() / "appliances" / name
     settings = directory / "appliance.toml"
     if not settings.is_file():
-        known = sorted(p.name for p in (config_home() / "appliances").glob("*") if p.is_dir())
+        known = known_appliances()
         raise CliError(
             f"no appliance {name!r} (no {settings})",
             f"known appliances: {', '.join(known)}" if known else

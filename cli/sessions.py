@@ -22,7 +22,7 @@ from appliance.policy.config import ConfigError, parse_policy
 
 from . import agents, exitcodes, output, render, scan
 from .arguments import appliance_command
-from .client import SLOW, Client, CliError
+from .client import SLOW, Client, CliError, known_appliances, load_appliance
 from .learn import learn
 from .projectfile import drop_typeahead
 from .targets import client_for, pick_session, project_id
@@ -261,13 +261,9 @@ def _agent(agent) -> str:
     return f"{agent['name']} {agent.get('version', '')}".strip()
 
 
-def cmd_ls(args) -> int:
-    answer = client_for(args).request("GET", "/sessions")
-    if args.json:
-        output.data(answer)
-        return exitcodes.OK
+def _ls_rows(sessions: list[dict]) -> list[list]:
     rows = []
-    for s in answer["sessions"]:
+    for s in sessions:
         state = s.get("container_state", s.get("state", "-"))
         if s.get("state") == "stopped":
             state = "stopped" + (f" ({s['reason']})" if s.get("reason") else "")
@@ -275,11 +271,52 @@ def cmd_ls(args) -> int:
         rows.append([s["name"], state, _age(s.get("created")), _span(left) if left is not None
                      else "-", s.get("subnet", "-"), s.get("allowed", 0), s.get("denied", 0),
                      _resources(s), render.text(_agent(s.get("agent")))])
-    output.table(rows, ["SESSION", "STATE", "AGE", "LEFT", "SUBNET", "ALLOWED", "DENIED",
-                        "MEM/CPU/PIDS", "AGENT"])
+    return rows
+
+
+LS_HEADER = ["SESSION", "STATE", "AGE", "LEFT", "SUBNET", "ALLOWED", "DENIED", "MEM/CPU/PIDS",
+             "AGENT"]
+
+
+def cmd_ls(args) -> int:
+    if args.all:
+        return _ls_all(args)
+    answer = client_for(args).request("GET", "/sessions")
+    if args.json:
+        output.data(answer)
+        return exitcodes.OK
+    output.table(_ls_rows(answer["sessions"]), LS_HEADER)
     if answer.get("sandbox_error"):
         output.notice(f"sandbox service: {render.text(answer['sandbox_error'])}")
     return exitcodes.OK
+
+
+def _ls_all(args) -> int:
+    """Every appliance this host knows, asked one after the other (a few at most); one
+    that does not answer is named, and the others are still listed."""
+    names = known_appliances()
+    if not names:
+        raise CliError("this host knows no appliance", "`corral up` (or `corral up --name "
+                       "NAME` for another) writes one", exitcodes.NOT_CONFIGURED)
+    found, failed = {}, {}
+    for name in names:
+        try:
+            found[name] = Client(load_appliance(name), timeout=5).request("GET", "/sessions")
+        except CliError as exc:
+            failed[name] = {"error": str(exc), "hint": exc.hint, "code": exc.code}
+    if args.json:
+        output.data({"appliances": found, "unreachable": failed})
+    else:
+        rows = []
+        for name, answer in found.items():
+            rows += [[render.text(name), *row] for row in _ls_rows(answer["sessions"])]
+            if answer.get("sandbox_error"):
+                output.notice(f"{name}: sandbox service: {render.text(answer['sandbox_error'])}")
+        output.table(rows, ["APPLIANCE", *LS_HEADER])
+        for name, problem in failed.items():
+            output.notice(f"{name}: {problem['error']}")
+    # partial answers are still answers; a script learns that one appliance was missing
+    return next(iter(failed.values()))["code"] if failed else exitcodes.OK
 
 
 def cmd_stop(args) -> int:
@@ -509,8 +546,11 @@ def register(sub) -> None:
                               cmd_shell, session=False)
     shell.add_argument("session", nargs="?", help="default: the only one")
     shell.add_argument("cmd", nargs="*", metavar="-- CMD", help="run this instead of a shell")
-    appliance_command(sub, "ls", "sessions: state, age, time left, allowed/denied counters, "
-                      "limits", cmd_ls, session=False)
+    ls = appliance_command(sub, "ls", "sessions: state, age, time left, allowed/denied "
+                           "counters, limits", cmd_ls, session=False)
+    ls.add_argument("--all", action="store_true", help="the sessions of every appliance this "
+                    "host knows, with an APPLIANCE column (one that does not answer is named "
+                    "and the exit code is its error's)")
     for name, text, run_fn in (
             ("stop", "stop a session: container and network go, the workspace stays",
              cmd_stop),

@@ -194,6 +194,33 @@ def test_errors_name_the_fix(home, tmp_path):
     assert "cannot reach default at 127.0.0.1:1" in down.stderr and "corral up" in down.stderr
 
 
+def test_ls_all_lists_every_appliance_this_host_knows(home, tmp_path):
+    """Two appliances that answer (both this API, under two names) and one that does not:
+    the sessions of both, each row naming its appliance, and the third named with its error."""
+    several = tmp_path / "several"
+    shutil.copytree(home, several)
+    appliances = several / "corral" / "appliances"
+    shutil.copytree(appliances / "default", appliances / "second")
+    shutil.copytree(appliances / "default", appliances / "gone")
+    (appliances / "gone" / "appliance.toml").write_text('endpoint = "127.0.0.1:1"\n')
+    (appliances / "not-one").mkdir()  # no appliance.toml: not an appliance
+    listed = corral(several, "ls", "--all", "--json")
+    assert listed.returncode == 3, listed.stderr  # the unreachable one's code
+    answer = json.loads(listed.stdout)
+    assert sorted(answer["appliances"]) == ["default", "second"], answer
+    assert answer["appliances"]["default"] == answer["appliances"]["second"]
+    assert "sessions" in answer["appliances"]["default"]
+    assert list(answer["unreachable"]) == ["gone"]
+    assert "cannot reach gone at 127.0.0.1:1" in answer["unreachable"]["gone"]["error"]
+    table = corral(several, "ls", "--all")
+    assert table.stdout.splitlines()[0].split()[:2] == ["APPLIANCE", "SESSION"], table.stdout
+    assert "gone: cannot reach gone" in table.stderr
+    (appliances / "gone" / "appliance.toml").unlink()
+    assert corral(several, "ls", "--all").returncode == 0
+    nothing = corral(tmp_path / "empty", "ls", "--all")
+    assert nothing.returncode == 4 and "corral up" in nothing.stderr
+
+
 def test_certs_rotate_replaces_every_certificate(home, api):
     before = home / "before"
     shutil.copytree(home / "corral", before / "corral")
