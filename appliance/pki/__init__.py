@@ -67,18 +67,24 @@ def _pem_key(key: ed25519.Ed25519PrivateKey) -> bytes:
 
 
 def _sign(subject, public_key, issuer, ca_key, now, *, ca=False, sans=None, usage=None):
+    # The key identifiers are what RFC 5280 asks of every certificate: OpenSSL's strict
+    # verification (Python 3.13's default, Debian 13's interpreter) refuses a chain without
+    # the Authority Key Identifier ("Missing Authority Key Identifier").
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
                .public_key(public_key).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))
                .not_valid_after(now + VALIDITY)
                .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None),
-                              critical=True))
-    if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=False, content_commitment=False, key_encipherment=False,
-            data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-            encipher_only=False, decipher_only=False), critical=True)
-    else:
+                              critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key),
+                              critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                   ca_key.public_key()), critical=False))
+    builder = builder.add_extension(x509.KeyUsage(
+        digital_signature=not ca, content_commitment=False, key_encipherment=False,
+        data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+        encipher_only=False, decipher_only=False), critical=True)
+    if not ca:
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=True)
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
