@@ -46,6 +46,9 @@ def register(sub) -> None:
     up.add_argument("--api-listen", default="127.0.0.1:7443", metavar="IP:PORT", help="local")
     up.add_argument("--no-image", action="store_true",
                     help="local: do not build the sandbox image")
+    up.add_argument("--no-provision", action="store_true",
+                    help="vm: only boot the VM from the box; provision it (with others) from "
+                    "an inventory: `ansible-playbook -i INVENTORY playbooks/site.yml`")
     up.set_defaults(run=cmd_up)
 
     machine_command(sub, "down", "stop an appliance: the VM halts (local backend: sessions, "

@@ -15,15 +15,23 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import box, exitcodes, output
+from . import box, exitcodes, inventory, output
 from .arguments import machine_command
-from .client import Client, CliError, config_home, load_appliance, write_appliance
+from .client import (
+    Client,
+    CliError,
+    config_home,
+    known_appliances,
+    load_appliance,
+    write_appliance,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -270,6 +278,19 @@ def up(args) -> int:
                             "podman"],
                     sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"],
                     **({"trust_ca": trust} if trust else {}))
+    if getattr(args, "no_provision", False):
+        _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
+                 api_port=args.api_port, started=started)
+        output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} booted, "
+                      "not provisioned")
+        output.line(f"""
+next: provision it from an inventory (it may list other appliances too):
+  {args.name} ansible_host=ADDRESS ansible_user=vagrant ansible_ssh_private_key_file=KEY \\
+      corral_pki_endpoint=127.0.0.1:{args.api_port}
+  (`corral ssh --appliance {args.name} -- -G` ... or `vagrant ssh-config` in
+  {directory / 'vagrant'} gives ADDRESS and KEY), then
+  ansible-playbook -i INVENTORY playbooks/site.yml""")
+        return exitcodes.OK
     _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
@@ -347,18 +368,15 @@ def ssh(args) -> int:
 
 
 def verify(args) -> int:
-    """verify.yml against the VM, through the inventory Vagrant generated for it."""
+    """verify.yml against the VM, through the inventory `corral inventory` writes for it
+    (also for a VM booted with --no-provision and provisioned from an inventory)."""
     appliance = _vm_appliance(args.appliance)
-    inventory = (appliance.directory / "vagrant" / "provisioners" / "ansible" / "inventory" /
-                 "vagrant_ansible_inventory")
-    if not inventory.exists():
-        raise CliError(f"no Vagrant inventory at {inventory}", "`corral up` first",
-                       exitcodes.NOT_CONFIGURED)
     env = vagrant_env(args.appliance, appliance.host_port[1])
-    return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(inventory),
-                            str(ROOT / "playbooks" / "verify.yml"),
-                            "-e", f"corral_pki_appliance={args.appliance}",
-                            "-e", f"corral_pki_endpoint={appliance.endpoint}"], env=env)
+    with tempfile.TemporaryDirectory(prefix="corral-verify-") as tmp:
+        hosts = Path(tmp) / "inventory.ini"
+        hosts.write_text(inventory_text([args.appliance]))
+        return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(hosts),
+                                str(ROOT / "playbooks" / "verify.yml")], env=env)
 
 
 def vm_state(appliance) -> dict:
@@ -387,11 +405,83 @@ def vm_state(appliance) -> dict:
         connection.close()
 
 
+# -- `corral inventory` ---------------------------------------------------------------
+
+
+def _settings(name: str) -> dict:
+    """appliance.toml, credentials or not: a VM booted with --no-provision has none yet."""
+    path = config_home() / "appliances" / name / "appliance.toml"
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise CliError(f"no appliance {name!r}: {path}: {exc}",
+                       "`corral up --name NAME` brings one up", exitcodes.NOT_CONFIGURED
+                       ) from None
+
+
+def ssh_config(name: str) -> dict[str, str]:
+    result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
+                            capture_output=True, text=True, timeout=120)
+    try:
+        if result.returncode != 0:
+            raise ValueError(result.stderr.strip()[-500:] or f"exit {result.returncode}")
+        return inventory.parse_ssh_config(result.stdout)
+    except ValueError as exc:
+        raise CliError(f"appliance {name!r}: cannot tell how to reach its VM: {exc}",
+                       f"is it up? `corral status --appliance {name}`") from None
+
+
+def inventory_text(names: list[str]) -> str:
+    lines = []
+    for name in names:
+        known = _settings(name)
+        if known.get("backend") != "vm":
+            raise CliError(f"appliance {name!r} is not a VM (backend "
+                           f"{known.get('backend', 'remote')}): it is in your own inventory",
+                           "name only appliances `corral up` made", exitcodes.USAGE)
+        lines.append(inventory.host_line(name, ssh_config(name), known["endpoint"],
+                               list(known.get("trust_ca", []))))
+    return inventory.render(lines)
+
+
+def cmd_inventory(args) -> int:
+    names = args.appliance or [n for n in known_appliances()
+                               if _settings(n).get("backend") == "vm"]
+    if not names:
+        raise CliError("this host has no VM appliance", "`corral up --name NAME "
+                       "[--no-provision]` boots one", exitcodes.NOT_CONFIGURED)
+    text = inventory_text(names)
+    if args.output:
+        partial = Path(f"{args.output}.partial")
+        partial.write_text(text)
+        os.replace(partial, args.output)  # a run reading it never sees half of it
+        output.notice(f"wrote {args.output}: ansible-playbook -i {args.output} "
+                      "playbooks/site.yml")
+    else:
+        output.line(text.rstrip("\n"))
+    return exitcodes.OK
+
+
+def _register_inventory(sub) -> None:
+    command = sub.add_parser(
+        "inventory", help="an Ansible inventory for this host's VM appliances",
+        description="Print an Ansible inventory naming this host's VM appliances (all, or "
+        "those named): address, user and key from Vagrant, and the variables the "
+        "Vagrantfile gives site.yml. One inventory provisions several: `corral up --name A "
+        "--no-provision`, the same for B, then `ansible-playbook -i INVENTORY "
+        "playbooks/site.yml` and `playbooks/verify.yml`.")
+    command.add_argument("--appliance", action="append", metavar="NAME",
+                         help="this one (repeatable; default: every VM appliance)")
+    command.add_argument("-o", "--output", metavar="FILE", help="write it here (atomically)")
+    command.set_defaults(run=cmd_inventory)
+
+
 def register(sub) -> None:
     machine_command(sub, "provision", "re-run playbooks/site.yml on the VM (safe: idempotent)",
                     provision)
     machine_command(sub, "destroy", "delete the appliance's VM (its credentials stay)", destroy)
     machine_command(sub, "verify", "run playbooks/verify.yml: services, ruleset, API and the "
                     "bypass battery in a throwaway session", verify)
+    _register_inventory(sub)
     shell = machine_command(sub, "ssh", "a shell on the appliance's VM", ssh)
     shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of a shell")
