@@ -1,7 +1,7 @@
-"""`corral box build`: a Debian 12 libvirt box from Debian packages alone (mmdebstrap), so
+"""`corral box build`: a Debian 13 libvirt box from Debian packages alone (mmdebstrap), so
 there is no third-party image to trust.
 
-  mmdebstrap bookworm -> ext4 on a loop device at the partition's offset -> extlinux ->
+  mmdebstrap trixie -> ext4 on a loop device at the partition's offset -> extlinux ->
   qcow2 -> a vagrant-libvirt box (metadata.json, Vagrantfile, box.img) -> `vagrant box add`
 
 The appliance's Debian packages are baked in (read from the roles' defaults), so the
@@ -26,8 +26,11 @@ from .client import CliError
 from .local import containers_conf
 
 ROOT = Path(__file__).resolve().parents[1]
-BOX_NAME = "corral/debian12"
-SUITE = "bookworm"
+RELEASE = "debian13"
+BOX_NAME = f"corral/{RELEASE}"
+SUITE = "trixie"
+IMAGE = f"{RELEASE}.qcow2"
+"""The image's file name in the cache (the VM tests boot it too)."""
 BOOT_PACKAGES = ("linux-image-cloud-amd64", "systemd-sysv", "systemd-resolved", "udev", "dbus",
                  "openssh-server", "python3", "python3-apt", "sudo", "iproute2", "netbase",
                  "ca-certificates", "less", "iputils-ping")
@@ -35,7 +38,7 @@ TOOLS = {"mmdebstrap": "mmdebstrap", "extlinux": "extlinux", "sfdisk": "fdisk",
          "qemu-img": "qemu-utils", "mkfs.ext4": "e2fsprogs", "losetup": "mount"}
 MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
 # appliance.sandbox.image's BASE and IMAGE (the CLI does not import it; a test keeps them equal)
-SANDBOX_IMAGES = ("localhost/corral-base:1", "localhost/corral-sandbox:1")
+SANDBOX_IMAGES = ("localhost/corral-base:2", "localhost/corral-sandbox:2")
 INSECURE_KEYS = "/usr/share/rubygems-integration/all/gems/vagrant-*/keys/vagrant.pub"
 
 
@@ -78,7 +81,7 @@ def _run(*argv: str, timeout: float = 600, **kwargs) -> str:
 def build_image(out: Path, keys: list[Path], size: str = "12G",
                 mirror: str = "http://deb.debian.org/debian", progress=output.notice,
                 sandbox_images: Path | None = None) -> Path:
-    """A bootable qcow2 at out/debian12.qcow2, user `vagrant` (NOPASSWD sudo) with `keys`;
+    """A bootable qcow2 at out/IMAGE, user `vagrant` (NOPASSWD sudo) with `keys`;
     with `sandbox_images` (a `podman save -m` archive) loaded into its podman storage."""
     problems = missing_tools()
     if problems:
@@ -117,7 +120,7 @@ def build_image(out: Path, keys: list[Path], size: str = "12G",
         with open(raw, "r+b") as disk:  # MBR boot code: the first 440 bytes, table kept
             disk.write(MBR.read_bytes()[:440])
         phase("converting to qcow2")
-        image = out / "debian12.qcow2"
+        image = out / IMAGE
         _run("qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(image) + ".new")
         os.replace(str(image) + ".new", image)
     phase(f"image ready: {image}")
@@ -146,9 +149,9 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str) -> None:
         '"$1/etc/systemd/network/80-dhcp.network"',
         'chroot "$1" systemctl enable systemd-networkd systemd-resolved ssh',
         'ln -sf ../run/systemd/resolve/stub-resolv.conf "$1/etc/resolv.conf"',
-        'printf "deb http://deb.debian.org/debian bookworm main\\n'
-        'deb http://deb.debian.org/debian bookworm-updates main\\n'
-        'deb http://deb.debian.org/debian-security bookworm-security main\\n" > '
+        f'printf "deb http://deb.debian.org/debian {SUITE} main\\n'
+        f'deb http://deb.debian.org/debian {SUITE}-updates main\\n'
+        f'deb http://deb.debian.org/debian-security {SUITE}-security main\\n" > '
         '"$1/etc/apt/sources.list"',
         'printf "UseDNS no\\n" > "$1/etc/ssh/sshd_config.d/10-corral.conf"',
         'sed -i "s/^update_initramfs=.*/update_initramfs=no/" '
@@ -198,7 +201,7 @@ def package_box(image: Path, out: Path) -> Path:
     (staging / "Vagrantfile").write_text(
         'Vagrant.configure("2") do |config|\n  config.vm.provider :libvirt do |lv|\n'
         '    lv.driver = "kvm"\n  end\nend\n')
-    box = out / "debian12-libvirt.box"
+    box = out / f"{RELEASE}-libvirt.box"
     _run("tar", "-C", str(staging), "-cf", str(box), "metadata.json", "Vagrantfile", "box.img")
     shutil.rmtree(staging)
     return box
@@ -226,7 +229,7 @@ def sandbox_archive(out: Path, progress=output.notice) -> Path | None:
 
 def cmd_build(args) -> int:
     out = Path(args.output) if args.output else cache_dir()
-    image = out / "debian12.qcow2"
+    image = out / IMAGE
     if image.exists() and not args.rebuild:
         output.notice(f"image {image} is there (--rebuild makes a new one)")
     else:
@@ -253,12 +256,12 @@ def cmd_build(args) -> int:
 
 
 def register(sub) -> None:
-    box_parser = sub.add_parser("box", help="the Debian 12 box the VM is made from")
+    box_parser = sub.add_parser("box", help="the Debian 13 box the VM is made from")
     box_sub = box_parser.add_subparsers(dest="box_command", required=True, metavar="COMMAND")
     box_build = box_sub.add_parser(
         "build", help="build the box from Debian packages (mmdebstrap; root) and add it to "
-        "vagrant", description="Build a Debian 12 libvirt box from Debian packages alone, "
-        "with the appliance's packages baked in, and add it to vagrant as corral/debian12.")
+        "vagrant", description="Build a Debian 13 (trixie) libvirt box from Debian packages "
+        f"alone, with the appliance's packages baked in, and add it to vagrant as {BOX_NAME}.")
     box_build.add_argument("--output", metavar="DIR", help="default: ~/.cache/corral/box")
     box_build.add_argument("--rebuild", action="store_true", help="even when an image is there")
     box_build.add_argument("--key", action="append", metavar="FILE.pub",

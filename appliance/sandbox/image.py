@@ -1,6 +1,6 @@
 """The sandbox image, from Debian packages only: no registry, no third-party image to trust.
 
-  mmdebstrap (bookworm, PACKAGES) -> rootfs.tar -> `podman import` -> corral-base:VERSION
+  mmdebstrap (trixie, PACKAGES) -> rootfs.tar -> `podman import` -> corral-base:VERSION
   + the layer in CONTAINERFILE (the selftest, corral-request, /work, labels)
                                                                -> corral-sandbox:VERSION
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from .podman import Podman, PodmanError
 
-VERSION = "1"
-SUITE = "bookworm"
+VERSION = "2"
+SUITE = "trixie"
 PACKAGES = (
     "ca-certificates", "git", "curl", "less", "jq", "ripgrep", "openssh-client",
     "python3", "python3-venv", "python3-pip", "nodejs", "npm", "build-essential",

@@ -1,4 +1,4 @@
-"""The VM tier: a real Debian 12 VM under QEMU (TCG: nested KVM hangs on these machines),
+"""The VM tier: a real Debian 13 VM under QEMU (TCG: nested KVM hangs on these machines),
 from the box `corral box build` makes of Debian packages, brought up by `corral up` (the real
 Vagrantfile, vagrant-libvirt) and provisioned by the real playbooks. Every step has a
 timeout; every VM started is destroyed.
@@ -64,7 +64,7 @@ def vm_image() -> Path:
     if not key.exists():
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key), "-C",
                         "corral-vm-test"], check=True)
-    image = CACHE / "debian12.qcow2"
+    image = CACHE / box.IMAGE
     if not image.exists():
         keys = [Path(p) for p in sorted(glob.glob(box.INSECURE_KEYS))[-1:]]
         started = time.monotonic()
@@ -89,11 +89,20 @@ def recap(output: str) -> dict[str, int]:
             "failed": int(failed)}
 
 
+def recaps(output: str) -> dict[str, dict[str, int]]:
+    """The PLAY RECAP's counters, per host."""
+    found = RECAP.findall(output)
+    assert found, "no PLAY RECAP in:\n" + output[-3000:]
+    return {host: {"ok": int(ok), "changed": int(changed), "unreachable": int(unreachable),
+                   "failed": int(failed)} for host, ok, changed, unreachable, failed in found}
+
+
 def playbook(name: str, inventory: Path, config_home: Path, log_dir: Path, timeout: float,
              **extra):
-    """ansible-playbook as on any Debian 12 host: an inventory, the repository's config."""
+    """ansible-playbook as on any Debian 13 host: an inventory, the repository's config."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg"),
            "XDG_CONFIG_HOME": str(config_home), "ANSIBLE_FORCE_COLOR": "0",
+           "ANSIBLE_LOG_PATH": str(log_dir / f"{name}.timed.log"),  # each task, time-stamped
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / name)]
     for key, value in extra.items():  # JSON: a value may be a template, spaces and all

@@ -2,7 +2,7 @@
 
 `corral box build`, then `corral up` with the real Vagrantfile (vagrant-libvirt, QEMU/TCG),
 which provisions it with playbooks/site.yml. Then, on that one VM:
-- site.yml again, the way any Debian 12 host is provisioned (ansible-playbook and an
+- site.yml again, the way any Debian 13 host is provisioned (ansible-playbook and an
   inventory, outside Vagrant): it must change nothing, so the two paths make one appliance;
 - `corral verify`: services active, the full ruleset loaded, the API answering only with the
   client certificate, the bypass battery passing in a real session inside the VM;
@@ -33,10 +33,11 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from cli import box
 from tests import fakes
 
 from . import host
-from .conftest import BIN, CACHE, free_port, playbook, recap, timed
+from .conftest import BIN, CACHE, free_port, playbook, recap, recaps, timed
 
 pytestmark = pytest.mark.vm
 NAME = "vmtest"
@@ -86,36 +87,24 @@ class Appliance:
         return self.corral("ssh", "--appliance", NAME, "--", "sh", "-c", command,
                            timeout=timeout)
 
-    @property
-    def inventory(self) -> Path:
-        """The inventory Vagrant wrote: a plain ansible inventory (address, user, key)."""
-        return (self.directory / "vagrant" / "provisioners" / "ansible" / "inventory" /
-                "vagrant_ansible_inventory")
-
-    @property
-    def extra_vars(self) -> dict:
-        """What the Vagrantfile hands site.yml, as an inventory user would give it."""
-        return {"corral_pki_appliance": NAME, "corral_pki_endpoint": f"127.0.0.1:{self.api_port}",
-                "corral_sandbox_image_archive": "", "corral_base_extra_ca_files": EXTRA_CAS,
-                "corral_filter_host_gateway":
-                    "{{ ansible_facts.default_ipv4.gateway | default('') }}"}
-
 
 @pytest.fixture(scope="module")
 def appliance(tmp_path_factory, vm_image, libvirtd):
     home = tmp_path_factory.mktemp("vagrant-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_SANDBOX_IMAGE")}
-    # (extra_vars below must be what the Vagrantfile hands site.yml: no archive)
+    # (`corral inventory` gives site.yml what the Vagrantfile does: no archive)
     env = {**env, "XDG_CONFIG_HOME": str(home / "config"),
            "XDG_CACHE_HOME": str(CACHE / "xdg-cache"),
            "VAGRANT_HOME": str(CACHE / "vagrant.d"),
+           # every task of every play, with a time stamp: where provisioning's time goes
+           "ANSIBLE_LOG_PATH": str(home / "ansible.log"),
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     # the box from the image the tier already built (`corral box build` keeps an image that
     # is there and only packages and adds it)
     box_dir = CACHE / "xdg-cache" / "corral" / "box"
     box_dir.mkdir(parents=True, exist_ok=True)
-    if not (box_dir / "debian12.qcow2").exists():
-        os.link(vm_image, box_dir / "debian12.qcow2")
+    if not (box_dir / box.IMAGE).exists():
+        os.link(vm_image, box_dir / box.IMAGE)
     made = Appliance(env, free_port())
     built = made.corral("box", "build", timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
@@ -134,14 +123,59 @@ def appliance(tmp_path_factory, vm_image, libvirtd):
         print(down.stdout, down.stderr)
 
 
-def test_site_from_an_inventory_changes_nothing_after_corral_up(appliance):
-    """The second provisioning, the way a team provisions any Debian 12 host: the appliance
-    Vagrant provisioned is already exactly what the inventory path makes."""
-    second = playbook("site.yml", appliance.inventory, appliance.config_home, appliance.logs,
-                      timeout=1200, **appliance.extra_vars)
-    assert second.returncode == 0, second.stdout[-6000:]
-    changed = [line for line in second.stdout.splitlines() if line.startswith("changed:")]
-    assert recap(second.stdout)["changed"] == 0, changed
+SECOND = "vmtwo"
+
+
+@pytest.fixture(scope="module")
+def fleet(appliance, tmp_path_factory):
+    """A second appliance booted from the same box and not provisioned, and one inventory
+    that names both (`corral inventory`), as a team's inventory names its hosts."""
+    trust = [word for ca in EXTRA_CAS for word in ("--trust-ca", ca)]
+    try:
+        booted = appliance.corral("up", "--name", SECOND, "--api-port", str(free_port()),
+                                  "--no-provision", *trust, timeout=1800)
+        assert booted.returncode == 0, booted.stdout[-3000:] + booted.stderr[-3000:]
+        inventory = tmp_path_factory.mktemp("fleet") / "inventory.ini"
+        made = appliance.corral("inventory", "-o", str(inventory))
+        assert made.returncode == 0, made.stderr
+        print(inventory.read_text())
+        yield inventory
+    finally:
+        appliance.corral("destroy", "--appliance", SECOND, timeout=600)
+
+
+def test_one_inventory_provisions_a_second_appliance_and_changes_nothing_on_the_first(
+        appliance, fleet):
+    """site.yml over an inventory of two, outside Vagrant, the way a team provisions its
+    Debian 13 hosts: the second is made; the first, which `corral up` provisioned through
+    Vagrant, is already exactly what the inventory path makes (changed=0)."""
+    run = playbook("site.yml", fleet, appliance.config_home, appliance.logs, timeout=1800)
+    assert run.returncode == 0, run.stdout[-6000:]
+    counts = recaps(run.stdout)
+    assert set(counts) == {NAME, SECOND}, counts
+    changed = [line for line in run.stdout.splitlines()
+               if line.startswith("changed:") and f"[{NAME}]" in line]
+    assert counts[NAME]["changed"] == 0, changed
+    assert counts[SECOND]["failed"] == 0 and counts[SECOND]["unreachable"] == 0, counts
+    assert counts[SECOND]["changed"] > 0, counts
+    status = appliance.corral("status", "--appliance", SECOND, "--json")
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["filter"]["healthy"] and state["firewall"]["loaded"], state
+
+
+def test_the_second_appliance_verifies_and_lists_with_the_first(appliance, fleet):
+    result = appliance.corral("verify", "--appliance", SECOND, timeout=900)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+    assert recaps(result.stdout)[SECOND]["failed"] == 0
+    listed = appliance.corral("ls", "--all", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(json.loads(listed.stdout)["appliances"]) == sorted([NAME, SECOND])
+
+
+def test_the_second_appliance_is_destroyed(appliance, fleet):
+    destroyed = appliance.corral("destroy", "--appliance", SECOND, timeout=600)
+    assert destroyed.returncode == 0, destroyed.stderr
 
 
 def test_verify_passes_with_the_battery_in_a_real_session(appliance):
@@ -260,7 +294,7 @@ def test_an_inspected_flow_in_a_real_session_inside_the_appliance(appliance, tmp
     assert started.returncode == 0, started.stderr
     try:
         script = ("curl -sS -o /dev/null -D /tmp/head -w 'allowed %{http_code}\\n' "
-                  "https://deb.debian.org/debian/dists/bookworm/Release; "
+                  "https://deb.debian.org/debian/dists/trixie/Release; "
                   "grep -i '^x-corral' /tmp/head; "  # the filter's reason, if it refused
                   "curl -sS -o /dev/null -w 'denied %{http_code}\\n' "
                   "https://deb.debian.org/forbidden/x; "
