@@ -5,7 +5,9 @@ there is no third-party image to trust.
   qcow2 -> a vagrant-libvirt box (metadata.json, Vagrantfile, box.img) -> `vagrant box add`
 
 The appliance's Debian packages are baked in (read from the roles' defaults), so the
-playbooks' apt tasks find them installed: under TCG an install costs minutes. The image
+playbooks' apt tasks find them installed: under TCG an install costs minutes. So is corral's
+venv, made by corral_base's own commands from the locked wheels (the box's Python): a box
+built from the commit being provisioned leaves that role nothing to install. The image
 also serves the VM tests, which boot the qcow2 directly. Needs root (loop devices, mount).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE = "debian13"
 BOX_NAME = f"corral/{RELEASE}"
 SUITE = "trixie"
+PYTHON = "3.13"
+"""The suite's python3: the version the baked wheels are collected for."""
 IMAGE = f"{RELEASE}.qcow2"
 """The image's file name in the cache (the VM tests boot it too)."""
 BOOT_PACKAGES = ("linux-image-cloud-amd64", "systemd-sysv", "systemd-resolved", "udev", "dbus",
@@ -107,8 +112,11 @@ def build_image(out: Path, keys: list[Path], size: str = "12G",
             uuid = _run("blkid", "-s", "UUID", "-o", "value", loop).strip()
             _run("mount", loop, str(mnt))
             try:
-                phase(f"mmdebstrap {SUITE} with the appliance's packages (about a minute)")
-                _mmdebstrap(mnt, work / "authorized_keys", uuid, mirror)
+                phase("collecting corral's wheels, as corral_base does (the locked ones)")
+                wheelhouse = collect_wheels(work / "wheelhouse")
+                phase(f"mmdebstrap {SUITE} with the appliance's packages and corral's venv "
+                      "(a few minutes)")
+                _mmdebstrap(mnt, work / "authorized_keys", uuid, mirror, wheelhouse)
                 _bootloader(mnt, uuid)
                 if sandbox_images is not None:
                     phase("loading the sandbox image into the box's podman storage")
@@ -127,8 +135,30 @@ def build_image(out: Path, keys: list[Path], size: str = "12G",
     return image
 
 
-def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str) -> None:
+def role_command(name_start: str) -> str:
+    """The shell command of the corral_base task whose name starts so: the box runs the
+    role's own commands, so that provisioning finds what they made current."""
+    import yaml  # from ansible-core; only this command needs it
+
+    tasks = yaml.safe_load((ROOT / "roles/corral_base/tasks/main.yml").read_text())
+    (task,) = [t for t in tasks if t["name"].startswith(name_start)]
+    return task["ansible.builtin.shell"]["cmd"]
+
+
+def collect_wheels(wheelhouse: Path) -> Path:
+    """corral's wheel and the locked wheels it needs, for the box's Python, as one archive
+    (corral_base's own command, run as the role runs it on the control machine): byte for
+    byte the archive provisioning copies, so the role's copy and install find them there."""
+    env = {**os.environ, "PYTHON": sys.executable, "SOURCE": str(ROOT),
+           "WHEELHOUSE": str(wheelhouse), "ARCH": os.uname().machine, "PYVER": PYTHON,
+           "SOURCE_DATE_EPOCH": "315532800"}
+    _run("sh", "-c", role_command("Build the corral wheel"), env=env, timeout=900)
+    return wheelhouse.with_name(wheelhouse.name + ".tar")
+
+
+def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path) -> None:
     packages = sorted({*BOOT_PACKAGES, *appliance_packages()})
+    install = role_command("Install corral into its virtualenv")
     hooks = [
         # initramfs regeneration costs minutes under TCG; the image's own was made here
         'mkdir -p "$1/etc/initramfs-tools/conf.d"; '
@@ -156,6 +186,12 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str) -> None:
         'printf "UseDNS no\\n" > "$1/etc/ssh/sshd_config.d/10-corral.conf"',
         'sed -i "s/^update_initramfs=.*/update_initramfs=no/" '
         '"$1/etc/initramfs-tools/update-initramfs.conf"',
+        # corral's venv as corral_base makes it (its default prefix), from the same archive:
+        # under TCG that install costs provisioning minutes
+        'install -d -m 0755 "$1/opt/corral"',
+        f'install -m 0644 {wheelhouse} "$1/opt/corral/wheelhouse.tar"',
+        f'chroot "$1" sh -c {shlex.quote("cd /opt/corral && " + install)}',
+        'rm -rf "$1/root/.cache/pip"',
     ]
     _run("mmdebstrap", "--variant=minbase", f"--include={','.join(packages)}",
          '--aptopt=Acquire::Retries "3"',
