@@ -65,7 +65,9 @@ def known_appliances() -> list[str]:
     return sorted(p.parent.name for p in (config_home() / "appliances").glob("*/appliance.toml"))
 
 
-def load_appliance(name: str) -> Appliance:
+def load_appliance(name: str, need_credentials: bool = True) -> Appliance:
+    """The appliance's settings; with `need_credentials` (the API's client), its client
+    certificate too (a VM booted with `corral up --no-provision` has none yet)."""
     from . import exitcodes
 
     directory = config_home() / "appliances" / name
@@ -84,7 +86,7 @@ def load_appliance(name: str) -> Appliance:
         raise CliError(f"{settings}: unreadable ({exc})",
                        "re-provision the appliance to rewrite it", exitcodes.NOT_CONFIGURED
                        ) from None
-    missing = pki.missing(directory, pki.CLIENT_FILES)
+    missing = pki.missing(directory, pki.CLIENT_FILES) if need_credentials else []
     if missing:
         raise CliError(f"appliance {name!r} has no credentials: {', '.join(missing)} missing in "
                        f"{directory}", "provisioning writes them: run `corral provision`",

@@ -320,7 +320,9 @@ def _wait_for_api(name: str, timeout: float = 300) -> None:
 
 
 def _vm_appliance(name: str):
-    appliance = load_appliance(name)
+    # the machine's commands work on a VM that has no credentials yet (booted, never
+    # provisioned): destroying it must never depend on provisioning having worked
+    appliance = load_appliance(name, need_credentials=False)
     if appliance.backend != "vm":
         raise CliError(f"appliance {name} is not a VM (backend {appliance.backend})",
                        "`corral down` stops a local one; a remote one is yours to manage",

@@ -207,3 +207,23 @@ def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch
     assert main(["up", "--name", "lab"]) == 2
     err = capsys.readouterr().err
     assert "proxy.crt" in err and "recorded in" in err and "appliance.toml" in err
+
+
+def test_a_vm_booted_without_provisioning_can_be_destroyed(monkeypatch, tmp_path, capsys):
+    """`corral up --no-provision` runs `vagrant up --no-provision`, waits for no API and
+    writes no credentials; the machine's commands (destroy above all) work without them."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    runs = []
+    monkeypatch.setattr(vm, "prerequisites", lambda: [])
+    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
+    monkeypatch.setattr(vm, "_wait_for_api", lambda name: pytest.fail("waited for an API"))
+    monkeypatch.setattr(vm, "_vagrant", lambda name, *args, **kw: runs.append((name, args)))
+    assert main(["up", "--name", "two", "--api-port", "8444", "--no-provision"]) == 0
+    assert runs == [("two", ("up", "--provider", "libvirt", "--no-provision"))]
+    assert "ansible-playbook -i INVENTORY playbooks/site.yml" in capsys.readouterr().out
+    directory = tmp_path / "corral" / "appliances" / "two"
+    assert not (directory / "client.key").exists()
+    assert main(["destroy", "--appliance", "two"]) == 0
+    assert runs[-1] == ("two", ("destroy", "-f"))
+    assert main(["status", "--appliance", "two"]) == 4  # the API's commands do need them
