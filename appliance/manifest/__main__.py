@@ -2,7 +2,8 @@
 
   collect                    print the running appliance's manifest (JSON)
   write FILE                 collect and write FILE atomically, only if its content changed;
-                             prints `written` or `unchanged` (site.yml's last step)
+                             prints `written` or `unchanged` (site.yml's last step); refuses
+                             (exit 1) while the loaded ruleset is not the rendered one
   check FILE                 compare the running appliance with FILE; each difference on a
                              line, by name; exit 1 if there is any (verify.yml)
   render-ruleset --config F  (inside a scratch network namespace: collect runs it there)
@@ -22,7 +23,7 @@ from appliance.atomic import write_atomic
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
 
-from . import ManifestError, compare, dumps, loads
+from . import AS_RENDERED, ManifestError, compare, dumps, loads
 from .collect import CollectError, collect, render_in_this_namespace
 
 
@@ -53,14 +54,19 @@ def cmd_collect(args) -> int:
 def cmd_write(args) -> int:
     path = Path(args.file)
     manifest, notes = _collect(args)
+    if manifest["ruleset"]["loaded"] != AS_RENDERED:
+        # an appliance is recorded only as it should be: a wrong ruleset is not "as built"
+        print(f"manifest: not written: the loaded ruleset is {manifest['ruleset']['loaded']} "
+              "(is corral-filter running? `journalctl -u corral-filter`)", file=sys.stderr)
+        for note in notes:
+            print(f"  {note}", file=sys.stderr)
+        return 1
     data = dumps(manifest)
     if path.exists() and path.read_bytes() == data:
         print("unchanged")
         return 0
     write_atomic(path, data, mode=0o644)
     print("written")
-    for note in notes:  # recorded as it is: `check` will name it until it is put right
-        print(f"ruleset: {note}", file=sys.stderr)
     return 0
 
 
