@@ -150,14 +150,16 @@ def loads(data: bytes | str, where: str = "the manifest") -> dict:
     return manifest
 
 
-def compare(first: dict, second: dict, *, across: bool = False) -> Comparison:
+def compare(first: dict, second: dict, *, across: bool = False,
+            sections: tuple[str, ...] = tuple(SECTIONS)) -> Comparison:
     """Every difference between two manifests, by section and name.
 
     `across`: the two are different appliances, so their `appliance` sections are expected
     to differ (set apart); otherwise the second is the first's appliance running now, and
-    a difference there is drift like any other."""
+    a difference there is drift like any other. `sections`: only these (a box's package
+    set against an appliance's: `("packages",)`)."""
     found, expected = [], []
-    for section in SECTIONS:
+    for section in sections:
         before, after = first.get(section, {}), second.get(section, {})
         for name in sorted(set(before) | set(after)):
             if before.get(name) != after.get(name):
@@ -165,6 +167,25 @@ def compare(first: dict, second: dict, *, across: bool = False) -> Comparison:
                 (expected if across and section == APPLIANCE_SPECIFIC else found).append(
                     difference)
     return Comparison(tuple(found), tuple(expected))
+
+
+DPKG_FORMAT = "${Package} ${Version} ${Architecture}\n"
+"""dpkg-query's output format for `parse_dpkg`."""
+
+
+def dpkg_query(admindir: str | None = None) -> list[str]:
+    """The dpkg-query command line whose output `parse_dpkg` reads; `admindir`: another
+    system's dpkg database (a box's tree: `ROOT/var/lib/dpkg`)."""
+    return ["dpkg-query", *([f"--admindir={admindir}"] if admindir else []), "-W",
+            "-f", DPKG_FORMAT]
+
+
+def box_manifest(dpkg_output: str) -> dict:
+    """A manifest of a box's package set alone (`corral box build` can record it beside the
+    box): `compare(box, appliance, sections=("packages",))` then names what provisioning
+    installed, upgraded or removed on top of the box."""
+    return build(corral={}, packages=parse_dpkg(dpkg_output), wheels={}, images={}, files={},
+                 units={}, ruleset={}, policy={}, appliance={})
 
 
 def parse_dpkg(text: str) -> dict[str, str]:

@@ -19,7 +19,16 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from . import AS_RENDERED, build, digest_json, mask, normalise_name, parse_dpkg, parse_lock
+from . import (
+    AS_RENDERED,
+    build,
+    digest_json,
+    dpkg_query,
+    mask,
+    normalise_name,
+    parse_dpkg,
+    parse_lock,
+)
 from . import ruleset as tables
 
 CONFIG_DIR = "etc/corral"
@@ -56,7 +65,7 @@ def _run(argv: list[str], env: dict | None = None, check: bool = True) -> str:
 
 
 def packages() -> dict[str, str]:
-    return parse_dpkg(_run(["dpkg-query", "-W", "-f", "${Package} ${Version} ${Architecture}\n"]))
+    return parse_dpkg(_run(dpkg_query()))
 
 
 def _file_sha256(path: Path) -> str:

@@ -59,7 +59,7 @@ def verify_against(home: Path, *args: str) -> subprocess.CompletedProcess:
 def test_an_appliance_without_a_manifest_answers_404_naming_the_fix(two):
     _, one, _ = two
     (one.dir / "manifest.json").unlink(missing_ok=True)
-    with pytest.raises(CliError, match="no manifest at .*provisioning writes it"):
+    with pytest.raises(CliError, match=r"no manifest at .*provisioning writes it"):
         one.client().request("GET", "/manifest")
 
 

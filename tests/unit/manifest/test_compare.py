@@ -13,8 +13,10 @@ from appliance.manifest import (
     AS_RENDERED,
     Difference,
     ManifestError,
+    box_manifest,
     build,
     compare,
+    dpkg_query,
     dumps,
     loads,
     mask,
@@ -165,3 +167,11 @@ def test_the_shared_manifest_module_is_standard_library_only():
     modules |= {n.module.split(".")[0] for n in ast.walk(tree)
                 if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
     assert modules - {"__future__"} <= sys.stdlib_module_names
+
+
+def test_a_box_package_set_against_an_appliance_names_what_provisioning_changed():
+    box = box_manifest("nftables 1.0.6-2 amd64\npodman 4.3.1+ds1-8 amd64\nvim 2:9.0 amd64\n")
+    assert dpkg_query("/tmp/box/var/lib/dpkg")[:2] == ["dpkg-query",
+                                                        "--admindir=/tmp/box/var/lib/dpkg"]
+    lines = [str(d) for d in compare(box, manifest(), sections=("packages",)).differences]
+    assert lines == ["package vim: removed (was 2:9.0 amd64)"]
