@@ -78,6 +78,10 @@ def load_ruleset(namespace: str, root: Path) -> None:
 def test_the_collector_names_drift_and_nothing_else(tmp_path, namespace):
     root = appliance_root(tmp_path / "root")
     recorded = tmp_path / "manifest.json"
+    # no corral table yet (the filter has not started): nothing is recorded, and it says why
+    early = manifest_tool(namespace, root, "write", str(recorded), "--name", "one")
+    assert early.returncode == 1 and not recorded.exists()
+    assert "the loaded ruleset is missing: no table inet corral" in early.stderr
     load_ruleset(namespace, root)
 
     first = manifest_tool(namespace, root, "write", str(recorded), "--name", "one",
