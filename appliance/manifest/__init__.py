@@ -97,8 +97,8 @@ class Comparison:
 
 def _show(value) -> str:
     """A value as a difference line shows it: hashes shortened to 12 hex digits."""
-    if isinstance(value, dict):
-        return " ".join(_show(v) if k != "sha256" else f"sha256 {_short(v)}"
+    if isinstance(value, dict):  # a wheel: its version bare, each other field named
+        return " ".join(str(v) if k == "version" else f"{k} {_short(v)}"
                         for k, v in value.items())
     if isinstance(value, list):
         return ", ".join(_show(v) for v in value)
