@@ -35,8 +35,18 @@ def normalise(items: list[dict]) -> list[dict]:
         kind, body = next(iter(item.items()))
         body = {k: v for k, v in body.items()
                 if k != "handle" and k not in VOLATILE.get(kind, ())}
+        if kind == "rule":
+            body["expr"] = [_statement(e) for e in body.get("expr", [])]
         out.append({kind: body})
     return out
+
+
+def _statement(statement):
+    """A rule's anonymous counter (`counter` with its values inline) without the values;
+    a named one (`counter name X`: the name alone) is kept as it is."""
+    if isinstance(statement, dict) and isinstance(statement.get("counter"), dict):
+        return {"counter": None}
+    return statement
 
 
 def digest(items: list[dict]) -> str:

@@ -54,3 +54,12 @@ def test_a_long_list_of_differences_is_cut_with_a_count():
     extra = [{"rule": {"chain": "c", "expr": [{"counter": n}]}} for n in range(15)]
     lines = ruleset.differences(extra, [], limit=10)
     assert len(lines) == 11 and lines[-1] == "... and 5 more"
+
+
+def test_an_anonymous_counters_values_are_not_drift_its_name_is():
+    def rule(counter):
+        return [{"rule": {"chain": "c", "expr": [{"counter": counter}, {"drop": None}]}}]
+
+    assert ruleset.normalise(rule({"packets": 5, "bytes": 300})) == ruleset.normalise(
+        rule({"packets": 0, "bytes": 0}))
+    assert ruleset.normalise(rule("deny_a")) != ruleset.normalise(rule("deny_b"))
