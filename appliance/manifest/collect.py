@@ -120,15 +120,20 @@ def wheels(venv: Path, wheel_dir: Path | None = None, lock: Path | None = None) 
     return out
 
 
+IMAGES = "localhost/corral-"
+"""corral's own images (the sandbox image and its base); a team's images layered on top
+are the team's business, not what provisioning made."""
+
+
 def images(root: Path) -> dict[str, str]:
-    """Every named podman image (the sandbox images) and its id: the image's content."""
+    """corral's podman images (the sandbox images) and their ids: the image's content."""
     if shutil.which("podman") is None:
         return {}
     conf = root / CONFIG_DIR / "containers.conf"
     listed = json.loads(_run(["podman", "images", "--format", "json"],
                              {"CONTAINERS_CONF": str(conf)} if conf.is_file() else None) or "[]")
     return {name: f"sha256:{image['Id']}" for image in listed
-            for name in image.get("Names") or []}
+            for name in image.get("Names") or [] if name.startswith(IMAGES)}
 
 
 def files(root: Path, appliance: dict[str, str]) -> dict[str, str]:
