@@ -190,7 +190,7 @@ def test_site_yml_wires_each_input_from_a_variable_its_owner_defines():
             assert sources and all(owned.get(s) not in (None, entry["role"]) for s in sources), (
                 f"site.yml: {entry['role']}: {name} = {source!r}")
             wired += 1
-    assert wired == sum(len(inputs(role)) for role in ROLES) == 16
+    assert wired == sum(len(inputs(role)) for role in ROLES) == 17
 
 
 def test_group_vars_set_owners_not_inputs():
