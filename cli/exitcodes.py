@@ -11,3 +11,5 @@ NOT_CONFIGURED = 4
 """No such appliance, or no credentials for it on this machine."""
 AUDIT_BROKEN = 5
 """`corral audit --verify` found the hash chain broken."""
+DIFFERENT = 6
+"""`corral verify --against` found the two appliances' manifests differ."""

@@ -22,7 +22,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import box, exitcodes, inventory, output
+from . import box, exitcodes, inventory, manifests, output
 from .arguments import machine_command
 from .client import (
     Client,
@@ -371,7 +371,13 @@ def ssh(args) -> int:
 
 def verify(args) -> int:
     """verify.yml against the VM, through the inventory `corral inventory` writes for it
-    (also for a VM booted with --no-provision and provisioned from an inventory)."""
+    (also for a VM booted with --no-provision and provisioned from an inventory); with
+    --against, the two appliances' manifests compared instead (any backend)."""
+    if args.against:
+        return manifests.against(args.appliance, args.against, args.json)
+    if args.json:
+        raise CliError("--json is for --against: verify.yml prints Ansible's own report",
+                       "add --against OTHER, or leave --json out", exitcodes.USAGE)
     appliance = _vm_appliance(args.appliance)
     env = vagrant_env(args.appliance, appliance.host_port[1])
     with tempfile.TemporaryDirectory(prefix="corral-verify-") as tmp:
@@ -482,8 +488,13 @@ def register(sub) -> None:
     machine_command(sub, "provision", "re-run playbooks/site.yml on the VM (safe: idempotent)",
                     provision)
     machine_command(sub, "destroy", "delete the appliance's VM (its credentials stay)", destroy)
-    machine_command(sub, "verify", "run playbooks/verify.yml: services, ruleset, API and the "
-                    "bypass battery in a throwaway session", verify)
+    check = machine_command(sub, "verify", "run playbooks/verify.yml: the appliance as its "
+                            "manifest records it (drift named), services, ruleset, API and the "
+                            "bypass battery in a throwaway session", verify)
+    check.add_argument("--against", metavar="OTHER",
+                       help="instead, compare this appliance's manifest with OTHER's and print "
+                       "each difference (exit 6 if any); any backend")
+    check.add_argument("--json", action="store_true", help="with --against: machine-readable")
     _register_inventory(sub)
     shell = machine_command(sub, "ssh", "a shell on the appliance's VM", ssh)
     shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of a shell")

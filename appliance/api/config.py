@@ -27,6 +27,8 @@ class ApiConfig:
     """Worker threads: each live `monitor` stream holds one."""
     pidfile: str = ""
     """Where gunicorn writes its pid (SIGHUP there reloads the certificates); none if empty."""
+    manifest: str = "/etc/corral/manifest.json"
+    """The appliance's manifest (provisioning writes it), served as GET /v1/manifest."""
 
     @property
     def tls(self) -> Path:

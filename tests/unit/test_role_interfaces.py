@@ -180,7 +180,8 @@ def test_site_yml_wires_each_input_from_a_variable_its_owner_defines():
     play), never from an input of a third role nor from nowhere."""
     entries = _role_entries("site.yml")
     assert [e["role"] for e in entries] == ["corral_base", "corral_firewall", "corral_filter",
-                                            "corral_sandbox", "corral_pki", "corral_api"]
+                                            "corral_sandbox", "corral_pki", "corral_api",
+                                            "corral_manifest"]
     owned = {name: e["role"] for e in entries for name in defaults(e["role"])}
     wired = 0
     for entry in entries:
@@ -189,7 +190,7 @@ def test_site_yml_wires_each_input_from_a_variable_its_owner_defines():
             assert sources and all(owned.get(s) not in (None, entry["role"]) for s in sources), (
                 f"site.yml: {entry['role']}: {name} = {source!r}")
             wired += 1
-    assert wired == sum(len(inputs(role)) for role in ROLES) == 15
+    assert wired == sum(len(inputs(role)) for role in ROLES) == 17
 
 
 def test_group_vars_set_owners_not_inputs():
@@ -327,7 +328,8 @@ def test_a_role_alone_without_its_inputs_is_refused_by_their_names(tmp_path):
     """Ansible's own message, before any task of the role runs: not an undefined variable
     half-way through (rotate-certs.yml, which applies corral_pki alone, failed that way)."""
     assert [role for role in ROLES if inputs(role)] == ["corral_api", "corral_filter",
-                                                        "corral_pki", "corral_sandbox"]
+                                                        "corral_manifest", "corral_pki",
+                                                        "corral_sandbox"]
     plays = [{"name": f"{role} alone", "hosts": "all", "gather_facts": False,
               "ignore_errors": True, "roles": [role]} for role in ROLES if inputs(role)]
     result = _ansible(tmp_path, plays, "--tags", "validation-only")  # nothing but the specs

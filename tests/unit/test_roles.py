@@ -47,7 +47,7 @@ def render(role: str, template: str, **overrides) -> str:
 
 def test_the_roles_are_the_services_of_design_md():
     assert ROLES == ["corral_api", "corral_base", "corral_filter", "corral_firewall",
-                     "corral_pki", "corral_sandbox"]
+                     "corral_manifest", "corral_pki", "corral_sandbox"]
 
 
 @pytest.mark.parametrize("role", ROLES)

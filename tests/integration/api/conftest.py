@@ -66,6 +66,7 @@ max_body = 4096
 max_upload = 65536
 threads = 8
 pidfile = "{self.pidfile}"
+manifest = "{directory / 'manifest.json'}"
 """)
         self.log = directory / "api.log"
         self.start()
