@@ -173,6 +173,26 @@ def test_the_second_appliance_verifies_and_lists_with_the_first(appliance, fleet
     assert sorted(json.loads(listed.stdout)["appliances"]) == sorted([NAME, SECOND])
 
 
+def test_two_appliances_from_one_commit_are_identical_and_drift_is_named(appliance, fleet):
+    """Their manifests (what provisioning recorded) compare identical but for each one's
+    own values; then a file edited and a package removed on the second are each named by
+    `corral verify`, before its battery runs."""
+    same = appliance.corral("verify", "--appliance", SECOND, "--against", NAME, "--json")
+    assert same.returncode == 0, same.stdout[-4000:] + same.stderr
+    answer = json.loads(same.stdout)
+    assert answer["identical"] and answer["differences"] == [], answer["differences"]
+    assert answer["expected_to_differ"], answer  # their names, at least
+    drift = appliance.corral("ssh", "--appliance", SECOND, "--", "sudo", "sh", "-c",
+                             "echo '# drift' >> /etc/corral/filter.toml && "
+                             "dpkg --purge iputils-ping >/dev/null && echo drifted")
+    assert "drifted" in drift.stdout, drift.stdout + drift.stderr
+    found = appliance.corral("verify", "--appliance", SECOND, timeout=600)
+    assert found.returncode != 0, found.stdout[-4000:]
+    assert "/etc/corral/filter.toml" in found.stdout, found.stdout[-4000:]
+    assert "iputils-ping" in found.stdout, found.stdout[-4000:]
+    assert "probes passed" not in found.stdout  # drift stops it before the battery
+
+
 def test_the_second_appliance_is_destroyed(appliance, fleet):
     destroyed = appliance.corral("destroy", "--appliance", SECOND, timeout=600)
     assert destroyed.returncode == 0, destroyed.stderr
