@@ -34,7 +34,7 @@ def _collect(args, recorded: dict | None = None) -> tuple[dict, list[str]]:
     commit = args.commit or (recorded or {}).get("corral", {}).get("commit", "unknown")
     venv = Path(args.venv)
     return collect(Path(args.root), venv, name, commit, wheel_dir=_default(args.wheels, venv,
-                   "wheels"), lock=_default(args.lock, venv, "requirements/appliance.txt"),
+                   "wheels"), lock=_default(args.lock, venv, "wheels/appliance.txt"),
                    settle=args.settle)
 
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--wheels", help="the wheels it was installed from (default: "
                              "wheels/ beside the venv)")
         command.add_argument("--lock", help="the hashed lock file (default: "
-                             "requirements/appliance.txt beside the venv, if there)")
+                             "wheels/appliance.txt beside the venv, as corral_base unpacks it)")
         command.add_argument("--name", help="the appliance's name (check: the recorded one)")
         command.add_argument("--commit", help="corral's git commit, from the control machine")
         command.add_argument("--settle", type=float, default=0, metavar="SECONDS",
