@@ -118,9 +118,11 @@ def build_image(out: Path, keys: list[Path], size: str = "12G",
                       "(a few minutes)")
                 _mmdebstrap(mnt, work / "authorized_keys", uuid, mirror, wheelhouse)
                 _bootloader(mnt, uuid)
+                images = {}
                 if sandbox_images is not None:
                     phase("loading the sandbox image into the box's podman storage")
-                    _preload(mnt, sandbox_images, work)
+                    images = _preload(mnt, sandbox_images, work)
+                record = _record(mnt, images, out)
             finally:
                 _run("umount", "-R", str(mnt))
         finally:
@@ -131,8 +133,24 @@ def build_image(out: Path, keys: list[Path], size: str = "12G",
         image = out / IMAGE
         _run("qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(image) + ".new")
         os.replace(str(image) + ".new", image)
-    phase(f"image ready: {image}")
+    phase(f"image ready: {image} (its packages and images: {record})")
     return image
+
+
+def _record(root: Path, images: dict[str, str], out: Path) -> Path:
+    """What the box holds (each Debian package's version and architecture, the sandbox
+    images' ids) beside it in `out` and inside it (/usr/share/corral/box.json), so that two
+    boxes built from one commit can be compared and an appliance names its box."""
+    from appliance.manifest import box_manifest, dpkg_query, dumps
+
+    listed = _run(*dpkg_query(admindir=str(root / "var/lib/dpkg")))
+    data = dumps(box_manifest(listed, images))
+    inside = root / "usr/share/corral/box.json"
+    inside.parent.mkdir(parents=True, exist_ok=True)
+    inside.write_bytes(data)
+    beside = out / f"{RELEASE}.json"
+    beside.write_bytes(data)
+    return beside
 
 
 def role_command(name_start: str) -> str:
@@ -202,16 +220,21 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path
     # test keeps it so), and an update costs minutes under emulation.
 
 
-def _preload(root: Path, archive: Path, work: Path) -> None:
+def _preload(root: Path, archive: Path, work: Path) -> dict[str, str]:
     """The sandbox image, put into the image's own podman storage by this host's podman (the
     same overlay driver the appliance's podman uses): under emulation, copying and loading
-    it into a running VM takes minutes; here, seconds. corral_sandbox then finds it current."""
+    it into a running VM takes minutes; here, seconds. corral_sandbox then finds it current.
+    Returns the sandbox images' ids, by name."""
     storage = root / "var/lib/containers/storage"
-    _run("podman", "--root", str(storage), "--runroot", str(work / "runroot"),
-         "--storage-driver", "overlay", "load", "--input", str(archive), timeout=900)
+    podman = ["podman", "--root", str(storage), "--runroot", str(work / "runroot"),
+              "--storage-driver", "overlay"]
+    _run(*podman, "load", "--input", str(archive), timeout=900)
+    listed = json.loads(_run(*podman, "images", "--format", "json") or "[]")
     # libpod's database remembers the paths it was made with (this host's mount point) and
     # would override the appliance's own; it holds no images, so the appliance starts anew.
     shutil.rmtree(storage / "libpod")
+    return {name: f"sha256:{image['Id']}" for image in listed
+            for name in image.get("Names") or [] if name in SANDBOX_IMAGES}
 
 
 def _bootloader(root: Path, uuid: str) -> None:

@@ -180,12 +180,13 @@ def dpkg_query(admindir: str | None = None) -> list[str]:
             "-f", DPKG_FORMAT]
 
 
-def box_manifest(dpkg_output: str) -> dict:
-    """A manifest of a box's package set alone (`corral box build` can record it beside the
-    box): `compare(box, appliance, sections=("packages",))` then names what provisioning
-    installed, upgraded or removed on top of the box."""
-    return build(corral={}, packages=parse_dpkg(dpkg_output), wheels={}, images={}, files={},
-                 units={}, ruleset={}, policy={}, appliance={})
+def box_manifest(dpkg_output: str, images: dict[str, str] | None = None) -> dict:
+    """A manifest of a box: its package set and the sandbox images baked in (`corral box
+    build` records it beside the box and inside it): `compare(box, appliance,
+    sections=("packages",))` then names what provisioning installed, upgraded or removed on
+    top of the box."""
+    return build(corral={}, packages=parse_dpkg(dpkg_output), wheels={}, images=images or {},
+                 files={}, units={}, ruleset={}, policy={}, appliance={})
 
 
 def parse_dpkg(text: str) -> dict[str, str]:

@@ -73,6 +73,12 @@ def vm_image() -> Path:
                         sandbox_images=archive)
         archive.unlink()
         print(f"vm: image built in {time.monotonic() - started:.0f}s")
+    # what the box holds, recorded beside it: every package with its version and
+    # architecture (the appliance's own among them), and the sandbox images' ids
+    record = json.loads((CACHE / f"{box.RELEASE}.json").read_text())
+    assert {"nftables", "podman", "python3", "linux-image-cloud-amd64"} <= set(
+        record["packages"]), sorted(record["packages"])[:20]
+    assert sorted(record["images"]) == sorted(box.SANDBOX_IMAGES), record["images"]
     return image
 
 
