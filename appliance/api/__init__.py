@@ -35,9 +35,10 @@ def create_app(config: ApiConfig) -> Flask:
         config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
         else None
 
-    from . import approvals, audit, certs, events, policy, secrets, sessions, status
+    from . import approvals, audit, certs, events, evidence, policy, secrets, sessions, status
 
-    for module in (policy, events, audit, sessions, status, certs, secrets, approvals):
+    for module in (policy, events, audit, evidence, sessions, status, certs, secrets,
+                   approvals):
         app.register_blueprint(module.blueprint, url_prefix="/v1")
 
     @app.errorhandler(ApiError)
