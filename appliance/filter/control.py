@@ -120,6 +120,11 @@ def _count(request: dict, name: str, default: int, low: int, high: int) -> int:
     return min(value, high)
 
 
+def _by(request: dict) -> str:
+    """Who asked (the API passes its client's certificate name), for the audit record."""
+    return approvals.clean(_field(request, "by", required=False) or "the control socket")
+
+
 async def verify_apart(path: Path, head: dict | None) -> dict:
     """`audit.verify` in a process of its own (`python -m appliance.filter.audit`): a
     thread of this one would share the interpreter's lock with the event loop for as long as
@@ -318,7 +323,7 @@ class ControlServer:
         log.info("control: %s %s rule %s in session %s%s", "added" if added else "kept", kind,
                  rule.text, session, f" until {ends:.0f}" if ends else "")
         if added:
-            self.bus.emit(rule_changed(session, rule, "added", ends))
+            self.bus.emit(rule_changed(session, rule, "added", ends, _by(request)))
         return {"ok": True, "rule": rule.to_json(), "added": added, "expires": ends}
 
     @handles("remove")
@@ -328,7 +333,7 @@ class ControlServer:
         store = self.store
         rule = (await self.change(lambda: store.plan_remove(session, kind, text))).result
         log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
-        self.bus.emit(rule_changed(session, rule, "revoked"))
+        self.bus.emit(rule_changed(session, rule, "revoked", by=_by(request)))
         return {"ok": True, "rule": rule.to_json()}
 
     @handles("events")
@@ -504,7 +509,7 @@ class ControlServer:
                 rule, added = change.result
                 ends = store.until(pending.session, rule)
                 if added:
-                    self.bus.emit(rule_changed(pending.session, rule, "added", ends))
+                    self.bus.emit(rule_changed(pending.session, rule, "added", ends, by))
                 detail = f", {pending.kind} {rule.text}" + (
                     f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
             # the rule is in force (or none is needed): the held requests may learn of it;
