@@ -127,3 +127,25 @@ def test_a_restarted_signer_goes_on_after_the_heads_on_disk(tmp_path):
     assert HeadSigner(tmp_path, "box").heads() == signer.heads()
     assert json.loads((tmp_path / "audit-heads.jsonl").read_bytes().splitlines()[0])["seq"] == 1
     assert os.stat(tmp_path / "audit-heads.jsonl").st_mode & 0o777 == 0o600
+
+
+def test_a_sessions_segment_runs_from_its_first_record_to_the_head_across_segments(tmp_path):
+    """Every record between, other sessions' too (a chain cannot skip one), and none past
+    the signed head."""
+    from appliance.filter.audit import session_segment
+
+    log = AuditLog(tmp_path / "audit.jsonl", window=0, segment_bytes=4096)
+    try:
+        for n in range(120):
+            log.append({"session": "s10" if n < 30 else ("s1" if n % 3 == 0 else "s2"),
+                        "n": n})
+        wait_for(lambda: log.head["seq"] == 120)
+    finally:
+        log.close()
+    assert len(list(tmp_path.glob("audit-*.jsonl"))) >= 2  # it crosses a rotation
+    lines = session_segment(tmp_path / "audit.jsonl", "s1", 100)
+    records = [json.loads(line) for line in lines]
+    assert [r["seq"] for r in records] == list(range(31, 101))  # "s10" is not "s1"
+    assert records[0]["session"] == "s1"
+    assert session_segment(tmp_path / "audit.jsonl", "s1", 20) == []
+    assert session_segment(tmp_path / "audit.jsonl", "nobody", 120) == []
