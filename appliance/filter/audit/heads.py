@@ -93,6 +93,12 @@ class HeadSigner:
             self._last, self.failed = Signed(seq, now), None
             return signed
 
+    def describe(self) -> dict:
+        """The last head signed, from memory (`status`)."""
+        last = self._last
+        return {"seq": last.seq, "time": last.at, "every": self.every,
+                "interval": self.interval, "error": self.failed}
+
     def heads(self, after: int = 0, limit: int = 1000) -> list[dict]:
         """Signed heads with seq > `after`, oldest first (a torn last line is skipped)."""
         out = []

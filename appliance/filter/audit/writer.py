@@ -92,7 +92,8 @@ class AuditLog:
         sizes = dict(self._sizes)
         return {"path": str(self.path), "head": self.head, "segments": len(sizes),
                 "bytes": sum(sizes.values()), "segment_bytes": self.segment_bytes,
-                "segments_kept": self.keep, "error": self.failed}
+                "segments_kept": self.keep, "error": self.failed,
+                "signed": self.signer.describe() if self.signer is not None else None}
 
     def verify(self) -> Verification:
         """The files against the head: every record up to it (a batch being written after

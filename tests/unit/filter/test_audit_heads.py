@@ -87,6 +87,7 @@ def test_the_writer_signs_the_head_every_n_records_on_its_own_thread(tmp_path):
             if n in (3, 5, 11):  # batches of 4, 2 and 6 records
                 wait_for(lambda n=n: log.head["seq"] == n + 1)
         wait_for(lambda: len(signer.heads()) == 2)
+        assert log.describe()["signed"]["seq"] == 12  # status says it, from memory
     finally:
         log.close()
     heads = signer.heads()
