@@ -279,8 +279,9 @@ class AuditLog:
             log.error("audit: could not cut a failed write back: %s", exc)
 
     def close(self) -> None:
-        """Write everything queued, then close."""
+        """Write everything queued, sign the head it ends at, then close."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
+            self.sign_head(force=True)  # a clean stop leaves no unsigned tail
         self._file.close()

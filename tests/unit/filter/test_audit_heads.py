@@ -150,3 +150,16 @@ def test_a_sessions_segment_runs_from_its_first_record_to_the_head_across_segmen
     assert records[0]["session"] == "s1"
     assert session_segment(tmp_path / "audit.jsonl", "s1", 20) == []
     assert session_segment(tmp_path / "audit.jsonl", "nobody", 120) == []
+
+
+def test_a_clean_stop_signs_the_head_it_ends_at(tmp_path):
+    signer = HeadSigner(tmp_path, "box", every=1000, interval=3600)
+    log = AuditLog(tmp_path / "audit.jsonl", window=0, signer=signer)
+    log.append({"n": 1})
+    wait_for(lambda: signer.heads())  # the first head at once: none was signed before
+    log.append({"n": 2})
+    log.append({"n": 3})
+    wait_for(lambda: log.head["seq"] == 3)
+    assert [h["seq"] for h in signer.heads()] == [1]  # not due
+    log.close()
+    assert [h["seq"] for h in signer.heads()] == [1, 3]
