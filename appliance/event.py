@@ -104,7 +104,8 @@ SCHEMA: tuple[Field, ...] = (
     Field("note", "str | None", "approval", "what the agent said when it asked"),
     Field("grant", "str | None", "approval", "what was granted: once, for, always, policy; "
           "None: refused"),
-    Field("by", "str", "approval", "who decided"),
+    Field("by", "str", "approval, rule", "who decided (an approval); who added or revoked "
+          "the rule (a rule, from the API or an approval)"),
     Field("released", "int", "approval", "how many held requests the grant let go"),
     Field("secret", "str | None", "secret", "the secret whose placeholder went astray; "
           "None: none of the session's"),

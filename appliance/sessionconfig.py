@@ -320,6 +320,19 @@ class FirewallConfig:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    heads_every: int = setting(1000, whole(1))
+    """The filter signs the audit log's head (appliance/filter/audit/heads.py) after this
+    many records ..."""
+    heads_interval: float = setting(60.0, number(0.1))
+    """... or this many seconds after the last signed head, whichever comes first; never
+    when the head has not moved. A rewrite of the log is caught at the last head a client
+    kept: at most this long (or this many records) of history is unpinned."""
+    appliance: str | None = setting(None, string)
+    """The name signed into each head (default: the host's name)."""
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     name: str
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -366,6 +379,7 @@ class FilterConfig:
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
     sshgate: SshgateConfig = field(default_factory=SshgateConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     @property
     def audit_path(self) -> Path:
@@ -373,7 +387,7 @@ class FilterConfig:
 
 
 TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig,
-          "inspect": InspectConfig, "sshgate": SshgateConfig}
+          "inspect": InspectConfig, "sshgate": SshgateConfig, "audit": AuditConfig}
 """The tables that are a dataclass of their own; FilterConfig's fields name their keys."""
 EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "gateway"}}
 """Keys that are not a field of their own."""
@@ -481,7 +495,7 @@ def parse_config(text: str, path: str) -> FilterConfig:
 
     config = read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
                   sessions=tuple(sessions), firewall=firewall, inspect=inspect,
-                  sshgate=read(SshgateConfig, "sshgate"))
+                  sshgate=read(SshgateConfig, "sshgate"), audit=read(AuditConfig, "audit"))
     if inspect.ca_dir is not None:
         ca_dir, state_dir = Path(inspect.ca_dir), Path(config.state_dir)
         if not ca_dir.is_absolute() or ca_dir == state_dir or ca_dir in state_dir.parents:

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from . import approvals, exitcodes, output, render, vm
+from . import approvals, exitcodes, heads, output, render, vm
 from .arguments import appliance_command, granted
 from .client import Client, CliError, load_appliance
 from .targets import client_for, pick_session
@@ -123,24 +123,11 @@ takes seconds on an appliance, more under emulation)."""
 
 
 def cmd_audit(args) -> int:
-    client = client_for(args)
+    appliance = load_appliance(args.appliance)
+    client = Client(appliance)
     if args.verify:
-        verdict = client.request("GET", "/audit/verify", timeout=VERIFY_TIMEOUT)
-        if args.json:
-            output.data(verdict)
-        elif verdict["intact"]:
-            first, head = verdict.get("first") or 1, verdict["head"]["seq"]
-            output.line(f"audit log intact: {verdict['lines']} records in "
-                        f"{verdict.get('segments', 1)} segment(s), chain verified from seq "
-                        f"{first} to seq {head}")
-            if verdict.get("note"):
-                output.line(f"note: {render.text(verdict['note'])}")
-        else:
-            where = render.text(verdict.get("segment") or "its end")
-            if verdict.get("line"):
-                where += f" line {render.text(verdict['line'])}"
-            output.error(f"audit log broken at {where}: {render.text(verdict['error'])}")
-        return exitcodes.OK if verdict["intact"] else exitcodes.AUDIT_BROKEN
+        return _verify_audit(args, client, appliance)
+    _keep_heads(client, appliance)
     since = parse_since(args.since) if args.since else None
     after, shown, records = 0, 0, []
     while shown < args.limit:
@@ -159,6 +146,59 @@ def cmd_audit(args) -> int:
     return exitcodes.OK
 
 
+def _verify_audit(args, client: Client, appliance) -> int:
+    """The chain as the appliance checks it, and every signed head kept on this host
+    checked against the log (cli/heads.py): a log rewritten whole passes the first only."""
+    verdict = client.request("GET", "/audit/verify", timeout=VERIFY_TIMEOUT)
+    try:
+        kept = heads.verify(client, appliance)
+    except heads.KeyChanged as exc:
+        kept = {"intact": False, "error": f"{exc} ({exc.hint})", "seq": None, "kept": 0,
+                "checked": 0, "retired": 0, "key": None}
+    intact = verdict["intact"] and kept["intact"]
+    if args.json:
+        output.data({**verdict, "intact": intact, "chain_intact": verdict["intact"],
+                     "heads": kept})
+        return exitcodes.OK if intact else exitcodes.AUDIT_BROKEN
+    if verdict["intact"]:
+        first, head = verdict.get("first") or 1, verdict["head"]["seq"]
+        output.line(f"audit log intact: {verdict['lines']} records in "
+                    f"{verdict.get('segments', 1)} segment(s), chain verified from seq "
+                    f"{first} to seq {head}")
+        if verdict.get("note"):
+            output.line(f"note: {render.text(verdict['note'])}")
+    else:
+        where = render.text(verdict.get("segment") or "its end")
+        if verdict.get("line"):
+            where += f" line {render.text(verdict['line'])}"
+        output.error(f"audit log broken at {where}: {render.text(verdict['error'])}")
+    if kept["intact"]:
+        output.line(f"signed heads: {kept['kept']} kept on this host, {kept['checked']} found "
+                    f"in the log with their hashes (key {kept['key']})"
+                    + (f"; {kept['retired']} older than the log's first record (retention)"
+                       if kept["retired"] else ""))
+    else:
+        at = f" at seq {kept['seq']}" if kept.get("seq") is not None else ""
+        output.error(f"signed heads{at}: {render.text(kept['error'])}",
+                     "the log on the appliance is not the one whose heads were signed: keep "
+                     "the appliance as it is and compare with `corral evidence` bundles and "
+                     "the heads kept here")
+    return exitcodes.OK if intact else exitcodes.AUDIT_BROKEN
+
+
+def _keep_heads(client: Client, appliance) -> dict | None:
+    """Keep the heads signed since the last look; a changed key is said, not fatal here
+    (`corral audit --verify` fails on it)."""
+    try:
+        return heads.keep(client, appliance)
+    except heads.KeyChanged as exc:
+        output.warning(f"{exc}; {exc.hint}")
+        return None
+    except CliError as exc:  # an appliance from before signed heads: 404
+        output.warning(f"signed audit heads not kept: {exc}")
+        return None
+
+
 def cmd_status(args) -> int:
     appliance = load_appliance(args.appliance)
     machine = None
@@ -171,7 +211,12 @@ def cmd_status(args) -> int:
                 output.line(f"appliance {args.appliance}: VM {machine['state']}"
                             + (f" ({machine['error']})" if "error" in machine else ""))
             return exitcodes.FAILURE
-    status = Client(appliance).request("GET", "/status")
+    client = Client(appliance)
+    status = client.request("GET", "/status")
+    if status["filter"].get("healthy"):
+        kept = _keep_heads(client, appliance)
+        if kept is not None:
+            status["audit_heads"] = kept
     if machine is not None:
         status["vm"] = machine
     if args.json:
@@ -197,6 +242,10 @@ def cmd_status(args) -> int:
                     f"segment(s), {audit.get('bytes', 0) / 2**20:.1f} MiB"
                     + (f"; ERROR: {render.text(audit['error'])}" if audit.get("error")
                        else ""))
+    if status.get("audit_heads"):
+        kept = status["audit_heads"]
+        output.line(f"audit heads: {kept['kept']} signed heads kept on this host ({kept['new']} "
+                    f"new), key {kept['key']}")
     sandbox = status.get("sandbox")
     if sandbox is not None:
         output.line(f"sandbox: healthy, {sandbox['sessions']} sessions, image {sandbox['image']}"
@@ -252,7 +301,8 @@ def register(sub) -> None:
                               cmd_audit, session=False)
     audit.add_argument("--since", metavar="T", help="10m, 2h, 3d, or an ISO time")
     audit.add_argument("--limit", type=int, default=1000, help="at most this many records")
-    audit.add_argument("--verify", action="store_true", help="check the chain (exit 5 if broken)")
+    audit.add_argument("--verify", action="store_true", help="check the chain, and every "
+                       "signed head kept on this host against it (exit 5 if broken)")
     audit.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     appliance_command(sub, "status", "the appliance's health: API, filter, firewall",
                       cmd_status, session=False)

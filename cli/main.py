@@ -24,6 +24,7 @@ from . import (
     certs,
     control,
     dashboard,
+    evidence,
     exitcodes,
     image,
     learn,
@@ -37,8 +38,8 @@ from . import (
 )
 from .client import CliError
 
-COMMANDS = (policy, agents, control, approvals, dashboard, learn, sessions, selftest, secrets,
-            image, lifecycle, vm, box, certs)
+COMMANDS = (policy, agents, control, evidence, approvals, dashboard, learn, sessions, selftest,
+            secrets, image, lifecycle, vm, box, certs)
 """The command modules, in the order `corral --help` lists their commands."""
 
 

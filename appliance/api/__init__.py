@@ -35,10 +35,21 @@ def create_app(config: ApiConfig) -> Flask:
         config.sandbox_socket, "the sandbox service", timeout=600) if config.sandbox_socket \
         else None
 
-    from . import approvals, audit, certs, events, manifest, policy, secrets, sessions, status
+    from . import (
+        approvals,
+        audit,
+        certs,
+        events,
+        evidence,
+        manifest,
+        policy,
+        secrets,
+        sessions,
+        status,
+    )
 
-    for module in (policy, events, audit, sessions, status, certs, secrets, approvals,
-                   manifest):
+    for module in (policy, events, audit, evidence, sessions, status, certs, secrets,
+                   approvals, manifest):
         app.register_blueprint(module.blueprint, url_prefix="/v1")
 
     @app.errorhandler(ApiError)

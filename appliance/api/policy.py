@@ -7,7 +7,7 @@ from flask import Blueprint, jsonify, request
 
 from appliance.policy import preset_description, preset_names, preset_parameters
 
-from .request import body, call
+from .request import body, call, who
 
 blueprint = Blueprint("policy", __name__)
 
@@ -20,14 +20,14 @@ def effective():
 @blueprint.post("/policy/rules")
 def add():
     data = body({"session": str, "kind": str, "rule": str}, {"expires_in": (int, float)})
-    answer = call({"op": "add", **data})
+    answer = call({"op": "add", **data, "by": who()})
     return jsonify(answer), 201 if answer["added"] else 200
 
 
 @blueprint.delete("/policy/rules")
 def revoke():
     data = body({"session": str, "kind": str, "rule": str})
-    return jsonify(call({"op": "remove", **data}))
+    return jsonify(call({"op": "remove", **data, "by": who()}))
 
 
 @blueprint.get("/presets")

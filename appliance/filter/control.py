@@ -20,6 +20,14 @@ the client hangs up. Requests:
                                                       a reason: it stopped by itself (an event)
   {"op": "audit", "after": SEQ?, "since": TS?, "limit": N?}   a page of the audit log
   {"op": "audit-verify"}
+  {"op": "audit-heads", "after": SEQ?, "limit": N?}  signed heads after a seq (audit/heads.py)
+  {"op": "audit-key"}                                the audit key's public half (PEM)
+  {"op": "audit-sign"}                               sign the head now (if it moved); the
+                                                      latest signed head
+  {"op": "audit-segment", "session": S}              the raw lines from the session's first
+                               record to the latest signed head (sign first: `audit-sign`)
+  {"op": "evidence-sign", "index": {...}}            sign an evidence index (pki/signed.py:
+                               checked, behind the evidence prefix: never a head)
   {"op": "inspect-ca"}                                the interception CA's certificate, or null
   {"op": "inspect-rotate"}                            a new interception CA, in use at once
   {"op": "secret-set", "name": N, "value": V, "hosts": [H], "scheme": S?, "header": F?,
@@ -57,6 +65,7 @@ from typing import TYPE_CHECKING
 
 from appliance.event import Event
 from appliance.firewall.nft import NftError
+from appliance.pki import signed
 from appliance.policy import ConfigError, RuleError
 from appliance.policystore import MAX_GRANT
 from appliance.sessionconfig import SessionError
@@ -109,6 +118,11 @@ def _count(request: dict, name: str, default: int, low: int, high: int) -> int:
     if value < low:
         raise ControlError(f"{name!r} must be at least {low}, got {value}")
     return min(value, high)
+
+
+def _by(request: dict) -> str:
+    """Who asked (the API passes its client's certificate name), for the audit record."""
+    return approvals.clean(_field(request, "by", required=False) or "the control socket")
 
 
 async def verify_apart(path: Path, head: dict | None) -> dict:
@@ -309,7 +323,7 @@ class ControlServer:
         log.info("control: %s %s rule %s in session %s%s", "added" if added else "kept", kind,
                  rule.text, session, f" until {ends:.0f}" if ends else "")
         if added:
-            self.bus.emit(rule_changed(session, rule, "added", ends))
+            self.bus.emit(rule_changed(session, rule, "added", ends, _by(request)))
         return {"ok": True, "rule": rule.to_json(), "added": added, "expires": ends}
 
     @handles("remove")
@@ -319,7 +333,7 @@ class ControlServer:
         store = self.store
         rule = (await self.change(lambda: store.plan_remove(session, kind, text))).result
         log.info("control: removed %s rule %s from session %s", kind, rule.text, session)
-        self.bus.emit(rule_changed(session, rule, "revoked"))
+        self.bus.emit(rule_changed(session, rule, "revoked", by=_by(request)))
         return {"ok": True, "rule": rule.to_json()}
 
     @handles("events")
@@ -344,6 +358,53 @@ class ControlServer:
         async with self._audit_readers:
             verdict = await verify_apart(self.audit_path, head)
         return {"ok": True, **verdict}
+
+    def _signer(self):
+        audit_log = self.bus.audit
+        if audit_log is None or audit_log.signer is None:
+            raise ControlError("the audit log is not open yet: no key to sign with")
+        return audit_log, audit_log.signer
+
+    @handles("audit-heads")
+    async def _audit_heads(self, request: dict) -> dict:
+        _, signer = self._signer()
+        after = _count(request, "after", 0, 0, 2**63)
+        limit = _count(request, "limit", 1000, 1, 1000)
+        heads = await self._read_audit(signer.heads, after, limit)
+        return {"ok": True, "heads": heads, "more": len(heads) == limit}
+
+    @handles("audit-key")
+    async def _audit_key(self, request: dict) -> dict:
+        _, signer = self._signer()
+        return {"ok": True, "key": signer.public_pem, "appliance": signer.appliance}
+
+    @handles("audit-sign")
+    async def _audit_sign(self, request: dict) -> dict:
+        audit_log, signer = self._signer()
+        await self.workers.run(audit_log.sign_head, True)
+        return {"ok": True, "head": await self.workers.run(signer.latest)}
+
+    @handles("audit-segment")
+    async def _audit_segment(self, request: dict) -> dict:
+        _, signer = self._signer()
+        session = _field(request, "session")
+        head = await self.workers.run(signer.latest)
+        try:
+            lines = await self._read_audit(audit.session_segment, self.audit_path, session,
+                                           head["seq"] if head else 0)
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
+        return {"ok": True, "lines": lines, "head": head}
+
+    @handles("evidence-sign")
+    async def _evidence_sign(self, request: dict) -> dict:
+        _, signer = self._signer()
+        index = _field(request, "index", dict)
+        try:
+            signature = signed.sign_evidence(signer.key, index)
+        except signed.SignatureError as exc:
+            raise ControlError(str(exc)) from None
+        return {"ok": True, "signature": signature, "key": signer.public_pem}
 
     @handles("inspect-ca")
     async def _inspect_ca(self, request: dict) -> dict:
@@ -448,7 +509,7 @@ class ControlServer:
                 rule, added = change.result
                 ends = store.until(pending.session, rule)
                 if added:
-                    self.bus.emit(rule_changed(pending.session, rule, "added", ends))
+                    self.bus.emit(rule_changed(pending.session, rule, "added", ends, by))
                 detail = f", {pending.kind} {rule.text}" + (
                     f" until {time.strftime('%H:%M:%S', time.localtime(ends))}" if ends else "")
             # the rule is in force (or none is needed): the held requests may learn of it;

@@ -193,16 +193,19 @@ class EventBus:
         return [e for e in self.recent if probe.wants(e)][-n:] if n > 0 else []
 
 
-def rule_changed(session: str, rule, action: str, until: float | None = None) -> Event:
+def rule_changed(session: str, rule, action: str, until: float | None = None,
+                 by: str | None = None) -> Event:
     """A runtime rule added (for good, or `until` a time), revoked or expired: kind `rule`,
-    verdict `change` (its audit record is never charged to the session's budget)."""
+    verdict `change` (its audit record is never charged to the session's budget); `by`: who
+    asked for it, when someone did (the API's client, an approval's decider)."""
     text = f"{rule.kind} {rule.text}"
     if until is not None:
         text += " until " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(until))
     return Event(session=session, client=None, kind="rule", name=rule.host or None,
                  port=None, address=None, verdict="change", action=action, rule=rule.text,
                  rule_kind=rule.kind, layer=rule.layer, expires=until,
-                 reason=f"{action}: {text} (session runtime layer)")
+                 reason=f"{action}: {text} (session runtime layer)",
+                 **({"by": by} if by else {}))
 
 
 def retired(names: list[str], kept: int | None) -> Event:

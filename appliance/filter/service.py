@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from .approvals import Holds
 from .approvals_file import ApprovalsFile
 from .approvals_policy import OpenApprovals
 from .audit import AuditLog
+from .audit.heads import HeadSigner
 from .changes import Changes
 from .control import ControlServer
 from .dns.filter import DnsFilter, UdpServer, serve_tcp
@@ -232,9 +234,13 @@ class Service:
             await self.listeners.serve_fixed()
             if self.config.sessions or self.config.firewall.manage:  # the firewall is here
                 self.drops.start()
+            heads = self.config.audit
             self.audit = AuditLog(self.config.audit_path,
                                   segment_bytes=self.config.audit_segment_bytes,
-                                  keep=self.config.audit_segments)
+                                  keep=self.config.audit_segments,
+                                  signer=HeadSigner(Path(self.config.state_dir),
+                                                    heads.appliance or socket.gethostname(),
+                                                    heads.heads_every, heads.heads_interval))
             self.bus.audit = self.audit
             for session in self.store.session_configs():  # an unserved one is audited
                 await self.listeners.open_gateway(session)

@@ -29,6 +29,7 @@ from importlib import resources
 
 from flask import Flask, Response, abort, jsonify, request
 
+from .. import heads
 from ..client import Client, CliError
 
 GRANTS = ("once", "for", "session", "refuse")
@@ -93,7 +94,12 @@ def create_app(client: Client, token: str) -> Flask:
 
     @app.get("/api/status")
     def status():
-        return jsonify(client.request("GET", "/status"))
+        answer = client.request("GET", "/status")
+        try:  # the signed heads since the last look, kept as `corral status` keeps them
+            answer["audit_heads"] = heads.keep(client, client.appliance)
+        except CliError as exc:
+            answer["audit_heads"] = {"error": str(exc), "hint": exc.hint}
+        return jsonify(answer)
 
     @app.get("/api/sessions")
     def sessions():
@@ -140,7 +146,15 @@ def create_app(client: Client, token: str) -> Flask:
 
     @app.get("/api/audit/verify")
     def verify():
-        return jsonify(client.request("GET", "/audit/verify", timeout=600))
+        verdict = client.request("GET", "/audit/verify", timeout=600)
+        try:  # and the heads kept on this host, as `corral audit --verify` checks them
+            kept = heads.verify(client, client.appliance)
+        except CliError as exc:
+            kept = {"intact": False, "error": f"{exc} ({exc.hint})"}
+        return jsonify({**verdict, "intact": verdict["intact"] and kept["intact"],
+                        "chain_intact": verdict["intact"], "heads": kept,
+                        "error": verdict.get("error") or (
+                            "" if kept["intact"] else f"signed heads: {kept['error']}")})
 
     @app.get("/api/events")
     def events():

@@ -25,8 +25,9 @@ other.
 from __future__ import annotations
 
 from .files import GENESIS, Segment, encode, segment_path, segments
-from .reader import Verification, page, verify
+from .reader import Verification, page, session_segment, verify
 from .writer import COMMIT_WINDOW, SEGMENT_BYTES, SEGMENTS_KEPT, AuditLog
 
 __all__ = ["COMMIT_WINDOW", "GENESIS", "SEGMENTS_KEPT", "SEGMENT_BYTES", "AuditLog", "Segment",
-           "Verification", "encode", "page", "segment_path", "segments", "verify"]
+           "Verification", "encode", "page", "segment_path", "segments", "session_segment",
+           "verify"]

@@ -199,3 +199,33 @@ def _bisect(f: BinaryIO, wanted: Callable[[dict], bool]) -> int:
         else:
             low = start + len(raw)
     return low
+
+
+SEGMENT_LINES = 200_000
+"""The most lines `session_segment` hands out (an evidence bundle's chain segment)."""
+
+
+def session_segment(path: Path, session: str, upto: int) -> list[str]:
+    """The log's lines from the session's first record up to the record `upto` (a signed
+    head's seq), every session's records between them included: the chain segment that
+    links the session's records to that head. [] when the session has no record up to it."""
+    marker = b'"session":' + json.dumps(session).encode()
+    lines: list[str] = []
+    with opened(Path(path)) as files:
+        for _, f in files:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return lines
+                record = _record(raw) if lines or marker in raw else None
+                if not lines and (record or {}).get("session") != session:
+                    continue
+                record = record or {}
+                if record.get("seq", 0) > upto:
+                    return lines
+                lines.append(raw[:-1].decode())
+                if len(lines) > SEGMENT_LINES:
+                    raise ValueError(
+                        f"the chain from session {session}'s first record to the signed head "
+                        f"at seq {upto} is more than {SEGMENT_LINES} records: too large for "
+                        "one evidence bundle")
+    return lines

@@ -35,6 +35,7 @@ from .files import (
     segments,
     seq_of,
 )
+from .heads import HeadSigner
 from .reader import Verification, verify
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class AuditLog:
     """Owns the files. `append()` is thread-safe and never blocks on I/O."""
 
     def __init__(self, path: Path, window: float = COMMIT_WINDOW,
-                 segment_bytes: int = SEGMENT_BYTES, keep: int = SEGMENTS_KEPT):
+                 segment_bytes: int = SEGMENT_BYTES, keep: int = SEGMENTS_KEPT,
+                 signer: HeadSigner | None = None):
         self.path = Path(path)
+        self.signer = signer
+        """Signs the head now and then (heads.py), on this log's thread, after a write."""
         self.window = window
         self.segment_bytes = segment_bytes
         if keep < 2:
@@ -88,7 +92,8 @@ class AuditLog:
         sizes = dict(self._sizes)
         return {"path": str(self.path), "head": self.head, "segments": len(sizes),
                 "bytes": sum(sizes.values()), "segment_bytes": self.segment_bytes,
-                "segments_kept": self.keep, "error": self.failed}
+                "segments_kept": self.keep, "error": self.failed,
+                "signed": self.signer.describe() if self.signer is not None else None}
 
     def verify(self) -> Verification:
         """The files against the head: every record up to it (a batch being written after
@@ -124,9 +129,28 @@ class AuditLog:
             self._tail = (seq + 1, line_hash(line))
             self._queue.put((seq + 1, self._tail[1], line + b"\n"))
 
+    def sign_head(self, force: bool = False) -> dict | None:
+        """Sign the head on disk if it is due (or `force`: if it moved since the last signed
+        one); the new signed head, or None. Any thread."""
+        if self.signer is None:
+            return None
+        seq, digest = self._head
+        return self.signer.sign(seq, digest, force)
+
+    def _next(self):
+        """The next queued item; with a signer, wake when a head falls due meanwhile."""
+        if self.signer is None:
+            return self._queue.get()
+        while True:
+            try:
+                wait = self.signer.wait(self._head[0], time.time())
+                return self._queue.get(timeout=max(0.05, wait))
+            except queue.Empty:
+                self.sign_head()
+
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
+            first = self._next()
             if first is not _STOP and self.window:
                 time.sleep(self.window)  # let the batch gather: one fsync for all of it
             batch = [first]
@@ -139,6 +163,7 @@ class AuditLog:
             records = [item for item in batch if item is not _STOP]
             if records:
                 self._write(records)
+                self.sign_head()
             if stop:
                 return
 
@@ -254,8 +279,9 @@ class AuditLog:
             log.error("audit: could not cut a failed write back: %s", exc)
 
     def close(self) -> None:
-        """Write everything queued, then close."""
+        """Write everything queued, sign the head it ends at, then close."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
+            self.sign_head(force=True)  # a clean stop leaves no unsigned tail
         self._file.close()

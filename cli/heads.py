@@ -1,0 +1,174 @@
+"""The appliance's signed audit heads, kept on this host: what makes a rewrite of the whole
+audit log visible from outside (appliance/filter/audit/heads.py says why).
+
+Per appliance, in its directory (`corral` writes nothing else there):
+  audit-key.pem        the audit key's public half, pinned on first sight (like SSH's
+                       known_hosts): a different key later is an error that names the fix
+  audit-heads.jsonl    every signed head seen, oldest first, append-only: each batch of new
+                       heads is one write(2) of whole lines with O_APPEND, fsynced; a torn
+                       last line (a crash mid-write) is ignored when read
+
+`corral audit` and `corral status` keep the heads signed since the last one kept (`keep`);
+`corral audit --verify` checks each kept head (`verify`): its signature with the pinned
+key, and that the log still holds, at its seq, the record with its hash, the records
+between kept heads linked by the chain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from appliance.pki import signed
+
+from . import exitcodes
+from .client import Appliance, Client, CliError
+
+KEPT = "audit-heads.jsonl"
+PINNED = "audit-key.pem"
+PAGE = 1000
+
+
+class KeyChanged(CliError):
+    pass
+
+
+def pinned_key(appliance: Appliance, served: str):
+    """The pinned key (pinning `served` if none is): KeyChanged if `served` differs."""
+    path = appliance.directory / PINNED
+    if path.exists():
+        pinned = path.read_text()
+        if pinned.strip() != served.strip():
+            new = signed.fingerprint(signed.load_public(served, "the served key"))
+            old = signed.fingerprint(signed.load_public(pinned, str(path)))
+            raise KeyChanged(
+                f"appliance {appliance.name}'s audit key changed: pinned {old}, it now "
+                f"serves {new}. Either it was re-provisioned (a new key), or someone replaced "
+                "the key to sign a rewritten log",
+                f"if you re-provisioned it, check that {new} is the filter's key on the "
+                "appliance (head-key.pub in its state directory), then move "
+                f"{path} and {path.with_name(KEPT)} aside to pin the new one",
+                exitcodes.AUDIT_BROKEN)
+    else:
+        _write_new(path, served.encode())
+    return signed.load_public(path.read_text(), str(path))
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), 0o644)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def kept(appliance: Appliance) -> list[dict]:
+    try:
+        with open(appliance.directory / KEPT, "rb") as f:
+            return [json.loads(raw) for raw in f if raw.endswith(b"\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _append(appliance: Appliance, heads: list[dict]) -> None:
+    data = b"".join(signed.canonical(h) + b"\n" for h in heads)
+    fd = os.open(appliance.directory / KEPT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def keep(client: Client, appliance: Appliance) -> dict:
+    """Fetch the heads signed since the last one kept, check each against the pinned key,
+    keep them. What was kept: {"kept", "new", "key"}."""
+    served = client.request("GET", "/audit/key")
+    key = pinned_key(appliance, served["key"])
+    heads = kept(appliance)
+    since = heads[-1]["seq"] if heads else 0
+    new: list[dict] = []
+    while True:
+        page = client.request("GET", "/audit/heads", since=since, limit=PAGE)
+        for head in page["heads"]:
+            try:
+                signed.check_head(key, head)
+            except signed.SignatureError as exc:
+                raise CliError(f"appliance {appliance.name} served a bad signed head: {exc}",
+                               "nothing was kept; run `corral audit --verify`",
+                               exitcodes.AUDIT_BROKEN) from None
+            if head["seq"] > since:
+                new.append(head)
+                since = head["seq"]
+        if not page.get("more") or not page["heads"]:
+            break
+    if new:
+        _append(appliance, new)
+    return {"kept": len(heads) + len(new), "new": len(new), "key": signed.fingerprint(key)}
+
+
+def verify(client: Client, appliance: Appliance) -> dict:
+    """Check every kept head: its signature, and the log's record at its seq (the records
+    between the first and the last kept head walked as a chain). A verdict: `intact`, and
+    where it broke (`seq`, `error`)."""
+    kept_before = keep(client, appliance)
+    key = pinned_key(appliance, client.request("GET", "/audit/key")["key"])
+    heads = kept(appliance)
+    verdict = {"intact": True, "kept": len(heads), "checked": 0, "retired": 0,
+               "key": kept_before["key"], "error": "", "seq": None}
+    for head in heads:
+        try:
+            signed.check_head(key, head)
+        except signed.SignatureError as exc:
+            return {**verdict, "intact": False, "seq": head.get("seq"),
+                    "error": f"kept head: {exc}"}
+    if not heads:
+        return verdict
+    return _walk(client, heads, verdict)
+
+
+def _walk(client: Client, heads: list[dict], verdict: dict) -> dict:
+    """Page through the log from the first kept head's seq to the last's, checking each
+    link and each kept head's hash on the way."""
+    wanted = {h["seq"]: h for h in heads}
+    last = max(wanted)
+    after, seq, digest = min(wanted) - 1, None, None
+    while seq is None or seq < last:
+        page = client.request("GET", "/audit", after=after, limit=PAGE)
+        if not page["records"]:
+            break
+        for record in page["records"]:
+            line = signed.canonical(record)
+            if seq is None:
+                retired = [s for s in wanted if s < record["seq"]]
+                verdict["retired"] = len(retired)
+            elif record["seq"] != seq + 1 or record.get("prev") != digest:
+                return {**verdict, "intact": False, "seq": record["seq"], "error": (
+                    f"the log's record at seq {record['seq']} does not follow the one at seq "
+                    f"{seq} (a line removed, inserted or edited between kept heads)")}
+            seq, digest = record["seq"], signed.line_hash(line)
+            head = wanted.get(seq)
+            if head is not None:
+                if digest != head["hash"]:
+                    return {**verdict, "intact": False, "seq": seq, "error": (
+                        f"the log's record at seq {seq} is not the one the appliance signed "
+                        f"at {head['time']}: its hash is {digest[:16]}..., the kept head "
+                        f"says {head['hash'][:16]}...: the log was rewritten from there or "
+                        "before")}
+                verdict["checked"] += 1
+            if seq >= last:
+                break
+        after = seq
+    if seq is None or seq < last:
+        return {**verdict, "intact": False, "seq": last, "error": (
+            f"the log ends at seq {seq or 0} but a head was signed at seq {last}: records "
+            "were cut from its end")}
+    return verdict
