@@ -179,6 +179,9 @@ DIFFER_ON_PURPOSE = {
                                         "table is written only when it is set)",
     ("filter.toml", "inspect", "ca_dir"): "code: inspection off unless a CA is given; the "
                                           "role: the filter's own CA in its state directory",
+    ("filter.toml", "events", "journal"): "code: off (tests, the local backend, a filter "
+                                          "where no journald runs); the role: on, journald "
+                                          "runs on every appliance",
 }
 """Where a role default and its code default differ, and why (safe without the role)."""
 
