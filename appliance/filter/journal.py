@@ -185,6 +185,8 @@ class Journal:
         self._reported_lost = 0
         self._subscription = None
         self._task: asyncio.Task | None = None
+        self._pending: bytes | None = None
+        """The entry waiting for room in a full journal."""
 
     @property
     def lost(self) -> int:
@@ -203,31 +205,45 @@ class Journal:
                                                             name="journal export")
 
     async def stop(self) -> None:
-        """Send what is queued as far as journald takes it now (never waiting), then close."""
+        """Send what is queued as far as journald takes it now (never waiting; the rest is
+        counted lost), then close."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         if self._subscription is not None:
-            while self._subscription.queue:
-                if not self._deliver(entry(self._subscription.queue.popleft())):
-                    self._subscription.dropped += 1 + len(self._subscription.queue)
-                    break
             self._subscription.close()
+            queue, full = self._subscription.queue, False
+            if self._pending is not None:
+                full = not self._deliver(self._pending)
+            while queue and not full:
+                data = self._encoded(queue.popleft())
+                full = data is not None and not self._deliver(data)
+            if full:
+                self.failed += 1 + len(queue)
+                queue.clear()
+            self._pending = None
         self._report()
         self._close()
 
     async def _run(self) -> None:
         async for event in self._subscription:
-            try:
-                data = entry(event)
-            except Exception:  # a value JSON cannot write: a bug, not a reason to stop
-                log.exception("journal export: event %s cannot be encoded", event.get("id"))
-                self._lost("an event could not be encoded (see the log)")
+            data = self._encoded(event)
+            if data is None:
                 continue
+            self._pending = data
             while not self._deliver(data):
                 await self._writable()
+            self._pending = None
+
+    def _encoded(self, event: dict) -> bytes | None:
+        try:
+            return entry(event)
+        except Exception:  # a value JSON cannot write: a bug, not a reason to stop
+            log.exception("journal export: event %s cannot be encoded", event.get("id"))
+            self._lost("an event could not be encoded (see the log)")
+            return None
 
     def _deliver(self, data: bytes) -> bool:
         """Send one entry; True when it is done with (sent, or lost and counted), False
