@@ -221,3 +221,28 @@ def test_a_journal_full_for_good_costs_the_oldest_entries_counted(tmp_path, monk
         exporter, seen = asyncio.run(main())
     assert seen["waiting"] and seen["queued"] == 20 and seen["lost"] > 0
     assert exporter.sent + exporter.lost == 300  # each one either sent or counted
+
+
+def test_a_restarted_journald_gets_the_next_entry_on_its_new_socket(tmp_path):
+    """journald restarted: the connected socket's peer is gone (ECONNREFUSED); the entry
+    goes to the new socket at the same path, nothing lost."""
+    path = tmp_path / "journal.sock"
+
+    async def main(first_socket):
+        bus = EventBus()
+        exporter = Journal(bus, str(path))
+        exporter.start()
+        bus.emit(denial(1))
+        await settle(exporter, 1)
+        first_socket.close()
+        path.unlink()
+        with journald(path) as second:
+            bus.emit(denial(2))
+            await settle(exporter, 2)
+            await exporter.stop()
+            return exporter, dict(journal_entry(second))
+
+    with journald(path) as first:
+        exporter, entry = asyncio.run(main(first))
+    assert entry["CORRAL_NAME"] == b"n2.test"
+    assert (exporter.sent, exporter.lost) == (2, 0)

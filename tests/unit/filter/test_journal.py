@@ -62,6 +62,15 @@ def test_a_value_with_a_newline_goes_in_the_binary_safe_form():
         b"CORRAL_REASON\n\x09\x00\x00\x00\x00\x00\x00\x00two\nlines\n")
 
 
+def test_no_value_can_add_a_field_of_its_own():
+    """What a session sends ends up in values (a name, a path): a newline in one, were it
+    not escaped by the bus already, still cannot start a field."""
+    event = Event(kind="dns", verdict="deny", reason="r\nPRIORITY=0\nCORRAL_VERDICT=allow")
+    read = journal_fields(entry(event))
+    assert [value for name, value in read if name == "PRIORITY"] == [b"5"]
+    assert [value for name, value in read if name == "CORRAL_VERDICT"] == [b"deny"]
+
+
 def test_lengths_count_bytes_not_characters():
     assert encode([("CORRAL_NAME", "é\n")]) == (
         b"CORRAL_NAME\n\x03\x00\x00\x00\x00\x00\x00\x00\xc3\xa9\n\n")
