@@ -333,6 +333,18 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    journal: bool = setting(False, boolean)
+    """Every event to journald too, one entry each: the event as a JSON line and its fields
+    as CORRAL_* (filter/journal.py; README, "Events in your log system"), for rsyslog, Vector,
+    Fluent Bit or journald's own forwarding to carry. Off unless asked for (the role asks:
+    journald runs on every appliance); a journal that is missing or full loses entries
+    (counted in `status`), never slows the filter."""
+    journal_socket: str = setting("/run/systemd/journal/socket", string)
+    """journald's native socket."""
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     name: str
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -380,6 +392,7 @@ class FilterConfig:
     inspect: InspectConfig = field(default_factory=InspectConfig)
     sshgate: SshgateConfig = field(default_factory=SshgateConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     @property
     def audit_path(self) -> Path:
@@ -387,7 +400,8 @@ class FilterConfig:
 
 
 TABLES = {"dns": DnsConfig, "proxy": ProxyConfig, "firewall": FirewallConfig,
-          "inspect": InspectConfig, "sshgate": SshgateConfig, "audit": AuditConfig}
+          "inspect": InspectConfig, "sshgate": SshgateConfig, "audit": AuditConfig,
+          "events": EventsConfig}
 """The tables that are a dataclass of their own; FilterConfig's fields name their keys."""
 EXTRA_KEYS = {"dns": {"upstream_from"}, "session": {"name", "subnet", "files", "gateway"}}
 """Keys that are not a field of their own."""
@@ -495,7 +509,8 @@ def parse_config(text: str, path: str) -> FilterConfig:
 
     config = read(FilterConfig, None, path=path, dns=dns, proxy=read(ProxyConfig, "proxy"),
                   sessions=tuple(sessions), firewall=firewall, inspect=inspect,
-                  sshgate=read(SshgateConfig, "sshgate"), audit=read(AuditConfig, "audit"))
+                  sshgate=read(SshgateConfig, "sshgate"), audit=read(AuditConfig, "audit"),
+                  events=read(EventsConfig, "events"))
     if inspect.ca_dir is not None:
         ca_dir, state_dir = Path(inspect.ca_dir), Path(config.state_dir)
         if not ca_dir.is_absolute() or ca_dir == state_dir or ca_dir in state_dir.parents:

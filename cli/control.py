@@ -246,6 +246,8 @@ def cmd_status(args) -> int:
         kept = status["audit_heads"]
         output.line(f"audit heads: {kept['kept']} signed heads kept on this host ({kept['new']} "
                     f"new), key {kept['key']}")
+    if health.get("journal"):
+        output.line(journal_line(health["journal"]))
     sandbox = status.get("sandbox")
     if sandbox is not None:
         output.line(f"sandbox: healthy, {sandbox['sessions']} sessions, image {sandbox['image']}"
@@ -253,6 +255,18 @@ def cmd_status(args) -> int:
                     if sandbox["healthy"] else f"sandbox: DOWN: {render.text(sandbox['error'])}")
     return exitcodes.OK if health["healthy"] and firewall.get("loaded") and (
         sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
+
+
+def journal_line(journal: dict) -> str:
+    """`status`'s line for the export to journald ([events] journal): what went, what not."""
+    line = f"journal: {journal['sent']} events sent to {journal['socket']}"
+    if journal["lost"]:
+        line += f"; {journal['lost']} NOT sent (the audit log has them)"
+        if journal.get("error"):
+            line += f": {render.text(journal['error'])}"
+    if journal.get("waiting"):
+        line += f"; journald full, {journal['queued']} waiting"
+    return line
 
 
 def register(sub) -> None:

@@ -65,6 +65,7 @@ def values(state: Path, *, api_listen: str = "127.0.0.1:7443",
         "corral_filter_state_dir": str(state / "filter"),
         "corral_filter_inspect_ca_dir": str(state / "filter" / "intercept"),
         "corral_filter_control_socket": str(state / "run" / "filter.sock"),
+        "corral_filter_journal": False,  # events stay in the state directory's audit log
         "corral_sandbox_control_socket": str(state / "run" / "sandbox.sock"),
         "corral_sandbox_state_dir": str(state / "sandbox"),
         "corral_sandbox_cgroup_manager": "systemd" if (

@@ -22,6 +22,7 @@ order; none of them is given the service, each gets the narrow things it uses:
   registration.py     store, changes, budget, listeners, approvals file   sessions at run time
   listeners.py        config, store, bus, what serves each key   fixed and gateway sockets
   drops.py            store, bus, NFLOG group       firewall rejects become events
+  journal.py          bus, journald's socket        every event to journald ([events] journal)
   approvals_policy.py store, holds                  open approvals under the policy now
   git/sshgate.py      store, bus, secrets, its port, the proxy's judges, cap, budget and
                       timeouts, host.corral's address, the resolver   the git gateway
@@ -65,6 +66,7 @@ from .events import EventBus, retired
 from .expiry import GrantExpiry
 from .firewalled import Firewall, nftables
 from .git.sshgate import Gate
+from .journal import Journal
 from .limits import DescriptorBudget, raise_limit
 from .listeners import Listeners, Serve
 from .proxy import Proxy
@@ -206,10 +208,12 @@ class Service:
         self.expiry = GrantExpiry(store, self.changes.change, bus)
         self.drops = DropReader(store, bus, config.firewall.log_group,
                                 ruleset.gateway_services(config))
+        self.journal = Journal(bus, config.events.journal_socket) \
+            if config.events.journal else None
         self.status = Status(config=config, store=store, bus=bus, listeners=self.listeners,
                              proxy=self.proxy, dns=self.dns, resolver=self.resolver,
                              budget=self.budget, secrets=self.secrets, firewall=self.firewall,
-                             inspect_error=self.inspect_error)
+                             inspect_error=self.inspect_error, journal=self.journal)
         self.control = ControlServer(
             store=store, bus=bus, change=self.changes.change, workers=self.workers,
             status=self.status, sessions=self.registration, audit_path=config.audit_path,
@@ -230,6 +234,8 @@ class Service:
                 start_cuts = self.firewall.apply(self.store, end_strangers=True)
             except (NftError, ControlError) as exc:
                 raise SystemExit(f"corral-filter: cannot load the ruleset: {exc}") from None
+        if self.journal is not None:
+            self.journal.start()  # subscribed before anything is served
         try:
             await self.listeners.serve_fixed()
             if self.config.sessions or self.config.firewall.manage:  # the firewall is here
@@ -275,6 +281,8 @@ class Service:
             self.audit = None
         if self.inspector is not None:
             self.inspector.close()
+        if self.journal is not None:
+            await self.journal.stop()  # the last events too, as far as journald takes them
         self.workers.shutdown(wait=False)
 
 

@@ -14,6 +14,7 @@ from .dns.filter import DnsFilter
 from .dns.resolver import Resolver
 from .events import EventBus
 from .firewalled import Firewall
+from .journal import Journal
 from .limits import DescriptorBudget
 from .listeners import Listeners
 from .proxy import Proxy
@@ -25,12 +26,14 @@ VERSION = "0.1.0"
 class Status:
     def __init__(self, *, config, store: PolicyStore, bus: EventBus, listeners: Listeners,
                  proxy: Proxy, dns: DnsFilter, resolver: Resolver, budget: DescriptorBudget,
-                 secrets: SecretStore, firewall: Firewall, inspect_error: str | None):
+                 secrets: SecretStore, firewall: Firewall, inspect_error: str | None,
+                 journal: Journal | None = None):
         """`config`: the filter's (the audit log's path); `inspect_error`: why there is
-        no interception CA, if there is none."""
+        no interception CA, if there is none; `journal`: the export to journald, if on."""
         self.config, self.store, self.bus, self.listeners = config, store, bus, listeners
         self.proxy, self.dns, self.resolver, self.budget = proxy, dns, resolver, budget
         self.secrets, self.firewall, self.inspect_error = secrets, firewall, inspect_error
+        self.journal = journal
         self.started = time.time()
         self.event_loop = ""
         """Which loop runs the filter: "uvloop" or "asyncio" (set at start)."""
@@ -69,6 +72,7 @@ class Status:
                          "cache_evicted": self.resolver.cache.evicted},
             "dns": self.dns.stats(),
             "audit": self._audit(),
+            "journal": self.journal.describe() if self.journal is not None else None,
             "firewall": self._firewall_seen,  # as `check` last saw it
         }
 

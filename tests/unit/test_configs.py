@@ -55,6 +55,7 @@ def test_the_local_backends_files_are_the_roles_read_by_the_real_loaders(tmp_pat
     assert config.control_socket == filter_socket
     assert config.policy_files == (str(state / "policy.toml"),)
     assert config.firewall.manage and config.firewall.interfaces == ("podman*",)
+    assert not config.events.journal  # a supervisor, not systemd: the events stay in state/
     sandbox = load_sandbox(str(state / "sandbox.toml"))
     assert (sandbox.socket, sandbox.state_dir, sandbox.filter_socket, sandbox.group) == (
         str(state / "run" / "sandbox.sock"), str(state / "sandbox"), filter_socket, "")

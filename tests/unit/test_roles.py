@@ -87,6 +87,7 @@ def test_filter_config_renders_into_what_the_filter_loads(tmp_path):
     assert (config.audit_segment_bytes, config.audit_segments) == (
         fields["audit_segment_bytes"], fields["audit_segments"])
     assert config.state_dir == str(tmp_path / "state")
+    assert config.events.journal  # journald runs on every appliance: it gets every event
 
 
 def test_the_appliance_layer_names_a_preset_with_its_parameters():
@@ -179,6 +180,9 @@ DIFFER_ON_PURPOSE = {
                                         "table is written only when it is set)",
     ("filter.toml", "inspect", "ca_dir"): "code: inspection off unless a CA is given; the "
                                           "role: the filter's own CA in its state directory",
+    ("filter.toml", "events", "journal"): "code: off (tests, the local backend, a filter "
+                                          "where no journald runs); the role: on, journald "
+                                          "runs on every appliance",
 }
 """Where a role default and its code default differ, and why (safe without the role)."""
 
@@ -220,6 +224,9 @@ def test_units_are_hardened_and_ordered():
             assert line + "\n" in unit
     assert "StateDirectory=corral-filter\n" in filter_unit
     assert "RuntimeDirectory=corral-filter\n" in filter_unit  # where the control socket is
+    # the control socket and journald's ([events] journal), never closed off
+    assert re.search(r"^RestrictAddressFamilies=.*\bAF_UNIX\b", filter_unit, re.M)
+    assert not re.search(r"^(InaccessiblePaths|TemporaryFileSystem)=.*/run", filter_unit, re.M)
     assert "CapabilityBoundingSet=\n" in api_unit  # none at all
     assert "Requires=corral-firewall.service corral-filter.service" in sandbox_unit
     assert "Before=network-pre.target" in firewall_unit

@@ -206,3 +206,15 @@ def test_on_a_real_terminal_raw_records_and_the_prompt_arrive_as_drawn(tmp_path)
         f"{output.MARK} ap-1: session s2 asks for http github.com.login.example.evil.test:443",
         f"{output.MARK} [o]nce [s]ession [a]lways [r]efuse [n]ext [q]uit: a key decides ap-1"]
     assert sum(text.startswith(output.MARK) for text in lines) == 2
+
+
+def test_status_says_what_the_journal_export_lost_and_why():
+    from cli.control import journal_line
+
+    sock = "/run/systemd/journal/socket"
+    assert journal_line({"socket": sock, "sent": 12, "lost": 0, "queued": 0,
+                         "waiting": False, "error": None}) == f"journal: 12 events sent to {sock}"
+    assert journal_line({"socket": sock, "sent": 3, "lost": 5, "queued": 7, "waiting": True,
+                         "error": f"{sock}: No such file or directory\x1b[2J"}) == (
+        f"journal: 3 events sent to {sock}; 5 NOT sent (the audit log has them): {sock}: "
+        "No such file or directory\\x1b[2J; journald full, 7 waiting")
