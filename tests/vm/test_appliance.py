@@ -289,6 +289,22 @@ def test_cli_against_the_forwarded_api(appliance, tmp_path):
             with contextlib.suppress(queue.Empty):
                 seen.append(lines.get(timeout=1))
         assert any("denied.example.net" in line for line in seen), seen[-5:]
+        # the same decision in journald, as the team's log system reads it (journald itself,
+        # on the appliance: the sandboxed unit reached its socket)
+        logged = appliance.ssh("sudo journalctl -t corral-events -o json --all --since -15min "
+                               "CORRAL_NAME=denied.example.net CORRAL_VERDICT=deny",
+                               timeout=120)
+        assert logged.returncode == 0, logged.stderr
+        entries = [json.loads(line) for line in logged.stdout.splitlines()
+                   if line.startswith("{")]
+        assert entries, logged.stdout[-2000:]
+        entry = entries[-1]
+        event = json.loads(entry["MESSAGE"])
+        assert (event["name"], event["session"], event["verdict"]) == (
+            "denied.example.net", "smoke", "deny")
+        assert (entry["SYSLOG_IDENTIFIER"], entry["PRIORITY"], entry["CORRAL_KIND"]) == (
+            "corral-events", "5", "dns")
+        assert entry["_SYSTEMD_UNIT"] == "corral-filter.service"
     finally:
         monitor.terminate()
         monitor.wait(10)
