@@ -1,17 +1,21 @@
-"""The VM tier: one appliance, made as a user makes it, then proven.
+"""The VM tier: two appliances, made as a user makes them, then proven.
 
-`corral box build`, then `corral up` with the real Vagrantfile (vagrant-libvirt, QEMU/TCG),
-which provisions it with playbooks/site.yml. Then, on that one VM:
-- site.yml again, the way any Debian 13 host is provisioned (ansible-playbook and an
-  inventory, outside Vagrant): it must change nothing, so the two paths make one appliance;
-- `corral verify`: services active, the full ruleset loaded, the API answering only with the
-  client certificate, the bypass battery passing in a real session inside the VM;
+`corral box build` (Debian 13, the appliance's packages, corral's venv and the sandbox
+images baked in), then `corral up` with the real Vagrantfile (vagrant-libvirt, QEMU/TCG),
+which provisions it with playbooks/site.yml. Then:
+- a second VM booted from the same box (`corral up --no-provision`), and site.yml over one
+  inventory naming both (`corral inventory`), the way a team provisions its Debian 13
+  hosts: the second is made, the first (provisioned through Vagrant) changes nothing, so
+  the two paths make one appliance; both verified; their manifests identical; a file edited
+  and a package removed on the second named by `corral verify`; `corral ls --all`;
+- `corral verify` on the first: its manifest, services active, the full ruleset loaded, the
+  API answering only with the client certificate, the bypass battery in a real session;
 - the units' hardening as systemd reports it, the boot ruleset, nothing of the appliance on
   this host;
-- the CLI over the forwarded API: a session, a rule, a denial seen live in `corral monitor`,
-  an inspected flow verified upstream, a push confined by the git gateway to a git server
-  on this machine (host.corral), `corral destroy`.
-One VM, because each boot and provisioning costs a quarter of an hour under TCG.
+- the CLI over the forwarded API: a session, a rule, a denial seen live in `corral monitor`
+  and read back from journald, an inspected flow verified upstream, a push confined by the
+  git gateway to a git server on this machine (host.corral), `corral destroy`.
+Two VMs at most, because each boot and provisioning costs minutes under TCG.
 """
 
 from __future__ import annotations
