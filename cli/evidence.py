@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from appliance.pki import signed
+from appliance.pki.signed import read_heads
 
 from . import exitcodes, heads, output
 from .arguments import appliance_command
@@ -93,8 +94,10 @@ def _json(members: dict[str, bytes], name: str):
     return value
 
 
-def check(data: bytes, key) -> dict:
-    """Check a bundle with the appliance's public key; what it holds, or Refused."""
+def check(data: bytes, key, kept: list[dict] = ()) -> dict:
+    """Check a bundle with the appliance's public key; what it holds, or Refused. `kept`:
+    the heads this host kept for that appliance: root on the appliance holds the key and
+    could sign a bundle of a rewritten log, but not change what this host kept before."""
     members = unpack(data)
     index = _json(members, INDEX)
     signature = _json(members, SIGNATURE)
@@ -113,14 +116,17 @@ def check(data: bytes, key) -> dict:
     extra = sorted(set(members) - set(listed) - {INDEX, SIGNATURE})
     if extra:
         raise Refused(extra[0], "not in the signed index")
-    records = _chain(members, index, key)
+    records = _chain(members, index, key, kept)
     return {"ok": True, "session": index["session"], "appliance": index.get("appliance"),
             "created": index.get("created"), "members": sorted(listed),
             "records": records, "head": index.get("head"), "key": signed.fingerprint(key)}
 
 
-def _chain(members: dict[str, bytes], index: dict, key) -> dict:
-    """audit.jsonl is one chain that ends at a head the appliance signed (heads.jsonl)."""
+def _chain(members: dict[str, bytes], index: dict, key, kept: list[dict] = ()) -> dict:
+    """audit.jsonl is one chain that ends at a head the appliance signed (heads.jsonl), and
+    holds at each seq a head kept on this host the record that head names."""
+    kept_here = {h["seq"]: h for h in kept}
+    matched = 0
     head = index.get("head") or {}
     signed_heads = {}
     for number, raw in enumerate(members.get("heads.jsonl", b"").splitlines(), 1):
@@ -149,12 +155,20 @@ def _chain(members: dict[str, bytes], index: dict, key) -> dict:
         if at is not None and at["hash"] != digest:
             raise Refused("audit.jsonl", f"the record at seq {seq} is not the one the "
                           "appliance signed a head for (heads.jsonl)")
+        here = kept_here.get(seq)
+        if here is not None:
+            if here["hash"] != digest:
+                raise Refused("audit.jsonl", f"the record at seq {seq} is not the one the "
+                              "appliance signed the head this host kept for it: the log was "
+                              "rewritten before the bundle was made")
+            matched += 1
     end = signed_heads.get(seq)
     if end is None or head != {"seq": seq, "hash": digest}:
         raise Refused("audit.jsonl", f"the records end at seq {seq}, which is not the signed "
                       f"head the index names ({head.get('seq')}): the chain is not anchored")
     first = json.loads(lines[0]).get("seq")
-    return {"first": first, "last": seq, "session": session, "heads": len(signed_heads)}
+    return {"first": first, "last": seq, "session": session, "heads": len(signed_heads),
+            "kept_heads_matched": matched}
 
 
 def cmd_evidence(args) -> int:
@@ -169,7 +183,7 @@ def cmd_evidence(args) -> int:
     key = heads.pinned_key(appliance, client.request("GET", "/audit/key")["key"])
     answer = client.request("GET", f"/sessions/{args.session}/evidence", timeout=SLOW)
     data = bundle(answer)
-    verdict = check(data, key)  # never write what would not verify
+    verdict = check(data, key, heads.kept(appliance))  # never write what would not verify
     target = Path(args.output or f"corral-evidence-{args.session}.tar")
     _write(target, data)
     summary = {"file": str(target), "sha256": hashlib.sha256(data).hexdigest(), **verdict}
@@ -220,13 +234,17 @@ def _key(args):
 
 def _verify(args) -> int:
     key = _key(args)
+    # with the pinned key, the heads kept beside it are checked too (offline, --key: only
+    # the signature vouches, and a key holder can sign anything)
+    kept = [] if args.key else list(read_heads(
+        config_home() / "appliances" / args.appliance / heads.KEPT))
     try:
         data = Path(args.verify).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {args.verify}: {exc.strerror}",
                        code=exitcodes.USAGE) from None
     try:
-        verdict = check(data, key)
+        verdict = check(data, key, kept)
     except Refused as exc:
         if args.json:
             output.data({"ok": False, "member": exc.member, "error": str(exc)})

@@ -6,7 +6,7 @@ Per appliance, in its directory (`corral` writes nothing else there):
                        known_hosts): a different key later is an error that names the fix
   audit-heads.jsonl    every signed head seen, oldest first, append-only: each batch of new
                        heads is one write(2) of whole lines with O_APPEND, fsynced; a torn
-                       last line (a crash mid-write) is ignored when read
+                       last line (a crash mid-write) is cut before the next append
 
 `corral audit` and `corral status` keep the heads signed since the last one kept (`keep`);
 `corral audit --verify` checks each kept head (`verify`): its signature with the pinned
@@ -16,12 +16,14 @@ between kept heads linked by the chain.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import fcntl
 import os
 import tempfile
 from pathlib import Path
 
 from appliance.pki import signed
+from appliance.pki.signed import cut_torn_tail, read_heads
 
 from . import exitcodes
 from .client import Appliance, Client, CliError
@@ -71,19 +73,30 @@ def _write_new(path: Path, data: bytes) -> None:
 
 
 def kept(appliance: Appliance) -> list[dict]:
-    try:
-        with open(appliance.directory / KEPT, "rb") as f:
-            return [json.loads(raw) for raw in f if raw.endswith(b"\n")]
-    except FileNotFoundError:
-        return []
+    """The heads kept here, oldest first (a torn or foreign line is skipped: every kept head
+    is checked against the pinned key before it counts)."""
+    return list(read_heads(appliance.directory / KEPT))
 
 
 def _append(appliance: Appliance, heads: list[dict]) -> None:
     data = b"".join(signed.canonical(h) + b"\n" for h in heads)
-    fd = os.open(appliance.directory / KEPT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(appliance.directory / KEPT, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        cut_torn_tail(fd)
         os.write(fd, data)
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _keeping(appliance: Appliance):
+    """One `keep` at a time per appliance (the dashboard's threads, `corral status` beside
+    it): read-then-append would keep the same heads twice."""
+    fd = os.open(appliance.directory / f"{KEPT}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 
@@ -91,6 +104,11 @@ def _append(appliance: Appliance, heads: list[dict]) -> None:
 def keep(client: Client, appliance: Appliance) -> dict:
     """Fetch the heads signed since the last one kept, check each against the pinned key,
     keep them. What was kept: {"kept", "new", "key"}."""
+    with _keeping(appliance):
+        return _keep(client, appliance)
+
+
+def _keep(client: Client, appliance: Appliance) -> dict:
     served = client.request("GET", "/audit/key")
     key = pinned_key(appliance, served["key"])
     heads = kept(appliance)
@@ -171,4 +189,13 @@ def _walk(client: Client, heads: list[dict], verdict: dict) -> dict:
         return {**verdict, "intact": False, "seq": last, "error": (
             f"the log ends at seq {seq or 0} but a head was signed at seq {last}: records "
             "were cut from its end")}
+    if verdict["checked"] == 0:
+        # Every kept head is older than the log's first record. Retention can do that, but
+        # so can root replacing the whole log with a consistent new chain that starts after
+        # the last head kept here: with no kept head left in it, nothing vouches for it.
+        return {**verdict, "intact": False, "seq": last, "error": (
+            f"no head kept on this host is in the log any more (the last was signed at seq "
+            f"{last}; the log now starts after it): a log replaced whole cannot be told from "
+            "one trimmed by retention, so it cannot be vouched for. Keep heads more often "
+            "than retention removes segments (`corral audit` or `corral status` keeps them)")}
     return verdict

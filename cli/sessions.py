@@ -22,7 +22,7 @@ from appliance.policy.config import ConfigError, parse_policy
 
 from . import agents, exitcodes, output, render, scan
 from .arguments import appliance_command
-from .client import SLOW, Client, CliError, known_appliances, load_appliance
+from .client import SLOW, Client, CliError, config_home, known_appliances, load_appliance
 from .learn import learn
 from .projectfile import drop_typeahead
 from .targets import client_for, pick_session, project_id
@@ -291,6 +291,10 @@ def cmd_ls(args) -> int:
     return exitcodes.OK
 
 
+def appliance_dir(name: str):
+    return config_home() / "appliances" / name
+
+
 def _ls_all(args) -> int:
     """Every appliance this host knows, asked one after the other (a few at most); one
     that does not answer is named, and the others are still listed."""
@@ -304,6 +308,11 @@ def _ls_all(args) -> int:
             found[name] = Client(load_appliance(name), timeout=5).request("GET", "/sessions")
         except CliError as exc:
             failed[name] = {"error": str(exc), "hint": exc.hint, "code": exc.code}
+        except (OSError, ValueError) as exc:  # its credentials unreadable (ssl.SSLError too)
+            failed[name] = {"error": f"{name}: its credentials in {appliance_dir(name)} do not "
+                            f"load: {exc}", "hint": "provision it again (site.yml writes them): "
+                            f"`corral provision --appliance {name}` for a VM",
+                            "code": exitcodes.NOT_CONFIGURED}
     if args.json:
         output.data({"appliances": found, "unreachable": failed})
     else:

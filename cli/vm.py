@@ -492,8 +492,9 @@ def register(sub) -> None:
                             "manifest records it (drift named), services, ruleset, API and the "
                             "bypass battery in a throwaway session", verify)
     check.add_argument("--against", metavar="OTHER",
-                       help="instead, compare this appliance's manifest with OTHER's and print "
-                       "each difference (exit 6 if any); any backend")
+                       help="instead, compare this appliance's manifest with OTHER's (what each "
+                       "was provisioned to, as recorded) and print each difference (exit 6 if "
+                       "any); any backend")
     check.add_argument("--json", action="store_true", help="with --against: machine-readable")
     _register_inventory(sub)
     shell = machine_command(sub, "ssh", "a shell on the appliance's VM", ssh)

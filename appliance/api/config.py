@@ -26,11 +26,10 @@ class ApiConfig:
     threads: int = 16
     """Worker threads: each live `monitor` stream holds one."""
     pidfile: str = ""
-    manifest: str = "/etc/corral/manifest.json"
-    """The appliance's manifest: an evidence bundle carries its digest, or says it is absent."""
     """Where gunicorn writes its pid (SIGHUP there reloads the certificates); none if empty."""
     manifest: str = "/etc/corral/manifest.json"
-    """The appliance's manifest (provisioning writes it), served as GET /v1/manifest."""
+    """The appliance's manifest (provisioning writes it), served as GET /v1/manifest; an
+    evidence bundle carries its digest, or says it is absent."""
 
     @property
     def tls(self) -> Path:

@@ -77,6 +77,19 @@ def manifest_member(path: Path) -> dict:
     return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _heads_between(after: int, last: int) -> list[dict]:
+    """Every signed head after seq `after` up to seq `last`, page by page: a session that
+    ran for days spans more heads than one answer holds, and the bundle must reach the head
+    its chain ends at."""
+    heads: list[dict] = []
+    while True:
+        page = call({"op": "audit-heads", "after": after, "limit": 1000})
+        heads += [h for h in page["heads"] if h["seq"] <= last]
+        if not page.get("more") or not page["heads"] or page["heads"][-1]["seq"] >= last:
+            return heads
+        after = page["heads"][-1]["seq"]
+
+
 @blueprint.get("/sessions/<name>/evidence")
 def evidence(name: str):
     listed = [s for s in _sessions()["sessions"] if s["name"] == name]
@@ -90,8 +103,7 @@ def evidence(name: str):
                        f"{' (seq ' + str(head['seq']) + ')' if head else ''}: nothing to "
                        "bundle yet")
     first = json.loads(lines[0])["seq"]
-    heads = [h for h in call({"op": "audit-heads", "after": first - 1})["heads"]
-             if h["seq"] <= head["seq"]]
+    heads = _heads_between(first - 1, head["seq"])
     config = current_app.extensions["corral.config"]
     members = {
         "policy.json": _json(policy_member(name, call({"op": "policy", "session": name})

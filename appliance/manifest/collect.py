@@ -171,7 +171,7 @@ def units(root: Path) -> dict[str, str]:
 def render_listing(config_path: str, sessions: bool) -> list[dict]:
     """The ruleset the config renders, loaded into a scratch network namespace and listed
     back (`unshare --net`): how nft lists it, without touching the loaded one."""
-    argv = ["unshare", "--net", sys.executable, "-m", "appliance.manifest", "render-ruleset",
+    argv = ["unshare", "--net", sys.executable, "-P", "-m", "appliance.manifest", "render-ruleset",
             "--config", config_path, *(["--sessions"] if sessions else [])]
     return json.loads(_run(argv))
 

@@ -57,6 +57,36 @@ def line_hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
 
+# -- heads files (the filter's, and the copies a host keeps) ------------------------------
+
+
+def cut_torn_tail(fd: int) -> None:
+    """A write cut off (a crash, a full disk) leaves a last line without its newline: cut
+    it, or the next line appended would be glued to it and neither would read again."""
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.ftruncate(fd, os.pread(fd, size, 0).rfind(b"\n") + 1)
+
+
+def read_heads(path: Path):
+    """The signed heads in a heads file, oldest first: a line that is not one (torn, or
+    edited into something else) is skipped; each head's signature is the reader's to
+    check."""
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return
+                try:
+                    head = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(head, dict) and isinstance(head.get("seq"), int):
+                    yield head
+    except FileNotFoundError:
+        return
+
+
 # -- keys ---------------------------------------------------------------------------------
 
 

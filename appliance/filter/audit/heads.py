@@ -9,11 +9,13 @@ rewrite, that record no longer has that hash.
 
 Why a file of their own and not audit records: a head recorded in the chain moves the head,
 so there would always be a newer head to sign (a record per interval on an idle appliance,
-forever), and a head cannot sign the record that carries it. The file is small (one line
-a minute at most by default, ~200 bytes) and read by `since` (the heads signed after a seq).
+forever), and a head cannot sign the record that carries it. The file is read by `since`
+(the heads signed after a seq): a line of ~200 bytes per head, one a minute on a quiet
+appliance and one per `every` records on a busy one.
 
 Signing runs on the audit writer's thread, after a batch is on disk (an Ed25519 signature
-is ~50 µs): `AuditLog.append`, the event loop's part, does no more than before.
+is ~50 µs), or on a control-socket worker when asked for (`audit-sign`, before an evidence
+bundle): `AuditLog.append`, the event loop's part, does no more than before.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.pki.signed import load_or_create_key, public_pem, sign_head
+from appliance.pki.signed import (
+    cut_torn_tail,
+    load_or_create_key,
+    public_pem,
+    read_heads,
+    sign_head,
+)
 
 from .files import fsync_dir
 
@@ -78,9 +86,10 @@ class HeadSigner:
             signed = sign_head(self.key, seq, digest, now, self.appliance)
             line = json.dumps(signed, sort_keys=True, separators=(",", ":")).encode() + b"\n"
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
                 try:
                     new = os.fstat(fd).st_size == 0
+                    cut_torn_tail(fd)
                     os.write(fd, line)
                     os.fsync(fd)
                 finally:
@@ -100,29 +109,17 @@ class HeadSigner:
                 "interval": self.interval, "error": self.failed}
 
     def heads(self, after: int = 0, limit: int = 1000) -> list[dict]:
-        """Signed heads with seq > `after`, oldest first (a torn last line is skipped)."""
+        """Signed heads with seq > `after`, oldest first."""
         out = []
-        try:
-            with open(self.path, "rb") as f:
-                for raw in f:
-                    if not raw.endswith(b"\n"):
-                        break
-                    head = json.loads(raw)
-                    if head["seq"] > after:
-                        out.append(head)
-                        if len(out) == limit:
-                            break
-        except FileNotFoundError:
-            pass
+        for head in read_heads(self.path):
+            if head["seq"] > after:
+                out.append(head)
+                if len(out) == limit:
+                    break
         return out
 
     def latest(self) -> dict | None:
         last = None
-        try:
-            with open(self.path, "rb") as f:
-                for raw in f:
-                    if raw.endswith(b"\n"):
-                        last = raw
-        except FileNotFoundError:
-            return None
-        return json.loads(last) if last else None
+        for last in read_heads(self.path):  # noqa: B007 - the last one is wanted
+            pass
+        return last

@@ -134,6 +134,30 @@ def test_a_log_rewritten_whole_is_caught_at_the_first_kept_head(home, corral_fil
            "the one the appliance signed" in human.stderr
 
 
+def test_a_log_replaced_whole_after_every_kept_head_is_not_vouched_for(home, corral_filter):
+    """Root deletes the log and its heads and writes a consistent chain that starts after
+    the last head this host kept, as if retention had removed the rest: no kept head is
+    left in it, so nothing vouches for it (before, it passed as retention's work)."""
+    last_kept = kept(home)[-1]["seq"]
+    corral_filter.stop()
+    state = corral_filter.dir / "state"
+    template = json.loads((state / "audit.jsonl").read_bytes().splitlines()[-1])
+    for old in state.glob("audit*.jsonl*"):
+        old.unlink()
+    out, prev = [], "f" * 64
+    for seq in range(last_kept + 1, last_kept + 6):
+        encoded = signed.canonical({**template, "seq": seq, "prev": prev})
+        out.append(encoded)
+        prev = hashlib.sha256(encoded).hexdigest()
+    (state / "audit.jsonl").write_bytes(b"".join(line + b"\n" for line in out))
+    corral_filter.start()
+    verified = corral(home, "audit", "--verify", "--json")
+    assert verified.returncode == 5, verified.stdout + verified.stderr
+    verdict = json.loads(verified.stdout)["heads"]
+    assert verdict["intact"] is False and verdict["checked"] == 0, verdict
+    assert "no head kept on this host is in the log any more" in verdict["error"]
+
+
 def test_a_changed_key_is_an_error_naming_the_fix(home, corral_filter):
     """Last in this module: the appliance gets a new key."""
     corral_filter.stop()

@@ -215,6 +215,11 @@ def test_ls_all_lists_every_appliance_this_host_knows(home, tmp_path):
     table = corral(several, "ls", "--all")
     assert table.stdout.splitlines()[0].split()[:2] == ["APPLIANCE", "SESSION"], table.stdout
     assert "gone: cannot reach gone" in table.stderr
+    (appliances / "second" / "client.crt").write_text("not a certificate\n")
+    broken = json.loads(corral(several, "ls", "--all", "--json").stdout)
+    assert list(broken["appliances"]) == ["default"], broken  # the others still listed
+    assert "credentials" in broken["unreachable"]["second"]["error"], broken
+    shutil.rmtree(appliances / "second")
     (appliances / "gone" / "appliance.toml").unlink()
     assert corral(several, "ls", "--all").returncode == 0
     nothing = corral(tmp_path / "empty", "ls", "--all")

@@ -44,7 +44,8 @@ def test_a_bundle_is_the_same_bytes_each_time_and_verifies():
     made = answer(chain(5))
     assert bundle(made) == bundle(made)
     verdict = check(bundle(made), KEY.public_key())
-    assert verdict["records"] == {"first": 1, "last": 5, "session": 5, "heads": 1}
+    assert verdict["records"] == {"first": 1, "last": 5, "session": 5, "heads": 1,
+                                  "kept_heads_matched": 0}
 
 
 @pytest.mark.parametrize("member", ["audit.jsonl", "heads.jsonl", "policy.json", "index.json",
@@ -97,3 +98,18 @@ def test_a_head_signed_by_the_evidence_signature_is_refused():
     made["signature"] = signed.sign_evidence(KEY, made["index"])
     with pytest.raises(Refused, match=r"heads\.jsonl: line 1: the signature"):
         check(bundle(made), KEY.public_key())
+
+
+def test_a_bundle_of_a_rewritten_log_signed_with_the_real_key_is_refused_by_a_kept_head():
+    """Root on the appliance holds the key: it can sign a bundle of a log rewritten whole,
+    heads and all. What it cannot change is a head this host kept before the rewrite."""
+    before = chain(5)
+    kept_before = signed.sign_head(KEY, 3, hashlib.sha256(before[2]).hexdigest(), 900.0, "box")
+    rewritten = chain(5, session="s1-rewritten")  # consistent, signed with the same key
+    forged = bundle(answer(rewritten))
+    assert check(forged, KEY.public_key())["ok"]  # the signature alone vouches for it
+    with pytest.raises(Refused, match="rewritten before the bundle was made") as refused:
+        check(forged, KEY.public_key(), [kept_before])
+    assert refused.value.member == "audit.jsonl"
+    honest = check(bundle(answer(before)), KEY.public_key(), [kept_before])
+    assert honest["records"]["kept_heads_matched"] == 1

@@ -163,3 +163,27 @@ def test_a_clean_stop_signs_the_head_it_ends_at(tmp_path):
     assert [h["seq"] for h in signer.heads()] == [1]  # not due
     log.close()
     assert [h["seq"] for h in signer.heads()] == [1, 3]
+
+
+def test_a_head_torn_by_a_crash_neither_stops_the_filter_nor_glues_the_next(tmp_path):
+    """A crash (or a full disk) mid-write leaves a last line without its newline: the
+    signer starts anyway, from the last whole head, and cuts the torn line before the next."""
+    signer = HeadSigner(tmp_path, "corral", every=1)
+    first = signer.sign(1, "a" * 64)
+    with open(tmp_path / "audit-heads.jsonl", "ab") as f:
+        f.write(b'{"appliance":"corral","hash":"bbbb')  # the crash
+    again = HeadSigner(tmp_path, "corral", every=1)
+    assert again.latest() == first
+    second = again.sign(2, "b" * 64)
+    assert again.heads() == [first, second]
+    lines = (tmp_path / "audit-heads.jsonl").read_bytes().splitlines()
+    assert [json.loads(line) for line in lines] == [first, second]
+
+
+def test_a_line_that_is_no_head_is_skipped_when_read(tmp_path):
+    signer = HeadSigner(tmp_path, "corral", every=1)
+    first = signer.sign(1, "a" * 64)
+    with open(tmp_path / "audit-heads.jsonl", "ab") as f:
+        f.write(b"not json\n[1, 2]\n")
+    second = HeadSigner(tmp_path, "corral", every=1).sign(2, "b" * 64)
+    assert HeadSigner(tmp_path, "corral").heads() == [first, second]
