@@ -282,6 +282,14 @@ class TestCA:
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=2))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            # as a public CA's: OpenSSL's strict verification (Python 3.13's default, the
+            # sandbox image's pip and urllib) wants key usage and key identifiers
+            .add_extension(x509.KeyUsage(
+                digital_signature=False, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()),
+                           critical=False)
             .sign(self.key, hashes.SHA256())
         )
         self.ca_path = directory / "ca.pem"
@@ -301,6 +309,10 @@ class TestCA:
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=2))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                self.key.public_key()), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                           critical=False)
             .sign(self.key, self._hashes.SHA256())
         )
         cert_path, key_path = self.dir / f"{names[0]}.pem", self.dir / f"{names[0]}.key"
