@@ -48,6 +48,11 @@ MASKED = ("host_gateway",)
 such as `debian` that a policy file may hold for another reason)."""
 
 
+UNREADABLE = "unknown: the configuration does not parse"
+"""ruleset.loaded when filter.toml (or a file it names) no longer parses: each part that
+reads it says so, by name, beside the file's own difference."""
+
+
 class CollectError(RuntimeError):
     """A fact that could not be read, with what to do about it."""
 
@@ -196,7 +201,9 @@ def ruleset(config_path: str) -> tuple[dict, list[str]]:
     renders for the sessions the filter has now (their chains and rules, not their learned
     elements); with the differences named when it is not."""
     from appliance.firewall.nft import Nft
+    from appliance.sessionconfig import load_config
 
+    load_config(config_path)  # a broken file is named here, not by the scratch namespace
     rendered = tables.digest(render_listing(config_path, sessions=False))
     loaded = Nft().list_table()
     if loaded is None:
@@ -223,10 +230,12 @@ def appliance_values(root: Path, name: str) -> dict[str, str]:
 
     values = {"name": name, "hostname": os.uname().nodename}
     config = root / FILTER_CONFIG
-    if config.is_file():
+    try:
         gateway = load_config(str(config)).gateway
-        if gateway is not None:
-            values["host_gateway"] = str(gateway)
+    except ValueError:  # unreadable: the file's own difference and `ruleset` say so
+        gateway = None
+    if gateway is not None:
+        values["host_gateway"] = str(gateway)
     return values
 
 
@@ -238,14 +247,21 @@ def collect(root: Path, venv: Path, name: str, commit: str, wheel_dir: Path | No
     config = str(root / FILTER_CONFIG)
     deadline = time.monotonic() + settle
     while True:
-        rules, notes = ruleset(config)
+        try:
+            rules, notes = ruleset(config)
+        except (ValueError, CollectError) as exc:  # a config file that no longer parses
+            rules, notes = {"rendered": f"unreadable: {exc}", "loaded": UNREADABLE}, []
         if rules["loaded"] == AS_RENDERED or time.monotonic() >= deadline:
             break
         time.sleep(1)
+    try:
+        appliance_policy = policy(config)
+    except ValueError as exc:
+        appliance_policy = {"appliance": f"unreadable: {exc}"}
     appliance = appliance_values(root, name)
     manifest = build(
         corral={"version": metadata.version("corral"), "commit": commit},
         packages=packages(), wheels=wheels(venv, wheel_dir, lock), images=images(root),
         files=files(root, {k: v for k, v in appliance.items() if k in MASKED}),
-        units=units(root), ruleset=rules, policy=policy(config), appliance=appliance)
+        units=units(root), ruleset=rules, policy=appliance_policy, appliance=appliance)
     return manifest, notes

@@ -121,6 +121,18 @@ def test_the_collector_names_drift_and_nothing_else(tmp_path, namespace):
         "file /etc/corral/policy.toml"]
     config.write_bytes(original)
 
+    # a config file edited until it no longer parses: still each difference, by name
+    config = root / "etc/corral/filter.toml"
+    original = config.read_bytes()
+    config.write_bytes(original + b"x\n")
+    broken = manifest_tool(namespace, root, "check", str(recorded))
+    assert broken.returncode == 1, broken.stderr
+    named = [line.split(":")[0] for line in broken.stdout.splitlines()]
+    assert named == ["file /etc/corral/filter.toml", "ruleset", "ruleset rendered",
+                     "policy appliance", "appliance host_gateway"], broken.stdout
+    assert "filter.toml" in broken.stdout.splitlines()[2]  # which file does not parse
+    config.write_bytes(original)
+
     # a rule loaded by hand is named, and so is the rule it is
     rule = in_namespace(namespace, "nft", "add", "rule", "inet", "corral", "filter_input",
                         "tcp", "dport", "4444", "accept")
