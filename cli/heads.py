@@ -33,6 +33,18 @@ PINNED = "audit-key.pem"
 PAGE = 1000
 
 
+class LogRewritten(CliError):
+    """The log no longer holds the record a kept head names: new heads are not kept (they
+    would vouch for whatever replaced it)."""
+
+    def __init__(self, message: str, seq: int):
+        super().__init__(message, "if this host did not look for longer than the appliance "
+                         "keeps its log, retention removed it: move audit-heads.jsonl aside "
+                         "to keep heads anew; otherwise the log was rewritten: keep the "
+                         "appliance as it is and look", exitcodes.AUDIT_BROKEN)
+        self.seq = seq
+
+
 class KeyChanged(CliError):
     pass
 
@@ -128,20 +140,45 @@ def _keep(client: Client, appliance: Appliance) -> dict:
                 since = head["seq"]
         if not page.get("more") or not page["heads"]:
             break
+    if new and heads:
+        _still_holds(client, heads[-1])
     if new:
         _append(appliance, new)
     return {"kept": len(heads) + len(new), "new": len(new), "key": signed.fingerprint(key)}
+
+
+def _still_holds(client: Client, head: dict) -> None:
+    """The log still holds, at the newest kept head's seq, the record it names. Without
+    this, root could replace the log with a consistent chain that starts after that head,
+    and the heads the filter signs for it from then on would be kept as if they followed."""
+    page = client.request("GET", "/audit", after=head["seq"] - 1, limit=1)
+    records = page["records"]
+    if not records or records[0]["seq"] != head["seq"]:
+        raise LogRewritten(
+            f"the log no longer holds the record at seq {head['seq']}, for which this host "
+            "kept a signed head (it now starts at seq "
+            f"{records[0]['seq'] if records else 'none'}): new heads were not kept",
+            head["seq"])
+    if signed.line_hash(signed.canonical(records[0])) != head["hash"]:
+        raise LogRewritten(
+            f"the log's record at seq {head['seq']} is not the one the appliance signed the "
+            "head this host kept for: the log was rewritten; new heads were not kept",
+            head["seq"])
 
 
 def verify(client: Client, appliance: Appliance) -> dict:
     """Check every kept head: its signature, and the log's record at its seq (the records
     between the first and the last kept head walked as a chain). A verdict: `intact`, and
     where it broke (`seq`, `error`)."""
-    kept_before = keep(client, appliance)
+    try:
+        keep(client, appliance)
+        refused = None
+    except LogRewritten as exc:  # the heads kept before are walked below: the first to
+        refused = exc            # fail is the most precise report of where
     key = pinned_key(appliance, client.request("GET", "/audit/key")["key"])
     heads = kept(appliance)
     verdict = {"intact": True, "kept": len(heads), "checked": 0, "retired": 0,
-               "key": kept_before["key"], "error": "", "seq": None}
+               "key": signed.fingerprint(key), "error": "", "seq": None}
     for head in heads:
         try:
             signed.check_head(key, head)
@@ -150,7 +187,10 @@ def verify(client: Client, appliance: Appliance) -> dict:
                     "error": f"kept head: {exc}"}
     if not heads:
         return verdict
-    return _walk(client, heads, verdict)
+    walked = _walk(client, heads, verdict)
+    if walked["intact"] and refused is not None:
+        return {**walked, "intact": False, "seq": refused.seq, "error": str(refused)}
+    return walked
 
 
 def _walk(client: Client, heads: list[dict], verdict: dict) -> dict:

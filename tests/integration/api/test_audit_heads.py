@@ -151,6 +151,11 @@ def test_a_log_replaced_whole_after_every_kept_head_is_not_vouched_for(home, cor
         prev = hashlib.sha256(encoded).hexdigest()
     (state / "audit.jsonl").write_bytes(b"".join(line + b"\n" for line in out))
     corral_filter.start()
+    records(corral_filter, 4, "after")  # the filter goes on, signing heads for the new log
+    status = corral(home, "status")  # which `status` would keep: it refuses, and says why
+    assert f"the log no longer holds the record at seq {last_kept}" in status.stderr, (
+        status.stdout + status.stderr)
+    assert kept(home)[-1]["seq"] == last_kept  # nothing of the new log was kept
     verified = corral(home, "audit", "--verify", "--json")
     assert verified.returncode == 5, verified.stdout + verified.stderr
     verdict = json.loads(verified.stdout)["heads"]
