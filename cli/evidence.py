@@ -20,15 +20,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import tarfile
-import tempfile
 from pathlib import Path
 
 from appliance.pki import signed
 from appliance.pki.signed import read_heads
 
-from . import exitcodes, heads, output
+from . import exitcodes, files, heads, output
 from .arguments import appliance_command
 from .client import SLOW, CliError, config_home, load_appliance
 from .client import Client as ApiClient
@@ -185,7 +183,7 @@ def cmd_evidence(args) -> int:
     data = bundle(answer)
     verdict = check(data, key, heads.kept(appliance))  # never write what would not verify
     target = Path(args.output or f"corral-evidence-{args.session}.tar")
-    _write(target, data)
+    files.replace(target, data)
     summary = {"file": str(target), "sha256": hashlib.sha256(data).hexdigest(), **verdict}
     if args.json:
         output.data(summary)
@@ -196,21 +194,6 @@ def cmd_evidence(args) -> int:
                     f"({records['session']} of the session's), ending at the head signed at "
                     f"seq {records['last']} (key {verdict['key']})")
     return exitcodes.OK
-
-
-def _write(target: Path, data: bytes) -> None:
-    directory = target.resolve().parent
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o644)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _key(args):

@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
-from pathlib import Path
 
 from appliance.pki import signed
 from appliance.pki.signed import cut_torn_tail, read_heads
 
-from . import exitcodes
+from . import exitcodes, files
 from .client import Appliance, Client, CliError
 
 KEPT = "audit-heads.jsonl"
@@ -66,22 +64,8 @@ def pinned_key(appliance: Appliance, served: str):
                 f"{path} and {path.with_name(KEPT)} aside to pin the new one",
                 exitcodes.AUDIT_BROKEN)
     else:
-        _write_new(path, served.encode())
+        files.replace(path, served.encode())
     return signed.load_public(path.read_text(), str(path))
-
-
-def _write_new(path: Path, data: bytes) -> None:
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o644)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def kept(appliance: Appliance) -> list[dict]:

@@ -22,7 +22,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import box, exitcodes, inventory, manifests, output
+from . import box, exitcodes, files, inventory, manifests, output
 from .arguments import machine_command
 from .client import (
     Client,
@@ -460,9 +460,7 @@ def cmd_inventory(args) -> int:
                        "[--no-provision]` boots one", exitcodes.NOT_CONFIGURED)
     text = inventory_text(names)
     if args.output:
-        partial = Path(f"{args.output}.partial")
-        partial.write_text(text)
-        os.replace(partial, args.output)  # a run reading it never sees half of it
+        files.replace(Path(args.output), text.encode())
         output.notice(f"wrote {args.output}: ansible-playbook -i {args.output} "
                       "playbooks/site.yml")
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance import pki
-from cli.client import Appliance, Client
+from cli.client import Appliance, Client, write_appliance
 from tests.helpers import stop
 
 
@@ -119,6 +120,18 @@ def api(corral_filter, tmp_path_factory):
     yield process
     process.stop()
     sandbox.stop()
+
+
+@pytest.fixture(scope="module")
+def home(api, tmp_path_factory):
+    """A user's config directory holding one provisioned appliance, "default" (the API of
+    this module): each module that asks gets its own."""
+    directory = tmp_path_factory.mktemp("home")
+    os.environ["XDG_CONFIG_HOME"] = str(directory)  # write_appliance reads it
+    write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
+                    server_dir=str(api.server_dir), api_pidfile=str(api.pidfile))
+    yield directory
+    del os.environ["XDG_CONFIG_HOME"]
 
 
 def tls_client(ca: Path, cert: Path | None = None, key: Path | None = None,

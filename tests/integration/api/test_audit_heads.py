@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from appliance.pki import signed
-from cli.client import write_appliance
 from tests.integration.api.test_cli import corral
 from tests.integration.conftest import FilterProcess
 
@@ -33,16 +31,6 @@ def corral_filter(internet, tmp_path_factory):
                             extra_config=HEADS)
     yield process
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def home(api, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("home")
-    os.environ["XDG_CONFIG_HOME"] = str(directory)
-    write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
-                    server_dir=str(api.server_dir), api_pidfile=str(api.pidfile))
-    yield directory
-    del os.environ["XDG_CONFIG_HOME"]
 
 
 def kept(home: Path) -> list[dict]:

@@ -12,23 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from cli.client import write_appliance
 from tests.integration.conftest import connect, recv_all
 
 CORRAL = str(Path(sys.executable).parent / "corral")
-
-
-@pytest.fixture(scope="module")
-def home(api, tmp_path_factory):
-    """A user's config directory holding one provisioned appliance, "default"."""
-    directory = tmp_path_factory.mktemp("home")
-    os.environ["XDG_CONFIG_HOME"] = str(directory)  # write_appliance reads it
-    write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
-                    server_dir=str(api.server_dir), api_pidfile=str(api.pidfile))
-    yield directory
-    del os.environ["XDG_CONFIG_HOME"]
 
 
 def corral(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -14,12 +14,11 @@ import pytest
 
 from cli.client import Client, load_appliance
 from cli.dashboard.server import Dashboard
-from tests.integration.api.test_cli import home  # noqa: F401  (a fixture)
 from tests.integration.conftest import S2_CLIENT, connect, recv_all
 
 
 @pytest.fixture(scope="module")
-def board(home):  # noqa: F811
+def board(home):
     dashboard = Dashboard(Client(load_appliance("default"))).start()
     yield dashboard
     dashboard.stop()

@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from cli.client import write_appliance
 from tests.integration.api.test_cli import corral
-
-
-@pytest.fixture(scope="module")
-def home(api, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("home")
-    os.environ["XDG_CONFIG_HOME"] = str(directory)
-    write_appliance("default", f"127.0.0.1:{api.port}", api.bundle,
-                    server_dir=str(api.server_dir), api_pidfile=str(api.pidfile))
-    yield directory
-    del os.environ["XDG_CONFIG_HOME"]
 
 
 @pytest.fixture(scope="module")
