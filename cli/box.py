@@ -53,14 +53,8 @@ def cache_dir() -> Path:
 
 def appliance_packages() -> list[str]:
     """Every Debian package the roles install: their defaults are the one list."""
-    import yaml  # from ansible-core; only this command needs it
-
-    found: list[str] = []
-    for role, key in (("corral_base", "corral_base_packages"),
-                      ("corral_sandbox", "corral_sandbox_packages")):
-        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text())
-        found += defaults[key]
-    return [*found, "nftables"]
+    return [*role_defaults("corral_base")["corral_base_packages"],
+            *role_defaults("corral_sandbox")["corral_sandbox_packages"], "nftables"]
 
 
 def missing_tools() -> list[str]:
@@ -153,13 +147,27 @@ def _record(root: Path, images: dict[str, str], out: Path) -> Path:
     return beside
 
 
+def _tasks(tasks: list[dict]):
+    """Every task, those inside blocks too."""
+    for task in tasks:
+        yield task
+        for key in ("block", "rescue", "always"):
+            yield from _tasks(task.get(key) or [])
+
+
+def role_defaults(role: str) -> dict:
+    import yaml  # from ansible-core; only this command needs it
+
+    return yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text())
+
+
 def role_command(name_start: str) -> str:
     """The shell command of the corral_base task whose name starts so: the box runs the
     role's own commands, so that provisioning finds what they made current."""
     import yaml  # from ansible-core; only this command needs it
 
     tasks = yaml.safe_load((ROOT / "roles/corral_base/tasks/main.yml").read_text())
-    (task,) = [t for t in tasks if t["name"].startswith(name_start)]
+    (task,) = [t for t in _tasks(tasks) if t["name"].startswith(name_start)]
     return task["ansible.builtin.shell"]["cmd"]
 
 
@@ -174,9 +182,43 @@ def collect_wheels(wheelhouse: Path) -> Path:
     return wheelhouse.with_name(wheelhouse.name + ".tar")
 
 
+FACT = ROOT / "roles/corral_base/templates/etc/ansible/facts.d/corral.fact.j2"
+RESOLVED = ROOT / "roles/corral_filter/templates/etc/systemd/resolved.conf.d/corral.conf.j2"
+
+
+def fact_script(prefix: str) -> str:
+    """corral_base's fact as the role renders it for `prefix` (its one variable)."""
+    return FACT.read_text().replace("{{ corral_base_prefix }}", prefix)
+
+
+def baked_as_provisioned(fact: Path) -> list[str]:
+    """mmdebstrap hooks that make what the roles make the same way whatever the team's
+    variables are, with the roles' defaults: their state fact, the services' users and
+    groups, corral's directories, resolved without its stub. Provisioning's checks then find
+    them current and skip them; a team's other values are made by the roles as on any host."""
+    base = role_defaults("corral_base")
+    prefix, group = base["corral_base_prefix"], base["corral_base_control_group"]
+    filter_user, api_user = base["corral_base_filter_user"], base["corral_base_api_user"]
+    nologin = "--shell /usr/sbin/nologin --home-dir /nonexistent --no-create-home"
+    return [
+        f'install -D -m 0755 {fact} "$1/etc/ansible/facts.d/corral.fact"',
+        f'chroot "$1" groupadd --system {group}; chroot "$1" groupadd --system {api_user}',
+        f'chroot "$1" useradd --system --gid {group} {nologin} {filter_user}',
+        f'chroot "$1" useradd --system --gid {api_user} --groups {group} {nologin} {api_user}',
+        'install -d -m 0755 "$1/etc/corral"',
+        f'install -D -m 0644 {RESOLVED} "$1/etc/systemd/resolved.conf.d/corral.conf"',
+        'ln -sf /run/systemd/resolve/resolv.conf "$1/etc/resolv.conf"',
+        f'ln -s /usr/lib/python3/dist-packages/nftables '
+        f'"$1{prefix}/venv/lib/python{PYTHON}/site-packages/nftables"',
+    ]
+
+
 def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path) -> None:
     packages = sorted({*BOOT_PACKAGES, *appliance_packages()})
     install = role_command("Install corral into its virtualenv")
+    prefix = role_defaults("corral_base")["corral_base_prefix"]
+    fact = wheelhouse.with_name("corral.fact")
+    fact.write_text(fact_script(prefix))
     hooks = [
         # initramfs regeneration costs minutes under TCG; the image's own was made here
         'mkdir -p "$1/etc/initramfs-tools/conf.d"; '
@@ -196,7 +238,6 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path
         'printf "[Match]\\nName=en* eth*\\n\\n[Network]\\nDHCP=yes\\n" > '
         '"$1/etc/systemd/network/80-dhcp.network"',
         'chroot "$1" systemctl enable systemd-networkd systemd-resolved ssh',
-        'ln -sf ../run/systemd/resolve/stub-resolv.conf "$1/etc/resolv.conf"',
         f'printf "deb http://deb.debian.org/debian {SUITE} main\\n'
         f'deb http://deb.debian.org/debian {SUITE}-updates main\\n'
         f'deb http://deb.debian.org/debian-security {SUITE}-security main\\n" > '
@@ -206,10 +247,11 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path
         '"$1/etc/initramfs-tools/update-initramfs.conf"',
         # corral's venv as corral_base makes it (its default prefix), from the same archive:
         # under TCG that install costs provisioning minutes
-        'install -d -m 0755 "$1/opt/corral"',
-        f'install -m 0644 {wheelhouse} "$1/opt/corral/wheelhouse.tar"',
-        f'chroot "$1" sh -c {shlex.quote("cd /opt/corral && " + install)}',
+        f'install -d -m 0755 "$1{prefix}"',
+        f'install -m 0644 {wheelhouse} "$1{prefix}/wheelhouse.tar"',
+        f'chroot "$1" sh -c {shlex.quote(f"cd {prefix} && " + install)}',
         'rm -rf "$1/root/.cache/pip"',
+        *baked_as_provisioned(fact),
     ]
     _run("mmdebstrap", "--variant=minbase", f"--include={','.join(packages)}",
          '--aptopt=Acquire::Retries "3"',

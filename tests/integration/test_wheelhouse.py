@@ -22,18 +22,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
+
+from cli.box import role_command
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "roles/corral_base/tasks/main.yml"
 HASH_ERROR = "THESE PACKAGES DO NOT MATCH THE HASHES FROM THE REQUIREMENTS FILE"
-
-
-def role_command(name_start: str) -> str:
-    """The shell command of the corral_base task whose name starts so."""
-    tasks = yaml.safe_load(TASKS.read_text())
-    (task,) = [t for t in tasks if t["name"].startswith(name_start)]
-    return task["ansible.builtin.shell"]["cmd"]
 
 
 COLLECT = role_command("Build the corral wheel")

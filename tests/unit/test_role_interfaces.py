@@ -249,8 +249,8 @@ def test_the_topics_reach_the_handlers_that_ran_before_the_split():
     """The same handlers run on the same changes as when the roles notified each other's
     handlers by name: new code restarts the three services; the base ruleset and the CA
     store restart the filter after their own handler."""
-    listeners = {topic: sorted(role for role in ROLES for h in _handlers(role)
-                               if topic in _listed(h.get("listen")))
+    listeners = {topic: sorted({role for role in ROLES for h in _handlers(role)
+                                if topic in _listed(h.get("listen"))})
                  for role in ROLES for topic in declared_topics(role)}
     assert listeners == {
         "Corral code changed": ["corral_api", "corral_base", "corral_filter", "corral_sandbox"],

@@ -359,10 +359,11 @@ def test_the_appliance_sends_no_name_queries_onto_session_links():
     import configparser
 
     tasks = _tasks(yaml.safe_load((ROOT / "roles/corral_filter/tasks/main.yml").read_text()))
-    (drop_in,) = [t["ansible.builtin.copy"] for t in tasks if t.get("ansible.builtin.copy", {})
-                  .get("dest") == "/etc/systemd/resolved.conf.d/corral.conf"]
+    (drop_in,) = [t["ansible.builtin.template"] for t in tasks
+                  if t.get("ansible.builtin.template", {}).get("dest")
+                  == "/etc/systemd/resolved.conf.d/corral.conf"]
     parsed = configparser.ConfigParser()
     parsed.optionxform = str
-    parsed.read_string(drop_in["content"])
+    parsed.read_string(render("corral_filter", drop_in["src"]))
     assert dict(parsed["Resolve"]) == {"DNSStubListener": "no", "LLMNR": "no",
                                        "MulticastDNS": "no"}
