@@ -104,16 +104,19 @@ def recaps(output: str) -> dict[str, dict[str, int]]:
 
 
 def playbook(name: str, inventory: Path, config_home: Path, log_dir: Path, timeout: float,
-             **extra):
+             limit: str | None = None, **extra):
     """ansible-playbook as on any Debian 13 host: an inventory, the repository's config."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg"),
            "XDG_CONFIG_HOME": str(config_home), "ANSIBLE_FORCE_COLOR": "0",
-           "ANSIBLE_LOG_PATH": str(log_dir / f"{name}.timed.log"),  # each task, time-stamped
+           # each task, time-stamped
+           "ANSIBLE_LOG_PATH": str(log_dir / f"{name}{'.' + limit if limit else ''}.timed.log"),
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / name)]
+    if limit:
+        argv += ["--limit", limit]
     for key, value in extra.items():  # JSON: a value may be a template, spaces and all
         argv += ["-e", json.dumps({key: value})]
-    log = log_dir / f"{name}.log"  # tail it to watch a run
+    log = log_dir / f"{name}{'.' + limit if limit else ''}.log"  # tail it to watch a run
     print(f"vm: {name}: output in {log}")
     with open(log, "w") as out:
         result = timed(name, argv, timeout, env=env, cwd=ROOT, stdout=out)
