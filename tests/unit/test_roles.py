@@ -347,7 +347,9 @@ def test_ansible_lint_is_clean_at_its_configured_profile():
          "playbooks/site.yml", "playbooks/verify.yml", "playbooks/rotate-certs.yml", "roles"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp",
-             "NO_COLOR": "1"})
+             "NO_COLOR": "1",
+             # corral's settings, as for every run of the playbooks: where corral_files is
+             "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg")})
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pwd
+import re
 import subprocess
 import sys
 import types
@@ -22,7 +23,7 @@ import yaml
 
 from appliance.sandbox import image
 from cli import box
-from tests.unit.test_roles import render
+from tests.unit.test_roles import _tasks, render
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = "etc/ansible/facts.d/corral.fact.j2"
@@ -61,7 +62,7 @@ def test_files_are_read_as_the_guards_spell_them_and_keys_keep_no_digest(tmp_pat
     fact.LINKS = (str(tree / "link.toml"), str(tree / "filter.toml"))
     me = {"owner": pwd.getpwuid(os.getuid()).pw_name, "group": grp.getgrgid(os.getgid()).gr_name}
     assert fact.files() == {
-        str(tree / "filter.toml"): {"sha1": hashlib.sha1(b"[dns]\n").hexdigest(),
+        str(tree / "filter.toml"): {"sha256": hashlib.sha256(b"[dns]\n").hexdigest(),
                                     "mode": "0640", **me},
         str(tree / "api/server.key"): {"mode": "0644", **me}}
     assert set(fact.directories()) == {str(tree), str(tree / "api")}
@@ -107,6 +108,25 @@ def _guarded_file_tasks():
                 yield pytest.param(task[module], when, id=task["name"][:60])
 
 
+def _files_entries():
+    for path in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            for entry in (task.get("corral_files") or {}).get("files", []):
+                yield pytest.param(entry, id=entry["dest"])
+
+
+@pytest.mark.parametrize("entry", list(_files_entries()))
+def test_each_file_corral_files_writes_names_what_the_fact_compares(entry):
+    """The action compares digest, mode, owner and group with the fact: an entry has each,
+    and its content is a template the role has."""
+    assert {"dest", "content", "mode", "owner", "group"} <= set(entry), entry
+    assert re.fullmatch(r"0[0-7]{3}", entry["mode"]), entry["mode"]
+    src = re.fullmatch(r"\{\{ lookup\('ansible\.builtin\.template', '([^']+)'\) \}\}",
+                       entry["content"])
+    assert src, entry["content"]
+    assert list((ROOT / "roles").glob(f"*/templates/{src.group(1)}")), src.group(1)
+
+
 @pytest.mark.parametrize(("args", "when"), list(_guarded_file_tasks()))
 def test_a_guard_compares_everything_its_task_sets(args, when):
     if args.get("state") == "link":
@@ -119,12 +139,13 @@ def test_a_guard_compares_everything_its_task_sets(args, when):
         f"'group': {group.strip('{} ')}"
     assert wanted in when, (group, when)
     if args.get("state") != "directory":
-        assert "hash('sha1')" in when, when
+        assert "hash('sha256')" in when, when
 
 
 def test_every_file_task_of_the_roles_is_guarded_or_says_why_not():
     """A new task without a guard is only slow; this keeps the count honest."""
     unguarded = [task["name"] for task, when in _file_tasks()
                  if "ansible_local.corral" not in when]
+    assert len(list(_files_entries())) == 11  # and corral_files checks its own
     # an image archive is copied (and compared by the copy) only when one is given
     assert unguarded == ["Copy the image archive"], unguarded
