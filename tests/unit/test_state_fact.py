@@ -118,13 +118,16 @@ def _files_entries():
 @pytest.mark.parametrize("entry", list(_files_entries()))
 def test_each_file_corral_files_writes_names_what_the_fact_compares(entry):
     """The action compares digest, mode, owner and group with the fact: an entry has each,
-    and its content is a template the role has."""
+    and its content is a template of the roles or, for the issued server side, a file."""
     assert {"dest", "content", "mode", "owner", "group"} <= set(entry), entry
     assert re.fullmatch(r"0[0-7]{3}", entry["mode"]), entry["mode"]
     src = re.fullmatch(r"\{\{ lookup\('ansible\.builtin\.template', '([^']+)'\) \}\}",
                        entry["content"])
-    assert src, entry["content"]
-    assert list((ROOT / "roles").glob(f"*/templates/{src.group(1)}")), src.group(1)
+    if src:
+        assert list((ROOT / "roles").glob(f"*/templates/{src.group(1)}")), src.group(1)
+    else:  # the server side, issued on the control machine: read as it is, newline and all
+        assert "lookup('ansible.builtin.file'" in entry["content"], entry["content"]
+        assert "rstrip=false" in entry["content"], entry["content"]
 
 
 @pytest.mark.parametrize(("args", "when"), list(_guarded_file_tasks()))
@@ -146,6 +149,6 @@ def test_every_file_task_of_the_roles_is_guarded_or_says_why_not():
     """A new task without a guard is only slow; this keeps the count honest."""
     unguarded = [task["name"] for task, when in _file_tasks()
                  if "ansible_local.corral" not in when]
-    assert len(list(_files_entries())) == 11  # and corral_files checks its own
+    assert len(list(_files_entries())) == 14  # and corral_files checks its own
     # an image archive is copied (and compared by the copy) only when one is given
     assert unguarded == ["Copy the image archive"], unguarded
