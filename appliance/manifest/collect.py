@@ -146,7 +146,7 @@ def files(root: Path, appliance: dict[str, str]) -> dict[str, str]:
     `appliance` are masked (they differ between appliances by design)."""
     paths = [p for p in (root / CONFIG_DIR).rglob("*") if p.is_file()
              and not any(str(p.relative_to(root / CONFIG_DIR)).startswith(n) for n in NOT_CONFIG)
-             and not p.name.startswith(".manifest.json.")]
+             and not p.name.startswith((".manifest.json.", ".corral-"))]
     units = root / UNIT_DIR
     paths += [p for p in units.glob("corral-*") if p.is_file()]
     paths += [p for p in units.glob("corral-*.d/*") if p.is_file()]

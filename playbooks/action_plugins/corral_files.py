@@ -31,6 +31,9 @@ def pending(entries: list[dict], task_vars: dict) -> list[dict]:
     return [entry for entry in entries if not current(entry, files.get(entry["dest"]))]
 
 
+REQUIRED = frozenset(("dest", "content", "mode", "owner", "group"))
+
+
 class ActionModule(ActionBase):
     TRANSFERS_FILES = False
     _VALID_ARGS = frozenset(("files",))
@@ -40,10 +43,11 @@ class ActionModule(ActionBase):
         del tmp
         entries = self._task.args.get("files")
         if not isinstance(entries, list) or not all(
-                isinstance(e, dict) and {"dest", "content", "mode", "owner", "group"} <= set(e)
-                for e in entries):
+                isinstance(e, dict) and REQUIRED <= set(e) <= REQUIRED | {"validate"}
+                for e in entries):  # a misspelt key (validtae:) would drop its check
             return {**result, "failed": True,
-                    "msg": "files: a list of {dest, content, mode, owner, group[, validate]}"}
+                    "msg": "files: a list of {dest, content, mode, owner, group[, validate]}"
+                           " and nothing else"}
         send = pending(entries, task_vars or {})
         if not send:
             return {**result, "changed": False, "written": [],

@@ -46,25 +46,39 @@ def differs(dest: str, want: bytes, mode: int, uid: int, gid: int) -> tuple[bool
     return not same, before.decode("utf-8", "replace")
 
 
-def write(module: AnsibleModule, dest: str, want: bytes, mode: int, uid: int, gid: int,
-          validate: str | None) -> None:
+def stage(module: AnsibleModule, dest: str, want: bytes, mode: int, uid: int, gid: int,
+          validate: str | None, staged: list[str]) -> str:
+    """The new file beside dest, with its mode and owner, checked by validate; its path is
+    kept in `staged` so that a failure removes it."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(dest) or ".", prefix=".corral-")
+    staged.append(temporary)
+    with os.fdopen(fd, "wb") as f:
+        f.write(want)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chown(temporary, uid, gid)
+    os.chmod(temporary, mode)
+    if validate:
+        rc, out, err = module.run_command(validate % temporary)
+        if rc != 0:
+            module.fail_json(msg=f"{dest}: `{validate}` refused the new file (exit {rc}); "
+                                 "no file was replaced", stdout=out, stderr=err)
+    return temporary
+
+
+def _wanted(module: AnsibleModule, entry: dict) -> tuple[bytes, int, int, int]:
+    dest = entry.get("dest")
+    for key in ("mode", "owner", "group"):
+        if not isinstance(entry.get(key), str):
+            module.fail_json(msg=f"{dest}: {key} must be a string (mode as octal: \"0640\")")
+    if not (len(entry["mode"]) == 4 and entry["mode"].startswith("0")
+            and all(c in "01234567" for c in entry["mode"])):
+        module.fail_json(msg=f"{dest}: mode {entry['mode']!r} is not an octal mode like \"0640\"")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(want)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chown(temporary, uid, gid)
-        os.chmod(temporary, mode)
-        if validate:
-            rc, out, err = module.run_command(validate % temporary)
-            if rc != 0:
-                module.fail_json(msg=f"{dest}: `{validate}` refused the new file (exit {rc})",
-                                 stdout=out, stderr=err)
-        os.replace(temporary, dest)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        return (str(entry["content"]).encode(), int(entry["mode"], 8),
+                pwd.getpwnam(entry["owner"]).pw_uid, grp.getgrnam(entry["group"]).gr_gid)
+    except KeyError as exc:
+        module.fail_json(msg=f"{dest}: no such user or group: {exc}")
 
 
 def main() -> None:
@@ -72,27 +86,33 @@ def main() -> None:
         argument_spec={"files": {"type": "list", "elements": "dict", "required": True}},
         supports_check_mode=True)
 
-    written, diffs = [], []
-    for entry in module.params["files"]:
-        dest = entry["dest"]
-        try:
-            want = str(entry["content"]).encode()
-            mode = int(str(entry["mode"]), 8)
-            uid = pwd.getpwnam(entry["owner"]).pw_uid
-            gid = grp.getgrnam(entry["group"]).gr_gid
-        except (KeyError, ValueError) as exc:
-            module.fail_json(msg=f"{dest}: {exc}")
-        validate = entry.get("validate")
-        if validate and "%s" not in validate:
-            module.fail_json(msg=f"{dest}: validate must name the new file as %s")
-        changed, before = differs(dest, want, mode, uid, gid)
-        if not changed:
-            continue
-        written.append(dest)
-        diffs.append({"before_header": dest, "after_header": dest,
-                      "before": before or "", "after": want.decode("utf-8", "replace")})
-        if not module.check_mode:
-            write(module, dest, want, mode, uid, gid, validate)
+    # every new file is written and checked before any replaces its old one: a file that
+    # fails its check leaves all of them as they were, and the next run finds them all
+    pending, diffs, staged = [], [], []
+    try:
+        for entry in module.params["files"]:
+            dest = entry["dest"]
+            want, mode, uid, gid = _wanted(module, entry)
+            validate = entry.get("validate")
+            if validate and "%s" not in validate:
+                module.fail_json(msg=f"{dest}: validate must name the new file as %s")
+            changed, before = differs(dest, want, mode, uid, gid)
+            if not changed:
+                continue
+            if module._diff:
+                diffs.append({"before_header": dest, "after_header": dest,
+                              "before": before or "", "after": want.decode("utf-8", "replace")})
+            temporary = None if module.check_mode else stage(
+                module, dest, want, mode, uid, gid, validate, staged)
+            pending.append((dest, temporary))
+        for dest, temporary in pending:
+            if temporary is not None:
+                os.replace(temporary, dest)
+    finally:
+        for temporary in staged:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    written = [dest for dest, _ in pending]
     module.exit_json(changed=bool(written), written=written, diff=diffs)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_state_fact import fact_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,21 +90,33 @@ def test_files_are_written_with_their_mode_then_left_alone(tmp_path):
     assert stat.S_IMODE((out / "two.conf").stat().st_mode) == 0o600
     again = _play(tmp_path, files)
     assert again.returncode == 0 and "changed=0" in _recap(again), again.stdout
+    # and the state fact reads back exactly what the action compares: a second run on an
+    # appliance sends nothing at all
+    fact = fact_module(tmp_path)
+    fact.FILES = (str(out) + "/*",)
+    assert corral_files.pending(files, {"ansible_local": {"corral": {"files": fact.files()}}}) \
+        == []
     (out / "two.conf").chmod(0o644)  # a mode changed by hand is put back
     mended = _play(tmp_path, files, "--diff")
     assert "changed=1" in _recap(mended), mended.stdout
     assert stat.S_IMODE((out / "two.conf").stat().st_mode) == 0o600
 
 
-def test_a_file_its_validate_refuses_never_replaces_the_old(tmp_path):
+def test_a_file_its_validate_refuses_replaces_no_file_of_the_task(tmp_path):
+    """Every new file is checked before any replaces its old one: otherwise the first would
+    be in place, the task failed, its handler never notified, and the next run would find
+    the file current and notify nothing either."""
     out = tmp_path / "out"
     out.mkdir()
+    (out / "unit.service").write_text("old unit\n")
     (out / "base.nft").write_text("old\n")
-    refused = _play(tmp_path, [entry(out / "base.nft", "new\n", validate="grep -q old %s")])
+    refused = _play(tmp_path, [entry(out / "unit.service", "new unit\n"),
+                               entry(out / "base.nft", "new\n", validate="grep -q old %s")])
     assert refused.returncode != 0
     assert "refused the new file" in refused.stdout, refused.stdout
     assert (out / "base.nft").read_text() == "old\n"
-    assert [p.name for p in out.iterdir()] == ["base.nft"]  # no temporary file left
+    assert (out / "unit.service").read_text() == "old unit\n"
+    assert sorted(p.name for p in out.iterdir()) == ["base.nft", "unit.service"]  # no temp
     passed = _play(tmp_path, [entry(out / "base.nft", "new\n", validate="grep -q new %s")])
     assert passed.returncode == 0, passed.stdout
     assert (out / "base.nft").read_text() == "new\n"
@@ -111,6 +125,12 @@ def test_a_file_its_validate_refuses_never_replaces_the_old(tmp_path):
 @pytest.mark.parametrize(("files", "says"), [
     ([{"dest": "/tmp/x", "content": "x"}], "a list of {dest, content, mode, owner, group"),
     ("not a list", "a list of {dest, content, mode, owner, group"),
+    ([{"dest": "/tmp/x", "content": "x", "mode": "0644", **ME, "validtae": "nft -c -f %s"}],
+     "and nothing else"),
+    ([{"dest": "/tmp/x", "content": "x", "mode": 420, **ME}], "mode must be a string"),
+    ([{"dest": "/tmp/x", "content": "x", "mode": "644", **ME}], "is not an octal mode"),
+    ([{"dest": "/tmp/x", "content": "x", "mode": "0644", "owner": "no-such-user-here",
+       "group": ME["group"]}], "no such user or group"),
 ])
 def test_a_malformed_list_is_refused_by_name(tmp_path, files, says):
     result = _play(tmp_path, files)

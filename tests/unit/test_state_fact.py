@@ -56,6 +56,7 @@ def test_files_are_read_as_the_guards_spell_them_and_keys_keep_no_digest(tmp_pat
     (tree / "filter.toml").write_text("[dns]\n")
     (tree / "filter.toml").chmod(0o640)
     (tree / "api/server.key").write_text("secret")
+    (tree / "api/server.key").chmod(0o644)
     (tree / "link.toml").symlink_to(tree / "filter.toml")
     fact.FILES = (str(tree) + "/**",)
     fact.DIRECTORIES = (str(tree), str(tree / "api"), str(tmp_path / "absent"))
