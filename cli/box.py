@@ -147,12 +147,14 @@ def _record(root: Path, images: dict[str, str], out: Path) -> Path:
     return beside
 
 
-def _tasks(tasks: list[dict]):
-    """Every task, those inside blocks too."""
-    for task in tasks:
-        yield task
+def every_task(items) -> list[dict]:
+    """Every task of a tasks file, those in blocks (block, rescue, always) included."""
+    found = []
+    for task in items or []:
+        found.append(task)
         for key in ("block", "rescue", "always"):
-            yield from _tasks(task.get(key) or [])
+            found += every_task(task.get(key))
+    return found
 
 
 def role_defaults(role: str) -> dict:
@@ -167,7 +169,7 @@ def role_command(name_start: str) -> str:
     import yaml  # from ansible-core; only this command needs it
 
     tasks = yaml.safe_load((ROOT / "roles/corral_base/tasks/main.yml").read_text())
-    (task,) = [t for t in _tasks(tasks) if t["name"].startswith(name_start)]
+    (task,) = [t for t in every_task(tasks) if t["name"].startswith(name_start)]
     return task["ansible.builtin.shell"]["cmd"]
 
 

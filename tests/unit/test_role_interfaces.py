@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from cli import roles
+from cli.box import every_task
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir())
@@ -76,13 +77,7 @@ def _strings(value, key=None):
         yield key, value
 
 
-def _tasks(items) -> list[dict]:
-    found = []
-    for task in items or []:
-        found.append(task)
-        for key in ("block", "rescue", "always"):
-            found += _tasks(task.get(key))
-    return found
+_tasks = every_task  # cli/box.py's: the box reads the roles' tasks the same way
 
 
 def task_files(role: str) -> list[Path]:

@@ -23,6 +23,7 @@ from appliance.sandbox.service import load as load_sandbox
 from appliance.sessionconfig import TABLES, FilterConfig
 from appliance.sessionconfig import load_config as load_filter
 from cli import roles
+from cli.box import every_task
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir())
@@ -244,14 +245,7 @@ def test_base_ruleset_template_names_every_interface_pattern():
 PACKAGE_MODULES = {"ansible.builtin.apt", "apt", "ansible.builtin.package", "package"}
 
 
-def _tasks(items) -> list[dict]:
-    """Every task of a tasks file, those in blocks (block, rescue, always) included."""
-    found = []
-    for task in items or []:
-        found.append(task)
-        for key in ("block", "rescue", "always"):
-            found += _tasks(task.get(key))
-    return found
+_tasks = every_task  # cli/box.py's: the box reads the roles' tasks the same way
 
 
 def _resolve(value, variables: dict):
