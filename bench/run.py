@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -29,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import timeit
@@ -483,10 +485,25 @@ class Bench:
                   f"({row['ratio_direct']:.2f} of direct)", flush=True)
 
 
+def interpreter() -> dict:
+    """The Python the filter ran on (the venv's base: the filter is started from BIN), as the
+    results record it: a number from a build without PGO says little about the appliance."""
+    flags = sysconfig.get_config_var("CONFIG_ARGS") or ""
+    return {"path": os.path.realpath(sys._base_executable), "version": sys.version.split()[0],
+            "implementation": sys.implementation.name, "compiler": platform.python_compiler(),
+            "build": " ".join(platform.python_build()), "config_args": flags,
+            "cflags": sysconfig.get_config_var("PY_CFLAGS") or "",
+            "debian": os.path.realpath(sys._base_executable).startswith("/usr/bin/")}
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
+    python = meta["python"]
     lines = [f"# corral bench, {meta['started']}", "",
              f"{meta['reps']} reps, {meta['bulk_mib']} MiB bulk, {meta['dns_seconds']} s DNS "
              f"runs; {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.", "",
+             f"Python: {python['path']} {python['version']} ({python['build']}, "
+             f"{python['compiler']}); configured {python['config_args'] or 'without flags'}.",
+             "",
              "| metric | tool | value | ratio to direct | ratio to best peer | p50 / p99 µs |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -561,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.stop()
     meta = {"started": stamp, "reps": args.reps, "bulk_mib": args.bulk_mib,
             "dns_seconds": args.dns_seconds, "cpus": os.cpu_count(),
-            "wall_s": time.monotonic() - started}
+            "wall_s": time.monotonic() - started, "python": interpreter()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": bench.rows},
                                                        indent=1))

@@ -50,6 +50,11 @@ def test_a_tiny_run_reports_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (report,) = tmp_path.glob("*.json")
     rows = json.loads(report.read_text())["rows"]
+    python = json.loads(report.read_text())["meta"]["python"]  # the interpreter it measured
+    assert (python["path"], python["version"]) == (
+        os.path.realpath("/usr/bin/python3"), subprocess.run(
+            ["/usr/bin/python3", "-c", "import platform; print(platform.python_version())"],
+            capture_output=True, text=True, check=True).stdout.strip())
     assert {(r["metric"], r["tool"]) for r in rows} == ROWS
     assert all(r["value"] > 0 for r in rows)
     assert all("ratio_best_peer" in r for r in rows if r["tool"] == "corral"
