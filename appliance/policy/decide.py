@@ -75,6 +75,61 @@ def _lookup(exact: _Index, wild: _Index, host: Host) -> list[Rule]:
     return found
 
 
+_Judged = dict[str, tuple["Rule | None", tuple[Rule, ...]]]
+"""A key (a name, an IP literal, a wildcard suffix) -> (the deny rule filed under it, or
+None; the allow rules filed under it, inner layers first)."""
+
+
+def _judged(deny: tuple[_Index, _Index], allow: tuple[_Index, _Index]
+            ) -> tuple[_Judged, _Judged]:
+    """The deny index and one kind's allow index, merged by key: a decision then walks a
+    name's labels once, asking at each step for both (the first decision for a host is the
+    one that walks; `Policy._memo` answers the rest)."""
+    merged = []
+    for denies, allows in zip(deny, allow, strict=True):
+        judged: _Judged = {key: (None, rules) for key, rules in allows.items()}
+        for key, rules in denies.items():  # a few, against the allows' many
+            judged[key] = (rules[0], allows.get(key, ()))
+        merged.append(judged)
+    return merged[0], merged[1]
+
+
+def _judge(exact: _Judged, wild: _Judged, host: Host, port: int | None
+           ) -> tuple[Rule | None, Rule | None, bool]:
+    """One walk of `host`'s labels: (the most specific deny rule covering it; else the most
+    specific allow rule covering `port` (None: any port); whether an allow rule matched the
+    name on other ports only). A deny anywhere wins, so the walk goes on after an allow."""
+    allow, other_ports = None, False
+    entry = exact.get(host.key)
+    if entry is not None:
+        if entry[0] is not None:
+            return entry[0], None, False
+        for rule in entry[1]:
+            ports = rule.port.ports
+            if port is None or ports is None or port in ports:
+                allow = rule
+                break
+            other_ports = True
+    name = host.name
+    if name is not None:
+        dot = name.find(".")
+        while dot >= 0:
+            name = name[dot + 1 :]
+            entry = wild.get(name)
+            if entry is not None:
+                if entry[0] is not None:
+                    return entry[0], None, False
+                if allow is None:
+                    for rule in entry[1]:
+                        ports = rule.port.ports
+                        if port is None or ports is None or port in ports:
+                            allow = rule
+                            break
+                        other_ports = True
+            dot = name.find(".")
+    return None, allow, other_ports
+
+
 def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
     """The most specific matching rule, without building the list (the deny check)."""
     rules = exact.get(host.key)
@@ -95,8 +150,8 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_memo", "_tcp", "approval",
-                 "cidrs", "host_ports", "rules")
+    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_judged", "_memo", "_tcp",
+                 "approval", "cidrs", "host_ports", "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
@@ -111,6 +166,9 @@ class Policy:
         # DNS answers every name some rule lets a client reach (issue: "a name allowed by
         # an http or tcp rule is also answered by DNS").
         self._dns = _index(by_kind["dns"] + by_kind["http"] + by_kind["tcp"])
+        self._judged = {kind: _judged(self._deny, index) for kind, index in
+                        (("http", self._http), ("tcp", self._tcp), ("dns", self._dns))}
+        """Each kind's allows merged with the denies: what a first decision walks."""
         self._inspect = Inspections(by_kind["inspect"] + by_kind["request"] + by_kind["git"])
         self._git = GitHosts(by_kind["git"])
         self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
@@ -192,22 +250,21 @@ class Policy:
     def _decide_dns(self, host: Host) -> Decision:
         if host.name is not None and PLACEHOLDER_MARK in host.name:
             return _placeholder(host)
-        deny = self.denied_by(host)
+        deny, rule, _ = _judge(*self._judged["dns"], host, None)
         if deny is not None:
             return _denied_by_rule(host, deny)
-        rule = _first(*self._dns, host)
         if rule is not None:
-            return Decision(True, f"{host} allowed by {rule.kind} rule {rule.text}", rule)
-        return Decision(False, f"name {host} is not in the policy", None,
-                        f"corral allow-dns {host}")
+            return Decision(True, f"{host.key} allowed by {rule.kind} rule {rule.text}", rule)
+        return Decision(False, f"name {host.key} is not in the policy", None,
+                        f"corral allow-dns {host.key}")
 
     def decide_http(self, host: Host, port: int) -> Decision:
         """May the proxy connect to host:port (CONNECT, absolute URI, Host header, SNI)?"""
-        return self._decide_port(self._http, host, port, "http")
+        return self._decide_port(host, port, "http")
 
     def decide_tcp(self, host: Host, port: int) -> Decision:
         """May a client reach host:port directly (non-HTTP protocols, learned from DNS)?"""
-        return self._decide_port(self._tcp, host, port, "tcp")
+        return self._decide_port(host, port, "tcp")
 
     def tcp_rules(self, host: Host) -> list[Rule]:
         """The tcp rules that cover `host` (unless denied): what DNS answers teach nftables."""
@@ -263,37 +320,45 @@ class Policy:
         return Decision(False, f"{HOST_NAME}:{port} is not a listed host port", None,
                         f"add {port} to [host] ports in corral.toml")
 
-    def _decide_port(self, index, host: Host, port: int, kind: str) -> Decision:
+    def _decide_port(self, host: Host, port: int, kind: str) -> Decision:
+        # the hot path of every connection: memo first, then one walk; written out flat
+        # (each call saved is a tenth of a microsecond of a first decision)
         key = (kind, host.name, host.key, port)
-        decision = self._memo.get(key)
-        if decision is None:
-            decision = self._judge_port(index, host, port, kind)
-            if kind == "http":  # learning opens names and the proxy, never the firewall
-                decision = self._learned(decision)
-            decision = self._remember(key, decision)
+        memo = self._memo
+        decision = memo.get(key)
+        if decision is not None:
+            return decision
+        if host.name is not None and PLACEHOLDER_MARK in host.name:
+            decision = _placeholder(host)
+        else:
+            exact, wild = self._judged[kind]
+            deny, rule, other_ports = _judge(exact, wild, host, port)
+            if rule is not None:
+                decision = Decision(True, f"{host.key}:{port} allowed by {kind} rule "
+                                    f"{rule.text}", rule)
+            elif deny is not None:
+                decision = _denied_by_rule(host, deny)
+            else:
+                decision = self._not_allowed(host, port, kind, other_ports)
+        if kind == "http" and not decision.allowed:  # learning opens names and the proxy,
+            decision = self._learned(decision)       # never the firewall
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        memo[key] = decision
         return decision
 
-    def _judge_port(self, index, host: Host, port: int, kind: str) -> Decision:
-        if host.name is not None and PLACEHOLDER_MARK in host.name:
-            return _placeholder(host)
-        deny = self.denied_by(host)
-        if deny is not None:
-            return _denied_by_rule(host, deny)
-        other_ports = False
-        for rule in _lookup(*index, host):
-            if rule.port.covers(port):
-                return Decision(True, f"{host}:{port} allowed by {kind} rule {rule.text}", rule)
-            other_ports = True
+    def _not_allowed(self, host: Host, port: int, kind: str, other_ports: bool) -> Decision:
+        """The default denial, with the command that would allow it."""
         if other_ports:
             reason = f"{host} is allowed, but not on port {port}"
         elif host.address is not None:
-            reason = f"IP literal {host} is not named by any {kind} rule"
+            reason = f"IP literal {host.key} is not named by any {kind} rule"
         else:
-            reason = f"{host} is not in the {kind} policy"
+            reason = f"{host.key} is not in the {kind} policy"
             if kind == "http" and self._inspect and self.inspection(host) is not None:
                 reason += " (an [[inspect]] table does not allow a host; [http] allow does)"
         return Decision(False, reason, None,
-                        f"corral allow-{kind} {rule_text(kind, str(host), port)}")
+                        f"corral allow-{kind} {rule_text(kind, host.key, port)}")
 
     def to_json(self) -> list[dict]:
         return [rule.to_json() for rule in self.rules]

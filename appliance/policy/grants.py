@@ -37,8 +37,10 @@ def rule_texts(kind: str, name: str, ports: Iterable[int | str] = ()) -> list[st
 
 
 def rule_text(kind: str, name: str, port: int | None) -> str:
-    """The one rule that allows `name` on `port` (None: no port, a DNS lookup)."""
-    return rule_texts(kind, name, () if port is None else (port,))[0]
+    """The one rule that allows `name` on `port` (None: no port, a DNS lookup): what
+    `rule_texts` gives for one port, without its sorting (every first denial asks)."""
+    host = f"[{name}]" if ":" in name else name
+    return host if port is None or kind == "dns" else f"{host}:{int(port)}"
 
 
 def approvable(decision: Decision) -> bool:

@@ -381,6 +381,49 @@ def test_remembered_decisions_are_the_ones_first_made_and_stay_bounded():
     assert policy.decide_http(parse_host("upload.example.org"), 443).allowed is False
 
 
+
+def _two_walks(policy, host, port, kind):
+    """The decision as the policy made it before it merged its indexes: the deny index
+    walked first, then every matching allow listed and the first covering `port` taken."""
+    from appliance.policy.decide import _lookup
+    deny = policy.denied_by(host)
+    if deny is not None:
+        return False, deny
+    index = {"http": policy._http, "tcp": policy._tcp, "dns": policy._dns}[kind]
+    rules = _lookup(*index, host)
+    covering = [r for r in rules if port is None or r.port.covers(port)]
+    return (True, covering[0]) if covering else (False, None)
+
+
+few_labels = st.lists(st.sampled_from(("a", "b", "c")), min_size=1, max_size=4).map(
+    lambda labels: ".".join(labels) + ".test")
+"""Names from three labels: rules and probes that nest in each other often."""
+
+
+@given(rules=st.lists(st.tuples(st.sampled_from(["http", "tcp", "dns", "deny"]), few_labels,
+                                st.booleans(), st.sampled_from(["", "443", "8080"]), layers),
+                      max_size=10),
+       probe=few_labels, port=st.sampled_from([443, 80, 8080]))
+@settings(max_examples=500, deadline=None)
+def test_one_walk_decides_as_the_deny_walk_then_the_allow_walk(rules, probe, port):
+    """`_judge` walks a name's labels once for denies and allows together: the same verdict
+    and the same deciding rule as the two walks it replaced, for every kind."""
+    parsed = []
+    for kind, name, wild, ports, layer in rules:
+        text = ("*." if wild else "") + name
+        if kind in ("http", "tcp") and ports:
+            text += f":{ports}"
+        elif kind == "tcp":
+            text += ":22"  # a tcp rule names its ports
+        parsed.append(Rule.parse(kind, text, layer=layer))
+    policy, host = Policy(parsed), parse_host(probe)
+    for kind, asked in (("http", port), ("tcp", port), ("dns", None)):
+        decision = (policy.decide_dns(host) if kind == "dns" else
+                    policy.decide_http(host, port) if kind == "http" else
+                    policy.decide_tcp(host, port))
+        assert (decision.allowed, decision.rule) == _two_walks(policy, host, asked, kind)
+
+
 # -- overlap of host patterns (corral check, corral learn) ---------------------------------
 
 LABELS = ("a", "b", "c")
@@ -410,3 +453,13 @@ def test_two_patterns_overlap_exactly_when_some_name_is_covered_by_both(a, b, wi
     names = [".".join(p) for n in range(2, 6) for p in product(LABELS, repeat=n)]
     both = any(covers(rule_a, n) and covers(rule_b, n) for n in names)
     assert overlap(rule_a, rule_b) is both and overlap(rule_b, rule_a) is both
+
+
+@pytest.mark.parametrize(("kind", "port"), [  # a tcp rule always names its port
+    (kind, port) for kind in ("http", "tcp", "dns") for port in (None, 22, 80, 443, 8443)
+    if (kind, port) != ("tcp", None)])
+@pytest.mark.parametrize("name", ["example.com", "203.0.113.7", "2001:db8::1"])
+def test_the_one_rule_for_a_port_is_the_first_of_the_rules_for_it(kind, name, port):
+    from appliance.policy.grants import rule_text, rule_texts
+    assert rule_text(kind, name, port) == rule_texts(kind, name, () if port is None else
+                                                     (port,))[0]
