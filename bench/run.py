@@ -46,6 +46,7 @@ from .netns import (
     NOISY,
     NOISY_GATEWAY,
     PEER_GATEWAY,
+    PREFIX,
     UP,
     UPSTREAM,
     cleanup,
@@ -62,7 +63,7 @@ BIN = Path(sys.executable).parent
 RESULTS = Path(__file__).resolve().parent / "results"
 TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
-PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "noisy", "inspect"]
+PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "ruleset", "noisy", "inspect"]
 
 
 class Bench:
@@ -369,6 +370,31 @@ class Bench:
                               "remembered_us": round(again_us, 2), "deny_us": round(deny_us, 2),
                               "compile_s": round(compile_s, 3)})
 
+    def ruleset(self) -> None:
+        """One more session with --sessions registered: the store's plan and write, the
+        ruleset built for the change and loaded (bench/ruleset.py), in a namespace of its own
+        so that the filter's ruleset stays as it is."""
+        ns = PREFIX + "rules"
+        sh("ip", "netns", "add", ns)
+        try:
+            state = self.dir / "ruleset-state"
+            state.mkdir()
+            out = json.loads(sh(sys.executable, "-m", "bench.ruleset", str(self.args.sessions),
+                                str(max(self.args.reps, 3)), str(state), ns=ns).stdout)
+        finally:
+            sh("ip", "netns", "del", ns, check=False)
+        median = {k: round(statistics.median(out[k]), 1)
+                  for k in ("add_ms", "plan_ms", "build_ms", "load_ms")}
+        row = {"metric": f"ruleset: one more session, {out['sessions']} registered",
+               "tool": "corral", "unit": "ms", "value": median["add_ms"],
+               "plan_ms": median["plan_ms"], "build_ms": median["build_ms"],
+               "load_ms": median["load_ms"], "full_ms": round(out["full_ms"], 1),
+               "commands": out["commands"]}
+        self.rows.append(row)
+        print(f"  {row['metric']:<24} {row['value']} ms (plan {row['plan_ms']}, build "
+              f"{row['build_ms']}, load {row['load_ms']}; all {out['sessions']}: "
+              f"{row['full_ms']} ms)", flush=True)
+
     def noisy(self) -> None:
         """Session A asks at an agent's pace (cached names, CONNECTs) while session B floods
         random denied names, holds connections and tunnels up to its caps and sends the
@@ -502,12 +528,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['reps']} reps, {meta['bulk_mib']} MiB bulk, {meta['dns_seconds']} s DNS "
              f"runs; {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.", "",
              f"Python: {python['path']} {python['version']} ({python['build']}, "
-             f"{python['compiler']}); configured {python['config_args'] or 'without flags'}.",
+             f"{python['compiler']}; its configure flags are in the JSON).",
              "",
              "| metric | tool | value | ratio to direct | ratio to best peer | p50 / p99 µs |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         latency = f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if "p50_us" in r else ""
+        if "load_ms" in r:
+            latency = (f"plan {r['plan_ms']} ms, build {r['build_ms']} ms, load "
+                       f"{r['load_ms']} ms; all at once {r['full_ms']} ms")
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
@@ -548,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="inspected keep-alive requests per connection")
     parser.add_argument("--inspect-connects", type=int, default=20,
                         help="new inspected connections for the first-request latency")
+    parser.add_argument("--sessions", type=int, default=200,
+                        help="sessions registered for the ruleset row")
     parser.add_argument("--only", choices=PARTS, action="append")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:

@@ -30,7 +30,7 @@ ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-al
     for t in ("direct", "corral", "mitmproxy", "squid bump")} | {
     ("inspected HTTPS bulk", t) for t in ("direct", "corral", "mitmproxy", "squid bump",
                                           "corral tunnel")} | {
-    ("leaf mint", "corral")}
+    ("leaf mint", "corral"), ("ruleset: one more session, 20 registered", "corral")}
 
 
 def test_a_tiny_run_reports_every_row(tmp_path):
@@ -43,7 +43,8 @@ def test_a_tiny_run_reports_every_row(tmp_path):
                              "2", "--dns-seconds", "1", "--latency-queries", "50",
                              "--http-seconds", "1", "--new-connections", "200", "--connects",
                              "50", "--tunnels", "50", "--noisy-seconds", "1",
-                             "--inspect-requests", "20", "--inspect-connects", "3", "--out",
+                             "--inspect-requests", "20", "--inspect-connects", "3", "--sessions",
+                             "20", "--out",
                              str(tmp_path)],
                             capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[2])

@@ -1,0 +1,75 @@
+"""The ruleset row: what one more session costs the firewall when many are registered, run
+as root inside a network namespace of its own (nothing is routed; only nftables is loaded):
+
+  python -m bench.ruleset SESSIONS REPS STATE_DIR
+
+SESSIONS are registered through the policy store as `corral run` registers them and loaded
+as one ruleset; then, REPS times, one more session is registered the way the filter's
+`session-add` does it (plan, write, the ruleset for the change, load) and timed, and
+unregistered again (untimed). Prints {"sessions", "add_ms": [...] and its parts "plan_ms"
+(the store's plan and write), "build_ms" (the ruleset's commands, counters read), "load_ms"
+(nftables), "full_ms" (the first load of them all), "commands"} as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from appliance.firewall import ruleset
+from appliance.firewall.nft import Nft
+from appliance.policystore import PolicyStore
+from appliance.sessionconfig import parse_config
+
+CONFIG = """
+[dns]
+listen = ["10.231.0.1:53"]
+upstream = ["192.0.2.53:53"]
+[proxy]
+listen = ["10.231.0.1:3128"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
+[state]
+dir = "{state}"
+"""
+
+
+def subnet(i: int) -> str:
+    return f"10.{240 + i // 250}.{i % 250}.0/24"
+
+
+def measure(sessions: int, reps: int, state: Path) -> dict:
+    store = PolicyStore(parse_config(CONFIG.format(state=state), "filter.toml"))
+    for i in range(sessions):
+        store.register(f"s{i}", subnet(i))
+    nft = Nft()
+    started = time.perf_counter()
+    commands = ruleset.for_store(store, [], nft.counters())
+    nft.apply(commands)
+    full_ms = (time.perf_counter() - started) * 1000
+    add, plan, build, load = [], [], [], []
+    for _ in range(reps):
+        started = time.perf_counter()
+        change = store.plan_register(f"s{sessions}", subnet(sessions))
+        change.write()
+        planned = time.perf_counter()
+        commands = ruleset.for_store(change, [], nft.counters())
+        built = time.perf_counter()
+        nft.apply(commands)
+        done = time.perf_counter()
+        store.commit(change)
+        add.append((done - started) * 1000)
+        plan.append((planned - started) * 1000)
+        build.append((built - planned) * 1000)
+        load.append((done - built) * 1000)
+        store.unregister(f"s{sessions}")
+        nft.apply(ruleset.for_store(store, [], nft.counters()))
+    return {"sessions": sessions, "add_ms": add, "plan_ms": plan, "build_ms": build,
+            "load_ms": load,
+            "full_ms": full_ms, "commands": len(commands)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))))
