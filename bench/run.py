@@ -383,17 +383,16 @@ class Bench:
                                 str(max(self.args.reps, 3)), str(state), ns=ns).stdout)
         finally:
             sh("ip", "netns", "del", ns, check=False)
-        median = {k: round(statistics.median(out[k]), 1)
-                  for k in ("add_ms", "plan_ms", "build_ms", "load_ms")}
+        median = {k: round(statistics.median(out[k]), 1) for k in ("add_ms", "plan_ms",
+                                                                    "load_ms")}
         row = {"metric": f"ruleset: one more session, {out['sessions']} registered",
                "tool": "corral", "unit": "ms", "value": median["add_ms"],
-               "plan_ms": median["plan_ms"], "build_ms": median["build_ms"],
-               "load_ms": median["load_ms"], "full_ms": round(out["full_ms"], 1),
-               "commands": out["commands"]}
+               "plan_ms": median["plan_ms"], "load_ms": median["load_ms"],
+               "full_ms": round(out["full_ms"], 1)}
         self.rows.append(row)
-        print(f"  {row['metric']:<24} {row['value']} ms (plan {row['plan_ms']}, build "
-              f"{row['build_ms']}, load {row['load_ms']}; all {out['sessions']}: "
-              f"{row['full_ms']} ms)", flush=True)
+        print(f"  {row['metric']:<24} {row['value']} ms (plan {row['plan_ms']}, ruleset "
+              f"{row['load_ms']}; all {out['sessions']} at once: {row['full_ms']} ms)",
+              flush=True)
 
     def noisy(self) -> None:
         """Session A asks at an agent's pace (cached names, CONNECTs) while session B floods
@@ -535,8 +534,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         latency = f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if "p50_us" in r else ""
         if "load_ms" in r:
-            latency = (f"plan {r['plan_ms']} ms, build {r['build_ms']} ms, load "
-                       f"{r['load_ms']} ms; all at once {r['full_ms']} ms")
+            latency = (f"plan {r['plan_ms']} ms, ruleset {r['load_ms']} ms; all at once "
+                       f"{r['full_ms']} ms")
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")

@@ -56,7 +56,7 @@ class Changes:
             change.write()
             if self.manage and self._ruleset_changes(change):
                 try:
-                    self.firewall.apply(change)
+                    self.firewall.apply(change, before=self.store)
                 except BaseException:
                     change.undo()
                     raise
@@ -64,8 +64,7 @@ class Changes:
 
     def _ruleset_changes(self, change: Change) -> bool:
         """The ruleset holds the sessions and the tcp rules that name an address."""
-        return (change.session_configs() != self.store.session_configs()
-                or ruleset.static_tcp_rules(change) != ruleset.static_tcp_rules(self.store))
+        return ruleset.differs(self.store, change)
 
     def reload(self) -> None:
         """SIGHUP: re-read the policy files, as a change like any other (off the loop, after

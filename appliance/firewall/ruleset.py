@@ -19,6 +19,11 @@ IPv4 is held by the session subnets as well as by the interfaces: a session's ru
 source addresses on any interface. IPv6 has no subnets to match, so it fails closed another
 way: nothing is forwarded over IPv6 at all (flows established before the ruleset aside), from
 whatever interface, and IPv6 to the appliance itself is rejected on sandbox interfaces.
+Each session's rules live in chains of its own (`input_<session>`, `forward_<session>`,
+`nat_<session>`), reached from the base chains through verdict maps keyed by its subnet
+(`session_input`, `session_forward`, `session_nat`), with its subnet in the set `sessions`
+that the spoofing rule reads: one lookup per packet however many sessions there are, and a
+session that comes is one small transaction (`additions`), not the whole ruleset again.
 Every reject is counted per session (named counter `deny_<session>`), logged to NFLOG at a
 limited rate (prefix "corral <session> "), and answered fast: TCP reset for TCP,
 ICMP admin-prohibited for the rest.
@@ -47,6 +52,11 @@ UNKNOWN = "unknown"
 """Counter/log name for traffic from a sandbox interface that belongs to no session."""
 QUIET = "quiet_multicast"
 """The counter of link-local multicast from sandbox links, dropped without a report."""
+SESSIONS = "sessions"
+"""The set of session subnets: a sandbox's IPv4 source must be in one of them."""
+DISPATCH = {"filter_input": "input", "filter_forward": "forward", "nat_prerouting": "nat"}
+"""Base chain -> the prefix of each session's own chain there, and of the verdict map
+(`session_<prefix>`) that jumps to it by source subnet."""
 
 
 _TABLE = {"family": FAMILY, "name": TABLE}
@@ -153,11 +163,9 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
     from the ruleset being replaced (a re-apply forgets neither).
     """
     fw = config.firewall
-    ports = listener_ports(config)
     static_tcp = static_tcp or {}
     sandbox_if = _iifname(fw.interfaces)
-    ip_saddr, ip_daddr = _payload("ip", "saddr"), _payload("ip", "daddr")
-    tcp_dport = _payload("tcp", "dport")
+    ip_saddr = _payload("ip", "saddr")
 
     commands: list[dict] = [
         {"add": {"table": _TABLE}},  # so that the delete below cannot fail on first apply
@@ -165,6 +173,7 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         {"add": {"table": _TABLE}},
         {"add": {"set": _t(name=LEARNED, type=["ipv4_addr", "ipv4_addr", "inet_service"],
                            flags=["timeout"])}},
+        {"add": {"set": _t(name=SESSIONS, type="ipv4_addr", flags=["interval"])}},
         _chain("raw_prerouting", "prerouting", prio=-300),
         _chain("nat_prerouting", "prerouting", kind="nat", prio=-100),
         _chain("filter_input", "input", prio=-5),
@@ -173,19 +182,27 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
     learned = _still_ours(learned or [], [s.subnet for s in config.sessions])
     if learned:
         commands.append({"add": {"element": _t(name=LEARNED, elem=learned)}})
-    for name in [s.name for s in config.sessions] + [UNKNOWN, "ipv6"]:
+    for name in (UNKNOWN, "ipv6"):  # the sessions' own come with their chains, below
         commands += _deny_chain(name, fw.log_group, fw.log_rate, counts)
+    # every counter but the sessions' first: nft lists them in the order they were made,
+    # and a session added later (`additions`) must list as it would in a whole load
+    kept = (counts or {}).get(QUIET, {})
+    commands.append({"add": {"counter": _t(name=QUIET, packets=kept.get("packets", 0),
+                                           bytes=kept.get("bytes", 0))}})
+    # Each session's chains, then the verdict maps that lead to them: nftables refuses
+    # (ENOENT) an element jumping to a chain made after its map in the same transaction.
+    for session in config.sessions:
+        commands += _session_chains(session, config, static_tcp.get(session.name, []), counts)
+    commands += [{"add": {"map": _t(name=f"session_{prefix}", type="ipv4_addr", map="verdict",
+                                    flags=["interval"])}} for prefix in DISPATCH.values()]
+    for session in config.sessions:
+        commands += _session_elements(session)
 
-    # Spoofing: a sandbox speaks only from its own subnet, and only on its own bridge.
-    subnets = [s.subnet for s in config.sessions]
-    if subnets:
-        commands.append(_rule("raw_prerouting", sandbox_if, _match(
-            {"meta": {"key": "nfproto"}}, "ipv4"), _match(ip_saddr, {"set": [
-                _prefix(n) for n in subnets]}, "!="), {"drop": None},
-            comment="source outside every session subnet"))
-    else:
-        commands.append(_rule("raw_prerouting", sandbox_if, _match(
-            {"meta": {"key": "nfproto"}}, "ipv4"), {"drop": None}, comment="no sessions"))
+    # Spoofing: a sandbox speaks only from its own subnet, and only on its own bridge. (With
+    # no session the set is empty: every IPv4 packet from a sandbox interface is dropped.)
+    commands.append(_rule("raw_prerouting", sandbox_if, _match(
+        {"meta": {"key": "nfproto"}}, "ipv4"), _match(ip_saddr, f"@{SESSIONS}", "!="),
+        {"drop": None}, comment="source outside every session subnet"))
     commands.append(_rule("raw_prerouting", sandbox_if, _match(
         {"meta": {"key": "nfproto"}}, "ipv4"), _match(
         {"fib": {"result": "oif", "flags": ["saddr", "iif"]}}, False), {"drop": None},
@@ -210,9 +227,6 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
     commands.append(_rule("filter_input", sandbox_if, _match(
         _payload("icmpv6", "type"), {"set": ["nd-neighbor-solicit", "nd-neighbor-advert"]}),
         {"accept": None}, comment="IPv6 neighbour discovery: no data, fast rejects"))
-    kept = (counts or {}).get(QUIET, {})
-    commands.append({"add": {"counter": _t(name=QUIET, packets=kept.get("packets", 0),
-                                           bytes=kept.get("bytes", 0))}})
     for network in LINK_LOCAL_MULTICAST:
         protocol = "ip" if network.version == 4 else "ip6"
         commands.append(_rule("filter_input", sandbox_if, _match(
@@ -223,9 +237,8 @@ def build(config: FilterConfig, static_tcp: dict[str, list[tuple[str, list[int]]
         {"meta": {"key": "nfproto"}}, "ipv6"), {"jump": {"target": "deny_ipv6"}},
         comment="no IPv6 to the appliance"))
 
-    for session in config.sessions:
-        commands += _session(session, ports, _limits(config), static_tcp.get(session.name, []),
-                             ip_saddr, ip_daddr, tcp_dport)
+    for chain, prefix in DISPATCH.items():  # each session's own chain, by its subnet
+        commands.append(_rule(chain, {"vmap": {"key": ip_saddr, "data": f"@session_{prefix}"}}))
 
     commands.append(_rule("filter_input", sandbox_if, {"jump": {"target": f"deny_{UNKNOWN}"}}))
     commands.append(_rule("filter_forward", sandbox_if,
@@ -255,49 +268,80 @@ def _rate(per_second: int) -> dict:
                       "inv": True}}
 
 
-def _session(session: SessionConfig, ports, limits, static, ip_saddr, ip_daddr,
-             tcp_dport) -> list:
-    source = _match(ip_saddr, _prefix(session.subnet))
+def _own_chains(session: SessionConfig) -> dict[str, str]:
+    """DISPATCH's prefix -> the session's own chain behind that base chain."""
+    return {prefix: f"{prefix}_{session.name}" for prefix in DISPATCH.values()}
+
+
+def _session_chains(session: SessionConfig, config: FilterConfig,
+                    static: list[tuple[str, list[int]]], counts: dict | None = None) -> list:
+    """The session's deny chain and its own chains with their rules. A packet reaches them
+    only from the session's own source addresses: the elements of `_session_elements`."""
+    fw = config.firewall
+    own = _own_chains(session)
+    commands = _deny_chain(session.name, fw.log_group, fw.log_rate, counts)
+    commands += [_chain(chain) for chain in own.values()]
+    return commands + _session_rules(session, listener_ports(config), _limits(config), static,
+                                     own)
+
+
+def _session_elements(session: SessionConfig) -> list:
+    """The session's subnet in the set of sources a sandbox may use, and in each verdict
+    map, leading to its own chain there."""
+    subnet = _prefix(session.subnet)
+    commands = [{"add": {"element": _t(name=SESSIONS, elem=[subnet])}}]
+    for prefix, chain in _own_chains(session).items():
+        commands.append({"add": {"element": _t(name=f"session_{prefix}", elem=[
+            [subnet, {"jump": {"target": chain}}]])}})
+    return commands
+
+
+def _session_rules(session: SessionConfig, ports, limits, static, own: dict[str, str]
+                   ) -> list:
+    """The rules of the session's own chains (`own`: DISPATCH's prefix -> chain name)."""
+    ip_saddr, ip_daddr = _payload("ip", "saddr"), _payload("ip", "daddr")
+    tcp_dport = _payload("tcp", "dport")
     gateway = _match(ip_daddr, str(session.gateway))
     deny = {"jump": {"target": f"deny_{session.name}"}}
     l4 = {"meta": {"key": "l4proto"}}
+    into, forward, nat = own["input"], own["forward"], own["nat"]
     rules = []
     tcp_ports = sorted({*ports["dns"], *ports["proxy"], *ports["transparent_http"],
                         *ports["transparent_tls"], *ports["sshgate"]})
     if ports["dns"]:
-        rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
+        rules.append(_rule(into, gateway, _match(l4, "udp"), _match(
             _payload("udp", "dport"), {"set": ports["dns"]}), _rate(limits["dns_packets"]),
             deny, comment="a DNS flood: kept out of the socket every session shares"))
     if tcp_ports:
-        new = [source, gateway, _match(l4, "tcp"), _match(tcp_dport, {"set": tcp_ports}),
+        new = [gateway, _match(l4, "tcp"), _match(tcp_dport, {"set": tcp_ports}),
                _match({"ct": {"key": "state"}}, ["new"])]
-        rules.append(_rule("filter_input", *new, {"ct count": {
+        rules.append(_rule(into, *new, {"ct count": {
             "val": limits["connections"], "inv": True}}, deny,
             comment="past the session's connection caps"))
-        rules.append(_rule("filter_input", *new, _rate(limits["new_connections"]), deny,
+        rules.append(_rule(into, *new, _rate(limits["new_connections"]), deny,
                            comment="a connection flood: kept out of the shared accept queues"))
     if ports["dns"]:
-        rules.append(_rule("filter_input", source, gateway, _match(l4, "udp"), _match(
+        rules.append(_rule(into, gateway, _match(l4, "udp"), _match(
             _payload("udp", "dport"), {"set": ports["dns"]}), {"accept": None}))
     if tcp_ports:
-        rules.append(_rule("filter_input", source, gateway, _match(l4, "tcp"), _match(
+        rules.append(_rule(into, gateway, _match(l4, "tcp"), _match(
             tcp_dport, {"set": tcp_ports}), {"accept": None}))
-    rules.append(_rule("filter_input", source, deny))
+    rules.append(_rule(into, deny))
 
     not_local = _match({"fib": {"result": "type", "flags": ["daddr"]}}, "local", "!=")
     for key, port in (("transparent_http", 80), ("transparent_tls", 443)):
         if ports[key]:
-            rules.append(_rule("nat_prerouting", source, not_local, _match(l4, "tcp"),
-                               _match(tcp_dport, port), {"redirect": {"port": ports[key][0]}}))
+            rules.append(_rule(nat, not_local, _match(l4, "tcp"), _match(tcp_dport, port),
+                               {"redirect": {"port": ports[key][0]}}))
 
-    rules.append(_rule("filter_forward", source, _match(l4, "tcp"), _match(
+    rules.append(_rule(forward, _match(l4, "tcp"), _match(
         {"concat": [ip_saddr, ip_daddr, tcp_dport]}, f"@{LEARNED}"), {"accept": None},
         comment="tcp rules, learned from DNS answers"))
     for address, port_list in static:
-        rules.append(_rule("filter_forward", source, _match(l4, "tcp"), _match(ip_daddr, address),
+        rules.append(_rule(forward, _match(l4, "tcp"), _match(ip_daddr, address),
                            _match(tcp_dport, {"set": port_list}), {"accept": None},
                            comment="tcp rule naming an address"))
-    rules.append(_rule("filter_forward", source, deny))
+    rules.append(_rule(forward, deny))
     return rules
 
 
@@ -306,16 +350,38 @@ def static_tcp_rules(store) -> dict[str, list[tuple[str, list[int]]]]:
     that address on the ports the session's policy allows there (a deny naming it wins)."""
     out: dict[str, list] = {}
     for name, session in store.sessions.items():
-        policy = session.policy
-        for rule in policy.rules:
-            address = parse_address(rule.host) if rule.kind == "tcp" else None
-            if address is None or address.version != 4:  # IPv6 has no path out
-                continue
-            literal = Host(address=address)
-            ports = [p for p in sorted(rule.port.ports) if policy.decide_tcp(literal, p).allowed]
-            if ports:
-                out.setdefault(name, []).append((str(address), ports))
+        static = _static_tcp(session.policy)
+        if static:
+            out[name] = static
     return out
+
+
+def _static_tcp(policy) -> list[tuple[str, list[int]]]:
+    out = []
+    for rule in policy.rules:
+        address = parse_address(rule.host) if rule.kind == "tcp" else None
+        if address is None or address.version != 4:  # IPv6 has no path out
+            continue
+        literal = Host(address=address)
+        ports = [p for p in sorted(rule.port.ports) if policy.decide_tcp(literal, p).allowed]
+        if ports:
+            out.append((str(address), ports))
+    return out
+
+
+def _static_tcp_changed(before, after) -> bool:
+    """Whether a session both states hold names other addresses in its tcp rules. A session
+    the change did not touch is the same object in both, and is not read again."""
+    return any(after.sessions[name] is not session and
+               _static_tcp(after.sessions[name].policy) != _static_tcp(session.policy)
+               for name, session in before.sessions.items() if name in after.sessions)
+
+
+def differs(before, after) -> bool:
+    """Whether the ruleset for `after` differs from the one for `before` (a store, or a
+    change to it): the sessions, and the tcp rules that name an address."""
+    return (before.session_configs() != after.session_configs()
+            or _static_tcp_changed(before, after))
 
 
 def for_store(store, learned: list[dict] | None = None,
@@ -323,6 +389,27 @@ def for_store(store, learned: list[dict] | None = None,
     """The ruleset for every session the store knows: the config's and those registered."""
     config = dataclasses.replace(store.config, sessions=store.session_configs())
     return build(config, static_tcp_rules(store), learned, counts)
+
+
+def additions(before, after) -> list[dict] | None:
+    """The transaction that takes the ruleset loaded for `before` (a store, or a change) to
+    the one `for_store(after)` builds, when `after` only adds sessions: their deny chains,
+    their own chains and the elements that lead to them, and nothing flushed, so the cost
+    does not grow with the sessions already there. None when anything else differs (the
+    config, a session that was there, its tcp rules naming addresses): load it all then."""
+    old, new = before.session_configs(), after.session_configs()
+    if ((after.config is not before.config and after.config != before.config)
+            or len(new) <= len(old) or new[:len(old)] != old
+            or _static_tcp_changed(before, after)):
+        return None
+    config = dataclasses.replace(after.config, sessions=new)
+    commands: list[dict] = []
+    for session in new[len(old):]:
+        commands += _session_chains(session, config,
+                                    _static_tcp(after.sessions[session.name].policy))
+    for session in new[len(old):]:
+        commands += _session_elements(session)
+    return commands
 
 
 def build_base(interfaces: Iterable[str]) -> list[dict]:

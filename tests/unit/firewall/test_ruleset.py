@@ -50,8 +50,13 @@ def test_only_the_corral_table_is_touched(commands):
                             {"add": {"table": {"family": "inet", "name": "corral"}}}]
 
 
+def sessions_rules(commands, prefix):
+    """The rules of every session's own chain behind a base chain (`input_s1`, ...)."""
+    return [r for s in ("s1", "s2") for r in rules(commands, f"{prefix}_{s}")]
+
+
 def test_each_session_reaches_only_its_own_gateway_ports(commands):
-    text = json.dumps(rules(commands, "filter_input"))
+    text = json.dumps(sessions_rules(commands, "input"))
     assert '"right": "10.213.1.1"' in text and '"right": "10.213.2.254"' in text
     assert '{"set": [53, 3128, 3129, 3130]}' in text
     last = rules(commands, "filter_input")[-1]
@@ -62,7 +67,7 @@ def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
     config = parse_config(CONFIG.replace("[[session]]", '[sshgate]\nlisten = ["gateway:2222"]\n'
                                          "[[session]]", 1), "filter.toml")
     commands = build(config, {})
-    assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands, "filter_input"))
+    assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands, "input_s1"))
     assert verdict(commands, "filter_input",
                    Packet("podman3", S1, S1_GW, dport=2222, local=True)) == "accept"
     assert verdict(commands, "filter_input", Packet("podman3", S1, "10.213.2.254", dport=2222,
@@ -70,9 +75,9 @@ def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
 
 
 def test_redirects_and_static_tcp(commands):
-    redirects = [r["expr"][-1] for r in rules(commands, "nat_prerouting")]
+    redirects = [r["expr"][-1] for r in sessions_rules(commands, "nat")]
     assert redirects == [{"redirect": {"port": 3129}}, {"redirect": {"port": 3130}}] * 2
-    forward = json.dumps(rules(commands, "filter_forward"))
+    forward = json.dumps(rules(commands, "forward_s1"))
     assert "203.0.113.7" in forward and "@learned" in forward
 
 
@@ -100,7 +105,8 @@ def test_learned_allowances_of_a_gone_session_are_not_carried_over():
 
     learned = [element("10.213.1.2"), element("10.213.9.2")]  # s1's, and a stopped session's
     commands = build(parse_config(CONFIG, "filter.toml"), learned=learned)
-    added = [c["add"]["element"]["elem"] for c in commands if "element" in c.get("add", {})]
+    added = [c["add"]["element"]["elem"] for c in commands if "element" in c.get("add", {})
+             and c["add"]["element"]["name"] == "learned"]
     assert added == [[element("10.213.1.2")]]
 
 
@@ -287,3 +293,59 @@ def test_the_quiet_counter_is_carried_over_a_reapply():
     (counter,) = [c["add"]["counter"] for c in commands if "counter" in c.get("add", {})
                   and c["add"]["counter"]["name"] == "quiet_multicast"]
     assert (counter["packets"], counter["bytes"]) == (7, 700)
+
+
+# -- a session that comes: its chains and elements alone (ruleset.additions) ---------------
+
+def _store(tmp_path, *registered: tuple[str, str, list[str]]):
+    from appliance.policystore import PolicyStore
+    store = PolicyStore(parse_config(CONFIG + f'[state]\ndir = "{tmp_path}/state"\n',
+                                     "filter.toml"))
+    for name, subnet, files in registered:
+        store.register(name, subnet, None, files)
+    return store
+
+
+def test_a_session_that_comes_is_added_alone_and_judged_as_in_the_whole(tmp_path):
+    from appliance.firewall.ruleset import additions, for_store
+    (tmp_path / "tcp.toml").write_text('[tcp]\nallow = ["203.0.113.7:22"]\n')
+    store = _store(tmp_path, ("r1", "10.213.5.0/24", []))
+    change = store.plan_register("late", "10.213.9.0/24", None, [str(tmp_path / "tcp.toml")])
+    added = additions(store, change)
+    assert not [c for c in added if "delete" in c or "table" in c.get("add", {})]
+    assert {c["add"]["chain"]["name"] for c in added if "chain" in c["add"]} == {
+        "deny_late", "input_late", "forward_late", "nat_late"}
+    loaded, whole = for_store(store) + added, for_store(change)
+    packets = [Packet("podman3", "10.213.9.2", "10.213.9.1", dport=3128, local=True),
+               Packet("podman3", "10.213.9.2", "10.213.5.1", dport=3128, local=True),
+               Packet("podman3", "10.213.9.2", "10.213.9.1", l4="udp", dport=53, local=True),
+               Packet("podman3", "10.213.9.2", "203.0.113.7", dport=22),
+               Packet("podman3", "10.213.9.2", "203.0.113.8", dport=22),
+               Packet("podman3", "10.213.5.2", "203.0.113.7", dport=22),
+               Packet("podman3", "10.213.9.2", WEB, dport=80),
+               Packet("podman3", "10.213.77.2", WEB, dport=443),
+               Packet("podman3", S1, S1_GW, dport=3128, local=True)]
+    for packet in packets:
+        for chain in ("raw_prerouting", "nat_prerouting", "filter_input", "filter_forward"):
+            assert verdict(loaded, chain, packet) == verdict(whole, chain, packet), (
+                chain, packet)
+    assert verdict(loaded, "filter_forward", packets[3]) == "accept"  # its tcp rule
+    assert verdict(loaded, "filter_input", packets[1]) == "reject:deny_late"  # not its gateway
+
+
+def test_anything_but_sessions_that_come_loads_the_whole_ruleset(tmp_path):
+    from appliance.firewall.ruleset import additions, differs
+    (tmp_path / "tcp.toml").write_text('[tcp]\nallow = ["203.0.113.7:22"]\n')
+    store = _store(tmp_path, ("r1", "10.213.5.0/24", [str(tmp_path / "tcp.toml")]),
+                   ("r2", "10.213.6.0/24", []))
+    gone = store.plan_unregister("r2")
+    assert additions(store, gone) is None and differs(store, gone)
+    same = store.plan_register("r2", "10.213.6.0/24")  # again: nothing changes
+    assert additions(store, same) is None and not differs(store, same)
+    (tmp_path / "tcp.toml").write_text('[tcp]\nallow = ["203.0.113.8:22"]\n')
+    reread = store.plan_reload()  # r1's tcp rule names another address now
+    assert additions(store, reread) is None and differs(store, reread)
+    runtime = store.plan_add("r2", "tcp", "198.51.100.4:22")
+    assert additions(store, runtime) is None and differs(store, runtime)
+    mere = store.plan_add("r2", "http", "example.com")  # no address: the ruleset is the same
+    assert additions(store, mere) is None and not differs(store, mere)

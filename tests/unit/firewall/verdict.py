@@ -43,15 +43,22 @@ class Unknown(AssertionError):
     pass
 
 
-def _chains(commands: list[dict]) -> dict[str, list[list[dict]]]:
+def _chains(commands: list[dict]) -> tuple[dict[str, list[list[dict]]], dict[str, list]]:
+    """The chains' rules and the named sets' and maps' elements, as the commands leave them
+    (one whole ruleset, or one followed by `additions`)."""
     chains: dict[str, list[list[dict]]] = {}
+    elements: dict[str, list] = {}
     for command in commands:
         added = command.get("add", {})
         if "chain" in added:
             chains.setdefault(added["chain"]["name"], [])
         elif "rule" in added:
             chains[added["rule"]["chain"]].append(added["rule"]["expr"])
-    return chains
+        elif "set" in added or "map" in added:
+            elements.setdefault((added.get("set") or added["map"])["name"], [])
+        elif "element" in added:
+            elements[added["element"]["name"]].extend(added["element"]["elem"])
+    return chains, elements
 
 
 def _left(left, packet: Packet):
@@ -97,12 +104,18 @@ def _equal(value, right) -> bool:
     return value == right
 
 
-def _matches(match: dict, packet: Packet) -> bool:
+def _matches(match: dict, packet: Packet, elements: dict[str, list]) -> bool:
     value = _left(match["left"], packet)
     right = match["right"]
-    if isinstance(right, str) and right.startswith("@"):
+    if right == "@learned":
         found = value is not None and None not in value and (
             str(value[0]), str(value[1]), value[2]) in packet.learned
+        return found if match["op"] == "==" else not found
+    if isinstance(right, str) and right.startswith("@"):  # a named set of prefixes
+        right = {"set": elements[right[1:]]}
+        if value is None:
+            return False
+        found = _equal(value, right)
         return found if match["op"] == "==" else not found
     if value is None:
         return False
@@ -114,20 +127,41 @@ def _matches(match: dict, packet: Packet) -> bool:
 
 def verdict(commands: list[dict], chain: str, packet: Packet) -> str:
     """accept, drop, reject (naming the deny chain), or redirect:<port> for `chain`."""
-    chains = _chains(commands)
+    chains, elements = _chains(commands)
+    return _walk(chains, elements, chain, packet) or "accept"  # every base chain's policy
+
+
+def _jump(chains, elements, target: str, packet: Packet) -> str | None:
+    if target.startswith("deny_"):  # every deny chain ends in a reject
+        return f"reject:{target}"
+    return _walk(chains, elements, target, packet)  # a session's chain: None returns
+
+
+def _walk(chains, elements, chain: str, packet: Packet) -> str | None:
+    """The verdict of `chain`, or None when the packet falls off its end."""
     for expr in chains[chain]:
         for statement in expr:
             if "match" in statement:
-                if not _matches(statement["match"], packet):
+                if not _matches(statement["match"], packet, elements):
                     break
             elif "accept" in statement:
                 return "accept"
             elif "drop" in statement:
                 return "drop"
             elif "jump" in statement:
-                target = statement["jump"]["target"]
-                assert target.startswith("deny_"), target  # every jump is to a reject
-                return f"reject:{target}"
+                found = _jump(chains, elements, statement["jump"]["target"], packet)
+                if found is not None:
+                    return found
+                break
+            elif "vmap" in statement:  # source subnet -> the session's own chain
+                value = _left(statement["vmap"]["key"], packet)
+                targets = [v["jump"]["target"] for k, v in elements[
+                    statement["vmap"]["data"][1:]] if value is not None and _equal(value, k)]
+                assert len(targets) <= 1, targets  # session subnets never overlap
+                found = _jump(chains, elements, targets[0], packet) if targets else None
+                if found is not None:
+                    return found
+                break
             elif "redirect" in statement:
                 return f"redirect:{statement['redirect']['port']}"
             elif "limit" in statement and statement["limit"].get("inv"):  # "over": a match
@@ -140,4 +174,4 @@ def verdict(commands: list[dict], chain: str, packet: Packet) -> str:
                     break
             elif not {"counter", "limit", "log"} & set(statement):
                 raise Unknown(f"statement {statement}")
-    return "accept"  # every base chain's policy
+    return None
