@@ -12,14 +12,19 @@ A mint costs about a millisecond, nearly all of it OpenSSL loading the new certi
 key into a TLS context, which it does with the GIL released: so mints run on one worker
 thread and the event loop never pays for them (invariant 10). The worker is shared, so a
 session may have only `mint_rate` minted a second (`mint_burst` at once): a flood of new
-names under an inspected wildcard is refused with a reason, not queued ahead of the other
-sessions' hosts. Concurrent first connections to one host share one mint.
+names under an inspected wildcard is refused with a reason. What a session's burst queues
+waits its turn (`FairQueue`): another session's first mint waits for the one under way and
+no more. Concurrent first connections to one host share one mint. A leaf depends on its
+host alone (one interception CA), so the cache serves every session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import heapq
+import itertools
 import logging
 import ssl
 import time
@@ -55,6 +60,43 @@ def upstream_context(cafile: str | None) -> ssl.SSLContext:
 # -- the cache ----------------------------------------------------------------------------------
 
 
+class FairQueue:
+    """Work from many sessions, taken one item at a time, fairly: each session's items in
+    the order it asked, the sessions in turn, so that a session that queued many waits
+    behind one that asked once (start-time fair queueing, each item costing the same).
+
+    An item's tag is one more than the later of the tag being served and its session's
+    last tag; the smallest tag goes first, and of equal tags, the session whose previous
+    tag was earlier (a session served just now waits behind one that was not). Pure."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, int, int, object]] = []
+        self._last: dict[object, int] = {}
+        """Session -> the tag of its last item (kept while it may still break a tie)."""
+        self._now = 0
+        """The tag of the item taken last."""
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, session, item) -> None:
+        previous = self._last.get(session, 0)
+        tag = max(self._now, previous) + 1
+        self._last[session] = tag
+        heapq.heappush(self._heap, (tag, previous, next(self._order), item))
+
+    def pop(self):
+        """The next item, or None when nothing waits."""
+        if not self._heap:
+            return None
+        tag, _, _, item = heapq.heappop(self._heap)
+        self._now = tag
+        if len(self._last) > 2 * len(self._heap) + 16:  # idle sessions no longer matter
+            self._last = {s: t for s, t in self._last.items() if t >= tag}
+        return item
+
+
 @dataclass(slots=True)
 class Leaf:
     context: ssl.SSLContext
@@ -71,8 +113,12 @@ class Leaves:
         self.size, self.rate, self.burst = size, rate, burst
         self.cache: OrderedDict[str, Leaf] = OrderedDict()
         self.pending: dict[str, asyncio.Future] = {}
-        """Mints under way, by host: later askers wait for the same one."""
+        """Mints under way or waiting their turn, by host: later askers wait for the same."""
         self.buckets: dict[str | None, TokenBucket] = {}
+        self.queue = FairQueue()
+        """(host, future) waiting for the worker, each session in turn."""
+        self.minting = False
+        """Whether the worker has a mint: it is given one at a time, so the queue decides."""
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="corral-mint")
         self.stats = {"minted": 0, "hits": 0, "refused": 0, "evicted": 0, "failed": 0}
 
@@ -96,14 +142,41 @@ class Leaves:
                                       f" asked for more new inspected hosts than {self.rate:g}"
                                       f" a second ({self.burst} at once): [inspect] mint_rate"),
                              str(host))
-            pending = asyncio.get_running_loop().run_in_executor(self.worker, self._mint, host)
+            pending = asyncio.get_running_loop().create_future()
             self.pending[host.key] = pending
             pending.add_done_callback(lambda done, key=host.key: self._minted(key, done))
+            self.queue.push(session, (host, pending))
+            self._next()
         try:  # shielded: one client that gives up does not cancel the others' mint
             return await asyncio.shield(pending)
         except Exception as exc:  # a mint that fails is a denial, like any other error
             raise Denied(Decision(False, f"cannot make a certificate for {host}: {exc}"),
                          str(host)) from None
+
+    def _next(self) -> None:
+        """Give the worker the next mint in turn, if it has none."""
+        if self.minting:
+            return
+        while (queued := self.queue.pop()) is not None:
+            host, pending = queued
+            if pending.done():  # closed meanwhile
+                continue
+            self.minting = True
+            work = asyncio.get_running_loop().run_in_executor(self.worker, self._mint, host)
+            work.add_done_callback(lambda done, pending=pending: self._handed(done, pending))
+            return
+
+    def _handed(self, done: asyncio.Future, pending: asyncio.Future) -> None:
+        """On the loop: the worker's mint to those waiting for it, then the next in turn."""
+        self.minting = False
+        if not pending.done():
+            if done.cancelled():
+                pending.cancel()
+            elif done.exception() is not None:
+                pending.set_exception(done.exception())
+            else:
+                pending.set_result(done.result())
+        self._next()
 
     def _mint(self, host: Host) -> ssl.SSLContext:
         """On the worker thread."""
@@ -129,6 +202,9 @@ class Leaves:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        while (queued := self.queue.pop()) is not None:  # nobody waits on a closed cache
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                queued[1].cancel()
 
 
 class Inspector:

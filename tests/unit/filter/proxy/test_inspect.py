@@ -321,6 +321,52 @@ def test_a_session_over_its_mint_budget_is_refused_and_the_others_are_not(author
     cache.close()
 
 
+class OrderedLeaves(Leaves):
+    """Leaves that note the order hosts are minted in."""
+
+    order: list[str]
+
+    def _mint(self, host):
+        self.order.append(host.key)
+        return super()._mint(host)
+
+
+def test_one_sessions_burst_delays_anothers_first_mint_by_one_mint_at_most(authority):
+    cache = OrderedLeaves(authority, 100, 0.001, 100)
+    cache.order = []
+
+    async def scenario():
+        burst = [asyncio.ensure_future(cache.get(Host(name=f"n{i}.burst.test"), "s1"))
+                 for i in range(8)]
+        await asyncio.sleep(0)  # the burst is asked for first
+        mine = asyncio.ensure_future(cache.get(Host(name="mine.test"), "s2"))
+        theirs = asyncio.ensure_future(cache.get(Host(name="theirs.test"), "s3"))
+        await asyncio.gather(*burst, mine, theirs)
+
+    run(scenario())
+    # the burst's first mint was under way; then each session's first, before the burst's next
+    assert cache.order[:4] == ["n0.burst.test", "mine.test", "theirs.test", "n1.burst.test"]
+    assert sorted(cache.order) == sorted([f"n{i}.burst.test" for i in range(8)]
+                                         + ["mine.test", "theirs.test"])
+    assert cache.stats["minted"] == 10 and cache.pending == {}
+    cache.close()
+
+
+def test_the_fair_queue_takes_sessions_in_turn_and_each_in_order():
+    from appliance.filter.proxy.inspect import FairQueue
+    queue = FairQueue()
+    for item in ("a1", "a2", "a3"):
+        queue.push("a", item)
+    queue.push("b", "b1")
+    assert queue.pop() == "a1"
+    queue.push("c", "c1")
+    queue.push("b", "b2")
+    assert [queue.pop() for _ in range(len(queue))] == ["b1", "c1", "a2", "b2", "a3"]
+    assert queue.pop() is None and len(queue) == 0
+    queue.push(None, "outside")  # a client outside every session is one more turn
+    assert queue.pop() == "outside"
+
+
 def test_a_mint_that_fails_is_a_denial_and_is_not_kept(authority):
     class Failing(Leaves):
         def _mint(self, host):
