@@ -63,7 +63,8 @@ BIN = Path(sys.executable).parent
 RESULTS = Path(__file__).resolve().parent / "results"
 TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
-PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "ruleset", "noisy", "inspect"]
+PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "ruleset", "team", "noisy",
+         "inspect"]
 
 
 class Bench:
@@ -223,15 +224,10 @@ class Bench:
                     "p99_us": statistics.median(r[2] for r in v)} for t, v in runs.items()})
 
     def _cpu(self) -> float:
-        """Seconds of CPU the filter has used (`ip netns exec` execs it: same pid)."""
-        fields = Path(f"/proc/{self.filter.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _process_cpu(self.filter.pid)
 
     def _rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.filter.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS for the filter")
+        return _process_rss_mib(self.filter.pid)
 
     def http(self) -> None:
         """Keep-alive req/s with p50/p99 (wrk), new connections per second (ab), and the
@@ -394,6 +390,104 @@ class Bench:
               f"{row['load_ms']}; all {out['sessions']} at once: {row['full_ms']} ms)",
               flush=True)
 
+    def team(self) -> None:
+        """A team's load: --team-sessions sessions, each its own namespace, subnet and policy
+        file, registered at run time (`session-add`), each opening --team-connections short
+        HTTPS connections through its proxy at once (bench/team.py, a package install's
+        pattern); against the same clients dialling the origin directly. Runs a filter with
+        the appliance's defaults (listeners on each session's gateway), as noisy does."""
+        from appliance.control_client import ControlClient
+
+        d, count, each = self.dir, self.args.team_sessions, self.args.team_connections
+        names = [f"{PREFIX}team{i}" for i in range(count)]
+        for i, ns in enumerate(names):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "set", "lo", "up", ns=ns)
+            sh("ip", "link", "add", f"cb-sbx{10 + i}", "netns", APP, "type", "veth", "peer",
+               "name", "eth0", "netns", ns)
+            sh("ip", "addr", "add", f"10.233.{i}.1/24", "dev", f"cb-sbx{10 + i}", ns=APP)
+            sh("ip", "link", "set", f"cb-sbx{10 + i}", "up", ns=APP)
+            sh("ip", "addr", "add", f"10.233.{i}.2/24", "dev", "eth0", ns=ns)
+            sh("ip", "link", "set", "eth0", "up", ns=ns)
+            sh("ip", "route", "add", "default", "via", f"10.233.{i}.1", ns=ns)
+            (d / f"team{i}.toml").write_text(TEAM_POLICY.format(i=i))  # a policy each
+        self._stop_filter()
+        (d / "team.toml").write_text(TEAM_FILTER.format(dir=d, up=UPSTREAM))
+        team = spawn(APP, [str(BIN / "corral-filter"), "--config", str(d / "team.toml")],
+                     d / "team-filter.log", FILTER_NOFILE)
+        try:
+            deadline = time.monotonic() + 30
+            while not (d / "team.sock").exists():
+                if time.monotonic() > deadline or team.poll() is not None:
+                    raise RuntimeError("the team filter did not start: "
+                                       + (d / "team-filter.log").read_text()[-1000:])
+                time.sleep(0.1)
+            control = ControlClient(str(d / "team.sock"))
+            started = time.perf_counter()
+            for i in range(count):
+                answer = control.request({"op": "session-add", "name": f"team{i}",
+                                          "subnet": f"10.233.{i}.0/24",
+                                          "files": [str(d / f"team{i}.toml")]})
+                if not answer.get("ok"):
+                    raise RuntimeError(f"session-add team{i}: {answer}")
+            register_ms = (time.perf_counter() - started) * 1000
+            wait_port(names[-1], f"10.233.{count - 1}.1", 3128, "the team's proxy")
+            runs: dict[str, list[dict]] = {"direct": [], "corral": []}
+            for _ in range(self.args.reps):
+                runs["direct"].append(self._team_run(
+                    [DIRECT] * count, ["direct"] * count, each, None))
+                runs["corral"].append(self._team_run(
+                    names, [f"10.233.{i}.1:3128" for i in range(count)], each, team.pid))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(team.pid, signal.SIGTERM)
+            team.wait(10)
+            for ns in names:
+                sh("ip", "netns", "del", ns, check=False)
+            self._start_filter()
+        direct_s = statistics.median(r["seconds"] for r in runs["direct"])
+        for tool, results in runs.items():
+            seconds = statistics.median(r["seconds"] for r in results)
+            row = {"metric": f"team scale: {count} sessions x {each} HTTPS connections",
+                   "tool": tool, "unit": "s", "value": round(seconds, 3),
+                   "ratio_direct": round(seconds / direct_s, 3),
+                   "p50_us": statistics.median(r["p50_us"] for r in results),
+                   "p99_us": statistics.median(r["p99_us"] for r in results)}
+            if tool == "corral":
+                row.update(workers=1, register_ms=round(register_ms, 1),
+                           cpu_per_core=round(statistics.median(r["cpu_per_core"]
+                                                                for r in results), 3),
+                           rss_mib=round(max(r["rss_mib"] for r in results), 1))
+            self.rows.append(row)
+            print(f"  {row['metric']:<48} {tool:<8} {row['value']:>8} s "
+                  f"({row['ratio_direct']:.2f} of direct; p99 {row['p99_us']:.0f} µs)",
+                  flush=True)
+
+    def _team_run(self, namespaces: list[str], proxies: list[str], each: int,
+                  pid: int | None) -> dict:
+        """Every client at once; the wall time until the last is done, the pooled latencies,
+        and the filter's CPU per core and RSS over the run (with `pid`)."""
+        cpu = _process_cpu(pid) if pid else 0.0
+        started = time.perf_counter()
+        clients = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m",
+                                     "bench.team", proxy, "small.allowed.test",
+                                     f"{UPSTREAM}:443", "/1k", str(each)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for ns, proxy in zip(namespaces, proxies, strict=True)]
+        outputs = [c.communicate(timeout=600) for c in clients]
+        seconds = time.perf_counter() - started
+        failed = [err[-500:] for c, (_, err) in zip(clients, outputs, strict=True)
+                  if c.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{len(failed)} team clients failed: {failed[0]}")
+        latencies = sorted(x for out, _ in outputs for x in json.loads(out)["latencies_us"])
+        result = {"seconds": seconds, "p50_us": round(statistics.median(latencies)),
+                  "p99_us": round(latencies[max(0, int(len(latencies) * 0.99) - 1)])}
+        if pid:
+            result["cpu_per_core"] = (_process_cpu(pid) - cpu) / seconds / os.cpu_count()
+            result["rss_mib"] = _process_rss_mib(pid)
+        return result
+
     def noisy(self) -> None:
         """Session A asks at an agent's pace (cached names, CONNECTs) while session B floods
         random denied names, holds connections and tunnels up to its caps and sends the
@@ -510,6 +604,19 @@ class Bench:
                   f"({row['ratio_direct']:.2f} of direct)", flush=True)
 
 
+def _process_cpu(pid: int) -> float:
+    """Seconds of CPU a process has used (the filter: `ip netns exec` execs it, same pid)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def interpreter() -> dict:
     """The Python the filter ran on (the venv's base: the filter is started from BIN), as the
     results record it: a number from a build without PGO says little about the appliance."""
@@ -533,6 +640,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         latency = f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if "p50_us" in r else ""
+        if "cpu_per_core" in r:
+            latency += (f"; filter: {r['workers']} worker, {r['cpu_per_core']} of each core, "
+                        f"RSS {r['rss_mib']} MiB; the sessions registered in "
+                        f"{r['register_ms']} ms")
         if "load_ms" in r:
             latency = (f"plan {r['plan_ms']} ms, ruleset {r['load_ms']} ms; all at once "
                        f"{r['full_ms']} ms")
@@ -576,6 +687,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="inspected keep-alive requests per connection")
     parser.add_argument("--inspect-connects", type=int, default=20,
                         help="new inspected connections for the first-request latency")
+    parser.add_argument("--team-sessions", type=int, default=20,
+                        help="sessions (namespaces) of the team row")
+    parser.add_argument("--team-connections", type=int, default=200,
+                        help="HTTPS connections each team session opens")
     parser.add_argument("--sessions", type=int, default=200,
                         help="sessions registered for the ruleset row")
     parser.add_argument("--only", choices=PARTS, action="append")
@@ -683,6 +798,38 @@ files = ["{dir}/policy.toml"]
 name = "b"
 subnet = "10.232.3.0/24"
 files = ["{dir}/policy.toml"]
+"""
+
+TEAM_POLICY = """
+[dns]
+allow = ["*.allowed.test", "team{i}.test"]
+[http]
+allow = ["*.allowed.test", "team{i}.test"]
+[cidr]
+allow = ["10.232.1.0/24"]
+"""
+
+TEAM_FILTER = """
+# the appliance's defaults, as the role writes them: listeners on each session's gateway,
+# per-session limits as shipped; the sessions come at run time (session-add)
+[dns]
+listen = ["gateway:5300"]
+upstream = ["{up}:53"]
+[proxy]
+listen = ["gateway:3128"]
+transparent_http = ["gateway:3129"]
+transparent_tls = ["gateway:3130"]
+# the caps lowered so that 20 sessions fit this host's descriptors (a hard limit of 20000,
+# where the unit sets 1048576): one client connection at a time per session needs 2
+max_connections_per_session = 100
+max_tunnels_per_session = 50
+[state]
+dir = "{dir}/team-state"
+[control]
+socket = "{dir}/team.sock"
+[firewall]
+manage = true
+interfaces = ["cb-sbx*"]
 """
 
 NGINX = """
