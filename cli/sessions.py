@@ -168,8 +168,10 @@ def cmd_run(args) -> int:
                                  timeout=SLOW, name=name, preset=args.preset,
                                  project_id=project_id(project), uid=uid, gid=gid,
                                  **limits, **agent)
+    steps = ", ".join(f"{step} {seconds:.2f}s" for step, seconds in
+                      (session.get("took") or {}).items() if isinstance(seconds, int | float))
     output.notice(f"session {name} started in {time.monotonic() - started:.1f}s on "
-                  f"{session['subnet']}")
+                  f"{session['subnet']}" + (f" (on the appliance: {steps})" if steps else ""))
     if args.learn == "open":  # a person's explicit choice, recorded (a rule event)
         client.request("POST", "/policy/rules", {"session": name, "kind": "approval",
                                                  "rule": "open"})

@@ -73,6 +73,10 @@ class Record:
     """Its limits (lifetime.Limits; 0 or "": none, or the sandbox's default)."""
     agent: dict = field(default_factory=dict)
     """The agent it runs (`corral run --agent`): name, package, version, install key."""
+    took: dict = field(default_factory=dict)
+    """Seconds each step of its start took, in order: `network` (its bridge), `files` (its
+    home, workspace and policy files), `filter` (registered with the filter, whose firewall
+    follows, and its placeholders), `container` (podman run). Where a start's time goes."""
 
     @property
     def limits(self) -> lifetime.Limits:
@@ -285,6 +289,14 @@ class SessionManager:
             raise SessionError(f"session {name!r} exists; `corral rm {name}` first")
         network = container = f"corral-{name}"
         undo: list[Callable[[], object]] = []
+        took: dict[str, float] = {}
+        step = [time.monotonic()]
+
+        def done(what: str) -> None:
+            now = time.monotonic()
+            took[what] = round(now - step[0], 3)
+            step[0] = now
+
         try:
             # first, before anything needs undoing; written before every start, so that a
             # containers-common update reaches the next session
@@ -296,12 +308,15 @@ class SessionManager:
             gateway = str(next(subnet.hosts()))
             undo.append(lambda: self.podman.run("network", "rm", "--force", network,
                                                 check=False))
+            done("network")
             volumes = self._volumes(name, project, project_id, list(home_directories),
                                     uid, gid, undo)
             files = self._policy_files(name, list(project_files), list(presets),
                                        Path(project) if project is not None else None, layers)
             trusted = self.trust(name)
+            done("files")
             placeholders = self._registered(name, subnet, gateway, files, undo)
+            done("filter")
             try:
                 ssh = sshconf.write(trusted, gateway, placeholders.get("ssh") if secrets
                                     else None, hardening.Sandbox.userns_base)
@@ -325,11 +340,12 @@ class SessionManager:
             undo.append(lambda: self.podman.remove_container(container))
             self.podman.run("run", "--label", f"{LABEL}={name}", "--label",
                             f"{OWNER}={self.owner}", *arguments)
+            done("container")
             record = Record(name, str(subnet), gateway, network, container, self.image,
                             round(time.time(), 3), project=project_id, uid=uid, gid=gid,
                             presets=list(presets), max_uptime=limits.max_uptime,
                             idle=limits.idle, memory=spec.memory, cpus=spec.cpus,
-                            pids=spec.pids, agent=dict(agent or {}))
+                            pids=spec.pids, agent=dict(agent or {}), took=took)
             self._save(record)
             return record
         except BaseException:

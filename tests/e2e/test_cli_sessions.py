@@ -63,6 +63,13 @@ def c1(world, sandbox_image, project):
     corral(world, "rm", "c1", check=False)
 
 
+def test_run_says_where_a_starts_time_went(c1):
+    """`corral run --json` carries each step of the start on the appliance, in order."""
+    assert list(c1["took"]) == ["network", "files", "filter", "container"], c1
+    assert all(isinstance(v, float) and 0 <= v < 600 for v in c1["took"].values()), c1
+    print(f"session c1's start on the appliance: {c1['took']}")
+
+
 def test_run_starts_a_listed_session(world, c1):
     listed = {s["name"]: s for s in json.loads(corral(world, "ls", "--json").stdout)["sessions"]}
     assert listed["c1"]["container_state"] == "running" and listed["c1"]["state"] == "running"
