@@ -96,13 +96,19 @@ def test_bad_session_requests_get_precise_errors(api, method, path, body, status
     assert (got, message.lower() in answer["error"]["message"].lower()) == (status, True), answer
 
 
+def refused_path(message: str) -> bool:
+    """An entry outside the project refused, in the words of tarfile's data filter or, on a
+    Python that lacks it (Debian 12's 3.11.2, which runs the suite), the sandbox's own."""
+    return "outside the destination" in message or "'..' are refused" in message
+
+
 def test_project_uploads_are_checked_before_anything_is_made(api):
     status, answer = send(api, "POST", "/v1/sessions?name=up1", b"not a tar at all",
                           "application/gzip")
     assert status == 400 and "project archive is unusable" in answer["error"]["message"]
     evil = archive(("../escape.txt", b"out"))
     status, answer = send(api, "POST", "/v1/sessions?name=up1", evil, "application/gzip")
-    assert status == 400 and "outside the destination" in answer["error"]["message"]
+    assert status == 400 and refused_path(answer["error"]["message"])
     status, answer = send(api, "POST", "/v1/sessions", archive(("a", b"1")), "application/gzip")
     assert status == 400 and "missing query argument 'name'" in answer["error"]["message"]
     status, answer = send(api, "POST", "/v1/sessions?name=up1&colour=red",
@@ -113,7 +119,7 @@ def test_project_uploads_are_checked_before_anything_is_made(api):
     larger = archive(("../escape.txt", os.urandom(30000)))
     assert 16 * 1024 < len(larger) < 65536
     status, answer = send(api, "POST", "/v1/sessions?name=up1", larger, "application/gzip")
-    assert status == 400 and "outside the destination" in answer["error"]["message"], answer
+    assert status == 400 and refused_path(answer["error"]["message"]), answer
     # an agent's profile rides in the query (the body is the archive): a larger one than
     # gunicorn's default request line (4094 bytes) still reaches the sandbox service, which
     # parses it (and refuses this one's unknown key, naming it)
