@@ -170,6 +170,8 @@ class FakeHttp:
     def __init__(self, loop: Loop, ssl_context: ssl.SSLContext | None = None, port: int = 0,
                  host: str = "127.0.0.1", log: Path | None = None):
         self.requests: list[dict] = []
+        self.accepted = 0
+        """Connections accepted: how a test tells a kept connection from a new one."""
         self._log = None if log is None else os.open(log, os.O_WRONLY | os.O_APPEND
                                                       | os.O_CREAT, 0o644)
         """Where each request's method, Host and path are appended, one line each (when the
@@ -184,6 +186,7 @@ class FakeHttp:
         return self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader, writer):
+        self.accepted += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -346,6 +349,7 @@ class GitHttp:
         return self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader, writer):
+        self.accepted += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")

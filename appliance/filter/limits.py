@@ -61,11 +61,11 @@ class DescriptorBudget:
 
 def per_session(config: FilterConfig) -> int:
     """Descriptors one session holds at its caps: each client connection and its upstream,
-    what a tunnel adds on top of its two, each DNS-over-TCP connection, and a socket for
-    each query waiting on an upstream resolver."""
+    what a tunnel adds on top of its two, the idle upstreams it keeps (proxy/pool.py), each
+    DNS-over-TCP connection, and a socket for each query waiting on an upstream resolver."""
     proxy, dns = config.proxy, config.dns
     return (2 * proxy.max_connections_per_session + TUNNEL_FDS * proxy.max_tunnels_per_session
-            + dns.max_tcp + dns.max_pending)
+            + proxy.kept_upstreams_per_session + dns.max_tcp + dns.max_pending)
 
 
 def raise_limit() -> int:

@@ -270,6 +270,7 @@ class Service:
         await self.expiry.stop()
         self.drops.stop()
         self.listeners.close()
+        self.proxy.forward.drop_kept()
         if self._control_server is not None:
             self._control_server.close()
             self._control_server = None

@@ -52,7 +52,8 @@ from .pipeline import (
     wants_close,
     websocket,
 )
-from .plan import KEPT, TUNNEL, OnJudgeThread, ReadBody, Refuse, Request, Send, plan
+from .plan import KEPT, OPEN, TUNNEL, OnJudgeThread, ReadBody, Refuse, Request, Send, plan
+from .pool import Pool
 
 HELD_MAX = 256 << 20
 """Request bodies held in memory to be judged (pushes, bodies read for leaks), all sessions
@@ -90,6 +91,16 @@ class Upstream:
         self.writer.close()
         settled(self.writer)
 
+    @property
+    def reusable(self) -> bool:
+        """Open both ways, with nothing buffered past the last response: bytes an origin
+        sent after a response would be read as the next request's answer (fails closed
+        where the reader does not say what it holds)."""
+        buffered = getattr(self.reader, "_buffer", None)
+        return (not self.writer.is_closing() and not self.reader.at_eof()
+                and self.reader.exception() is None and buffered is not None
+                and not buffered)
+
 
 class Forward:
     def __init__(self, proxy: Proxy):
@@ -102,6 +113,12 @@ class Forward:
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
+        self.pool: Pool[Upstream] = Pool(self.config.kept_upstreams_per_session)
+        """Idle upstream connections kept per (session, origin) between client connections;
+        emptied by every policy change (the address each reached was judged by the policy
+        of its dial)."""
+        self._sweep: asyncio.TimerHandle | None = None
+        proxy.store.on_change(self.drop_kept)
 
     def hold(self, session: str | None, n: int, holding: list) -> None:
         """Count `n` bytes as held for `session` until the request ends (`holding`: what
@@ -180,7 +197,44 @@ class Forward:
                     return
         finally:
             if kept is not None and not in_tunnel:
-                kept.close()
+                self._keep(client, kept)
+
+    # -- upstream connections kept between client connections (pool.py) -------------------
+
+    def _keep(self, client: Client, kept: Upstream) -> None:
+        """Keep the upstream of a client connection that ended for the session's next
+        request to its origin, if it may be reused; else close it."""
+        session, _ = self.proxy.store.lookup(client.address)
+        if session is None or not kept.reusable:
+            kept.close()
+            return
+        for idle in self.pool.put(session, kept.key, kept, time.monotonic()):
+            idle.close()
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.pool.idle, self._expire)
+
+    def _kept(self, session: str | None, key: tuple[str, int]) -> Upstream | None:
+        if session is None:
+            return None
+        while True:
+            found, idle = self.pool.take(session, key, time.monotonic())
+            for connection in idle:
+                connection.close()
+            if found is None or found.reusable:  # the origin may have closed it meanwhile
+                return found
+            found.close()
+
+    def _expire(self) -> None:
+        self._sweep = None
+        for idle in self.pool.expire(time.monotonic()):
+            idle.close()
+        if len(self.pool):
+            self._sweep = asyncio.get_running_loop().call_later(self.pool.idle, self._expire)
+
+    def drop_kept(self) -> None:
+        """Close every kept upstream (the policy changed, or the filter stops)."""
+        for idle in self.pool.clear():
+            idle.close()
 
     def _tunnel_refused(self, client: Client, mode: InTunnel, tunnel_event, reason: str):
         session, _ = self.proxy.store.lookup(client.address)
@@ -311,7 +365,17 @@ class Forward:
         it is still open), relay the response. Returns (keep the client connection, the
         upstream connection to keep)."""
         proxy, fields = self.proxy, send.event
-        if send.upstream == TUNNEL or (send.upstream == KEPT and not kept.reader.at_eof()):
+        if send.upstream == KEPT and kept.reader.at_eof():
+            send = replace(send, upstream=OPEN)
+        if send.upstream == OPEN and not isinstance(mode, InTunnel):
+            # one the session kept from an earlier client connection to this origin, judged
+            # by this policy when it was dialled (a change empties the pool)
+            pooled = self._kept(session, (str(where.host), where.port))
+            if pooled is not None:
+                if kept is not None:
+                    kept.close()
+                kept, send = pooled, replace(send, upstream=KEPT)
+        if send.upstream in (TUNNEL, KEPT):
             flow = proxy.track(client, session, "http", where.host, where.port, kept.address)
             event = proxy.event(send.decision, client, session, "http", where.host,
                                 where.port, kept.address, event_id=flow.id, **fields)

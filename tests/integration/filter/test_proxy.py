@@ -216,6 +216,41 @@ def test_absolute_form_get_with_keep_alive(corral_filter, internet):
             assert reply["headers"]["host"] == "allowed.test"
 
 
+def test_a_sessions_kept_upstream_serves_its_next_client_connections_only(corral_filter,
+                                                                         internet):
+    """Plain HTTP's upstream outlives the client connection it was dialled for (pool.py):
+    the session's next connection to that origin reuses it; another session, a response
+    not read to its end, and any change of policy get a new one."""
+    origin, port = internet.http80, corral_filter.proxy_port
+
+    def get(path: str, host: str = "allowed.test", source: str = "127.0.0.1") -> bytes:
+        raw = exchange(port, f"GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n"
+                       "Connection: close\r\n\r\n".encode(), source)
+        assert status_of(raw) == 200, raw[:200]
+        return raw
+
+    get("/warm")  # whatever was kept before now holds one for s1
+    before = origin.accepted
+    for n in range(5):
+        assert body_json(get(f"/again{n}"))["path"] == f"/again{n}"
+    assert origin.accepted == before  # five client connections, no new upstream one
+    get("/other", host="other.test", source=S2_CLIENT)  # s2: never s1's connection
+    assert origin.accepted == before + 1
+    get("/other2", host="other.test", source=S2_CLIENT)  # and s2's own is kept for it
+    assert origin.accepted == before + 1
+    answer = corral_filter.control({"op": "add", "session": "s1", "kind": "http",
+                                    "rule": "kept.example"})
+    assert answer["ok"], answer
+    get("/after-change")  # the policy changed: what was kept under the old one is closed
+    assert origin.accepted == before + 2
+    with connect(port) as sock:  # a response the client leaves half read
+        sock.sendall(b"GET http://allowed.test/big/4000000 HTTP/1.1\r\nHost: allowed.test"
+                     b"\r\nConnection: close\r\n\r\n")
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+    get("/after-half")
+    assert origin.accepted == before + 3  # that upstream was not kept
+
+
 def test_chunked_request_and_chunked_response(corral_filter):
     body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
     raw = exchange(corral_filter.proxy_port,

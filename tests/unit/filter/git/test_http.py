@@ -341,13 +341,21 @@ def test_limited_secrets_follow_method_overrides():
         creds.apply("s1", Host(name="api.test"), "/v1/messages", header, True, "POST", ("PUT",))
 
 
-def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
+def _bare_proxy():
+    """What Forward reads of its proxy when nothing is relayed: the config and the store's
+    change hook."""
     from types import SimpleNamespace
+
+    from appliance.sessionconfig import ProxyConfig
+    return SimpleNamespace(config=ProxyConfig(), store=SimpleNamespace(on_change=lambda _: None))
+
+
+def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
 
     from appliance.filter.http import HttpError
     from appliance.filter.proxy import forward
 
-    held = forward.Forward(SimpleNamespace(config=None))
+    held = forward.Forward(_bare_proxy())
     first, second, third = [], [], []
     held.hold("s1", forward.HELD_MAX // 2, first)
     with pytest.raises(HttpError) as refused:
@@ -367,12 +375,11 @@ def test_bodies_held_to_be_judged_have_a_budget_per_session_and_in_all():
 def test_a_session_has_one_judge_at_a_time_and_never_holds_them_all():
     """Two pushes of s1 and one of s2: s1's second waits for its first, s2's is judged."""
     import asyncio
-    from types import SimpleNamespace
 
     from appliance.filter.proxy import forward
 
     async def scenario():
-        judges = forward.Forward(SimpleNamespace(config=None))
+        judges = forward.Forward(_bare_proxy())
         order, release = [], asyncio.Event()
 
         async def push(session, name):
