@@ -56,7 +56,7 @@ def measure(sessions: int, reps: int, state: Path) -> dict:
         change = store.plan_register(f"s{sessions}", subnet(sessions))
         change.write()
         planned = time.perf_counter()
-        firewall.apply(change, before=store)  # what `session-add` does (changes.py)
+        firewall.apply(change)  # what `session-add` does (changes.py)
         done = time.perf_counter()
         store.commit(change)
         add.append((done - started) * 1000)
@@ -64,7 +64,7 @@ def measure(sessions: int, reps: int, state: Path) -> dict:
         load.append((done - planned) * 1000)
         change = store.plan_unregister(f"s{sessions}")
         change.write()
-        firewall.apply(change, before=store)
+        firewall.apply(change)
         store.commit(change)
     return {"sessions": sessions, "add_ms": add, "plan_ms": plan, "load_ms": load,
             "full_ms": full_ms}

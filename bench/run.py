@@ -393,13 +393,21 @@ class Bench:
     def team(self) -> None:
         """A team's load: --team-sessions sessions, each its own namespace, subnet and policy
         file, registered at run time (`session-add`), each opening --team-connections short
-        HTTPS connections through its proxy at once (bench/team.py, a package install's
-        pattern); against the same clients dialling the origin directly. Runs a filter with
+        HTTPS connections through its proxy one after another, the sessions all at once
+        (bench/team.py, a package install's pattern); against the same clients dialling the
+        origin directly. Runs a filter with
         the appliance's defaults (listeners on each session's gateway), as noisy does."""
-        from appliance.control_client import ControlClient
-
         d, count, each = self.dir, self.args.team_sessions, self.args.team_connections
         names = [f"{PREFIX}team{i}" for i in range(count)]
+        try:
+            self._team(d, names, count, each)
+        finally:  # its namespaces (and their links) go, whatever failed
+            for ns in names:
+                sh("ip", "netns", "del", ns, check=False)
+
+    def _team(self, d: Path, names: list[str], count: int, each: int) -> None:
+        from appliance.control_client import ControlClient
+
         for i, ns in enumerate(names):
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "set", "lo", "up", ns=ns)
@@ -442,8 +450,6 @@ class Bench:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(team.pid, signal.SIGTERM)
             team.wait(10)
-            for ns in names:
-                sh("ip", "netns", "del", ns, check=False)
             self._start_filter()
         direct_s = statistics.median(r["seconds"] for r in runs["direct"])
         for tool, results in runs.items():

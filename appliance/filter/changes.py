@@ -56,7 +56,7 @@ class Changes:
             change.write()
             if self.manage and self._ruleset_changes(change):
                 try:
-                    self.firewall.apply(change, before=self.store)
+                    self.firewall.apply(change)
                 except BaseException:
                     change.undo()
                     raise

@@ -5,6 +5,7 @@ loaded now, for `status` (`look`). Both block (libnftables): off the loop once s
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from appliance.firewall import ruleset
 from appliance.firewall.learned import Cut, LearnedSet
@@ -24,11 +25,32 @@ def nftables() -> Nft | None:
         return None
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What the filter last loaded into nftables, in the store's shape (`config`,
+    `sessions`, `session_configs()`): what a session that comes is added to. Sessions and
+    their policies never change in place, so holding them holds what was loaded."""
+
+    config: object
+    sessions: dict
+    configs: tuple
+
+    @classmethod
+    def of(cls, state) -> Loaded:
+        return cls(state.config, dict(state.sessions), tuple(state.session_configs()))
+
+    def session_configs(self) -> tuple:
+        return self.configs
+
+
 class Firewall:
     def __init__(self, nft: Nft | None, learned: LearnedSet | None):
         self.nft, self.learned = nft, learned
+        self.loaded: Loaded | None = None
+        """What this filter last loaded (None: nothing yet, or a load that may have been
+        refused half-way is not trusted: the whole ruleset goes next)."""
 
-    def apply(self, state, end_strangers: bool = False, before=None) -> list[Cut]:
+    def apply(self, state, end_strangers: bool = False) -> list[Cut]:
         """Load the ruleset for every session of `state` (the store, or a change about to be
         committed) in one transaction, with the learned elements of those sessions: read
         from the learned set's ledger and loaded under its lock, so that nothing learned
@@ -36,24 +58,41 @@ class Firewall:
         previous filter left in the learned set is not carried over, and the cuts of their
         connections are returned.
 
-        `before`: the state whose ruleset is loaded now (the store). When `state` only adds
-        sessions to it, only theirs is loaded (`ruleset.additions`: a few milliseconds with
-        hundreds of sessions, where the whole is hundreds); if nftables refuses that, the
-        whole ruleset is loaded instead, and its refusal raises."""
+        When `state` only adds sessions to what this filter loaded last, only theirs is
+        loaded (`ruleset.additions`: milliseconds with hundreds of sessions, where the whole
+        is hundreds): not relative to the store, which may hold what nftables never got (a
+        change whose firewall step failed and was committed all the same, or one loaded and
+        never committed). The whole ruleset is loaded instead when the learned set still
+        holds an element from a new session's subnet (a session gone, whose allowance was
+        not taken back), or when nftables refuses the small transaction."""
         if self.nft is None or self.learned is None:
             raise ControlError("the filter manages the firewall but nftables is unavailable")
-        added = ruleset.additions(before, state) if before is not None else None
-        if added is not None and not end_strangers:
-            try:
-                self.nft.apply(added)
+        if not end_strangers and self.loaded is not None:
+            added = ruleset.additions(self.loaded, state)
+            if added is not None and self._add(added, state):
                 return []
+        sessions = {s.name for s in state.session_configs()}
+        counts = self.nft.counters()
+        self.loaded = None  # until this one is in
+        cuts = self.learned.apply(lambda learned: ruleset.for_store(state, learned, counts),
+                                  sessions, end_strangers)
+        self.loaded = Loaded.of(state)
+        return cuts
+
+    def _add(self, commands: list[dict], state) -> bool:
+        """Load the new sessions' commands alone; False: load the whole ruleset instead."""
+        new = state.session_configs()[len(self.loaded.configs):]
+        with self.learned.lock:  # nothing is learned for a subnet meanwhile
+            if self.learned.ledger.holds_any([s.subnet for s in new]):
+                return False
+            try:
+                self.nft.apply(commands)
             except NftError as exc:
                 log.warning("firewall: a new session's rules alone were refused (%s); "
                             "loading the whole ruleset", exc)
-        sessions = {s.name for s in state.session_configs()}
-        counts = self.nft.counters()
-        return self.learned.apply(lambda learned: ruleset.for_store(state, learned, counts),
-                                  sessions, end_strangers)
+                return False
+        self.loaded = Loaded.of(state)
+        return True
 
     def look(self) -> dict:
         """The loaded ruleset as `status` shows it: rules and counters, or why not."""

@@ -16,6 +16,7 @@ cost O(1) per element touched; expiry empties one-second buckets, never scans.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -67,6 +68,14 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self.elements)
+
+    def holds_any(self, subnets) -> bool:
+        """Whether an element's sandbox address lies in one of `subnets` (ip_network)."""
+        for sandbox, _, _ in self.elements:
+            address = ipaddress.ip_address(sandbox)
+            if any(address in subnet for subnet in subnets):
+                return True
+        return False
 
     def holds(self, session: str, key: Key) -> bool:
         element = self.elements.get(key)

@@ -19,11 +19,12 @@ IPv4 is held by the session subnets as well as by the interfaces: a session's ru
 source addresses on any interface. IPv6 has no subnets to match, so it fails closed another
 way: nothing is forwarded over IPv6 at all (flows established before the ruleset aside), from
 whatever interface, and IPv6 to the appliance itself is rejected on sandbox interfaces.
-Each session's rules live in chains of its own (`input_<session>`, `forward_<session>`,
-`nat_<session>`), reached from the base chains through verdict maps keyed by its subnet
-(`session_input`, `session_forward`, `session_nat`), with its subnet in the set `sessions`
-that the spoofing rule reads: one lookup per packet however many sessions there are, and a
-session that comes is one small transaction (`additions`), not the whole ruleset again.
+Each session's rules live in chains of its own (`session_input_<session>`,
+`session_forward_<session>`, `session_nat_<session>`), reached from the base chains through
+verdict maps keyed by its subnet (`session_input`, `session_forward`, `session_nat`), with
+its subnet in the set `sessions` that the spoofing rule reads: one lookup per packet however
+many sessions there are, and a session that comes is one small transaction (`additions`),
+not the whole ruleset again.
 Every reject is counted per session (named counter `deny_<session>`), logged to NFLOG at a
 limited rate (prefix "corral <session> "), and answered fast: TCP reset for TCP,
 ICMP admin-prohibited for the rest.
@@ -269,8 +270,9 @@ def _rate(per_second: int) -> dict:
 
 
 def _own_chains(session: SessionConfig) -> dict[str, str]:
-    """DISPATCH's prefix -> the session's own chain behind that base chain."""
-    return {prefix: f"{prefix}_{session.name}" for prefix in DISPATCH.values()}
+    """DISPATCH's prefix -> the session's own chain behind that base chain. `session_` first:
+    no session name makes one of the base chains' names (`nat_prerouting`)."""
+    return {prefix: f"session_{prefix}_{session.name}" for prefix in DISPATCH.values()}
 
 
 def _session_chains(session: SessionConfig, config: FilterConfig,
@@ -409,7 +411,10 @@ def additions(before, after) -> list[dict] | None:
                                     _static_tcp(after.sessions[session.name].policy))
     for session in new[len(old):]:
         commands += _session_elements(session)
-    return commands
+    # made, not added: a chain or counter that is there already (a ruleset that is not what
+    # `before` says) fails the transaction, and the caller loads the whole ruleset instead
+    return [{"create": c["add"]} if "add" in c and ("chain" in c["add"] or "counter" in c["add"])
+            else c for c in commands]
 
 
 def build_base(interfaces: Iterable[str]) -> list[dict]:

@@ -20,9 +20,11 @@ from . import digest_json
 
 VOLATILE = {
     "counter": ("packets", "bytes"),
-    "set": ("elem",),
 }
 """Per kind of object, the fields the running kernel changes."""
+LEARNED_SET = "learned"
+"""The one set whose elements the running filter changes (the DNS filter teaches it). The
+others' are the ruleset itself: `sessions`, the sources a sandbox may use, is compared."""
 
 
 def normalise(items: list[dict]) -> list[dict]:
@@ -34,7 +36,8 @@ def normalise(items: list[dict]) -> list[dict]:
             continue
         kind, body = next(iter(item.items()))
         body = {k: v for k, v in body.items()
-                if k != "handle" and k not in VOLATILE.get(kind, ())}
+                if k != "handle" and k not in VOLATILE.get(kind, ())
+                and not (kind == "set" and k == "elem" and body.get("name") == LEARNED_SET)}
         if kind == "rule":
             body["expr"] = [_statement(e) for e in body.get("expr", [])]
         out.append({kind: body})

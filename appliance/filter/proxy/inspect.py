@@ -116,9 +116,15 @@ class Leaves:
         """Mints under way or waiting their turn, by host: later askers wait for the same."""
         self.buckets: dict[str | None, TokenBucket] = {}
         self.queue = FairQueue()
-        """(host, future) waiting for the worker, each session in turn."""
-        self.minting = False
-        """Whether the worker has a mint: it is given one at a time, so the queue decides."""
+        """(host, future) waiting for the worker, each session in turn: a session that asks
+        for a host another session's mint is waiting for is queued for it too, in its own
+        turn (whichever turn comes first mints it)."""
+        self.queued: dict[str, set[str | None]] = {}
+        """Host -> the sessions whose turn waits for its mint."""
+        self.minting: str | None = None
+        """The host the worker mints now: it is given one at a time, so the queue decides."""
+        self.retired: str | None = None
+        """Why no mint is made any more (the CA changed, the filter stops); None: in use."""
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="corral-mint")
         self.stats = {"minted": 0, "hits": 0, "refused": 0, "evicted": 0, "failed": 0}
 
@@ -131,7 +137,14 @@ class Leaves:
             self.cache.move_to_end(host.key)
             self.stats["hits"] += 1
             return leaf.context
+        if self.retired is not None:
+            raise Denied(Decision(False, f"cannot make a certificate for {host}: "
+                                  f"{self.retired}"), str(host))
         pending = self.pending.get(host.key)
+        if pending is not None and host.key != self.minting and (
+                session not in self.queued.setdefault(host.key, set())):
+            self.queued[host.key].add(session)  # waits in its own turn too
+            self.queue.push(session, (host, pending))
         if pending is None:
             bucket = self.buckets.get(session)
             if bucket is None:
@@ -145,6 +158,7 @@ class Leaves:
             pending = asyncio.get_running_loop().create_future()
             self.pending[host.key] = pending
             pending.add_done_callback(lambda done, key=host.key: self._minted(key, done))
+            self.queued[host.key] = {session}
             self.queue.push(session, (host, pending))
             self._next()
         try:  # shielded: one client that gives up does not cancel the others' mint
@@ -155,23 +169,31 @@ class Leaves:
 
     def _next(self) -> None:
         """Give the worker the next mint in turn, if it has none."""
-        if self.minting:
+        if self.minting is not None:
             return
         while (queued := self.queue.pop()) is not None:
             host, pending = queued
-            if pending.done():  # closed meanwhile
+            if pending.done():  # minted in an earlier turn, or failed
                 continue
-            self.minting = True
-            work = asyncio.get_running_loop().run_in_executor(self.worker, self._mint, host)
+            if self.retired is not None:
+                _fail(pending, self.retired)
+                continue
+            try:
+                work = asyncio.get_running_loop().run_in_executor(self.worker, self._mint,
+                                                                  host)
+            except RuntimeError as exc:  # the worker was shut down: never a wait forever
+                _fail(pending, f"the mint worker is gone ({exc})")
+                continue
+            self.minting = host.key
             work.add_done_callback(lambda done, pending=pending: self._handed(done, pending))
             return
 
     def _handed(self, done: asyncio.Future, pending: asyncio.Future) -> None:
         """On the loop: the worker's mint to those waiting for it, then the next in turn."""
-        self.minting = False
+        self.minting = None
         if not pending.done():
             if done.cancelled():
-                pending.cancel()
+                _fail(pending, self.retired or "the mint was cancelled")
             elif done.exception() is not None:
                 pending.set_exception(done.exception())
             else:
@@ -185,6 +207,7 @@ class Leaves:
     def _minted(self, key: str, done: asyncio.Future) -> None:
         """On the loop: keep what was minted, drop the least recently used beyond `size`."""
         self.pending.pop(key, None)
+        self.queued.pop(key, None)
         if done.cancelled() or done.exception() is not None:
             self.stats["failed"] += 1
             return
@@ -200,11 +223,24 @@ class Leaves:
         for session in [s for s in self.buckets if s is not None and s not in alive]:
             del self.buckets[session]
 
+    def retire(self, reason: str) -> None:
+        """Make no more mints: each one waiting its turn fails with `reason` (a denial to its
+        client, who may connect again), the one under way finishes, then the worker stops."""
+        self.retired = reason
+        while (queued := self.queue.pop()) is not None:
+            _fail(queued[1], reason)
+        self.worker.shutdown(wait=False)
+
     def close(self) -> None:
+        self.retire("the filter is stopping")
         self.worker.shutdown(wait=False, cancel_futures=True)
-        while (queued := self.queue.pop()) is not None:  # nobody waits on a closed cache
-            with contextlib.suppress(RuntimeError):  # its loop may be closed already
-                queued[1].cancel()
+
+
+def _fail(pending: asyncio.Future, reason: str) -> None:
+    """A mint's waiters told it will not come (a denial each, in `Leaves.get`)."""
+    if not pending.done():
+        with contextlib.suppress(RuntimeError):  # its loop may be closed already
+            pending.set_exception(RuntimeError(reason))
 
 
 class Inspector:
@@ -263,11 +299,13 @@ class Inspector:
         return Authority.load(str(self.directory.cert), str(self.directory.key))
 
     def use(self, authority: Authority) -> None:
-        """Sign with `authority` from now on: the leaves of the old CA go (mints under way
-        finish into the old cache, which nothing reads)."""
+        """Sign with `authority` from now on: the leaves of the old CA go (the mint under way
+        finishes into the old cache, which nothing reads; those waiting their turn are
+        denied, and their clients connect again)."""
         old, self.authority = self.leaves, authority
         self.leaves = self._leaves()
-        old.worker.shutdown(wait=False)
+        old.retire("the interception CA changed while this host's certificate waited its "
+                   "turn: connect again")
 
     def days_left(self) -> int:
         left = self.authority.cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)

@@ -52,7 +52,7 @@ def test_only_the_corral_table_is_touched(commands):
 
 def sessions_rules(commands, prefix):
     """The rules of every session's own chain behind a base chain (`input_s1`, ...)."""
-    return [r for s in ("s1", "s2") for r in rules(commands, f"{prefix}_{s}")]
+    return [r for s in ("s1", "s2") for r in rules(commands, f"session_{prefix}_{s}")]
 
 
 def test_each_session_reaches_only_its_own_gateway_ports(commands):
@@ -67,7 +67,8 @@ def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
     config = parse_config(CONFIG.replace("[[session]]", '[sshgate]\nlisten = ["gateway:2222"]\n'
                                          "[[session]]", 1), "filter.toml")
     commands = build(config, {})
-    assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands, "input_s1"))
+    assert '{"set": [53, 2222, 3128, 3129, 3130]}' in json.dumps(rules(commands,
+                                                                      "session_input_s1"))
     assert verdict(commands, "filter_input",
                    Packet("podman3", S1, S1_GW, dport=2222, local=True)) == "accept"
     assert verdict(commands, "filter_input", Packet("podman3", S1, "10.213.2.254", dport=2222,
@@ -77,7 +78,7 @@ def test_the_git_gateway_is_reached_on_the_sessions_gateway_alone():
 def test_redirects_and_static_tcp(commands):
     redirects = [r["expr"][-1] for r in sessions_rules(commands, "nat")]
     assert redirects == [{"redirect": {"port": 3129}}, {"redirect": {"port": 3130}}] * 2
-    forward = json.dumps(rules(commands, "forward_s1"))
+    forward = json.dumps(rules(commands, "session_forward_s1"))
     assert "203.0.113.7" in forward and "@learned" in forward
 
 
@@ -313,8 +314,10 @@ def test_a_session_that_comes_is_added_alone_and_judged_as_in_the_whole(tmp_path
     change = store.plan_register("late", "10.213.9.0/24", None, [str(tmp_path / "tcp.toml")])
     added = additions(store, change)
     assert not [c for c in added if "delete" in c or "table" in c.get("add", {})]
-    assert {c["add"]["chain"]["name"] for c in added if "chain" in c["add"]} == {
-        "deny_late", "input_late", "forward_late", "nat_late"}
+    made = [c["create"] for c in added if "create" in c]  # a second time would fail
+    assert {m["chain"]["name"] for m in made if "chain" in m} == {
+        "deny_late", "session_input_late", "session_forward_late", "session_nat_late"}
+    assert {m["counter"]["name"] for m in made if "counter" in m} == {"deny_late"}
     loaded, whole = for_store(store) + added, for_store(change)
     packets = [Packet("podman3", "10.213.9.2", "10.213.9.1", dport=3128, local=True),
                Packet("podman3", "10.213.9.2", "10.213.5.1", dport=3128, local=True),
@@ -349,3 +352,17 @@ def test_anything_but_sessions_that_come_loads_the_whole_ruleset(tmp_path):
     assert additions(store, runtime) is None and differs(store, runtime)
     mere = store.plan_add("r2", "http", "example.com")  # no address: the ruleset is the same
     assert additions(store, mere) is None and not differs(store, mere)
+
+
+@pytest.mark.parametrize("name", ["prerouting", "input", "forward", "nat", "input-x",
+                                  "session", "learned", "sessions"])
+def test_no_session_name_makes_the_name_of_another_object(name):
+    """A session's chains are `session_<kind>_<name>`: a session named `prerouting` once made
+    `nat_prerouting`, the base NAT chain, and the whole ruleset failed to load. (`unknown`
+    and `ipv6` share the deny chains of traffic of no session: the names to avoid there.)"""
+    config = parse_config(CONFIG.replace('name = "s2"', f'name = "{name}"'), "filter.toml")
+    commands = build(config, {})
+    made = [(kind, c["add"][kind]["name"]) for c in commands for kind in ("chain", "counter",
+                                                                          "set", "map")
+            if kind in c.get("add", {})]
+    assert len(made) == len(set(made)), sorted(made)  # one object each: none is another's

@@ -49,7 +49,7 @@ def _chains(commands: list[dict]) -> tuple[dict[str, list[list[dict]]], dict[str
     chains: dict[str, list[list[dict]]] = {}
     elements: dict[str, list] = {}
     for command in commands:
-        added = command.get("add", {})
+        added = command.get("add") or command.get("create") or {}
         if "chain" in added:
             chains.setdefault(added["chain"]["name"], [])
         elif "rule" in added:

@@ -63,3 +63,17 @@ def test_an_anonymous_counters_values_are_not_drift_its_name_is():
     assert ruleset.normalise(rule({"packets": 5, "bytes": 300})) == ruleset.normalise(
         rule({"packets": 0, "bytes": 0}))
     assert ruleset.normalise(rule("deny_a")) != ruleset.normalise(rule("deny_b"))
+
+
+def test_a_source_more_in_the_sessions_set_is_drift():
+    """Only the learned set's elements change by themselves: `sessions` holds the sources a
+    sandbox may use, and one added behind the filter's back is named."""
+    sessions = {"set": {"family": "inet", "table": "corral", "name": "sessions", "handle": 5,
+                        "type": "ipv4_addr", "flags": ["interval"],
+                        "elem": [{"prefix": {"addr": "10.213.1.0", "len": 24}}]}}
+    rendered = [*copy.deepcopy(LISTED), sessions]
+    loaded = copy.deepcopy(rendered)
+    loaded[-1]["set"]["elem"].append({"prefix": {"addr": "10.99.0.0", "len": 16}})
+    assert ruleset.normalise(loaded) != ruleset.normalise(rendered)
+    assert ruleset.differences(loaded, rendered) == [
+        "- set sessions (rendered, not loaded)", "+ set sessions (loaded, not rendered)"]

@@ -352,6 +352,49 @@ def test_one_sessions_burst_delays_anothers_first_mint_by_one_mint_at_most(autho
     cache.close()
 
 
+def test_a_session_that_joins_anothers_queued_mint_waits_its_own_turn_not_theirs(authority):
+    cache = OrderedLeaves(authority, 100, 0.001, 100)
+    cache.order = []
+
+    async def scenario():
+        burst = [asyncio.ensure_future(cache.get(Host(name=f"n{i}.burst.test"), "s1"))
+                 for i in range(6)]
+        popular = asyncio.ensure_future(cache.get(Host(name="popular.test"), "s1"))
+        await asyncio.sleep(0)  # s1's burst, then a host everyone uses, all queued
+        mine = asyncio.ensure_future(cache.get(Host(name="popular.test"), "s2"))
+        await asyncio.gather(*burst, popular, mine)
+        return mine.result() is popular.result()
+
+    assert run(scenario())  # one mint for both
+    assert cache.order[:2] == ["n0.burst.test", "popular.test"], cache.order
+    assert cache.stats["minted"] == 7 and cache.pending == {} and cache.queued == {}
+    cache.close()
+
+
+def test_a_new_ca_denies_the_mints_waiting_their_turn_and_none_waits_forever(authority,
+                                                                            tmp_path):
+    """Rotating the CA retires the old leaves: the mint under way finishes, the ones queued
+    behind it are denied (their clients connect again), nothing is left waiting."""
+    cache = leaves(authority, size=100, burst=100)
+
+    async def scenario():
+        waiting = [asyncio.ensure_future(cache.get(Host(name=f"n{i}.test"), f"s{i % 3}"))
+                   for i in range(10)]
+        await asyncio.sleep(0)
+        cache.retire("the interception CA changed")
+        done, still = await asyncio.wait(waiting, timeout=10)
+        assert not still  # none hangs
+        denied = [t.exception() for t in done if t.exception() is not None]
+        assert denied and all(isinstance(e, Denied) and "the interception CA changed" in
+                              str(e.decision.reason) for e in denied)
+        assert 1 <= 10 - len(denied) <= 2  # what was under way finished
+        with pytest.raises(Denied, match="the interception CA changed"):
+            await cache.get(Host(name="later.test"), "s1")  # nothing more is minted
+
+    run(scenario())
+    assert cache.pending == {} and cache.queued == {}
+
+
 def test_the_fair_queue_takes_sessions_in_turn_and_each_in_order():
     from appliance.filter.proxy.inspect import FairQueue
     queue = FairQueue()
