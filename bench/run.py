@@ -36,7 +36,7 @@ import time
 import timeit
 from pathlib import Path
 
-from . import inspected
+from . import inspected, targets
 from .netns import (
     APP,
     CLIENT,
@@ -733,8 +733,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": bench.rows},
                                                        indent=1))
-    (args.out / f"{stamp}.md").write_text(markdown(bench.rows, meta))
-    print(markdown(bench.rows, meta))
+    result = {"meta": meta, "rows": bench.rows}
+    report = (markdown(bench.rows, meta) + "\n## Targets (issue 29)\n\n"
+              + targets.markdown(result, f"{stamp}.json"))
+    (args.out / f"{stamp}.md").write_text(report)
+    print(report)
     return 0
 
 

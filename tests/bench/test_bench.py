@@ -66,6 +66,7 @@ def test_a_tiny_run_reports_every_row(tmp_path):
             and r["tool"] == "corral"] == [True]
     (table,) = tmp_path.glob("*.md")
     assert "| CONNECT+TLS bulk | corral |" in table.read_text()
+    assert "## Targets (issue 29)" in table.read_text()  # each met, missed or not measured
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout.split() if
                 ns.startswith("corral-bench-")]  # cleaned up
