@@ -172,6 +172,8 @@ class FakeHttp:
         self.requests: list[dict] = []
         self.accepted = 0
         """Connections accepted: how a test tells a kept connection from a new one."""
+        self.resumed: list[bool] = []
+        """Per TLS connection that sent a request: whether its TLS session was resumed."""
         self._log = None if log is None else os.open(log, os.O_WRONLY | os.O_APPEND
                                                       | os.O_CREAT, 0o644)
         """Where each request's method, Host and path are appended, one line each (when the
@@ -187,6 +189,7 @@ class FakeHttp:
 
     async def _handle(self, reader, writer):
         self.accepted += 1
+        counted = False
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -211,6 +214,9 @@ class FakeHttp:
                             break
                         body += await reader.readexactly(size)
                         await reader.readexactly(2)
+                if not counted and (session := writer.get_extra_info("ssl_object")):
+                    self.resumed.append(session.session_reused)
+                    counted = True
                 info = {"method": method, "path": path, "headers": headers,
                         "body": body.decode("latin-1"),
                         "tls_sni": SNI_SEEN.get(tls) if (tls := writer.get_extra_info(
@@ -349,7 +355,6 @@ class GitHttp:
         return self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader, writer):
-        self.accepted += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")

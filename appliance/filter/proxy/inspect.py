@@ -30,6 +30,7 @@ import ssl
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes, serialization
@@ -44,14 +45,62 @@ from ..ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 
-def upstream_context(cafile: str | None) -> ssl.SSLContext:
+UPSTREAM_TLS: ContextVar[tuple[str | None, str, int] | None] = ContextVar(
+    "corral_upstream_tls", default=None)
+"""(session, host, port) of the inspected upstream the current task's TLS goes to: which TLS
+session `ResumingContext` may resume. Set in the task that calls start_tls (tunnel.py); the
+loop runs the handshake's start in a copy of that task's context."""
+TICKETS_MAX = 4096
+"""TLS sessions kept for resumption, the least recently kept dropped first."""
+
+
+class ResumingContext(ssl.SSLContext):
+    """The client context towards inspected upstreams, which resumes the TLS session of the
+    last connection the same corral session made to the same host and port: a resumed
+    handshake skips the key exchange's signature and the chain's verification, which the
+    first connection did (the session is kept only from a handshake that verified). Never
+    across sessions: an upstream could tell two sandboxes apart by their tickets otherwise,
+    and a session's ticket is its own."""
+
+    tickets: OrderedDict
+
+    def wrap_bio(self, incoming, outgoing, server_side=False, server_hostname=None,
+                 session=None):
+        key = UPSTREAM_TLS.get()
+        if session is None and not server_side and key is not None and key[1] == (
+                server_hostname):
+            session = self.tickets.get(key)
+        return super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+
+    def keep(self, key: tuple[str | None, str, int], ssl_object) -> None:
+        """Keep the TLS session of a connection that ends (TLS 1.3 sends its tickets after
+        the handshake: at the end, what the upstream gave is there)."""
+        session = getattr(ssl_object, "session", None)
+        if session is None or not getattr(session, "has_ticket", False):
+            return
+        self.tickets[key] = session
+        self.tickets.move_to_end(key)
+        while len(self.tickets) > TICKETS_MAX:
+            self.tickets.popitem(last=False)
+
+
+def upstream_context(cafile: str | None) -> ResumingContext:
     """The filter's TLS towards inspected upstreams: verified (chain and name) against
-    `cafile`, or the system trust store; TLS 1.2 or later; HTTP/1.1 by ALPN."""
+    `cafile`, or the system trust store, as ssl.create_default_context would; TLS 1.2 or
+    later; HTTP/1.1 by ALPN; sessions resumed per (session, host, port)."""
+    context = ResumingContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname, CERT_REQUIRED
+    context.tickets = OrderedDict()
     try:
-        context = ssl.create_default_context(cafile=cafile)
-    except ssl.SSLError as exc:
+        if cafile is not None:
+            context.load_verify_locations(cafile)
+        else:
+            context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    except (ssl.SSLError, OSError) as exc:
         raise ConfigError(cafile or "the system trust store", "",
-                          f"holds no usable CA certificate: {exc.reason}") from None
+                          f"holds no usable CA certificate: "
+                          f"{getattr(exc, 'reason', None) or exc}") from None
+    if cafile is not None and not context.get_ca_certs():
+        raise ConfigError(cafile, "", "holds no usable CA certificate")
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(ALPN)
     return context

@@ -33,7 +33,7 @@ from ..http import Head, parse_authority
 from ..relay import CHUNK, Counters, drain, settled, tunnel, within
 from .flows import Flow
 from .forward import Upstream
-from .inspect import no_inspector
+from .inspect import UPSTREAM_TLS, ResumingContext, no_inspector
 from .pipeline import InTunnel, host_of
 from .sni import TlsError, parse_client_hello
 from .tlsstream import TlsServer
@@ -105,6 +105,9 @@ class Tunnels:
         its flow tracked; Denied, recorded, if not) and, however the tunnel ends, closed,
         untracked and its closing event emitted with what was counted."""
         proxy = self.proxy
+        # set before the dial: uvloop starts a transport's TLS in the context the transport
+        # was made in, asyncio in the task's (this connection's alone, either way)
+        UPSTREAM_TLS.set((client.session, host.key, port))
         up_r, up_w, event, flow = await proxy.open(client, host, port, kind, f"{host}:{port}")
         counters = Counters()
         try:
@@ -162,6 +165,8 @@ class Tunnels:
         # TLS to it reveals nothing the client's handshake would decide, and its round
         # trips overlap the client's instead of following them (a new connection's added
         # latency). Nothing is sent upstream but the handshake until the client's is done.
+        resume = UPSTREAM_TLS.get()  # (session, host, port): whose TLS it may resume
+
         async def upstream_handshake() -> None:  # made in the task: it may never start
             await within(up.writer.start_tls(proxy.inspector.upstream,
                                              server_hostname=host.key,
@@ -200,7 +205,13 @@ class Tunnels:
         # from here the client's connection carries the plaintext (its raw streams stay
         # with Proxy._serve, which closes them)
         client.reader, client.writer = server.reader, server.writer
-        await proxy.forward.serve(client, InTunnel(host, port, inspected=True), up, b"", event)
+        try:
+            await proxy.forward.serve(client, InTunnel(host, port, inspected=True), up, b"",
+                                      event)
+        finally:  # its TLS session, for this session's next connection there
+            upstream = proxy.inspector.upstream
+            if isinstance(upstream, ResumingContext) and resume is not None:
+                upstream.keep(resume, up.writer.get_extra_info("ssl_object"))
 
     def _tunnel_denied(self, client: Client, denied: Denied, event: dict, host: Host,
                        port: int) -> None:

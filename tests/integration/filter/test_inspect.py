@@ -297,6 +297,32 @@ def test_an_allowed_request_reaches_the_origin_exactly_as_re_serialised(
     assert "x=1" not in json.dumps(event)  # the query stays out of events
 
 
+def test_a_sessions_next_connection_resumes_its_tls_to_the_upstream_never_anothers(
+        inspecting, origins, interception):
+    """The filter's TLS to an inspected upstream resumes the session's last one there
+    (inspect.ResumingContext): the upstream sees a resumed handshake for s1's second
+    connection, and a full one for s2's first, s1's ticket being s1's alone."""
+    origin, context = origins["good"], client_context(interception)
+    port = origin.port
+
+    def one(source: str) -> bool:
+        with tls_through(inspecting, context, "inspected.test", port, source) as tls:
+            assert get(tls, f"inspected.test:{port}", "/resume")[0] == 200
+        deadline = time.monotonic() + 5
+        while len(origin.resumed) < seen + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return origin.resumed[-1]
+
+    seen = len(origin.resumed)
+    one(S1_CLIENT)  # whatever s1 had before, it holds a ticket after this one
+    seen += 1
+    assert one(S1_CLIENT) is True
+    seen += 1
+    assert one(S2_CLIENT) is False  # never s1's ticket
+    seen += 1
+    assert one(S2_CLIENT) is True
+
+
 def test_the_client_sees_a_corral_leaf_for_the_host_and_http_1_1(
         inspecting, origins, interception):
     context = client_context(interception)
