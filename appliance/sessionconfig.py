@@ -244,7 +244,7 @@ class ProxyConfig:
     max_tunnels_per_session: int = setting(128, whole())
     """Of those, tunnels (CONNECT, transparent TLS): each costs six descriptors more than a
     plain connection (a spliced tunnel's pipes and socket duplicates). More get 503."""
-    kept_upstreams_per_session: int = setting(8, whole(0))
+    kept_upstreams_per_session: int = setting(8, whole(-1))
     """Idle plain-HTTP upstream connections one session may keep for its next requests to
     the same origin (proxy/pool.py), for at most 15 s each; 0 keeps none."""
 

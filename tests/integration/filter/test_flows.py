@@ -23,7 +23,7 @@ def capped(internet, tmp_path_factory, request):
     process = FilterProcess(
         tmp_path_factory.mktemp("capped"), internet.dns.address, event_loop=request.param,
         proxy_extra=f"max_connections_per_session = {CONNECTIONS}\n"
-                    f"max_tunnels_per_session = {TUNNELS}",
+                    f"max_tunnels_per_session = {TUNNELS}\nkept_upstreams_per_session = 4",
         dns_extra="max_tcp = 4\nmax_pending = 4", nofile=1024)
     yield process
     process.stop()
@@ -93,8 +93,8 @@ def test_a_session_at_its_caps_leaves_the_others_unaffected(capped, internet):
 
 
 def test_a_session_that_would_not_fit_the_descriptor_limit_is_refused(capped):
-    """1024 descriptors hold (1024 - 256) // (2*40 + 6*10 + 4 + 4) = 5 shares: s1, s2,
-    clients outside every session, and two more."""
+    """1024 descriptors hold (1024 - 256) // (2*40 + 6*10 + 4 + 4 + 4) = 5 shares (the last
+    4: idle upstreams kept): s1, s2, clients outside every session, and two more."""
     added = []
     try:
         for n in range(3, 6):

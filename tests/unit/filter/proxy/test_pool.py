@@ -50,3 +50,15 @@ def test_a_change_of_policy_closes_everything_kept():
 def test_a_pool_of_none_keeps_nothing():
     pool = Pool(per_session=0, idle=10)
     assert pool.put("s1", A, "c1", now=0) == ["c1"] and len(pool) == 0
+
+
+def test_the_setting_takes_zero_to_keep_none_and_refuses_less():
+    import pytest
+
+    from appliance.policy import ConfigError
+    from appliance.sessionconfig import parse_config
+    assert parse_config("[proxy]\nkept_upstreams_per_session = 0\n",
+                        "filter.toml").proxy.kept_upstreams_per_session == 0
+    assert parse_config("", "filter.toml").proxy.kept_upstreams_per_session == 8
+    with pytest.raises(ConfigError, match="kept_upstreams_per_session: must be greater than -1"):
+        parse_config("[proxy]\nkept_upstreams_per_session = -1\n", "filter.toml")
