@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from .decision import Decision
 from .git import GitAccess, GitHosts
@@ -75,9 +76,17 @@ def _lookup(exact: _Index, wild: _Index, host: Host) -> list[Rule]:
     return found
 
 
-_Judged = dict[str, tuple["Rule | None", tuple[Rule, ...]]]
-"""A key (a name, an IP literal, a wildcard suffix) -> (the deny rule filed under it, or
-None; the allow rules filed under it, inner layers first)."""
+class _Denied(NamedTuple):
+    """A key some deny rule is filed under, in a merged index."""
+
+    deny: Rule
+    allows: tuple[Rule, ...]
+
+
+_Judged = dict[str, "tuple[Rule, ...] | _Denied"]
+"""A key (a name, an IP literal, a wildcard suffix) -> the allow rules filed under it, inner
+layers first; or, where a deny is filed too, `_Denied` (the deny, and those allows). The
+allows' own tuples, shared with nothing copied: most keys are allows alone."""
 
 
 def _judged(deny: tuple[_Index, _Index], allow: tuple[_Index, _Index]
@@ -87,11 +96,30 @@ def _judged(deny: tuple[_Index, _Index], allow: tuple[_Index, _Index]
     one that walks; `Policy._memo` answers the rest)."""
     merged = []
     for denies, allows in zip(deny, allow, strict=True):
-        judged: _Judged = {key: (None, rules) for key, rules in allows.items()}
+        judged: _Judged = dict(allows)
         for key, rules in denies.items():  # a few, against the allows' many
-            judged[key] = (rules[0], allows.get(key, ()))
+            judged[key] = _Denied(rules[0], allows.get(key, ()))
         merged.append(judged)
     return merged[0], merged[1]
+
+
+def _allows(exact: _Judged, wild: _Judged, host: Host) -> list[Rule]:
+    """The allow rules of a merged index whose pattern matches `host`, most specific first
+    (denies not asked: the caller does). O(labels)."""
+    found: list[Rule] = []
+    entry = exact.get(host.key)
+    if entry is not None:
+        found.extend(entry.allows if entry.__class__ is _Denied else entry)
+    name = host.name
+    if name is not None:
+        dot = name.find(".")
+        while dot >= 0:
+            name = name[dot + 1 :]
+            entry = wild.get(name)
+            if entry is not None:
+                found.extend(entry.allows if entry.__class__ is _Denied else entry)
+            dot = name.find(".")
+    return found
 
 
 def _judge(exact: _Judged, wild: _Judged, host: Host, port: int | None
@@ -102,9 +130,9 @@ def _judge(exact: _Judged, wild: _Judged, host: Host, port: int | None
     allow, other_ports = None, False
     entry = exact.get(host.key)
     if entry is not None:
-        if entry[0] is not None:
-            return entry[0], None, False
-        for rule in entry[1]:
+        if entry.__class__ is _Denied:
+            return entry.deny, None, False
+        for rule in entry:
             ports = rule.port.ports
             if port is None or ports is None or port in ports:
                 allow = rule
@@ -117,10 +145,10 @@ def _judge(exact: _Judged, wild: _Judged, host: Host, port: int | None
             name = name[dot + 1 :]
             entry = wild.get(name)
             if entry is not None:
-                if entry[0] is not None:
-                    return entry[0], None, False
+                if entry.__class__ is _Denied:
+                    return entry.deny, None, False
                 if allow is None:
-                    for rule in entry[1]:
+                    for rule in entry:
                         ports = rule.port.ports
                         if port is None or ports is None or port in ports:
                             allow = rule
@@ -150,8 +178,8 @@ def _first(exact: _Index, wild: _Index, host: Host) -> Rule | None:
 class Policy:
     """Rules compiled into lookup structures. Immutable: a change builds a new Policy."""
 
-    __slots__ = ("_deny", "_dns", "_git", "_http", "_inspect", "_judged", "_memo", "_tcp",
-                 "approval", "cidrs", "host_ports", "rules")
+    __slots__ = ("_deny", "_git", "_inspect", "_judged", "_memo", "approval", "cidrs",
+                 "host_ports", "rules")
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self.rules: tuple[Rule, ...] = tuple(rules)
@@ -161,14 +189,13 @@ class Policy:
         for rule in self.rules:
             by_kind[rule.kind].append(rule)
         self._deny = _index(by_kind["deny"], subtree=True)
-        self._http = _index(by_kind["http"])
-        self._tcp = _index(by_kind["tcp"])
         # DNS answers every name some rule lets a client reach (issue: "a name allowed by
         # an http or tcp rule is also answered by DNS").
-        self._dns = _index(by_kind["dns"] + by_kind["http"] + by_kind["tcp"])
-        self._judged = {kind: _judged(self._deny, index) for kind, index in
-                        (("http", self._http), ("tcp", self._tcp), ("dns", self._dns))}
-        """Each kind's allows merged with the denies: what a first decision walks."""
+        self._judged = {kind: _judged(self._deny, _index(rules)) for kind, rules in (
+            ("http", by_kind["http"]), ("tcp", by_kind["tcp"]),
+            ("dns", by_kind["dns"] + by_kind["http"] + by_kind["tcp"]))}
+        """Each kind's allows merged with the denies: what a decision walks, and the one
+        index of them kept."""
         self._inspect = Inspections(by_kind["inspect"] + by_kind["request"] + by_kind["git"])
         self._git = GitHosts(by_kind["git"])
         self.cidrs: tuple[tuple[object, Rule], ...] = tuple(
@@ -270,7 +297,7 @@ class Policy:
         """The tcp rules that cover `host` (unless denied): what DNS answers teach nftables."""
         if self.denied_by(host) is not None:
             return []
-        return _lookup(*self._tcp, host)
+        return _allows(*self._judged["tcp"], host)
 
     def decide_address(self, address: IPAddress, host: Host | None = None,
                        port: int | None = None, kind: str = "http") -> Decision:
@@ -309,8 +336,8 @@ class Policy:
         literal = Host(address=address)
         if self.denied_by(literal) is not None:
             return None
-        index = self._http if kind == "http" else self._tcp
-        return next((r for r in _lookup(*index, literal) if r.port.covers(port)), None)
+        return next((r for r in _allows(*self._judged[kind], literal) if r.port.covers(port)),
+                    None)
 
     def decide_host_port(self, port: int) -> Decision:
         """May a client reach the VM host (host.corral) on this port?"""
