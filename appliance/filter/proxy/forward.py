@@ -85,6 +85,10 @@ class Upstream:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     address: str
+    session: str | None = None
+    """The session it was dialled for (plain HTTP)."""
+    generation: int = -1
+    """Forward.generation when it was dialled: the policy its address was judged by."""
 
     def close(self) -> None:
         """Close it, and take the error it ends with (relay.settled)."""
@@ -118,6 +122,9 @@ class Forward:
         emptied by every policy change (the address each reached was judged by the policy
         of its dial)."""
         self._sweep: asyncio.TimerHandle | None = None
+        self.generation = 0
+        """Counts policy changes: an upstream dialled under an earlier one is never reused,
+        a request judged under an earlier one never sent on a reused upstream."""
         proxy.store.on_change(self.drop_kept)
 
     def hold(self, session: str | None, n: int, holding: list) -> None:
@@ -205,13 +212,15 @@ class Forward:
         """Keep the upstream of a client connection that ended for the session's next
         request to its origin, if it may be reused; else close it."""
         session, _ = self.proxy.store.lookup(client.address)
-        if session is None or not kept.reusable:
+        if (session is None or kept.session != session or kept.generation != self.generation
+                or not kept.reusable):
             kept.close()
             return
         for idle in self.pool.put(session, kept.key, kept, time.monotonic()):
             idle.close()
         if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_later(self.pool.idle, self._expire)
+            self._sweep = asyncio.get_running_loop().call_later(self.pool.idle + 0.05,
+                                                                self._expire)
 
     def _kept(self, session: str | None, key: tuple[str, int]) -> Upstream | None:
         if session is None:
@@ -228,11 +237,14 @@ class Forward:
         self._sweep = None
         for idle in self.pool.expire(time.monotonic()):
             idle.close()
-        if len(self.pool):
-            self._sweep = asyncio.get_running_loop().call_later(self.pool.idle, self._expire)
+        due = self.pool.next_expiry()
+        if due is not None:  # when the oldest outlives idle, not a whole idle from now
+            self._sweep = asyncio.get_running_loop().call_later(
+                max(due - time.monotonic(), 0) + 0.05, self._expire)
 
     def drop_kept(self) -> None:
         """Close every kept upstream (the policy changed, or the filter stops)."""
+        self.generation += 1
         for idle in self.pool.clear():
             idle.close()
 
@@ -343,6 +355,7 @@ class Forward:
         last: a refusal, or the request sent upstream."""
         in_tunnel = isinstance(mode, InTunnel)
         inspector = self.proxy.inspector
+        judged_at = self.generation
         steps = plan(Request(
             head, where, session, policy, decision, self.proxy.credentials, in_tunnel,
             in_tunnel and mode.inspected, kept.key if kept is not None else None,
@@ -357,17 +370,20 @@ class Forward:
                 break
         if isinstance(step, Refuse):
             return await self._refuse(client, where, session, step), kept
-        return await self._send(client, mode, kept, where, session, step)
+        return await self._send(client, mode, kept, where, session, step, judged_at)
 
     async def _send(self, client: Client, mode: Mode, kept: Upstream | None, where,
-                    session, send: Send):
+                    session, send: Send, judged_at: int = -2):
         """Send the request upstream (reusing the kept connection when the plan says so and
         it is still open), relay the response. Returns (keep the client connection, the
         upstream connection to keep)."""
         proxy, fields = self.proxy, send.event
-        if send.upstream == KEPT and kept.reader.at_eof():
-            send = replace(send, upstream=OPEN)
-        if send.upstream == OPEN and not isinstance(mode, InTunnel):
+        if send.upstream == KEPT and (kept.reader.at_eof() or kept.generation != self.generation
+                                      or kept.session != session
+                                      or judged_at != self.generation):
+            send = replace(send, upstream=OPEN)  # dialled under another policy: dial again
+        if (send.upstream == OPEN and not isinstance(mode, InTunnel)
+                and judged_at == self.generation):  # else Proxy.open judges it again
             # one the session kept from an earlier client connection to this origin, judged
             # by this policy when it was dialled (a change empties the pool)
             pooled = self._kept(session, (str(where.host), where.port))
@@ -383,9 +399,11 @@ class Forward:
             if kept is not None:
                 kept.close()
                 kept = None
+            dialled_at = self.generation
             up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
                                                        where.target, **fields)
-            kept = Upstream((str(where.host), where.port), up_r, up_w, event["address"])
+            kept = Upstream((str(where.host), where.port), up_r, up_w, event["address"],
+                            session, dialled_at)
         counters = Counters()
         try:
             keep = await self._exchange(client, send.head, where, kept, counters,

@@ -77,6 +77,11 @@ class Pool(Generic[Connection]):
                 del self._kept[session]
         return closing
 
+    def next_expiry(self) -> float | None:
+        """When the oldest kept connection outlives `idle` (None: none kept)."""
+        oldest = [next(iter(kept.values()))[2] for kept in self._kept.values() if kept]
+        return min(oldest) + self.idle if oldest else None
+
     def clear(self) -> list[Connection]:
         """Everything taken out (the policy changed, or the filter stops): to close."""
         closing = [c for kept in self._kept.values() for _, c, _ in kept.values()]

@@ -62,3 +62,12 @@ def test_the_setting_takes_zero_to_keep_none_and_refuses_less():
     assert parse_config("", "filter.toml").proxy.kept_upstreams_per_session == 8
     with pytest.raises(ConfigError, match="kept_upstreams_per_session: must be greater than -1"):
         parse_config("[proxy]\nkept_upstreams_per_session = -1\n", "filter.toml")
+
+
+def test_the_next_expiry_is_when_the_oldest_outlives_idle():
+    pool = Pool(per_session=4, idle=10)
+    assert pool.next_expiry() is None
+    pool.put("s1", A, "c1", now=3)
+    pool.put("s2", B, "d1", now=1)
+    pool.put("s1", B, "c2", now=5)
+    assert pool.next_expiry() == 11  # d1's: the sweep comes then, not a whole idle later
