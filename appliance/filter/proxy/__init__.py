@@ -137,6 +137,7 @@ class Proxy:
         store.on_change(lambda: self.failures.forget(set(store.sessions)))
         if inspector is not None:
             store.on_change(lambda: inspector.leaves.forget(set(store.sessions)))
+            store.on_change(lambda: inspector.forget_upstream_tls(set(store.sessions)))
 
     @property
     def credentials(self) -> Credentials:

@@ -74,7 +74,10 @@ class ResumingContext(ssl.SSLContext):
 
     def keep(self, key: tuple[str | None, str, int], ssl_object) -> None:
         """Keep the TLS session of a connection that ends (TLS 1.3 sends its tickets after
-        the handshake: at the end, what the upstream gave is there)."""
+        the handshake: at the end, what the upstream gave is there). Not for clients outside
+        every session: they are no one in particular, and would share one."""
+        if key[0] is None:
+            return
         session = getattr(ssl_object, "session", None)
         if session is None or not getattr(session, "has_ticket", False):
             return
@@ -82,6 +85,12 @@ class ResumingContext(ssl.SSLContext):
         self.tickets.move_to_end(key)
         while len(self.tickets) > TICKETS_MAX:
             self.tickets.popitem(last=False)
+
+    def forget(self, alive: set) -> None:
+        """Drop the TLS sessions of corral sessions that are gone: a later session of the
+        same name is another sandbox, and must not resume the first one's."""
+        for key in [k for k in self.tickets if k[0] not in alive]:
+            del self.tickets[key]
 
 
 def upstream_context(cafile: str | None) -> ResumingContext:
@@ -355,6 +364,11 @@ class Inspector:
         self.leaves = self._leaves()
         old.retire("the interception CA changed while this host's certificate waited its "
                    "turn: connect again")
+
+    def forget_upstream_tls(self, alive: set) -> None:
+        """The TLS sessions towards upstreams of corral sessions that are gone go."""
+        if isinstance(self.upstream, ResumingContext):
+            self.upstream.forget(alive)
 
     def days_left(self) -> int:
         left = self.authority.cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)

@@ -641,3 +641,20 @@ def test_ca_dir_must_be_a_directory_of_its_own(tmp_path):
         with pytest.raises(ConfigError, match="directory of its own"):
             parse_config(base + f'[inspect]\nca_dir = "{bad}"\n', "filter.toml")
     assert parse_config(base + f'[inspect]\nca_dir = "{tmp_path}/state/ca"\n', "f.toml")
+
+
+def test_upstream_tls_sessions_are_kept_per_corral_session_and_go_with_it():
+    """What ResumingContext keeps: a session's TLS session per (host, port); none for a
+    client outside every session; those of a corral session that is gone are dropped."""
+    from types import SimpleNamespace
+
+    from appliance.filter.proxy.inspect import upstream_context
+    context = upstream_context(None)
+    ticket = SimpleNamespace(session=SimpleNamespace(has_ticket=True))
+    context.keep(("s1", "a.test", 443), ticket)
+    context.keep(("s2", "a.test", 443), ticket)
+    context.keep((None, "a.test", 443), ticket)
+    context.keep(("s1", "b.test", 443), SimpleNamespace(session=None))  # no ticket: nothing
+    assert set(context.tickets) == {("s1", "a.test", 443), ("s2", "a.test", 443)}
+    context.forget({"s2"})
+    assert set(context.tickets) == {("s2", "a.test", 443)}
