@@ -9,7 +9,7 @@ re-serialises the head it parsed, so the upstream only ever sees this parser's r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.policy import HostNameError, split_host_port
 
@@ -57,29 +57,35 @@ class Head:
     """Request: (method, target, version). Response: (version, status, reason)."""
     headers: tuple[tuple[str, str], ...]
     """Fields in order, names as sent."""
+    _index: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    """Lower-cased name -> the values of its fields in order, built once from `headers`
+    (also by `dataclasses.replace`), so a lookup is one dict access, not a scan."""
+
+    def __post_init__(self) -> None:
+        index: dict[str, list[str]] = {}
+        for key, value in self.headers:
+            index.setdefault(key.lower(), []).append(value)
+        object.__setattr__(self, "_index", index)
 
     def get(self, name: str) -> str | None:
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
+        values = self._index.get(name.lower())
+        return values[0] if values else None
 
     def get_all(self, name: str) -> list[str]:
-        name = name.lower()
-        return [v for k, v in self.headers if k.lower() == name]
+        return list(self._index.get(name.lower(), ()))
 
     def tokens(self, name: str) -> set[str]:
         """Comma-separated tokens of every `name` field, lower-cased (Connection etc.)."""
-        return {t.strip().lower() for v in self.get_all(name) for t in v.split(",") if t.strip()}
+        return {t.strip().lower() for v in self._index.get(name.lower(), ())
+                for t in v.split(",") if t.strip()}
 
     @property
     def chunked(self) -> bool:
-        return bool(self.get_all("transfer-encoding"))
+        return "transfer-encoding" in self._index
 
     @property
     def content_length(self) -> int | None:
-        values = self.get_all("content-length")
+        values = self._index.get("content-length")
         return int(values[0]) if values else None
 
 
