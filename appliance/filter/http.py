@@ -92,11 +92,11 @@ class Head:
 def _lines(data: bytes) -> list[bytes]:
     if not data.endswith(b"\r\n\r\n"):
         raise HttpError(400, "message head does not end with an empty line")
-    lines = data[:-4].split(b"\r\n")
-    for line in lines:
-        if b"\n" in line or b"\r" in line:
-            raise HttpError(400, "bare CR or LF in message head; lines must end with CRLF")
-    return lines
+    head = data[:-4]
+    crlf = head.count(b"\r\n")  # every CR and every LF in a CRLF: no line holds either
+    if head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        raise HttpError(400, "bare CR or LF in message head; lines must end with CRLF")
+    return head.split(b"\r\n")
 
 
 def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
@@ -107,15 +107,27 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
         if line[:1] in (b" ", b"\t"):
             raise HttpError(400, "obsolete line folding is not accepted")
         name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.match(name):
+        text = _NAMES.get(name)
+        if not colon or (text is None and not _TOKEN.match(name)):
             raise HttpError(400, f"malformed header field {line[:60]!r}",
                             "malformed header field")
+        if text is None:
+            text = name.decode("ascii")
+            if len(name) <= NAME_CACHED and len(_NAMES) < NAMES_CACHED:
+                _NAMES[name] = text
         value = value.strip(b" \t")
         if _FIELD_VALUE_BAD.search(value):
-            raise HttpError(400, f"control character in header {name.decode()!r}",
+            raise HttpError(400, f"control character in header {text!r}",
                             "control character in a header field")
-        fields.append((name.decode("ascii"), value.decode("latin-1")))
+        fields.append((text, value.decode("latin-1")))
     return tuple(fields)
+
+
+_NAMES: dict[bytes, str] = {}
+"""Field names seen valid (tokens), decoded: most heads repeat the same few, checked once."""
+NAMES_CACHED, NAME_CACHED = 512, 64
+"""At most this many names kept, each at most this many bytes: what an agent makes up only
+fills the cache once, and then costs as a new name did."""
 
 
 def _check_framing(head: Head) -> None:
