@@ -113,7 +113,9 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
                             "malformed header field")
         if text is None:
             text = name.decode("ascii")
-            if len(name) <= NAME_CACHED and len(_NAMES) < NAMES_CACHED:
+            if len(name) <= NAME_CACHED:
+                if len(_NAMES) >= NAMES_CACHED:
+                    _NAMES.clear()
                 _NAMES[name] = text
         value = value.strip(b" \t")
         if _FIELD_VALUE_BAD.search(value):
@@ -126,8 +128,8 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
 _NAMES: dict[bytes, str] = {}
 """Field names seen valid (tokens), decoded: most heads repeat the same few, checked once."""
 NAMES_CACHED, NAME_CACHED = 512, 64
-"""At most this many names kept, each at most this many bytes: what an agent makes up only
-fills the cache once, and then costs as a new name did."""
+"""At most this many names kept (then the cache starts again), each at most this many
+bytes: names an agent makes up cost what a new name costs, never more."""
 
 
 def _check_framing(head: Head) -> None:
