@@ -9,7 +9,7 @@ re-serialises the head it parsed, so the upstream only ever sees this parser's r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.policy import HostNameError, split_host_port
 
@@ -57,40 +57,46 @@ class Head:
     """Request: (method, target, version). Response: (version, status, reason)."""
     headers: tuple[tuple[str, str], ...]
     """Fields in order, names as sent."""
+    _index: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    """Lower-cased name -> the values of its fields in order, built once from `headers`
+    (also by `dataclasses.replace`), so a lookup is one dict access, not a scan."""
+
+    def __post_init__(self) -> None:
+        index: dict[str, list[str]] = {}
+        for key, value in self.headers:
+            index.setdefault(key.lower(), []).append(value)
+        object.__setattr__(self, "_index", index)
 
     def get(self, name: str) -> str | None:
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
+        values = self._index.get(name.lower())
+        return values[0] if values else None
 
     def get_all(self, name: str) -> list[str]:
-        name = name.lower()
-        return [v for k, v in self.headers if k.lower() == name]
+        return list(self._index.get(name.lower(), ()))
 
     def tokens(self, name: str) -> set[str]:
         """Comma-separated tokens of every `name` field, lower-cased (Connection etc.)."""
-        return {t.strip().lower() for v in self.get_all(name) for t in v.split(",") if t.strip()}
+        return {t.strip().lower() for v in self._index.get(name.lower(), ())
+                for t in v.split(",") if t.strip()}
 
     @property
     def chunked(self) -> bool:
-        return bool(self.get_all("transfer-encoding"))
+        return "transfer-encoding" in self._index
 
     @property
     def content_length(self) -> int | None:
-        values = self.get_all("content-length")
+        values = self._index.get("content-length")
         return int(values[0]) if values else None
 
 
 def _lines(data: bytes) -> list[bytes]:
     if not data.endswith(b"\r\n\r\n"):
         raise HttpError(400, "message head does not end with an empty line")
-    lines = data[:-4].split(b"\r\n")
-    for line in lines:
-        if b"\n" in line or b"\r" in line:
-            raise HttpError(400, "bare CR or LF in message head; lines must end with CRLF")
-    return lines
+    head = data[:-4]
+    crlf = head.count(b"\r\n")  # every CR and every LF in a CRLF: no line holds either
+    if head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        raise HttpError(400, "bare CR or LF in message head; lines must end with CRLF")
+    return head.split(b"\r\n")
 
 
 def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
@@ -101,15 +107,29 @@ def _fields(lines: list[bytes]) -> tuple[tuple[str, str], ...]:
         if line[:1] in (b" ", b"\t"):
             raise HttpError(400, "obsolete line folding is not accepted")
         name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.match(name):
+        text = _NAMES.get(name)
+        if not colon or (text is None and not _TOKEN.match(name)):
             raise HttpError(400, f"malformed header field {line[:60]!r}",
                             "malformed header field")
+        if text is None:
+            text = name.decode("ascii")
+            if len(name) <= NAME_CACHED:
+                if len(_NAMES) >= NAMES_CACHED:
+                    _NAMES.clear()
+                _NAMES[name] = text
         value = value.strip(b" \t")
         if _FIELD_VALUE_BAD.search(value):
-            raise HttpError(400, f"control character in header {name.decode()!r}",
+            raise HttpError(400, f"control character in header {text!r}",
                             "control character in a header field")
-        fields.append((name.decode("ascii"), value.decode("latin-1")))
+        fields.append((text, value.decode("latin-1")))
     return tuple(fields)
+
+
+_NAMES: dict[bytes, str] = {}
+"""Field names seen valid (tokens), decoded: most heads repeat the same few, checked once."""
+NAMES_CACHED, NAME_CACHED = 512, 64
+"""At most this many names kept (then the cache starts again), each at most this many
+bytes: names an agent makes up cost what a new name costs, never more."""
 
 
 def _check_framing(head: Head) -> None:

@@ -54,10 +54,88 @@ class Counters:
 
 
 async def within(awaitable, seconds: float | None):
-    """`await` with a time limit (TimeoutError), like asyncio.wait_for but without the task
-    that wait_for creates on every call in Python 3.11: a proxied request awaits a dozen."""
-    async with asyncio.timeout(seconds):
+    """`await` with a time limit (TimeoutError), as `async with asyncio.timeout(seconds)`
+    has it, but on one timer per task (_Deadline) that each call moves, rather than a timer
+    scheduled and cancelled per call: a proxied request awaits a dozen, and a keep-alive
+    connection does it for every request. Without a task, or inside another `within` of the
+    same task, asyncio.timeout itself."""
+    if seconds is None:
         return await awaitable
+    task = asyncio.current_task()
+    deadline = _DEADLINES.get(task)
+    if deadline is None and task is not None:
+        deadline = _DEADLINES[task] = _Deadline(task)
+        task.add_done_callback(_forget)
+    elif deadline is None or deadline.armed:
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    deadline.arm(seconds)
+    try:
+        return await awaitable
+    except asyncio.CancelledError as exc:
+        if deadline.disarm():
+            raise TimeoutError from exc
+        raise
+    finally:
+        deadline.disarm()
+
+
+class _Deadline:
+    """A task's time limit for `within`: when it ends (`when`), and one timer that fires at
+    or before it. Moving the limit later leaves the timer alone; when it fires early it is
+    set again for the limit, so an idle connection costs a wake-up per timeout, and a busy
+    one none. Expiry is asyncio.timeout's: the task is cancelled, and the cancellation
+    becomes a TimeoutError where it was waiting, unless someone else cancelled it too."""
+
+    __slots__ = ("armed", "at", "cancelling", "expired", "handle", "loop", "task", "when")
+
+    def __init__(self, task: asyncio.Task):
+        self.task, self.loop = task, task.get_loop()
+        self.when = self.at = 0.0
+        self.handle: asyncio.TimerHandle | None = None
+        self.armed = self.expired = False
+        self.cancelling = 0
+
+    def arm(self, seconds: float) -> None:
+        self.when = when = self.loop.time() + seconds
+        self.cancelling = self.task.cancelling()
+        self.armed = True
+        if self.handle is None:
+            self.at, self.handle = when, self.loop.call_at(when, self._fire)
+        elif when < self.at:
+            self.handle.cancel()
+            self.at, self.handle = when, self.loop.call_at(when, self._fire)
+
+    def disarm(self) -> bool:
+        """Stop waiting; True when the limit expired and its cancellation was the only one
+        (the caller raises TimeoutError), as asyncio.Timeout.__aexit__ decides."""
+        if not self.armed:
+            return False
+        self.armed = False
+        if not self.expired:
+            return False
+        self.expired = False
+        return self.task.uncancel() <= self.cancelling
+
+    def _fire(self) -> None:
+        self.handle = None
+        if not self.armed:
+            return
+        if self.at < self.when:  # moved later since the timer was set
+            self.at, self.handle = self.when, self.loop.call_at(self.when, self._fire)
+            return
+        self.expired = True
+        self.task.cancel()
+
+
+_DEADLINES: dict[asyncio.Task, _Deadline] = {}
+"""Each task's _Deadline, from its first `within` until it is done."""
+
+
+def _forget(task: asyncio.Task) -> None:
+    deadline = _DEADLINES.pop(task, None)
+    if deadline is not None and deadline.handle is not None:
+        deadline.handle.cancel()
 
 
 class PeerWriter:

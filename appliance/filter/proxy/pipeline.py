@@ -107,10 +107,25 @@ def _authority(host: Host, port: int, default: int | None) -> str:
 
 
 def host_of(text: str) -> Host:
+    """The host a request names (absolute URI, Host header), parsed once per spelling: a
+    keep-alive connection names the same one request after request. Raises HttpError."""
+    host = _HOSTS.get(text)
+    if host is not None:
+        return host
     try:
-        return parse_host(text)
+        host = parse_host(text)
     except HostNameError as exc:
         raise HttpError(400, str(exc)) from None
+    if len(_HOSTS) >= HOSTS_CACHED:
+        _HOSTS.clear()
+    _HOSTS[text] = host
+    return host
+
+
+_HOSTS: dict[str, Host] = {}
+"""Spellings of hosts parsed (parse_host is pure and a Host immutable); only valid ones."""
+HOSTS_CACHED = 1024
+"""Spellings kept before the cache starts again (as the policy's decision memo does)."""
 
 
 def route(head: Head, mode: Mode) -> Route:
