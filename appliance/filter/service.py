@@ -283,6 +283,7 @@ class Service:
             self.inspector.close()
         if self.journal is not None:
             await self.journal.stop()  # the last events too, as far as journald takes them
+        self.resolver.close()
         self.workers.shutdown(wait=False)
 
 

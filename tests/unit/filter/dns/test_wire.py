@@ -12,12 +12,14 @@ from dnslib import EDNS0, RR, DNSError, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dns.resolver import (
+from appliance.filter.dns.upstream import (
     MAX_JUMPS,
     MAX_RECORDS,
     REPLY_STEPS_MAX,
+    Question,
     _BoundedBuffer,
-    _matching,
+    labels_of,
+    matching,
     parse_reply,
 )
 from appliance.filter.dns.wire import (
@@ -258,18 +260,32 @@ def test_a_reply_reads_as_dnslib_reads_it(lines):
     data = reply_to(query, *lines, auth="example.com. 60 IN SOA ns.example.com. "
                                          "host.example.com. 1 2 3 4 5")
     assert parse_reply(data) == DNSRecord.parse(data)
-    assert _matching(data, query) == DNSRecord.parse(data)
+    assert matching(data, question_of(query)) == DNSRecord.parse(data)
+
+
+def question_of(query: DNSRecord) -> Question:
+    return Question(query.header.id, labels_of(str(query.q.qname)), query.q.qtype)
 
 
 def test_a_reply_is_matched_by_id_and_question_before_anything_else():
     query = DNSRecord.question("www.example.com")
+    question = question_of(query)
     other = DNSRecord.question("www.example.com")
     other.header.id = query.header.id ^ 1
-    assert _matching(reply_to(other, "www.example.com. 60 IN A 192.0.2.1"), query) is None
+    assert matching(reply_to(other, "www.example.com. 60 IN A 192.0.2.1"), question) is None
     evil = DNSRecord.question("evil.example")
     evil.header.id = query.header.id
-    assert _matching(reply_to(evil, "evil.example. 60 IN A 192.0.2.1"), query) is None
-    assert _matching(query.pack(), query) is None  # not a response
+    assert matching(reply_to(evil, "evil.example. 60 IN A 192.0.2.1"), question) is None
+    aaaa = DNSRecord.question("www.example.com", "AAAA")
+    aaaa.header.id = query.header.id
+    assert matching(reply_to(aaaa, "www.example.com. 60 IN AAAA 2001:db8::1"), question) is None
+    longer = DNSRecord.question("www.example.com.evil.example")
+    longer.header.id = query.header.id
+    assert matching(reply_to(longer), question) is None
+    assert matching(query.pack(), question) is None  # not a response
+    shouted = DNSRecord.question("WWW.Example.COM")  # a 0x20-style echo is the question
+    shouted.header.id = query.header.id
+    assert matching(reply_to(shouted), question).q.qname == "WWW.Example.COM"
 
 
 @pytest.mark.parametrize(("data", "message"), [
