@@ -28,6 +28,7 @@ from dnslib import QTYPE, RCODE, RR, DNSError, DNSRecord
 
 from .cache import RESOLVER_CACHE_MAX, SharedLru
 from .upstream import Question, UdpUpstream, matching
+from .wire import Record
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class Answer:
     """Monotonic time after which the answer must be asked again."""
     followed: dict = field(default_factory=dict, compare=False, repr=False)
     """addresses() by name, worked out once per answer: the proxy asks on every dial."""
+    packed: list = field(default_factory=list, compare=False, repr=False)
+    """wire_records(), worked out once per answer: the DNS filter copies them."""
 
     def ttl(self, now: float) -> int:
         return max(1, int(self.expires - now))
@@ -57,6 +60,12 @@ class Answer:
         if found is None:
             found = self.followed[name] = self._follow(name)
         return found
+
+    def wire_records(self) -> list[Record]:
+        """The records as a reply to a client carries them (wire.pack_reply)."""
+        if len(self.packed) != len(self.records):
+            self.packed[:] = [_wire_record(rr) for rr in self.records]
+        return self.packed
 
     def _follow(self, name: str) -> tuple:
         owners = {name.lower().rstrip(".")}
@@ -190,6 +199,17 @@ class Resolver:
             for key, value in udp.stats.items():
                 totals[f"udp_{key}"] = totals.get(f"udp_{key}", 0) + value
         return totals
+
+
+def _wire_record(rr: RR) -> Record:
+    if rr.rtype == QTYPE.CNAME:
+        return Record(rr.rname.label, rr.rtype, rr.rclass, rr.rdata.label.label, None,
+                      str(rr.rdata), rr)
+    if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+        data = bytes(rr.rdata.data)
+        return Record(rr.rname.label, rr.rtype, rr.rclass, data, ipaddress.ip_address(data),
+                      str(rr.rdata), rr)
+    return Record(rr.rname.label, rr.rtype, rr.rclass, None, None, str(rr.rdata), rr)
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -8,7 +8,7 @@ import math
 import struct
 
 import pytest
-from dnslib import EDNS0, RR, DNSError, DNSRecord
+from dnslib import EDNS0, QTYPE, RR, DNSError, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +30,7 @@ from appliance.filter.dns.wire import (
     ParseBudget,
     WireError,
     error_reply,
+    pack_reply,
     parse_query,
     pointer_bomb,
     refusal,
@@ -358,3 +359,42 @@ def test_any_reply_is_read_or_refused_and_its_names_cost_at_most_the_budget(data
     finally:
         _BoundedBuffer.decode_name = real
     assert not steps or steps[-1] <= REPLY_STEPS_MAX + 1
+
+
+ZONE = [
+    "{q}. 60 IN A 192.0.2.1", "{q}. 60 IN AAAA 2001:db8::1", "{q}. 60 IN CNAME cdn.example.net.",
+    "cdn.example.net. 60 IN CNAME {q}.", "cdn.example.net. 60 IN A 198.51.100.7",
+    "{q}. 60 IN MX 10 mail.{q}.", "{q}. 60 IN TXT \"v=spf1 -all\"",
+    "{q}. 60 IN SRV 1 2 443 srv.example.net.", "other.example. 60 IN NS ns.{q}.",
+    "{q}. 60 IN A 10.0.0.1", "x.{q}. 60 IN CNAME {q}.",
+]
+
+
+def dnslib_reply(query, rcode: int, records, ttl: int, udp: bool) -> bytes:
+    """The reply as the filter packed it with dnslib before pack_reply."""
+    from appliance.filter.dns.filter import DnsFilter, _reply
+    reply = _reply(query)
+    reply.header.rcode = rcode
+    for rr in records:
+        reply.add_answer(RR(rr.rname, rr.rtype, rr.rclass, ttl, rr.rdata))
+    return DnsFilter._pack(query, reply, udp)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["www.example.com", "WWW.Example.COM", "a.b.c.d.example"]),
+       st.lists(st.sampled_from(ZONE[:5] + ZONE[-2:]), max_size=40)
+       | st.lists(st.sampled_from(ZONE), max_size=40), st.booleans(), st.booleans(),
+       st.sampled_from([0, 3]), st.integers(1, 86400))
+def test_a_reply_is_packed_as_dnslib_packed_it(qname, lines, edns, udp, rcode, ttl):
+    from appliance.filter.dns.resolver import Answer
+    record = DNSRecord.question(qname)
+    if edns:
+        record.add_ar(EDNS0(udp_len=4096))
+    query = parse_query(record.pack())
+    records = tuple(RR.fromZone(line.format(q=qname.lower()))[0] for line in lines)
+    answer = Answer(rcode, records, 0.0)
+    packable = all(record.rdata is not None for record in answer.wire_records())
+    assert packable == all(rr.rtype in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME) for rr in records)
+    if packable:
+        assert pack_reply(query, rcode, answer.wire_records(), ttl, udp) == dnslib_reply(
+            query, rcode, records, ttl, udp)
