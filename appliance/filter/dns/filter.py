@@ -315,7 +315,6 @@ class DnsFilter:
         if type(allowed) is not Allowed:
             raise TypeError(f"the resolver is asked with an Allowed verdict of judge_query, "
                             f"not {allowed!r}")
-        reply = _reply(query)
         host, decision, qtype = allowed.host, allowed.decision, query.qtype
         name, qtype_name = host.name, QTYPE.get(qtype)
         rule = decision.rule
@@ -326,15 +325,13 @@ class DnsFilter:
                                      f"allow the exact name (corral allow-dns {name}) or "
                                      "raise the filter's [dns] exfil_* limits"),
                             session, client, name, qtype_name)
-                reply.header.rcode = RCODE.NXDOMAIN
-                return reply
+                return pack_reply(query, RCODE.NXDOMAIN, [], 0, udp)
         try:
             answer = await self.resolver.query(name, qtype, session)
         except UpstreamError as exc:
             self._event(Decision(False, f"upstream failed: {exc}", decision.rule), session,
                         client, name, qtype_name, verdict="error")
-            reply.header.rcode = RCODE.SERVFAIL
-            return reply
+            return pack_reply(query, RCODE.SERVFAIL, [], 0, udp)
         ttl = answer.ttl(time.monotonic())
         kept, removed, addresses = [], [], []
         for record in answer.wire_records():

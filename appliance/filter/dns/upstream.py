@@ -183,7 +183,7 @@ def matching(data: bytes, question: Question) -> DNSRecord | None:
             or any(a.lower() != b for a, b in zip(labels, question.labels, strict=True))):
         return None
     try:
-        return parse_reply(data)
+        return parse_reply(data, additional=False)
     except Exception:  # hostile bytes can raise more than DNSError inside dnslib
         return None
 
@@ -347,8 +347,11 @@ class _BoundedBuffer(DNSBuffer):
         return DNSLabel(labels)
 
 
-def parse_reply(data: bytes) -> DNSRecord:
-    """An upstream reply, parsed by dnslib within bounds. Raises DNSError or WireError."""
+def parse_reply(data: bytes, additional: bool = True) -> DNSRecord:
+    """An upstream reply, parsed by dnslib within bounds; without its additional section
+    unless `additional` (the resolver reads the answer and authority sections only: the
+    OPT record and glue are counted and bounded, not parsed). Raises DNSError or
+    WireError."""
     if len(data) > MAX_REPLY:
         raise WireError(f"reply of {len(data)} bytes; at most {MAX_REPLY} are read")
     if len(data) < 12:
@@ -361,7 +364,8 @@ def parse_reply(data: bytes) -> DNSRecord:
     try:
         header = DNSHeader.parse(buffer)
         questions = [DNSQuestion.parse(buffer)]
-        sections = [[RR.parse(buffer) for _ in range(n)] for n in counts[1:]]
+        sections = [[RR.parse(buffer) for _ in range(n)]
+                    for n in (counts[1:] if additional else (*counts[1:3], 0))]
     except BufferError as exc:
         raise DNSError(f"malformed reply: {exc}") from None
     return DNSRecord(header, questions, sections[0], auth=sections[1], ar=sections[2])

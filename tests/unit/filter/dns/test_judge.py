@@ -184,7 +184,7 @@ def test_the_resolver_is_never_asked_without_an_allowed_verdict(dns):
     # the judged verdict goes: the upstream is asked (and refuses here: SERVFAIL)
     verdict = judge_query(query, POLICY)
     reply = asyncio.run(dns._ask_upstream(verdict, query, S1, "s1", POLICY, {}, True))
-    assert reply.header.rcode == RCODE.SERVFAIL
+    assert reply[3] & 0x0F == RCODE.SERVFAIL
     assert dns.resolver.stats["upstream_queries"] == 1
 
 

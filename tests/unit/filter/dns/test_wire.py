@@ -289,6 +289,18 @@ def test_a_reply_is_matched_by_id_and_question_before_anything_else():
     assert matching(reply_to(shouted), question).q.qname == "WWW.Example.COM"
 
 
+def test_a_matching_reply_is_read_without_its_additional_section_which_is_still_bounded():
+    query = DNSRecord.question("www.example.com")
+    reply = DNSRecord.parse(reply_to(query, "www.example.com. 60 IN A 192.0.2.1"))
+    reply.add_ar(EDNS0(udp_len=1232))
+    data = reply.pack()
+    assert len(parse_reply(data).ar) == 1
+    matched = matching(data, question_of(query))
+    assert matched.ar == [] and str(matched.a.rdata) == "192.0.2.1"
+    flooded = data[:10] + struct.pack("!H", MAX_RECORDS) + data[12:]  # counted all the same
+    assert matching(flooded, question_of(query)) is None
+
+
 @pytest.mark.parametrize(("data", "message"), [
     (pointer_bomb(response=True), "1 and at most"),
     (pointer_bomb(layout="records", response=True), "1 and at most"),
