@@ -334,7 +334,7 @@ class DnsFilter:
             return pack_reply(query, RCODE.SERVFAIL, [], 0, udp)
         ttl = answer.ttl(time.monotonic())
         kept, removed, addresses = [], [], []
-        for record in answer.wire_records():
+        for record in answer.records:
             if record.address is not None:
                 # an answer opens no literal: only a cidr rule admits a blocked address
                 check = policy.decide_address(record.address, host)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dnslib import QTYPE, RCODE, RR, DNSError, DNSRecord
+from dnslib import QTYPE, RCODE, DNSError
 
 from .cache import RESOLVER_CACHE_MAX, SharedLru
-from .upstream import Question, UdpUpstream, matching
+from .upstream import Question, Reply, UdpUpstream, matching
 from .wire import Record
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,12 @@ class UpstreamError(Exception):
 @dataclass(frozen=True, slots=True)
 class Answer:
     rcode: int
-    records: tuple[RR, ...]
+    records: tuple[Record, ...]
     """The answer section as received (CNAMEs and addresses)."""
     expires: float
     """Monotonic time after which the answer must be asked again."""
     followed: dict = field(default_factory=dict, compare=False, repr=False)
     """addresses() by name, worked out once per answer: the proxy asks on every dial."""
-    packed: list = field(default_factory=list, compare=False, repr=False)
-    """wire_records(), worked out once per answer: the DNS filter copies them."""
 
     def ttl(self, now: float) -> int:
         return max(1, int(self.expires - now))
@@ -61,27 +59,19 @@ class Answer:
             found = self.followed[name] = self._follow(name)
         return found
 
-    def wire_records(self) -> list[Record]:
-        """The records as a reply to a client carries them (wire.pack_reply)."""
-        if len(self.packed) != len(self.records):
-            self.packed[:] = [_wire_record(rr) for rr in self.records]
-        return self.packed
-
     def _follow(self, name: str) -> tuple:
-        owners = {name.lower().rstrip(".")}
+        owners = {tuple(name.lower().rstrip(".").encode().split(b"."))}
         changed = True
         while changed:  # CNAME chains are short; records may come in any order
             changed = False
-            for rr in self.records:
-                owner = str(rr.rname).lower().rstrip(".")
-                if rr.rtype == QTYPE.CNAME and owner in owners:
-                    target = str(rr.rdata.label).lower().rstrip(".")
+            for record in self.records:
+                if record.rtype == QTYPE.CNAME and _lower(record.name) in owners:
+                    target = _lower(record.rdata)
                     if target not in owners:
                         owners.add(target)
                         changed = True
-        return tuple(ipaddress.ip_address(str(rr.rdata)) for rr in self.records
-                     if rr.rtype in (QTYPE.A, QTYPE.AAAA)
-                     and str(rr.rname).lower().rstrip(".") in owners)
+        return tuple(record.address for record in self.records
+                     if record.address is not None and _lower(record.name) in owners)
 
 
 class Resolver:
@@ -146,31 +136,29 @@ class Resolver:
             except (OSError, TimeoutError, DNSError, ValueError) as exc:
                 errors.append(f"{upstream[0]}:{upstream[1]}: {str(exc) or type(exc).__name__}")
                 continue
-            rcode = reply.header.rcode
-            if rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN):
-                errors.append(f"{upstream[0]}:{upstream[1]}: {RCODE.get(rcode)}")
+            if reply.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN):
+                errors.append(f"{upstream[0]}:{upstream[1]}: {RCODE.get(reply.rcode)}")
                 continue
-            return Answer(rcode, tuple(reply.rr), time.monotonic() + self._ttl(reply))
+            return Answer(reply.rcode, reply.records, time.monotonic() + self._ttl(reply))
         self.stats["upstream_failures"] += 1
         raise UpstreamError("; ".join(errors) or "no upstream resolver configured")
 
-    def _ttl(self, reply: DNSRecord) -> int:
-        if reply.rr:
-            return min(max(min(rr.ttl for rr in reply.rr), self.ttl_min), self.ttl_max)
-        soa = [rr for rr in reply.auth if rr.rtype == QTYPE.SOA]
-        negative = min(soa[0].ttl, soa[0].rdata.times[-1]) if soa else 60
+    def _ttl(self, reply: Reply) -> int:
+        if reply.records:
+            return min(max(min(r.ttl for r in reply.records), self.ttl_min), self.ttl_max)
+        negative = reply.negative_ttl if reply.negative_ttl is not None else 60
         return min(max(negative, self.ttl_min), self.ttl_max, NEGATIVE_TTL_MAX)
 
-    async def _ask(self, upstream, name: str, qtype: int) -> DNSRecord:
+    async def _ask(self, upstream, name: str, qtype: int) -> Reply:
         udp = self._udp.get(upstream)
         if udp is None:
             udp = self._udp[upstream] = UdpUpstream(upstream, self.timeout)
         question, reply = await udp.ask(name, qtype)
-        if reply.header.tc:
+        if reply.truncated:
             reply = await asyncio.wait_for(self._ask_tcp(upstream, question), self.timeout)
         return reply
 
-    async def _ask_tcp(self, upstream, question: Question) -> DNSRecord:
+    async def _ask_tcp(self, upstream, question: Question) -> Reply:
         reader, writer = await asyncio.open_connection(upstream[0], upstream[1])
         try:
             wire = question.pack()
@@ -201,15 +189,8 @@ class Resolver:
         return totals
 
 
-def _wire_record(rr: RR) -> Record:
-    if rr.rtype == QTYPE.CNAME:
-        return Record(rr.rname.label, rr.rtype, rr.rclass, rr.rdata.label.label, None,
-                      str(rr.rdata), rr)
-    if rr.rtype in (QTYPE.A, QTYPE.AAAA):
-        data = bytes(rr.rdata.data)
-        return Record(rr.rname.label, rr.rtype, rr.rclass, data, ipaddress.ip_address(data),
-                      str(rr.rdata), rr)
-    return Record(rr.rname.label, rr.rtype, rr.rclass, None, None, str(rr.rdata), rr)
+def _lower(labels: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    return tuple(label.lower() for label in labels)
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -33,17 +33,21 @@ steps for all the names of a reply. A hostile upstream cannot freeze the loop ei
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from ipaddress import ip_address
 
-from dnslib import RR, DNSError, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
+from dnslib import QTYPE, RR, DNSError, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
 from dnslib.buffer import BufferError
 from dnslib.label import DNSBuffer
 
-from .wire import MAX_LABEL, MAX_NAME, OPT, ParseBudget, WireError, read_name
+from .wire import CNAME, MAX_LABEL, MAX_NAME, OPT, ParseBudget, Record, WireError, read_name
+
+A, AAAA = 1, 28
 
 MAX_REPLY = 16384
 """The largest upstream reply read (TCP may carry 65535): the filter asks with an EDNS size
@@ -150,7 +154,7 @@ class Book:
         self.asked += 1
         return question
 
-    def receive(self, data: bytes) -> tuple[object, DNSRecord] | None:
+    def receive(self, data: bytes) -> tuple[object, Reply] | None:
         entry = self.outstanding.get(int.from_bytes(data[:2], "big")) if len(
             data) >= 12 else None
         reply = matching(data, entry[0]) if entry is not None else None
@@ -167,14 +171,29 @@ class Book:
             del self.outstanding[question.id]
 
 
-def matching(data: bytes, question: Question) -> DNSRecord | None:
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What the resolver keeps of an upstream's reply."""
+
+    rcode: int
+    truncated: bool
+    records: tuple[Record, ...]
+    """The answer section."""
+    negative_ttl: int | None
+    """For a reply without records: the authority's SOA TTL, or its minimum if lower."""
+
+
+def matching(data: bytes, question: Question) -> Reply | None:
     """The reply to `question` in `data`, or None for anything else (a stray, a spoof, bytes
     that are no reply or exceed the bounds). The ID and the QR bit are compared first, then
-    the question, before dnslib parses a byte."""
+    the question, before a record is read. An answer of A, AAAA and CNAME records of plain
+    names is read here, by the bounded name reader; anything else by dnslib, within
+    `parse_reply`'s bounds, which hold for both."""
     if len(data) < 12 or int.from_bytes(data[:2], "big") != question.id or not (
             data[2] & 0x80):
         return None
     try:
+        counts = _bounded(data)
         labels, pos = read_name(data, 12, ParseBudget(MAX_NAME), MAX_JUMPS)
     except WireError:
         return None
@@ -182,10 +201,85 @@ def matching(data: bytes, question: Question) -> DNSRecord | None:
             or struct.unpack_from("!H", data, pos)[0] != question.qtype
             or any(a.lower() != b for a, b in zip(labels, question.labels, strict=True))):
         return None
+    rcode, truncated = data[3] & 0x0F, bool(data[2] & 0x02)
     try:
-        return parse_reply(data, additional=False)
+        records = _plain_answer(data, pos + 4, counts[1])
+    except WireError:
+        return None
+    if records is not None:
+        return Reply(rcode, truncated, records, None)
+    try:
+        reply = parse_reply(data, additional=False)
     except Exception:  # hostile bytes can raise more than DNSError inside dnslib
         return None
+    soa = [rr for rr in reply.auth if rr.rtype == QTYPE.SOA]
+    return Reply(rcode, truncated, tuple(_record(rr) for rr in reply.rr),
+                 min(soa[0].ttl, soa[0].rdata.times[-1]) if soa else None)
+
+
+_PLAIN_LABEL = re.compile(rb"[A-Za-z0-9_-]{1,63}\Z")
+
+
+def _plain_answer(data: bytes, pos: int, count: int) -> tuple[Record, ...] | None:
+    """The answer section when it holds only A, AAAA and CNAME records of plain names
+    (letters, digits, hyphens, underscores), read without dnslib; None for any other (or
+    an empty one: its TTL is in the authority section), for dnslib to read. Raises
+    WireError for bytes that are no such records."""
+    if not count:
+        return None
+    budget = ParseBudget(REPLY_STEPS_MAX)
+    size = len(data)
+    records = []
+    for _ in range(count):
+        name, pos = read_name(data, pos, budget, MAX_JUMPS)
+        if pos + 10 > size:
+            raise WireError("record cut off")
+        rtype, rclass, ttl, length = struct.unpack_from("!HHIH", data, pos)
+        pos += 10
+        end = pos + length
+        if end > size or not all(_PLAIN_LABEL.match(label) for label in name):
+            return None
+        if rtype in (A, AAAA) and length == (4 if rtype == A else 16):
+            rdata = bytes(data[pos:end])
+            address = ip_address(rdata)
+            records.append(Record(tuple(name), rtype, rclass, ttl, rdata, address,
+                                  str(address)))
+        elif rtype == CNAME:
+            target, after = read_name(data, pos, budget, MAX_JUMPS)
+            if after != end or not all(_PLAIN_LABEL.match(label) for label in target):
+                return None
+            records.append(Record(tuple(name), rtype, rclass, ttl, tuple(target), None,
+                                  ".".join(label.decode() for label in target) + "."))
+        else:
+            return None
+        pos = end
+    return tuple(records)
+
+
+def _record(rr: RR) -> Record:
+    """A record as dnslib read it."""
+    name = tuple(rr.rname.label)
+    if rr.rtype == QTYPE.CNAME:
+        return Record(name, rr.rtype, rr.rclass, rr.ttl, tuple(rr.rdata.label.label), None,
+                      str(rr.rdata), rr)
+    if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+        data = bytes(rr.rdata.data)
+        address = ip_address(data)
+        return Record(name, rr.rtype, rr.rclass, rr.ttl, data, address, str(address), rr)
+    return Record(name, rr.rtype, rr.rclass, rr.ttl, None, None, str(rr.rdata), rr)
+
+
+def _bounded(data: bytes) -> tuple[int, int, int, int]:
+    """The section counts of a reply within MAX_REPLY and MAX_RECORDS. Raises WireError."""
+    if len(data) > MAX_REPLY:
+        raise WireError(f"reply of {len(data)} bytes; at most {MAX_REPLY} are read")
+    if len(data) < 12:
+        raise WireError("reply shorter than a header")
+    counts = struct.unpack_from("!4H", data, 4)
+    if counts[0] != 1 or sum(counts[1:]) > MAX_RECORDS:
+        raise WireError(f"reply with {counts[0]} questions and {sum(counts[1:])} records; "
+                        f"1 and at most {MAX_RECORDS} are read")
+    return counts
 
 
 class _Socket:
@@ -214,7 +308,7 @@ class UdpUpstream:
         self._next = 0
         self.stats = {"sockets_opened": 0, "strays": 0, "socket_errors": 0}
 
-    async def ask(self, name: str, qtype: int) -> tuple[Question, DNSRecord]:
+    async def ask(self, name: str, qtype: int) -> tuple[Question, Reply]:
         """The question asked and its reply. Raises TimeoutError, OSError or ValueError."""
         labels = labels_of(name)
         loop = asyncio.get_running_loop()
@@ -352,14 +446,7 @@ def parse_reply(data: bytes, additional: bool = True) -> DNSRecord:
     unless `additional` (the resolver reads the answer and authority sections only: the
     OPT record and glue are counted and bounded, not parsed). Raises DNSError or
     WireError."""
-    if len(data) > MAX_REPLY:
-        raise WireError(f"reply of {len(data)} bytes; at most {MAX_REPLY} are read")
-    if len(data) < 12:
-        raise WireError("reply shorter than a header")
-    counts = struct.unpack_from("!4H", data, 4)
-    if counts[0] != 1 or sum(counts[1:]) > MAX_RECORDS:
-        raise WireError(f"reply with {counts[0]} questions and {sum(counts[1:])} records; "
-                        f"1 and at most {MAX_RECORDS} are read")
+    counts = _bounded(data)
     buffer = _BoundedBuffer(data)
     try:
         header = DNSHeader.parse(buffer)

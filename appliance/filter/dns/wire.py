@@ -17,7 +17,7 @@ packets). The filter never hands a client's bytes to dnslib; it builds replies f
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
 MAX_MESSAGE = 1232
@@ -218,23 +218,24 @@ def error_reply(data: bytes, rcode: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """A record of an upstream's answer as a reply to a client carries it (the resolver
-    makes these once per answer: `resolver.Answer.wire_records`)."""
+    """A record of an upstream's answer, as the resolver keeps it and a reply to a client
+    carries it (`upstream.matching` reads them)."""
 
     name: tuple[bytes, ...]
     """The owner name's labels."""
     rtype: int
     rclass: int
+    ttl: int
     rdata: bytes | tuple[bytes, ...] | None
     """The data as packed; for a CNAME, the target's labels (compressed when packed); None
     for data holding names that dnslib compresses (MX, NS, SRV...): such a reply is packed
     by dnslib, from `rr`."""
     address: IPv4Address | IPv6Address | None
-    """The address of an A or AAAA record (what the policy judges)."""
+    """The address of an A or AAAA record (what the policy judges and the proxy dials)."""
     text: str
     """The data as events show it."""
-    rr: object
-    """The record as dnslib parsed it."""
+    rr: object = field(default=None, compare=False)
+    """The record as dnslib parsed it (None when read without dnslib: A, AAAA, CNAME)."""
 
 
 def pack_reply(query: Query, rcode: int, records: list[Record], ttl: int, udp: bool) -> bytes:

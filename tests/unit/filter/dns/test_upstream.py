@@ -61,7 +61,7 @@ def test_a_reply_is_accepted_only_for_its_outstanding_question_and_then_forgotte
         assert book.receive(spoof) is None
     assert book.strays == len(spoofs) and 0x1234 in book.outstanding  # still waits
     token, answer = book.receive(real)
-    assert token == "www" and str(answer.a.rdata) == "192.0.2.1"
+    assert token == "www" and str(answer.records[0].address) == "192.0.2.1"
     assert not book.outstanding
     assert book.receive(real) is None and book.strays == len(spoofs) + 1  # a late duplicate
 

@@ -4,6 +4,7 @@ good, malformed and hostile packets; their work bounded by construction (steps c
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import math
 import struct
 
@@ -18,6 +19,7 @@ from appliance.filter.dns.upstream import (
     REPLY_STEPS_MAX,
     Question,
     _BoundedBuffer,
+    _record,
     labels_of,
     matching,
     parse_reply,
@@ -261,7 +263,23 @@ def test_a_reply_reads_as_dnslib_reads_it(lines):
     data = reply_to(query, *lines, auth="example.com. 60 IN SOA ns.example.com. "
                                          "host.example.com. 1 2 3 4 5")
     assert parse_reply(data) == DNSRecord.parse(data)
-    assert matching(data, question_of(query)) == DNSRecord.parse(data)
+    assert read_as_dnslib(matching(data, question_of(query)), DNSRecord.parse(data))
+
+
+def read_as_dnslib(reply, record: DNSRecord) -> bool:
+    """Whether `reply` (upstream.Reply) holds what dnslib reads in the same bytes."""
+    assert (reply.rcode, reply.truncated) == (record.header.rcode, bool(record.header.tc))
+    assert len(reply.records) == len(record.rr)
+    for ours, rr in zip(reply.records, record.rr, strict=True):
+        assert (ours.name, ours.rtype, ours.rclass, ours.ttl) == (
+            tuple(rr.rname.label), rr.rtype, rr.rclass, rr.ttl)
+        if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+            assert ours.address == ipaddress.ip_address(str(rr.rdata))
+        elif rr.rtype == QTYPE.CNAME:
+            assert ours.rdata == tuple(rr.rdata.label.label)
+        else:
+            assert ours.rr == rr and ours.rdata is None
+    return True
 
 
 def question_of(query: DNSRecord) -> Question:
@@ -286,7 +304,7 @@ def test_a_reply_is_matched_by_id_and_question_before_anything_else():
     assert matching(query.pack(), question) is None  # not a response
     shouted = DNSRecord.question("WWW.Example.COM")  # a 0x20-style echo is the question
     shouted.header.id = query.header.id
-    assert matching(reply_to(shouted), question).q.qname == "WWW.Example.COM"
+    assert matching(reply_to(shouted, "WWW.Example.COM. 60 IN A 192.0.2.1"), question)
 
 
 def test_a_matching_reply_is_read_without_its_additional_section_which_is_still_bounded():
@@ -294,9 +312,8 @@ def test_a_matching_reply_is_read_without_its_additional_section_which_is_still_
     reply = DNSRecord.parse(reply_to(query, "www.example.com. 60 IN A 192.0.2.1"))
     reply.add_ar(EDNS0(udp_len=1232))
     data = reply.pack()
-    assert len(parse_reply(data).ar) == 1
-    matched = matching(data, question_of(query))
-    assert matched.ar == [] and str(matched.a.rdata) == "192.0.2.1"
+    assert len(parse_reply(data).ar) == 1 and parse_reply(data, additional=False).ar == []
+    assert str(matching(data, question_of(query)).records[0].address) == "192.0.2.1"
     flooded = data[:10] + struct.pack("!H", MAX_RECORDS) + data[12:]  # counted all the same
     assert matching(flooded, question_of(query)) is None
 
@@ -398,15 +415,32 @@ def dnslib_reply(query, rcode: int, records, ttl: int, udp: bool) -> bytes:
        | st.lists(st.sampled_from(ZONE), max_size=40), st.booleans(), st.booleans(),
        st.sampled_from([0, 3]), st.integers(1, 86400))
 def test_a_reply_is_packed_as_dnslib_packed_it(qname, lines, edns, udp, rcode, ttl):
-    from appliance.filter.dns.resolver import Answer
     record = DNSRecord.question(qname)
     if edns:
         record.add_ar(EDNS0(udp_len=4096))
     query = parse_query(record.pack())
     records = tuple(RR.fromZone(line.format(q=qname.lower()))[0] for line in lines)
-    answer = Answer(rcode, records, 0.0)
-    packable = all(record.rdata is not None for record in answer.wire_records())
+    ours = tuple(_record(rr) for rr in records)
+    packable = all(record.rdata is not None for record in ours)
     assert packable == all(rr.rtype in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME) for rr in records)
     if packable:
-        assert pack_reply(query, rcode, answer.wire_records(), ttl, udp) == dnslib_reply(
+        assert pack_reply(query, rcode, list(ours), ttl, udp) == dnslib_reply(
             query, rcode, records, ttl, udp)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["www.example.com", "WWW.Example.COM", "x_y.example", "b\\.ad.example"]),
+       st.lists(st.sampled_from(ZONE[:5] + ZONE[-2:] + ["{q}. 60 IN CNAME we\\ird.example."]),
+                max_size=40),
+       st.sampled_from([0, 3]))
+def test_an_answer_read_without_dnslib_is_what_dnslib_reads(qname, lines, rcode):
+    query = DNSRecord.question(qname)
+    reply = query.reply()
+    reply.header.rcode = rcode
+    for line in lines:
+        reply.add_answer(*RR.fromZone(line.format(q=qname)))
+    data = reply.pack()
+    got = matching(data, Question(query.header.id, tuple(label.lower() for label in
+                                                         query.q.qname.label), QTYPE.A))
+    assert read_as_dnslib(got, DNSRecord.parse(data))
+    assert got.records == tuple(_record(rr) for rr in DNSRecord.parse(data).rr)
