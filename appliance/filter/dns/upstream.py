@@ -109,8 +109,8 @@ def labels_of(name: str) -> tuple[bytes, ...]:
     except UnicodeError as exc:
         raise ValueError(f"cannot ask for {name!r}: {exc}") from None
     labels = tuple(raw.split(b".")) if raw else ()
-    if any(not 0 < len(label) <= MAX_LABEL for label in labels) or (
-            sum(len(label) + 1 for label in labels) + 1 > MAX_NAME):
+    if len(raw) > MAX_NAME - 2 or b"" in labels or max(map(len, labels), default=0) > (
+            MAX_LABEL):
         raise ValueError(f"cannot ask for {name!r}: not a name a query can carry")
     return labels
 
