@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from dnslib import QTYPE, RCODE, DNSError
 
 from .cache import RESOLVER_CACHE_MAX, SharedLru
-from .upstream import Question, Reply, UdpUpstream, matching
+from .reply import Question, Reply, matching
+from .upstream import UdpUpstream
 from .wire import Record
 
 log = logging.getLogger(__name__)

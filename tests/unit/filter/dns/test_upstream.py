@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from dnslib import EDNS0, QTYPE, RR, DNSRecord
 
+from appliance.filter.dns import reply as replies
 from appliance.filter.dns import upstream
-from appliance.filter.dns.upstream import Book, Question, labels_of
+from appliance.filter.dns.reply import Question, labels_of
+from appliance.filter.dns.upstream import Book
 
 A = QTYPE.A
 WWW = labels_of("www.example.com")
@@ -111,7 +113,7 @@ def test_a_socket_holds_at_most_so_many_questions_outstanding(monkeypatch):
 def test_a_question_is_packed_as_dnslib_packs_it(name, qtype):
     query = DNSRecord.question(name.lower(), qtype)
     query.header.id = 0xBEEF
-    query.add_ar(EDNS0(udp_len=upstream.EDNS_SIZE))
+    query.add_ar(EDNS0(udp_len=replies.EDNS_SIZE))
     assert Question(0xBEEF, labels_of(name), getattr(QTYPE, qtype)).pack() == query.pack()
 
 

@@ -13,13 +13,13 @@ from dnslib import EDNS0, QTYPE, RR, DNSError, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dns.upstream import (
+from appliance.filter.dns.reply import (
     MAX_JUMPS,
     MAX_RECORDS,
     REPLY_STEPS_MAX,
     Question,
     _BoundedBuffer,
-    _record,
+    from_dnslib,
     labels_of,
     matching,
     parse_reply,
@@ -420,7 +420,7 @@ def test_a_reply_is_packed_as_dnslib_packed_it(qname, lines, edns, udp, rcode, t
         record.add_ar(EDNS0(udp_len=4096))
     query = parse_query(record.pack())
     records = tuple(RR.fromZone(line.format(q=qname.lower()))[0] for line in lines)
-    ours = tuple(_record(rr) for rr in records)
+    ours = tuple(from_dnslib(rr) for rr in records)
     packable = all(record.rdata is not None for record in ours)
     assert packable == all(rr.rtype in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME) for rr in records)
     if packable:
@@ -443,4 +443,4 @@ def test_an_answer_read_without_dnslib_is_what_dnslib_reads(qname, lines, rcode)
     got = matching(data, Question(query.header.id, tuple(label.lower() for label in
                                                          query.q.qname.label), QTYPE.A))
     assert read_as_dnslib(got, DNSRecord.parse(data))
-    assert got.records == tuple(_record(rr) for rr in DNSRecord.parse(data).rr)
+    assert got.records == tuple(from_dnslib(rr) for rr in DNSRecord.parse(data).rr)
