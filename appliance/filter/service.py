@@ -288,13 +288,14 @@ class Service:
         self.workers.shutdown(wait=False)
 
 
-GC_THRESHOLDS = (700, 10, 100)
-"""The cyclic collector's thresholds once serving: CPython's (700, 10, 10), with full
-collections ten times rarer. Each uncached DNS answer allocates dozens of containers and
-the caches hold hundreds of thousands; a full collection scans them all (0.1-0.16 s
-measured), and at CPython's it came every few thousand queries, a sixth of the filter's
-CPU on uncached DNS. Young collections stay as small (a fraction of a millisecond):
-larger ones were measured to pause the loop for tens of milliseconds."""
+GC_THRESHOLDS = (700, 3, 300)
+"""The cyclic collector's thresholds once serving: CPython's are (700, 10, 10). Each
+uncached DNS answer allocates dozens of containers and the caches hold hundreds of
+thousands; a full collection scans them all (0.1-0.16 s measured), and at CPython's it came
+every few thousand queries: a sixth of the filter's CPU on uncached DNS. Here full
+collections are nine times rarer, and the middle ones smaller (about a millisecond where
+CPython's took two to four); young ones stay as they are (raising them was measured to
+pause the loop for tens of milliseconds)."""
 
 
 def tune_gc() -> None:
