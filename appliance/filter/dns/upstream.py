@@ -234,7 +234,7 @@ class UdpUpstream:
         self.stats["socket_errors"] += 1
         for _, waiter in conn.book.outstanding.values():
             if not waiter.done():
-                waiter.set_exception(OSError(exc.errno, exc.strerror or str(exc)))
+                waiter.set_exception(type(exc)(*exc.args))  # one each: no shared traceback
         self._close(conn)
 
     def _close(self, conn: _Socket) -> None:

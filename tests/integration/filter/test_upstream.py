@@ -171,6 +171,10 @@ def test_an_unreachable_upstream_fails_its_socket_at_once_and_the_next_is_asked(
         up = await serving(fake)
         resolver = Resolver([gone, up], timeout=30)
         answer = await asyncio.wait_for(resolver.query("www.example", QTYPE.A), 10)
+        alone = Resolver([gone], timeout=30)
+        with pytest.raises(UpstreamError, match=r"\[Errno 111\] Connection refused"):
+            await asyncio.wait_for(alone.query("www.example", QTYPE.A), 10)
+        alone.close()
         stats = resolver._udp[gone].stats
         left = resolver._udp[gone].sockets()
         resolver.close()
