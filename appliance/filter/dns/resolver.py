@@ -5,10 +5,10 @@ whether it may connect; both then resolve through this one cache, so the address
 dials is an address this resolver handed out and the proxy checked.
 
 Each upstream is asked over UDP through a few sockets on random ports, rotated, with a
-random ID per question, and only a reply with that ID and the same question is accepted
-(`upstream.py`, which also reads replies within bounds); a truncated reply is asked again
-over TCP. A resolver that times out, fails or answers SERVFAIL/REFUSED is skipped for the
-next one; when all fail the caller gets UpstreamError (-> SERVFAIL, never NXDOMAIN).
+random ID per question (`upstream.py`), and only a reply with that ID and the same question
+is accepted, read within bounds (`reply.py`); a truncated reply is asked again over TCP. A
+resolver that times out, fails or answers SERVFAIL/REFUSED is skipped for the next one;
+when all fail the caller gets UpstreamError (-> SERVFAIL, never NXDOMAIN).
 
 The cache gives each session (the `owner` of what it caused to be asked) a share: a session
 flooding random names evicts its own answers, never another's (`cache.SharedLru`).
