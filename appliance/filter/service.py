@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -284,7 +285,26 @@ class Service:
             self.inspector.close()
         if self.journal is not None:
             await self.journal.stop()  # the last events too, as far as journald takes them
+        self.resolver.close()
         self.workers.shutdown(wait=False)
+
+
+GC_THRESHOLDS = (700, 3, 300)
+"""The cyclic collector's thresholds once serving: CPython's are (700, 10, 10). Each
+uncached DNS answer allocates dozens of containers and the caches hold hundreds of
+thousands; a full collection scans them all (0.1-0.16 s measured), and at CPython's it came
+every few thousand queries: a sixth of the filter's CPU on uncached DNS. Here full
+collections are nine times rarer, and the middle ones smaller (about a millisecond where
+CPython's took two to four); young ones stay as they are (raising them was measured to
+pause the loop for tens of milliseconds)."""
+
+
+def tune_gc() -> None:
+    """What start-up built is frozen (never scanned again), and full collections made
+    rarer (GC_THRESHOLDS)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 async def run(config: FilterConfig) -> int:
@@ -292,6 +312,7 @@ async def run(config: FilterConfig) -> int:
     for handler in logging.getLogger().handlers:  # no secret's value in a log line either,
         handler.addFilter(LogFilter(lambda: service.proxy.redactor))  # from the start on
     await service.start()
+    tune_gc()
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

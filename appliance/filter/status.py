@@ -68,7 +68,8 @@ class Status:
             "inspect": proxy.inspector.status() if proxy.inspector else (
                 {"error": self.inspect_error} if self.inspect_error else None),
             "secrets": len(self.secrets.secrets),
-            "resolver": {**self.resolver.stats, "cache_entries": len(self.resolver.cache),
+            "resolver": {**self.resolver.stats, **self.resolver.udp_stats(),
+                         "cache_entries": len(self.resolver.cache),
                          "cache_evicted": self.resolver.cache.evicted},
             "dns": self.dns.stats(),
             "audit": self._audit(),

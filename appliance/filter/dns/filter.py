@@ -30,7 +30,7 @@ from dnslib import EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSLabel, DNSQuestion,
 
 from appliance.event import Event
 from appliance.firewall.learned import Teaching
-from appliance.policy import HOST_NAME, Decision, Policy, parse_host
+from appliance.policy import HOST_NAME, Decision, Policy
 from appliance.policy.grants import rule_text
 from appliance.policystore import PolicyStore
 from appliance.sessionconfig import DnsConfig
@@ -51,15 +51,20 @@ from .judge import (
     judge_query,
 )
 from .resolver import Resolver, UpstreamError
-from .wire import Query, WireError, error_reply, parse_query, refusal
+from .wire import (
+    OPT_RECORD,
+    UDP_EDNS_LIMIT,
+    UDP_PLAIN_LIMIT,
+    Query,
+    WireError,
+    error_reply,
+    pack_reply,
+    parse_query,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
-UDP_PLAIN_LIMIT = 512
-UDP_EDNS_LIMIT = 1232
-OPT_RECORD = b"\x00" + struct.pack("!HHIH", 41, UDP_EDNS_LIMIT, 0, 0)
-"""The OPT record of every reply to an EDNS query: root name, our UDP size, no flags, no
-options (what dnslib packs for EDNS0(udp_len=UDP_EDNS_LIMIT))."""
 TCP_IDLE = 10.0
 POLICY_ONLY_SECONDS = 30.0
 """How long an answer decided by policy alone (a denial) is served from the wire cache; a
@@ -210,7 +215,7 @@ class DnsFilter:
         note: dict = {}
         try:
             reply = await self._answer(query, pending.verdict, client, session, policy,
-                                       note)
+                                       note, udp)
         except Exception:  # a bug must not cost the client its answer
             self.failures.log(log, session, time.monotonic(), "dns: failed answering %s",
                               client)
@@ -220,7 +225,7 @@ class DnsFilter:
         finally:
             self.limits.end(session)
         try:
-            wire = self._pack(query, reply, udp)
+            wire = reply if type(reply) is bytes else self._pack(query, reply, udp)
         except Exception:  # a name dnslib will not pack: a reply without the question
             self.failures.log(log, session, time.monotonic(), "dns: cannot pack the reply "
                               "to %s", client)
@@ -276,13 +281,16 @@ class DnsFilter:
         }
 
     async def _answer(self, query: Query, verdict: QueryVerdict, client: str,
-                      session: str | None, policy: Policy, note: dict) -> DNSRecord:
-        """The reply to a pending query, as its verdict says (judged once, in `first()`).
+                      session: str | None, policy: Policy, note: dict, udp: bool
+                      ) -> DNSRecord | bytes:
+        """The reply to a pending query, as its verdict says (judged once, in `first()`);
+        an upstream's answer comes packed already (`wire.pack_reply`).
         `note` gets "event" (the decision) and, when the reply may be served from the wire
         cache, "expires" (monotonic)."""
         kind = type(verdict)
         if kind is Allowed:
-            return await self._ask_upstream(verdict, query, client, session, policy, note)
+            return await self._ask_upstream(verdict, query, client, session, policy, note,
+                                            udp)
         reply = _reply(query)
         if kind is RefusedQuestion:
             reply.header.rcode = RCODE.REFUSED
@@ -297,7 +305,8 @@ class DnsFilter:
         return reply
 
     async def _ask_upstream(self, allowed: Allowed, query: Query, client: str,
-                            session: str | None, policy: Policy, note: dict) -> DNSRecord:
+                            session: str | None, policy: Policy, note: dict, udp: bool
+                            ) -> DNSRecord | bytes:
         """The reply to a query for a name the policy allows: the only way from a client's
         query to the resolver, and it takes the `Allowed` verdict that only `judge_query`
         makes, so no path asks an upstream for a name the policy did not allow. On the way:
@@ -306,7 +315,6 @@ class DnsFilter:
         if type(allowed) is not Allowed:
             raise TypeError(f"the resolver is asked with an Allowed verdict of judge_query, "
                             f"not {allowed!r}")
-        reply = _reply(query)
         host, decision, qtype = allowed.host, allowed.decision, query.qtype
         name, qtype_name = host.name, QTYPE.get(qtype)
         rule = decision.rule
@@ -317,29 +325,24 @@ class DnsFilter:
                                      f"allow the exact name (corral allow-dns {name}) or "
                                      "raise the filter's [dns] exfil_* limits"),
                             session, client, name, qtype_name)
-                reply.header.rcode = RCODE.NXDOMAIN
-                return reply
+                return pack_reply(query, RCODE.NXDOMAIN, [], 0, udp)
         try:
             answer = await self.resolver.query(name, qtype, session)
         except UpstreamError as exc:
             self._event(Decision(False, f"upstream failed: {exc}", decision.rule), session,
                         client, name, qtype_name, verdict="error")
-            reply.header.rcode = RCODE.SERVFAIL
-            return reply
-        now = time.monotonic()
-        reply.header.rcode = answer.rcode
-        kept, removed = [], []
-        for rr in answer.records:
-            if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+            return pack_reply(query, RCODE.SERVFAIL, [], 0, udp)
+        ttl = answer.ttl(time.monotonic())
+        kept, removed, addresses = [], [], []
+        for record in answer.records:
+            if record.address is not None:
                 # an answer opens no literal: only a cidr rule admits a blocked address
-                check = policy.decide_address(parse_host(str(rr.rdata)).address, host)
+                check = policy.decide_address(record.address, host)
                 if not check.allowed:
-                    removed.append(f"{rr.rdata} ({check.reason})")
+                    removed.append(f"{record.text} ({check.reason})")
                     continue
-            copy = RR(rr.rname, rr.rtype, rr.rclass, answer.ttl(now), rr.rdata)
-            kept.append(copy)
-            reply.add_answer(copy)
-        addresses = [str(rr.rdata) for rr in kept if rr.rtype in (QTYPE.A, QTYPE.AAAA)]
+                addresses.append(record.text)
+            kept.append(record)
         extra = {"answers": addresses}
         if removed:
             extra["removed"] = removed
@@ -350,11 +353,17 @@ class DnsFilter:
                 extra["learned"] = ("not learned: cannot tell whether these are an inspected "
                                     f"host's addresses: {unknown}")
             else:
-                extra.update(await self._learn(session, client, name, kept, tcp_rules,
-                                               answer.ttl(now)))
+                extra.update(await self._learn(session, client, name, kept, tcp_rules, ttl))
         else:  # nothing taught to the firewall for this client: the bytes can be reused
             note["expires"] = answer.expires
         note["event"] = self._event(decision, session, client, name, qtype_name, **extra)
+        if all(record.rdata is not None for record in kept):
+            return pack_reply(query, answer.rcode, kept, ttl, udp)
+        reply = _reply(query)  # names inside the data (MX, SRV...): dnslib compresses them
+        reply.header.rcode = answer.rcode
+        for record in kept:
+            rr = record.rr
+            reply.add_answer(RR(rr.rname, rr.rtype, rr.rclass, ttl, rr.rdata))
         return reply
 
     async def _learn(self, session: str, client: str, name: str, records, rules,
@@ -366,8 +375,8 @@ class DnsFilter:
         firewall refused some)."""
         ports = sorted({p for rule in rules for p in rule.port.ports or ()})
         timeout = max(ttl, self.learn_ttl_min)
-        teachings = [Teaching(session, name, client, str(rr.rdata), port, timeout)
-                     for rr in records if rr.rtype == QTYPE.A for port in ports]
+        teachings = [Teaching(session, name, client, record.text, port, timeout)
+                     for record in records if record.rtype == QTYPE.A for port in ports]
         if self.learner is None:
             return {"learned": "not learned: the filter has no firewall to teach"}
         try:

@@ -17,7 +17,8 @@ packets). The filter never hands a client's bytes to dnslib; it builds replies f
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
 
 MAX_MESSAGE = 1232
 """The largest query accepted, over UDP and TCP alike (the EDNS payload size of DNS Flag Day
@@ -27,6 +28,12 @@ MAX_NAME = 255
 """A name's length on the wire, its labels' length bytes and the root's zero included."""
 MAX_LABEL = 63
 OPT = 41
+CNAME = 5
+UDP_PLAIN_LIMIT = 512
+UDP_EDNS_LIMIT = 1232
+OPT_RECORD = b"\x00" + struct.pack("!HHIH", OPT, UDP_EDNS_LIMIT, 0, 0)
+"""The OPT record of every reply to an EDNS query: root name, our UDP size, no flags, no
+options (what dnslib packs for EDNS0(udp_len=UDP_EDNS_LIMIT))."""
 FORMERR, NOTIMP = 1, 4
 QUERY_STEPS_MAX = 3 + (MAX_NAME - 1) // 2 + 1
 """The most steps `parse_query` can take on any input: the header, the question's type and
@@ -207,6 +214,74 @@ def error_reply(data: bytes, rcode: int) -> bytes:
     and RD echoed, QR and RA set, the rcode. `data` must hold at least 4 bytes."""
     qid, flags = struct.unpack_from("!HH", data)
     return struct.pack("!6H", qid, 0x8000 | (flags & 0x7900) | 0x0080 | rcode, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record of an upstream's answer, as the resolver keeps it and a reply to a client
+    carries it (`upstream.matching` reads them)."""
+
+    name: tuple[bytes, ...]
+    """The owner name's labels."""
+    rtype: int
+    rclass: int
+    ttl: int
+    rdata: bytes | tuple[bytes, ...] | None
+    """The data as packed; for a CNAME, the target's labels (compressed when packed); None
+    for data holding names that dnslib compresses (MX, NS, SRV...): such a reply is packed
+    by dnslib, from `rr`."""
+    address: IPv4Address | IPv6Address | None
+    """The address of an A or AAAA record (what the policy judges and the proxy dials)."""
+    text: str
+    """The data as events show it."""
+    rr: object = field(default=None, compare=False)
+    """The record as dnslib parsed it (None when read without dnslib: A, AAAA, CNAME)."""
+
+
+def pack_reply(query: Query, rcode: int, records: list[Record], ttl: int, udp: bool) -> bytes:
+    """The reply to `query` with `records` (each with `ttl`; none with rdata None), as
+    dnslib packs one, byte for byte (names compressed, the question as sent, an OPT record
+    when the query had one); over UDP, one larger than the client takes is a truncated
+    reply with the question only (TC)."""
+    flags = 0x8080 | (0x0100 if query.rd else 0) | (rcode & 0xF)
+    edns = query.edns is not None
+    out = bytearray(struct.pack("!6H", query.id, flags, 1, len(records), 0, int(edns)))
+    names: dict[tuple[bytes, ...], int] = {}
+    _pack_name(out, query.labels, names)
+    out += struct.pack("!HH", query.qtype, query.qclass)
+    for record in records:
+        _pack_name(out, record.name, names)
+        if record.rtype == CNAME:
+            out += struct.pack("!HHIH", record.rtype, record.rclass, ttl, 0)
+            start = len(out)
+            _pack_name(out, record.rdata, names)
+            struct.pack_into("!H", out, start - 2, len(out) - start)
+        else:
+            out += struct.pack("!HHIH", record.rtype, record.rclass, ttl, len(record.rdata))
+            out += record.rdata
+    if edns:
+        out += OPT_RECORD
+    if udp and len(out) > (UDP_EDNS_LIMIT if edns else UDP_PLAIN_LIMIT):
+        question = bytearray(struct.pack("!6H", query.id, flags | 0x0200, 1, 0, 0, 0))
+        _pack_name(question, query.labels, {})
+        return bytes(question + struct.pack("!HH", query.qtype, query.qclass))
+    return bytes(out)
+
+
+def _pack_name(out: bytearray, labels: tuple[bytes, ...], names: dict) -> None:
+    """`labels` at the end of `out`, ending in a pointer to the longest suffix written
+    before (compared as bytes, as dnslib does); each suffix written is remembered."""
+    for i in range(len(labels)):
+        suffix = labels[i:]
+        pointer = names.get(suffix)
+        if pointer is not None:
+            out += struct.pack("!H", 0xC000 | pointer)
+            return
+        if len(out) < 0x4000:
+            names[suffix] = len(out)
+        out.append(len(labels[i]))
+        out += labels[i]
+    out.append(0)
 
 
 # -- hostile packets: what the parsers above refuse, for the tests, the bench and the battery

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 from dnslib import QTYPE, RR, A
 
+from appliance.filter.dns.reply import from_dnslib
 from appliance.filter.service import Service
 from appliance.firewall.learned import LearnedSet
 from appliance.policy import Rule
@@ -39,7 +40,7 @@ def service(tmp_path):
 async def learn(service, session, client, name, address, port):
     """What the DNS filter does with an allowed answer for a name a tcp rule covers."""
     rules = [Rule.parse("tcp", f"{name}:{port}", "session")]
-    record = RR(name, QTYPE.A, ttl=300, rdata=A(address))
+    record = from_dnslib(RR(name, QTYPE.A, ttl=300, rdata=A(address)))
     return await service.dns._learn(session, client, name, [record], rules, 300)
 
 

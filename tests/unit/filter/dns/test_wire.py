@@ -4,20 +4,24 @@ good, malformed and hostile packets; their work bounded by construction (steps c
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import math
 import struct
 
 import pytest
-from dnslib import EDNS0, RR, DNSError, DNSRecord
+from dnslib import EDNS0, QTYPE, RR, DNSError, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.filter.dns.resolver import (
+from appliance.filter.dns.reply import (
     MAX_JUMPS,
     MAX_RECORDS,
     REPLY_STEPS_MAX,
+    Question,
     _BoundedBuffer,
-    _matching,
+    from_dnslib,
+    labels_of,
+    matching,
     parse_reply,
 )
 from appliance.filter.dns.wire import (
@@ -28,6 +32,7 @@ from appliance.filter.dns.wire import (
     ParseBudget,
     WireError,
     error_reply,
+    pack_reply,
     parse_query,
     pointer_bomb,
     refusal,
@@ -258,18 +263,59 @@ def test_a_reply_reads_as_dnslib_reads_it(lines):
     data = reply_to(query, *lines, auth="example.com. 60 IN SOA ns.example.com. "
                                          "host.example.com. 1 2 3 4 5")
     assert parse_reply(data) == DNSRecord.parse(data)
-    assert _matching(data, query) == DNSRecord.parse(data)
+    assert read_as_dnslib(matching(data, question_of(query)), DNSRecord.parse(data))
+
+
+def read_as_dnslib(reply, record: DNSRecord) -> bool:
+    """Whether `reply` (upstream.Reply) holds what dnslib reads in the same bytes."""
+    assert (reply.rcode, reply.truncated) == (record.header.rcode, bool(record.header.tc))
+    assert len(reply.records) == len(record.rr)
+    for ours, rr in zip(reply.records, record.rr, strict=True):
+        assert (ours.name, ours.rtype, ours.rclass, ours.ttl) == (
+            tuple(rr.rname.label), rr.rtype, rr.rclass, rr.ttl)
+        if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+            assert ours.address == ipaddress.ip_address(str(rr.rdata))
+        elif rr.rtype == QTYPE.CNAME:
+            assert ours.rdata == tuple(rr.rdata.label.label)
+        else:
+            assert ours.rr == rr and ours.rdata is None
+    return True
+
+
+def question_of(query: DNSRecord) -> Question:
+    return Question(query.header.id, labels_of(str(query.q.qname)), query.q.qtype)
 
 
 def test_a_reply_is_matched_by_id_and_question_before_anything_else():
     query = DNSRecord.question("www.example.com")
+    question = question_of(query)
     other = DNSRecord.question("www.example.com")
     other.header.id = query.header.id ^ 1
-    assert _matching(reply_to(other, "www.example.com. 60 IN A 192.0.2.1"), query) is None
+    assert matching(reply_to(other, "www.example.com. 60 IN A 192.0.2.1"), question) is None
     evil = DNSRecord.question("evil.example")
     evil.header.id = query.header.id
-    assert _matching(reply_to(evil, "evil.example. 60 IN A 192.0.2.1"), query) is None
-    assert _matching(query.pack(), query) is None  # not a response
+    assert matching(reply_to(evil, "evil.example. 60 IN A 192.0.2.1"), question) is None
+    aaaa = DNSRecord.question("www.example.com", "AAAA")
+    aaaa.header.id = query.header.id
+    assert matching(reply_to(aaaa, "www.example.com. 60 IN AAAA 2001:db8::1"), question) is None
+    longer = DNSRecord.question("www.example.com.evil.example")
+    longer.header.id = query.header.id
+    assert matching(reply_to(longer), question) is None
+    assert matching(query.pack(), question) is None  # not a response
+    shouted = DNSRecord.question("WWW.Example.COM")  # a 0x20-style echo is the question
+    shouted.header.id = query.header.id
+    assert matching(reply_to(shouted, "WWW.Example.COM. 60 IN A 192.0.2.1"), question)
+
+
+def test_a_matching_reply_is_read_without_its_additional_section_which_is_still_bounded():
+    query = DNSRecord.question("www.example.com")
+    reply = DNSRecord.parse(reply_to(query, "www.example.com. 60 IN A 192.0.2.1"))
+    reply.add_ar(EDNS0(udp_len=1232))
+    data = reply.pack()
+    assert len(parse_reply(data).ar) == 1 and parse_reply(data, additional=False).ar == []
+    assert str(matching(data, question_of(query)).records[0].address) == "192.0.2.1"
+    flooded = data[:10] + struct.pack("!H", MAX_RECORDS) + data[12:]  # counted all the same
+    assert matching(flooded, question_of(query)) is None
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -342,3 +388,59 @@ def test_any_reply_is_read_or_refused_and_its_names_cost_at_most_the_budget(data
     finally:
         _BoundedBuffer.decode_name = real
     assert not steps or steps[-1] <= REPLY_STEPS_MAX + 1
+
+
+ZONE = [
+    "{q}. 60 IN A 192.0.2.1", "{q}. 60 IN AAAA 2001:db8::1", "{q}. 60 IN CNAME cdn.example.net.",
+    "cdn.example.net. 60 IN CNAME {q}.", "cdn.example.net. 60 IN A 198.51.100.7",
+    "{q}. 60 IN MX 10 mail.{q}.", "{q}. 60 IN TXT \"v=spf1 -all\"",
+    "{q}. 60 IN SRV 1 2 443 srv.example.net.", "other.example. 60 IN NS ns.{q}.",
+    "{q}. 60 IN A 10.0.0.1", "x.{q}. 60 IN CNAME {q}.",
+]
+
+
+def dnslib_reply(query, rcode: int, records, ttl: int, udp: bool) -> bytes:
+    """The reply as the filter packed it with dnslib before pack_reply."""
+    from appliance.filter.dns.filter import DnsFilter, _reply
+    reply = _reply(query)
+    reply.header.rcode = rcode
+    for rr in records:
+        reply.add_answer(RR(rr.rname, rr.rtype, rr.rclass, ttl, rr.rdata))
+    return DnsFilter._pack(query, reply, udp)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["www.example.com", "WWW.Example.COM", "a.b.c.d.example"]),
+       st.lists(st.sampled_from(ZONE[:5] + ZONE[-2:]), max_size=40)
+       | st.lists(st.sampled_from(ZONE), max_size=40), st.booleans(), st.booleans(),
+       st.sampled_from([0, 3]), st.integers(1, 86400))
+def test_a_reply_is_packed_as_dnslib_packed_it(qname, lines, edns, udp, rcode, ttl):
+    record = DNSRecord.question(qname)
+    if edns:
+        record.add_ar(EDNS0(udp_len=4096))
+    query = parse_query(record.pack())
+    records = tuple(RR.fromZone(line.format(q=qname.lower()))[0] for line in lines)
+    ours = tuple(from_dnslib(rr) for rr in records)
+    packable = all(record.rdata is not None for record in ours)
+    assert packable == all(rr.rtype in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME) for rr in records)
+    if packable:
+        assert pack_reply(query, rcode, list(ours), ttl, udp) == dnslib_reply(
+            query, rcode, records, ttl, udp)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["www.example.com", "WWW.Example.COM", "x_y.example", "b\\.ad.example"]),
+       st.lists(st.sampled_from(ZONE[:5] + ZONE[-2:] + ["{q}. 60 IN CNAME we\\ird.example."]),
+                max_size=40),
+       st.sampled_from([0, 3]))
+def test_an_answer_read_without_dnslib_is_what_dnslib_reads(qname, lines, rcode):
+    query = DNSRecord.question(qname)
+    reply = query.reply()
+    reply.header.rcode = rcode
+    for line in lines:
+        reply.add_answer(*RR.fromZone(line.format(q=qname)))
+    data = reply.pack()
+    got = matching(data, Question(query.header.id, tuple(label.lower() for label in
+                                                         query.q.qname.label), QTYPE.A))
+    assert read_as_dnslib(got, DNSRecord.parse(data))
+    assert got.records == tuple(from_dnslib(rr) for rr in DNSRecord.parse(data).rr)
