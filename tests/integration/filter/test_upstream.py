@@ -130,10 +130,13 @@ def test_sockets_rotate_to_new_ports_and_the_old_ones_close(monkeypatch, knob, v
         return fake.ports, open_now, udp.stats
 
     ports, open_now, stats = asyncio.run(main())
-    per_port = max(ports.count(port) for port in set(ports))
-    assert per_port <= (3 if knob == "ROTATE_QUERIES" else 1)
-    assert len(set(ports)) >= questions // 3
-    assert stats["sockets_opened"] == len(set(ports)) and open_now <= upstream.SOCKETS
+    limit = 3 if knob == "ROTATE_QUERIES" else 1  # questions a socket may carry
+    assert stats["sockets_opened"] >= questions // limit
+    # each socket on a port of its own, as the upstream saw them; the kernel may hand a
+    # port out again once its socket closed (a run under load did), hence the allowance
+    assert len(set(ports)) >= stats["sockets_opened"] - 2
+    assert sum(ports.count(port) > limit for port in set(ports)) <= 2
+    assert open_now <= upstream.SOCKETS
 
 
 def test_a_timeout_frees_the_id_and_the_late_reply_is_a_stray():
