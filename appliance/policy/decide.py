@@ -61,21 +61,6 @@ def _index(rules: Iterable[Rule], subtree: bool = False) -> tuple[_Index, _Index
     return freeze(exact), freeze(wild)
 
 
-def _lookup(exact: _Index, wild: _Index, host: Host) -> list[Rule]:
-    """The rules whose pattern matches `host`, most specific first. O(labels)."""
-    found = list(exact.get(host.key, ()))
-    name = host.name
-    if name is not None:
-        dot = name.find(".")
-        while dot >= 0:
-            name = name[dot + 1 :]
-            rules = wild.get(name)
-            if rules:
-                found.extend(rules)
-            dot = name.find(".")
-    return found
-
-
 class _Denied(NamedTuple):
     """A key some deny rule is filed under, in a merged index."""
 

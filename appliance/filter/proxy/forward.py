@@ -373,7 +373,7 @@ class Forward:
         return await self._send(client, mode, kept, where, session, step, judged_at)
 
     async def _send(self, client: Client, mode: Mode, kept: Upstream | None, where,
-                    session, send: Send, judged_at: int = -2):
+                    session, send: Send, judged_at: int):
         """Send the request upstream (reusing the kept connection when the plan says so and
         it is still open), relay the response. Returns (keep the client connection, the
         upstream connection to keep)."""

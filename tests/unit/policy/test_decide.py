@@ -385,13 +385,17 @@ def test_remembered_decisions_are_the_ones_first_made_and_stay_bounded():
 def _two_walks(policy, host, port, kind):
     """The decision as the policy made it before it merged its indexes: the deny index
     walked first, then every matching allow listed and the first covering `port` taken."""
-    from appliance.policy.decide import _index, _lookup
+    from appliance.policy.decide import _index
     deny = policy.denied_by(host)
     if deny is not None:
         return False, deny
     kinds = {"http": ("http",), "tcp": ("tcp",), "dns": ("dns", "http", "tcp")}[kind]
     index = _index([r for k in kinds for r in policy.rules if r.kind == k])
-    rules = _lookup(*index, host)
+    exact, wild = index
+    rules = list(exact.get(host.key, ()))  # then each parent suffix, most specific first
+    labels = (host.name or "").split(".")
+    for i in range(1, len(labels) if host.name is not None else 0):
+        rules.extend(wild.get(".".join(labels[i:]), ()))
     covering = [r for r in rules if port is None or r.port.covers(port)]
     return (True, covering[0]) if covering else (False, None)
 
