@@ -1,7 +1,7 @@
 """Changes to the policy store, one at a time, never on the event loop.
 
 A change (a rule, a session, a reload, grants whose time came) is worked out by a `plan`,
-written and followed by the firewall on a worker thread, then swapped in on the loop:
+written and followed by the firewall on a blocking thread, then swapped in on the loop:
 all or nothing, and never two starting from the same state.
 """
 
@@ -16,19 +16,19 @@ from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
 from appliance.policystore import Change, PolicyStore
 
+from .blocking import Blocking
 from .errors import ControlError
 from .firewalled import Firewall
-from .workers import Workers
 
 log = logging.getLogger("corral.filter")
 
 
 class Changes:
-    def __init__(self, store: PolicyStore, workers: Workers, firewall: Firewall,
+    def __init__(self, store: PolicyStore, blocking: Blocking, firewall: Firewall,
                  manage: bool):
         """`manage`: the firewall follows each change its ruleset depends on
         (`[firewall] manage`)."""
-        self.store, self.workers, self.firewall, self.manage = store, workers, firewall, manage
+        self.store, self.blocking, self.firewall, self.manage = store, blocking, firewall, manage
         self._changing: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -36,7 +36,7 @@ class Changes:
                      first: Callable[[], None] | None = None) -> Change:
         """One change to the policy store: `plan()` works it out, it is written and (with
         `[firewall] manage`, when the ruleset depends on it) the firewall follows, all on a
-        worker thread; then it is swapped in on the loop. One change at a time, so that two
+        blocking thread; then it is swapped in on the loop. One change at a time, so that two
         never start from the same state (the second would lose the first's rule). All or
         nothing: a file that cannot be written or a ruleset nftables refuses leaves the
         disk and the store as they were, and raises. `first` runs on the loop once the
@@ -46,7 +46,7 @@ class Changes:
         async with self._changing:
             if first is not None:
                 first()
-            change = await self.workers.run(self._prepare, plan)
+            change = await self.blocking.run(self._prepare, plan)
             self.store.commit(change)
             return change
 

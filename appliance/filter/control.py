@@ -80,19 +80,19 @@ if TYPE_CHECKING:  # the parts it is given
     from appliance.policystore import PolicyStore
 
     from .approvals_policy import OpenApprovals
+    from .blocking import Blocking
     from .events import EventBus
     from .git.sshgate import Gate
     from .proxy.inspect import Inspector
     from .registration import Registration
     from .secrets import SecretStore
     from .status import Status
-    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
 AUDIT_READERS = 2
-"""Audit pages and verifies running at once; the service's other workers stay free for
+"""Audit pages and verifies running at once; the service's other blocking threads stay free for
 changes and status."""
 
 
@@ -179,15 +179,15 @@ def handles(op: str):
 
 class ControlServer:
     def __init__(self, *, store: PolicyStore, bus: EventBus, change: Callable[..., Awaitable],
-                 workers: Workers, status: Status, sessions: Registration,
+                 blocking: Blocking, status: Status, sessions: Registration,
                  audit_path: Path | str, inspector: Inspector | None, secrets: SecretStore,
                  gate: Gate | None, holds: approvals.Holds, open_approvals: OpenApprovals,
                  approvals_file: ApprovalsFile):
         """The parts of the running filter that requests read and change. `change`: how a
-        change reaches the store (changes.Changes.change); `workers`: where disk work runs;
+        change reaches the store (changes.Changes.change); `blocking`: where disk work runs;
         `sessions`: session-add and session-remove; `inspector`: the interception CA (None
         when inspection is off); `gate`: the git gateway (None when it listens nowhere)."""
-        self.store, self.bus, self.change, self.workers = store, bus, change, workers
+        self.store, self.bus, self.change, self.blocking = store, bus, change, blocking
         self.status, self.sessions, self.audit_path = status, sessions, Path(audit_path)
         self.inspector, self.secrets, self.gate = inspector, secrets, gate
         self.holds, self.open_approvals, self.approvals_file = holds, open_approvals, \
@@ -261,11 +261,11 @@ class ControlServer:
     async def _read_audit(self, work: Callable, *args):
         """An audit read (it may cover hundreds of MB) on a worker, a bounded number at once."""
         async with self._audit_readers:
-            return await self.workers.run(work, *args)
+            return await self.blocking.run(work, *args)
 
     @handles("status")
     async def _status(self, request: dict) -> dict:
-        await self.workers.run(self.status.check)
+        await self.blocking.run(self.status.check)
         return {"ok": True, **self.status.describe()}
 
     @handles("sessions")
@@ -381,14 +381,14 @@ class ControlServer:
     @handles("audit-sign")
     async def _audit_sign(self, request: dict) -> dict:
         audit_log, signer = self._signer()
-        await self.workers.run(audit_log.sign_head, True)
-        return {"ok": True, "head": await self.workers.run(signer.latest)}
+        await self.blocking.run(audit_log.sign_head, True)
+        return {"ok": True, "head": await self.blocking.run(signer.latest)}
 
     @handles("audit-segment")
     async def _audit_segment(self, request: dict) -> dict:
         _, signer = self._signer()
         session = _field(request, "session")
-        head = await self.workers.run(signer.latest)
+        head = await self.blocking.run(signer.latest)
         try:
             lines = await self._read_audit(audit.session_segment, self.audit_path, session,
                                            head["seq"] if head else 0)
@@ -419,7 +419,7 @@ class ControlServer:
                                "config): there is no CA to rotate")
         async with self._writing:  # each new CA removes the ones before it
             old = inspector.describe()["sha256"]
-            inspector.use(await self.workers.run(inspector.renewed))
+            inspector.use(await self.blocking.run(inspector.renewed))
         ca = inspector.describe()
         log.info("control: interception CA rotated: %s -> %s", old, ca["sha256"])
         self.bus.emit(Event(
@@ -531,7 +531,7 @@ class ControlServer:
     async def _commit_secrets(self, change: secrets.SecretChange):
         """Written off the loop, committed on it: the secret store's listeners (the proxy's
         credentials, the git gateway's calls) follow there."""
-        await self.workers.run(change.write)
+        await self.blocking.run(change.write)
         self.secrets.commit(change)
         return change.result
 

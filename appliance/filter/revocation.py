@@ -19,9 +19,9 @@ from appliance.firewall.ledger import Key
 from appliance.policy import Decision, Host
 from appliance.policystore import PolicyStore
 
+from .blocking import Blocking
 from .events import EventBus
 from .proxy.frontends import Frontends
-from .workers import Workers
 
 log = logging.getLogger("corral.filter")
 RETRY = 2.0
@@ -36,7 +36,7 @@ class Reach:
 
     def may_reach(self, session: str, key: Key, name: str) -> Decision:
         """May `session`'s sandbox reach the element's destination and port as an address
-        of `name`, under the policy in force now? Runs on worker threads, and reads the
+        of `name`, under the policy in force now? Runs on blocking threads, and reads the
         store as a change's ruleset check does: a commit swaps whole references, so a
         reader sees one state or the next, never half of one."""
         current = self.store.sessions.get(session)
@@ -60,8 +60,8 @@ class Reach:
 
 class Revocation:
     def __init__(self, learned: LearnedSet | None, store: PolicyStore, bus: EventBus,
-                 workers: Workers):
-        self.learned, self.store, self.bus, self.workers = learned, store, bus, workers
+                 blocking: Blocking):
+        self.learned, self.store, self.bus, self.blocking = learned, store, bus, blocking
         self.running: asyncio.Task | None = None
         """The pass under way, if any (tests wait for it)."""
         self._again = False
@@ -92,7 +92,7 @@ class Revocation:
             while self._again:
                 self._again = False
                 try:
-                    cuts = await self.workers.run(self.learned.revoke)
+                    cuts = await self.blocking.run(self.learned.revoke)
                 except Exception as exc:
                     if not failing:
                         log.error("learned tcp allowances not taken back: %s", exc)

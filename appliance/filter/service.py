@@ -15,9 +15,9 @@ thread, one change at a time, and swapped in on the loop (changes.py).
 This module only builds the parts, wires them together and starts and stops them in
 order; none of them is given the service, each gets the narrow things it uses:
 
-  changes.py          store, workers, firewall      one change at a time, off the loop
+  changes.py          store, blocking, firewall      one change at a time, off the loop
   firewalled.py       nftables, learned set         the ruleset loaded; what is loaded
-  revocation.py       learned set, store, bus, workers   allowances a change takes back
+  revocation.py       learned set, store, bus, blocking  allowances a change takes back
   expiry.py           store, changes, bus           runtime rules granted for a while
   registration.py     store, changes, budget, listeners, approvals file   sessions at run time
   listeners.py        config, store, bus, what serves each key   fixed and gateway sockets
@@ -57,6 +57,7 @@ from .approvals_file import ApprovalsFile
 from .approvals_policy import OpenApprovals
 from .audit import AuditLog
 from .audit.heads import HeadSigner
+from .blocking import Blocking
 from .changes import Changes
 from .control import ControlServer
 from .dns.filter import DnsFilter, UdpServer, serve_tcp
@@ -79,7 +80,6 @@ from .registration import Registration
 from .revocation import Reach, Revocation
 from .secrets import SecretStore
 from .status import VERSION, Status
-from .workers import Workers
 
 log = logging.getLogger("corral.filter")
 
@@ -137,7 +137,7 @@ class Service:
         self.store.on_change(lambda: self.bus.forget(set(self.store.sessions)))
         self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
                                  config.dns.ttl_max, config.dns.cache_share)
-        self.workers = Workers()
+        self.blocking = Blocking()
         self._approvals()
         self.frontends = Frontends(self.store, self.resolver)
         """Where the inspected hosts live: no tunnel and no learned tcp allowance for
@@ -167,9 +167,9 @@ class Service:
         """The learned set, with who taught each element: a policy change takes back what
         it no longer allows (revocation.py)."""
         self.firewall = Firewall(nft, self.learned)
-        self.changes = Changes(self.store, self.workers, self.firewall,
+        self.changes = Changes(self.store, self.blocking, self.firewall,
                                self.config.firewall.manage)
-        self.revocation = Revocation(self.learned, self.store, self.bus, self.workers)
+        self.revocation = Revocation(self.learned, self.store, self.bus, self.blocking)
         self.frontends.listeners.append(self.revocation.policy_changed)
 
     def _traffic(self) -> None:
@@ -216,7 +216,7 @@ class Service:
                              budget=self.budget, secrets=self.secrets, firewall=self.firewall,
                              inspect_error=self.inspect_error, journal=self.journal)
         self.control = ControlServer(
-            store=store, bus=bus, change=self.changes.change, workers=self.workers,
+            store=store, bus=bus, change=self.changes.change, blocking=self.blocking,
             status=self.status, sessions=self.registration, audit_path=config.audit_path,
             inspector=self.inspector, secrets=self.secrets, gate=self.gate, holds=self.holds,
             open_approvals=self.open_approvals, approvals_file=self.approvals)
@@ -286,7 +286,7 @@ class Service:
         if self.journal is not None:
             await self.journal.stop()  # the last events too, as far as journald takes them
         self.resolver.close()
-        self.workers.shutdown(wait=False)
+        self.blocking.shutdown(wait=False)
 
 
 GC_THRESHOLDS = (700, 3, 300)

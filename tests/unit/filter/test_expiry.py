@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from appliance.filter.blocking import Blocking
 from appliance.filter.changes import Changes
 from appliance.filter.events import EventBus
 from appliance.filter.expiry import LONGEST_SLEEP, GrantExpiry, due_in
 from appliance.filter.firewalled import Firewall
-from appliance.filter.workers import Workers
 from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
 
@@ -32,10 +32,10 @@ def test_it_looks_again_at_the_next_end_and_at_least_once_a_minute(end, now, wai
 @pytest.fixture
 def parts(tmp_path):
     config = one_session(tmp_path)
-    store, bus, workers = PolicyStore(config), EventBus(), Workers()
-    changes = Changes(store, workers, Firewall(None, None), manage=False)
+    store, bus, blocking = PolicyStore(config), EventBus(), Blocking()
+    changes = Changes(store, blocking, Firewall(None, None), manage=False)
     yield store, bus, changes
-    workers.shutdown()
+    blocking.shutdown()
 
 
 def runtime(store) -> list[str]:

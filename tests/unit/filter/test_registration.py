@@ -13,6 +13,7 @@ import pytest
 from appliance.filter import gateways
 from appliance.filter.approvals import Approvals
 from appliance.filter.approvals_file import ApprovalsFile
+from appliance.filter.blocking import Blocking
 from appliance.filter.changes import Changes
 from appliance.filter.control import ControlError
 from appliance.filter.events import EventBus
@@ -20,7 +21,6 @@ from appliance.filter.firewalled import Firewall
 from appliance.filter.limits import DescriptorBudget
 from appliance.filter.listeners import Listeners
 from appliance.filter.registration import Registration, Unaffordable, Unbound
-from appliance.filter.workers import Workers
 from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
 
@@ -40,8 +40,8 @@ class Parts:
         if manage:
             self.config = dataclasses.replace(self.config, firewall=dataclasses.replace(
                 self.config.firewall, manage=True))
-        self.store, self.bus, self.workers = PolicyStore(self.config), EventBus(), Workers()
-        self.changes = Changes(self.store, self.workers, Firewall(None, None), manage)
+        self.store, self.bus, self.blocking = PolicyStore(self.config), EventBus(), Blocking()
+        self.changes = Changes(self.store, self.blocking, Firewall(None, None), manage)
         self.accepted: list = []
 
         async def serve(sock):
@@ -60,7 +60,7 @@ def parts(tmp_path):
     made = Parts(tmp_path)
     yield made
     made.listeners.close()
-    made.workers.shutdown()
+    made.blocking.shutdown()
 
 
 def test_a_session_gets_its_gateway_listeners_and_loses_them_when_it_goes(parts):
@@ -101,7 +101,7 @@ def test_a_session_the_descriptor_budget_cannot_hold_is_refused_before_anything_
             asyncio.run(made.registration.register("s3", "10.213.3.0/24", None, []))
         assert "s3" not in made.store.sessions and made.listeners.names == {}
     finally:
-        made.workers.shutdown()
+        made.blocking.shutdown()
 
 
 def test_a_firewall_that_cannot_follow_refuses_the_session_and_frees_its_ports(tmp_path):
@@ -113,4 +113,4 @@ def test_a_firewall_that_cannot_follow_refuses_the_session_and_frees_its_ports(t
         assert "s3" not in made.store.sessions and made.listeners.names == {}
         gateways.bind(S3_GATEWAY, made.port, "tcp").close()  # the port was let go
     finally:
-        made.workers.shutdown()
+        made.blocking.shutdown()

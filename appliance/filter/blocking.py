@@ -1,4 +1,4 @@
-"""The filter's worker threads: where disk and nftables work runs, off the event loop.
+"""The filter's blocking threads: where disk and nftables work runs, off the event loop.
 
 Changes (one at a time, changes.py), audit pages, firewall checks and secrets files run
 here. Not the loop's default executor, which the DNS filter's firewall learning uses:
@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 THREADS = 4
 
 
-class Workers:
+class Blocking:
     def __init__(self, threads: int = THREADS):
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="corral-blocking")
 
     async def run(self, work: Callable, *args):
-        """`work(*args)` on a worker thread; the loop goes on serving meanwhile."""
+        """`work(*args)` on a blocking thread; the loop goes on serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
 
     def shutdown(self, wait: bool = True) -> None:
