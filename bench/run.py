@@ -406,8 +406,6 @@ class Bench:
                 sh("ip", "netns", "del", ns, check=False)
 
     def _team(self, d: Path, names: list[str], count: int, each: int) -> None:
-        from appliance.control_client import ControlClient
-
         for i, ns in enumerate(names):
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "set", "lo", "up", ns=ns)
@@ -420,15 +418,53 @@ class Bench:
             sh("ip", "route", "add", "default", "via", f"10.233.{i}.1", ns=ns)
             (d / f"team{i}.toml").write_text(TEAM_POLICY.format(i=i))  # a policy each
         self._stop_filter()
-        (d / "team.toml").write_text(TEAM_FILTER.format(dir=d, up=UPSTREAM))
+        try:
+            runs: dict[str, list[dict]] = {"direct": []}
+            for _ in range(self.args.reps):
+                runs["direct"].append(self._team_run(
+                    [DIRECT] * count, ["direct"] * count, each, None))
+            registered: dict[str, float] = {}
+            for workers in dict.fromkeys((1, self.args.team_workers)):
+                tool = "corral" if workers == 1 else f"corral, {workers} workers"
+                runs[tool], registered[tool] = self._team_filter(d, names, count, each,
+                                                                 workers)
+        finally:
+            self._start_filter()
+        direct_s = statistics.median(r["seconds"] for r in runs["direct"])
+        for tool, results in runs.items():
+            seconds = statistics.median(r["seconds"] for r in results)
+            row = {"metric": f"team scale: {count} sessions x {each} HTTPS connections",
+                   "tool": tool, "unit": "s", "value": round(seconds, 3),
+                   "ratio_direct": round(seconds / direct_s, 3),
+                   "p50_us": statistics.median(r["p50_us"] for r in results),
+                   "p99_us": statistics.median(r["p99_us"] for r in results)}
+            if tool != "direct":
+                row.update(workers=results[0]["workers"],
+                           register_ms=round(registered[tool], 1),
+                           cpu_per_core=round(statistics.median(r["cpu_per_core"]
+                                                                for r in results), 3),
+                           rss_mib=round(max(r["rss_mib"] for r in results), 1))
+            self.rows.append(row)
+            print(f"  {row['metric']:<48} {tool:<18} {row['value']:>8} s "
+                  f"({row['ratio_direct']:.2f} of direct; p99 {row['p99_us']:.0f} µs)",
+                  flush=True)
+
+    def _team_filter(self, d: Path, names: list[str], count: int, each: int,
+                     workers: int) -> tuple[list[dict], float]:
+        """A filter with `[filter] workers`, the sessions registered, --reps runs; the runs
+        and how long registering took (ms). Its state starts empty each time."""
+        from appliance.control_client import ControlClient
+
+        shutil.rmtree(d / "team-state", ignore_errors=True)
+        (d / "team.toml").write_text(TEAM_FILTER.format(dir=d, up=UPSTREAM, workers=workers))
         team = spawn(APP, [str(BIN / "corral-filter"), "--config", str(d / "team.toml")],
-                     d / "team-filter.log", FILTER_NOFILE)
+                     d / f"team-filter-{workers}.log", FILTER_NOFILE)
         try:
             deadline = time.monotonic() + 30
             while not (d / "team.sock").exists():
                 if time.monotonic() > deadline or team.poll() is not None:
-                    raise RuntimeError("the team filter did not start: "
-                                       + (d / "team-filter.log").read_text()[-1000:])
+                    raise RuntimeError("the team filter did not start: " + (
+                        d / f"team-filter-{workers}.log").read_text()[-1000:])
                 time.sleep(0.1)
             control = ControlClient(str(d / "team.sock"))
             started = time.perf_counter()
@@ -439,41 +475,23 @@ class Bench:
                 if not answer.get("ok"):
                     raise RuntimeError(f"session-add team{i}: {answer}")
             register_ms = (time.perf_counter() - started) * 1000
-            wait_port(names[-1], f"10.233.{count - 1}.1", 3128, "the team's proxy")
-            runs: dict[str, list[dict]] = {"direct": [], "corral": []}
-            for _ in range(self.args.reps):
-                runs["direct"].append(self._team_run(
-                    [DIRECT] * count, ["direct"] * count, each, None))
-                runs["corral"].append(self._team_run(
-                    names, [f"10.233.{i}.1:3128" for i in range(count)], each, team.pid))
+            for i, ns in enumerate(names):
+                wait_port(ns, f"10.233.{i}.1", 3128, "the team's proxy")
+            runs = [{**self._team_run(names, [f"10.233.{i}.1:3128" for i in range(count)],
+                                      each, team.pid), "workers": workers}
+                    for _ in range(self.args.reps)]
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(team.pid, signal.SIGTERM)
             team.wait(10)
-            self._start_filter()
-        direct_s = statistics.median(r["seconds"] for r in runs["direct"])
-        for tool, results in runs.items():
-            seconds = statistics.median(r["seconds"] for r in results)
-            row = {"metric": f"team scale: {count} sessions x {each} HTTPS connections",
-                   "tool": tool, "unit": "s", "value": round(seconds, 3),
-                   "ratio_direct": round(seconds / direct_s, 3),
-                   "p50_us": statistics.median(r["p50_us"] for r in results),
-                   "p99_us": statistics.median(r["p99_us"] for r in results)}
-            if tool == "corral":
-                row.update(workers=1, register_ms=round(register_ms, 1),
-                           cpu_per_core=round(statistics.median(r["cpu_per_core"]
-                                                                for r in results), 3),
-                           rss_mib=round(max(r["rss_mib"] for r in results), 1))
-            self.rows.append(row)
-            print(f"  {row['metric']:<48} {tool:<8} {row['value']:>8} s "
-                  f"({row['ratio_direct']:.2f} of direct; p99 {row['p99_us']:.0f} µs)",
-                  flush=True)
+            (d / "team.sock").unlink(missing_ok=True)
+        return runs, register_ms
 
     def _team_run(self, namespaces: list[str], proxies: list[str], each: int,
                   pid: int | None) -> dict:
         """Every client at once; the wall time until the last is done, the pooled latencies,
         and the filter's CPU per core and RSS over the run (with `pid`)."""
-        cpu = _process_cpu(pid) if pid else 0.0
+        cpu = sum(map(_process_cpu, _tree(pid))) if pid else 0.0
         started = time.perf_counter()
         clients = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m",
                                      "bench.team", proxy, "small.allowed.test",
@@ -489,9 +507,11 @@ class Bench:
         latencies = sorted(x for out, _ in outputs for x in json.loads(out)["latencies_us"])
         result = {"seconds": seconds, "p50_us": round(statistics.median(latencies)),
                   "p99_us": round(latencies[max(0, int(len(latencies) * 0.99) - 1)])}
-        if pid:
-            result["cpu_per_core"] = (_process_cpu(pid) - cpu) / seconds / os.cpu_count()
-            result["rss_mib"] = _process_rss_mib(pid)
+        if pid:  # the filter and its workers
+            tree = _tree(pid)
+            result["cpu_per_core"] = (sum(map(_process_cpu, tree)) - cpu) / seconds \
+                / os.cpu_count()
+            result["rss_mib"] = sum(map(_process_rss_mib, tree))
         return result
 
     def noisy(self) -> None:
@@ -616,6 +636,17 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its children (the filter's worker processes)."""
+    found = [pid]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
 def _process_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -647,8 +678,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         latency = f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if "p50_us" in r else ""
         if "cpu_per_core" in r:
-            latency += (f"; filter: {r['workers']} worker, {r['cpu_per_core']} of each core, "
-                        f"RSS {r['rss_mib']} MiB; the sessions registered in "
+            latency += (f"; filter with workers = {r['workers']}: {r['cpu_per_core']} of each "
+                        f"core, RSS {r['rss_mib']} MiB (its processes together); the "
+                        f"sessions registered in "
                         f"{r['register_ms']} ms")
         if "load_ms" in r:
             latency = (f"plan {r['plan_ms']} ms, ruleset {r['load_ms']} ms; all at once "
@@ -697,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sessions (namespaces) of the team row")
     parser.add_argument("--team-connections", type=int, default=200,
                         help="HTTPS connections each team session opens")
+    parser.add_argument("--team-workers", type=int, default=os.cpu_count() or 2,
+                        help="the team row's second filter: [filter] workers (the cores)")
     parser.add_argument("--sessions", type=int, default=200,
                         help="sessions registered for the ruleset row")
     parser.add_argument("--only", choices=PARTS, action="append")
@@ -821,6 +855,8 @@ allow = ["10.232.1.0/24"]
 TEAM_FILTER = """
 # the appliance's defaults, as the role writes them: listeners on each session's gateway,
 # per-session limits as shipped; the sessions come at run time (session-add)
+[filter]
+workers = {workers}
 [dns]
 listen = ["gateway:5300"]
 upstream = ["{up}:53"]

@@ -31,7 +31,8 @@ ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-al
     ("inspected HTTPS bulk", t) for t in ("direct", "corral", "mitmproxy", "squid bump",
                                           "corral tunnel")} | {
     ("leaf mint", "corral"), ("ruleset: one more session, 20 registered", "corral")} | {
-    ("team scale: 4 sessions x 5 HTTPS connections", t) for t in ("direct", "corral")}
+    ("team scale: 4 sessions x 5 HTTPS connections", t)
+    for t in ("direct", "corral", "corral, 2 workers")}
 
 
 def test_a_tiny_run_reports_every_row(tmp_path):
@@ -45,7 +46,8 @@ def test_a_tiny_run_reports_every_row(tmp_path):
                              "--http-seconds", "1", "--new-connections", "200", "--connects",
                              "50", "--tunnels", "50", "--noisy-seconds", "1",
                              "--inspect-requests", "20", "--inspect-connects", "3", "--sessions",
-                             "20", "--team-sessions", "4", "--team-connections", "5", "--out",
+                             "20", "--team-sessions", "4", "--team-connections", "5",
+                             "--team-workers", "2", "--out",
                              str(tmp_path)],
                             capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[2])
