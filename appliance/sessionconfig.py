@@ -390,6 +390,9 @@ class FilterConfig:
     """A group that may use the control socket too (mode 0660): the admin API's user."""
     gateway: ipaddress.IPv4Address | None = setting(None, ipv4, "host.gateway")
     """What host.corral resolves to."""
+    workers: int = setting(1, whole(0), "filter.workers")
+    """Processes that serve the sessions' gateways, sessions sharded across them by name
+    (filter/workers/); 1: the filter serves them itself, as one process."""
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)

@@ -445,6 +445,9 @@ class Holds:
         self._held: dict[str, list[Callable[[], bool]]] = {}
         """Approval id -> how to ask each counted request held for it whether its client
         is still there (a grant `once` is for those alone)."""
+        self.on_resolve: Callable[[Pending, Ruling], None] | None = None
+        """Told every verdict given to an approval's requests: those held in a worker
+        process wait there (workers/coordinator.py sends it on)."""
 
     def ask(self, session: str, decision: Decision, origin: str, client: str | None = None,
             name: str | None = None, port: int | None = None, note: str = ""
@@ -461,6 +464,39 @@ class Holds:
                         f" (allows {kind} {target}) or corral refuse {pending.id}{said}",
                         client=client, name=name, port=port, note=pending.note)
         return pending
+
+    async def open(self, session: str, decision: Decision, origin: str,
+                   client: str | None = None, name: str | None = None,
+                   port: int | None = None, note: str = "") -> Pending | None:
+        """`ask`, for a caller that can wait for it (in a worker, the book is the
+        coordinator's: workers/holds.py)."""
+        return self.ask(session, decision, origin, client, name, port, note)
+
+    def waiting_elsewhere(self, approval_id: str, counted: bool,
+                          there: Callable[[], bool]) -> bool:
+        """A request held for the approval in a worker process: counted as `wait` counts
+        its own, until `done_elsewhere`. False: the approval is closed already."""
+        pending = self.book.pending.get(approval_id)
+        if pending is None:
+            return False
+        pending.waiting += counted
+        pending.held += 1
+        if counted:
+            self._held.setdefault(approval_id, []).append(there)
+        return True
+
+    def done_elsewhere(self, approval_id: str, counted: bool,
+                       there: Callable[[], bool]) -> None:
+        pending = self.book.pending.get(approval_id)
+        if pending is not None:
+            pending.waiting -= counted
+            pending.held -= 1
+        if counted:
+            self._unhold(approval_id, there)
+
+    def refused(self, session: str) -> str:
+        """Why `ask` gave no approval (it returned None)."""
+        return f"session {session} has {self.book.max_pending} approvals open already"
 
     async def wait(self, pending: Pending, hold: float, counted: bool = True,
                    gone: Callable[[], bool] | None = None) -> Ruling:
@@ -503,7 +539,7 @@ class Holds:
 
     def _unhold(self, approval_id: str, there: Callable[[], bool]) -> None:
         held = self._held.get(approval_id)
-        if held is not None:
+        if held is not None and there in held:
             held.remove(there)
             if not held:
                 del self._held[approval_id]
@@ -592,6 +628,8 @@ class Holds:
         future = self._decided.pop(pending.id, None)
         if future is not None and not future.done():
             future.set_result(verdict)
+        if self.on_resolve is not None:
+            self.on_resolve(pending, verdict)
 
     def _event(self, pending: Pending, action: str, reason: str, client: str | None = None,
                name: str | None = None, port: int | None = None, **extra) -> None:

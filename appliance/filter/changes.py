@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from appliance.firewall import ruleset
 from appliance.firewall.nft import NftError
@@ -23,12 +24,23 @@ from .firewalled import Firewall
 log = logging.getLogger("corral.filter")
 
 
+class Before(NamedTuple):
+    """The store's state before a change, as the workers are told it (replica.follow)."""
+
+    registered: tuple
+    sessions: dict
+    base: tuple
+
+
 class Changes:
     def __init__(self, store: PolicyStore, blocking: Blocking, firewall: Firewall,
                  manage: bool):
         """`manage`: the firewall follows each change its ruleset depends on
         (`[firewall] manage`)."""
         self.store, self.blocking, self.firewall, self.manage = store, blocking, firewall, manage
+        self.follow: Callable[[object, Change], Awaitable[None]] | None = None
+        """Told each committed change with the state before it, and awaited before the
+        change returns: the worker processes (workers/coordinator.py `follow`)."""
         self._changing: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -47,7 +59,10 @@ class Changes:
             if first is not None:
                 first()
             change = await self.blocking.run(self._prepare, plan)
+            before = Before(self.store.registered, self.store.sessions, self.store.base)
             self.store.commit(change)
+            if self.follow is not None and change.changed:
+                await self.follow(before, change)
             return change
 
     def _prepare(self, plan: Callable[[], Change]) -> Change:

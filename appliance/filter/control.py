@@ -192,6 +192,9 @@ class ControlServer:
         self.inspector, self.secrets, self.gate = inspector, secrets, gate
         self.holds, self.open_approvals, self.approvals_file = holds, open_approvals, \
             approvals_file
+        self.workers = None
+        """The worker processes, when there are (`[filter] workers`): in `status`, and told
+        of a new CA before the rotation returns."""
         self._audit_readers = asyncio.Semaphore(AUDIT_READERS)
         self._writing = asyncio.Lock()
         """One change of the CA or the secrets file at a time."""
@@ -266,11 +269,21 @@ class ControlServer:
     @handles("status")
     async def _status(self, request: dict) -> dict:
         await self.blocking.run(self.status.check)
-        return {"ok": True, **self.status.describe()}
+        described = self.status.describe()
+        if self.workers is not None:
+            described["workers"] = await self.workers.describe()
+            described["active_connections"] += sum(w.get("active_connections", 0)
+                                                   for w in described["workers"])
+        return {"ok": True, **described}
 
     @handles("sessions")
     async def _sessions(self, request: dict) -> dict:
-        return {"ok": True, "sessions": self.status.sessions()}
+        sessions = self.status.sessions()
+        if self.workers is not None:  # their connections are held there
+            held = await self.workers.held()
+            for session in sessions:
+                session["open_connections"] += held.get(session["name"], 0)
+        return {"ok": True, "sessions": sessions}
 
     @handles("session-add")
     async def _session_add(self, request: dict) -> dict:
@@ -420,6 +433,8 @@ class ControlServer:
         async with self._writing:  # each new CA removes the ones before it
             old = inspector.describe()["sha256"]
             inspector.use(await self.blocking.run(inspector.renewed))
+            if self.workers is not None:
+                await self.workers.authority_changed()
         ca = inspector.describe()
         log.info("control: interception CA rotated: %s -> %s", old, ca["sha256"])
         self.bus.emit(Event(
@@ -533,6 +548,8 @@ class ControlServer:
         credentials, the git gateway's calls) follow there."""
         await self.blocking.run(change.write)
         self.secrets.commit(change)
+        if self.workers is not None:  # theirs too, before the call returns
+            await self.workers.secrets_changed()
         return change.result
 
     def _secrets_changed(self, reason: str) -> None:

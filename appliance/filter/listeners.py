@@ -48,6 +48,16 @@ def _name(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class _InWorker:
+    """A gateway served by a worker: closing it closes it there and here."""
+
+    def __init__(self, workers, address: str):
+        self.workers, self.address = workers, address
+
+    def close(self) -> None:
+        self.workers.close(self.address)
+
+
 class Listeners:
     def __init__(self, config: FilterConfig, store: PolicyStore, bus: EventBus,
                  serve: dict[str, Serve]):
@@ -61,6 +71,9 @@ class Listeners:
         self._fixed: list = []
         self._gateways: dict[str, list] = {}
         """Gateway address -> the servers and transports listening there."""
+        self.workers = None
+        """The worker processes (workers/coordinator.py), when `[filter] workers` > 1:
+        each gateway's sockets are bound here and served by its session's worker."""
 
     async def _serve(self, key: str, sock: socket.socket):
         served = await self.serve[key](sock)
@@ -101,8 +114,14 @@ class Listeners:
                 sock.close()
             return
         served = self._gateways[address] = []
-        for listener, sock in bound:
-            served.append(await self._serve(listener.key, sock))
+        if self.workers is not None:
+            served.append(_InWorker(self.workers, address))
+            await self.workers.serve(session.name, address, bound)
+            for listener, sock in bound:
+                self.names.setdefault(listener.key, []).append(_name(sock))
+        else:
+            for listener, sock in bound:
+                served.append(await self._serve(listener.key, sock))
         self.unserved.pop(session.name, None)
         log.info("session %s: listening on %s", session.name,
                  ", ".join(f"{address}:{p}" for p in sorted({b.port for b, _ in bound})))

@@ -28,6 +28,8 @@ order; none of them is given the service, each gets the narrow things it uses:
                       timeouts, host.corral's address, the resolver   the git gateway
   status.py           what it reports on            `status` and `sessions`
   control.py          what requests read and change   the control socket
+  workers/            store, bus, learned set, secrets, frontends   with `[filter] workers`
+                      > 1: processes that serve the sessions' gateways, told each change
 
 Stores announce their changes (`on_change`): the policy store's reach the proxy, the DNS
 filter, the gateway, revocation and expiry; the secret store's reach the proxy's
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -50,7 +51,7 @@ from appliance.firewall.learned import Cut, LearnedSet
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
 from appliance.policystore import PolicyStore
-from appliance.sessionconfig import FilterConfig, InspectConfig, load_config
+from appliance.sessionconfig import FilterConfig, load_config
 
 from .approvals import Holds
 from .approvals_file import ApprovalsFile
@@ -60,7 +61,7 @@ from .audit.heads import HeadSigner
 from .blocking import Blocking
 from .changes import Changes
 from .control import ControlServer
-from .dns.filter import DnsFilter, UdpServer, serve_tcp
+from .dns.filter import DnsFilter
 from .dns.resolver import Resolver
 from .drops import DropReader
 from .errors import ControlError
@@ -70,61 +71,27 @@ from .firewalled import Firewall, nftables
 from .git.sshgate import Gate
 from .journal import Journal
 from .limits import DescriptorBudget, raise_limit
-from .listeners import Listeners, Serve
+from .listeners import Listeners
+from .plane import interception, loop_factory, servers, tune_gc
 from .proxy import Proxy
 from .proxy.credentials import Credentials
 from .proxy.frontends import Frontends
-from .proxy.inspect import Inspector
 from .redact import LogFilter
 from .registration import Registration
 from .revocation import Reach, Revocation
 from .secrets import SecretStore
 from .status import VERSION, Status
+from .workers.coordinator import Workers
 
 log = logging.getLogger("corral.filter")
-
-
-def interception(config: InspectConfig) -> tuple[Inspector | None, str | None]:
-    """The interception CA, or None and why it could not be had (`ca_dir`): the filter runs
-    without inspection then (inspected hosts denied, everything else as ever) rather than
-    not at all. A CA given by hand is the operator's to fix: ConfigError."""
-    try:
-        inspector = Inspector.from_config(config)
-    except ConfigError as exc:
-        if config.ca_dir is None:
-            raise
-        log.error("inspect: no interception CA, inspected hosts are denied: %s", exc)
-        return None, str(exc)
-    if inspector is not None and inspector.days_left() < 30:
-        log.warning("inspect: the interception CA expires in %d days: `corral certs "
-                    "rotate --interception`", inspector.days_left())
-    return inspector, None
-
-
-def servers(config: FilterConfig, dns: DnsFilter, proxy: Proxy) -> dict[str, Serve]:
-    """What serves each listener key (the git gateway's is added when it is on)."""
-    async def dns_udp(sock):
-        return UdpServer(dns).attach(asyncio.get_running_loop(), sock)
-
-    async def dns_tcp(sock):
-        return await asyncio.start_server(lambda r, w: serve_tcp(dns, r, w), sock=sock,
-                                          backlog=1024)
-
-    def http(handler) -> Serve:
-        async def serve(sock):
-            return await asyncio.start_server(handler, sock=sock, backlog=4096,
-                                              limit=config.proxy.max_header_bytes)
-        return serve
-
-    return {"dns_udp": dns_udp, "dns_tcp": dns_tcp, "proxy": http(proxy.serve_explicit),
-            "transparent_http": http(proxy.serve_transparent_http),
-            "transparent_tls": http(proxy.serve_transparent_tls)}
 
 
 class Service:
     """The filter's parts, built and wired (constructing binds nothing); `start` serves."""
 
-    def __init__(self, config: FilterConfig):
+    def __init__(self, config: FilterConfig, event_loop: str = "auto",
+                 log_level: str = "info"):
+        """`event_loop`, `log_level`: as the command line gave them (workers get them too)."""
         self.config = config
         self.store = PolicyStore(config)  # ConfigError before anything is bound
         self.budget = DescriptorBudget(config, raise_limit())
@@ -145,6 +112,7 @@ class Service:
         self._firewall()
         self._traffic()
         self._jobs()
+        self._workers(event_loop, log_level)
         self.audit: AuditLog | None = None
         self._control_server: asyncio.AbstractServer | None = None
 
@@ -223,6 +191,21 @@ class Service:
         store.on_change(self.revocation.policy_changed)
         store.on_change(self.expiry.changed)
 
+    def _workers(self, event_loop: str, log_level: str) -> None:
+        """With `[filter] workers` > 1, processes that serve the sessions' gateways
+        (workers/): told every change before it returns, every secret (control.py), each
+        new CA."""
+        self.workers = None
+        if self.config.workers < 2:
+            return
+        self.workers = Workers(self.config.workers, self.store, self.bus, self.learned,
+                               self.secrets, self.frontends, self.holds,
+                               event_loop=event_loop,
+                               log_level=log_level)
+        self.listeners.workers = self.workers
+        self.changes.follow = self.workers.follow
+        self.control.workers = self.workers
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.status.event_loop = type(loop).__module__.split(".")[0]
@@ -249,6 +232,8 @@ class Service:
                                                     heads.appliance or socket.gethostname(),
                                                     heads.heads_every, heads.heads_interval))
             self.bus.audit = self.audit
+            if self.workers is not None:
+                await self.workers.start()  # before any gateway: they serve them
             for session in self.store.session_configs():  # an unserved one is audited
                 await self.listeners.open_gateway(session)
             self.holds.settle(self.open_approvals.still_open)  # restored ones, now audited
@@ -271,6 +256,8 @@ class Service:
         await self.expiry.stop()
         self.drops.stop()
         self.listeners.close()
+        if self.workers is not None:
+            await self.workers.stop()  # their last events, before the log closes
         self.proxy.forward.drop_kept()
         if self._control_server is not None:
             self._control_server.close()
@@ -289,26 +276,8 @@ class Service:
         self.blocking.shutdown(wait=False)
 
 
-GC_THRESHOLDS = (700, 3, 300)
-"""The cyclic collector's thresholds once serving: CPython's are (700, 10, 10). Each
-uncached DNS answer allocates dozens of containers and the caches hold hundreds of
-thousands; a full collection scans them all (0.1-0.16 s measured), and at CPython's it came
-every few thousand queries: a sixth of the filter's CPU on uncached DNS. Here full
-collections are nine times rarer, and the middle ones smaller (about a millisecond where
-CPython's took two to four); young ones stay as they are (raising them was measured to
-pause the loop for tens of milliseconds)."""
-
-
-def tune_gc() -> None:
-    """What start-up built is frozen (never scanned again), and full collections made
-    rarer (GC_THRESHOLDS)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
-async def run(config: FilterConfig) -> int:
-    service = Service(config)
+async def run(config: FilterConfig, event_loop: str = "auto", log_level: str = "info") -> int:
+    service = Service(config, event_loop, log_level)
     for handler in logging.getLogger().handlers:  # no secret's value in a log line either,
         handler.addFilter(LogFilter(lambda: service.proxy.redactor))  # from the start on
     await service.start()
@@ -324,22 +293,6 @@ async def run(config: FilterConfig) -> int:
     log.info("stopping")
     await service.stop()
     return 0
-
-
-def loop_factory(choice: str):
-    """uvloop when asked for or available: the same asyncio API with a loop written in C,
-    which halves the time to answer a request here (bench/). Optional: asyncio's loop runs
-    the same code."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError("--event-loop", "", "uvloop is not installed; pip install uvloop "
-                              "or use --event-loop asyncio") from None
-        return None
-    return uvloop.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         factory = loop_factory(args.event_loop)
         with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(run(config))
+            return runner.run(run(config, args.event_loop, args.log_level))
     except ConfigError as exc:
         print(f"corral-filter: {exc}", file=sys.stderr)
         return 2

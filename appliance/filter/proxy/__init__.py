@@ -341,11 +341,11 @@ class Proxy:
         """Ask mode: hold the request (before any answer to the client: no 200 to CONNECT,
         no ServerHello) until a person decides or the session's hold runs out. Returns what
         it is judged by then: (session, policy, decision)."""
-        pending = self.holds.ask(session, decision, "proxy", client.label, str(host), port)
+        pending = await self.holds.open(session, decision, "proxy", client.label, str(host),
+                                        port)
         if pending is None:
             return session, policy, decision._replace(
-                reason=f"{decision.reason}; session {session} has "
-                       f"{self.holds.book.max_pending} approvals open already")
+                reason=f"{decision.reason}; {self.holds.refused(session)}")
         verdict = await self.holds.wait(pending, policy.hold, gone=lambda: _gone(client))
         now_session, now_policy, now = self.decide(client.address, host, port)
         if verdict.grant is None:
@@ -387,11 +387,10 @@ class Proxy:
             return 403, {"status": "refused", "reason": f"{decision.reason}: not something a "
                          "person can approve (a deny rule, a placeholder, the VM host's "
                          "ports, an IP literal or the appliance's own names)"}
-        pending = self.holds.ask(session, decision, "agent", client.label, str(ask.host),
-                                 ask.port, note=ask.reason)
+        pending = await self.holds.open(session, decision, "agent", client.label,
+                                        str(ask.host), ask.port, note=ask.reason)
         if pending is None:
-            return 429, {"error": f"session {session} has {self.holds.book.max_pending} "
-                                  "approvals open already"}
+            return 429, {"error": self.holds.refused(session)}
         answer = {"id": pending.id, "kind": pending.kind, "target": pending.target}
         if not ask.wait:
             return 202, {"status": "pending", **answer}

@@ -85,6 +85,9 @@ class GatewayFilter:
     def start(self) -> None:
         with open(self.dir / "filter.log", "ab") as log:  # the child keeps its own copy
             self.process = subprocess.Popen([EXE, "--config", str(self.config)], stderr=log)
+        self.wait_started()
+
+    def wait_started(self) -> None:
         deadline = time.monotonic() + 15
         while True:
             try:

@@ -153,7 +153,7 @@ def test_changes_run_one_at_a_time_off_the_loop_and_swap_in_on_it(config):
     try:
         asyncio.run(main())
     finally:
-        service.workers.shutdown()
+        service.blocking.shutdown()
     assert most[0] == 1, "two changes were worked out at once"
     assert sorted(runtime_rules(store)) == ["one.test", "two.test"]
     assert set(callback_threads) == set(loop_thread)
@@ -180,7 +180,7 @@ def test_a_firewall_that_cannot_follow_leaves_the_session_unregistered(config):
     try:
         change = asyncio.run(main())
     finally:
-        service.workers.shutdown()
+        service.blocking.shutdown()
     assert change.result[1] is True
     assert "s3" not in store.sessions and store.registered == ()
     assert not store.registered_path.exists()
@@ -239,7 +239,7 @@ def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
         with caplog.at_level(logging.ERROR, "appliance.filter.control"):
             failed, sessions, bad_limit, events = asyncio.run(main())
     finally:
-        service.workers.shutdown()
+        service.blocking.shutdown()
     assert failed == {"ok": False, "error": "internal error: RuntimeError: a bug"}
     assert sessions["ok"] and [s["name"] for s in sessions["sessions"]] == ["s1"]
     assert bad_limit == {"ok": False, "error": "'limit' must be at least 1, got 0"}

@@ -18,7 +18,7 @@ def service(tmp_path):
     config = one_session(tmp_path)
     service = Service(config)
     yield service
-    service.workers.shutdown()
+    service.blocking.shutdown()
 
 
 async def ask(path, *requests: dict) -> list[dict]:

@@ -18,7 +18,7 @@ def service(tmp_path):
     config = one_session(tmp_path)
     service = Service(config)
     yield service
-    service.workers.shutdown()
+    service.blocking.shutdown()
 
 
 def event_of(service, drop: Drop) -> dict | None:
@@ -78,7 +78,7 @@ subnet = "10.213.1.0/24"
 """, str(tmp_path / "filter.toml"))
     service = Service(config)
     yield service
-    service.workers.shutdown()
+    service.blocking.shutdown()
 
 
 @pytest.mark.parametrize("drop", [

@@ -34,7 +34,7 @@ def service(tmp_path):
     service.firewall.learned = learned
     service.log = log
     yield service
-    service.workers.shutdown()
+    service.blocking.shutdown()
 
 
 async def learn(service, session, client, name, address, port):

@@ -1,0 +1,260 @@
+"""One worker process: the DNS filter and the proxy for the sessions of its shard.
+
+Started by the coordinator (coordinator.py) as `python -m appliance.filter.workers`, with
+its end of the link on descriptor `--link-fd`. It reads no file of the policy: its first
+message is the whole state (`start`: the filter's config and every session's policy it
+serves), then a message for each change, acknowledged once committed (replica.py). It
+binds nothing: each gateway's listening sockets come bound from the coordinator (`serve`),
+and they stay open in the coordinator, so while a worker is down its sessions' connections
+wait in the kernel's queues and nothing answers them: they fail closed, and are served by
+the worker that comes next.
+
+What stays single lives in the coordinator and is reached over the link: every event goes
+there (the one audit chain, the event bus, `monitor`); so does each firewall teaching (the
+one learned set, which revocation judges) and each approval opened (the one book a person
+decides from); a request held for one waits here (holds.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict
+
+from appliance.firewall.learned import Learned, Teaching
+from appliance.policy import Decision
+
+from ..dns.filter import DnsFilter
+from ..dns.resolver import Resolver
+from ..events import EventBus
+from ..plane import interception, loop_factory, servers, tune_gc
+from ..proxy import Proxy
+from ..proxy.credentials import Credentials
+from ..proxy.frontends import Frontends
+from ..proxy.inspect import Authority
+from ..revocation import Reach
+from . import replica
+from .holds import RemoteHolds
+from .link import JSON, Link
+
+log = logging.getLogger("corral.filter")
+LEARN_TIMEOUT = 5.0
+"""Seconds a worker waits for the coordinator to teach the firewall: past it, nothing is
+learned (the connection the answer was for is refused, as when nftables refuses)."""
+
+
+class RelayBus(EventBus):
+    """The worker's bus: each event, made printable and redacted here as anywhere, goes to
+    the coordinator's bus (which checks it again, records it and tells subscribers)."""
+
+    def __init__(self, link: Link | None, first_id: int):
+        super().__init__()
+        self.link = link
+        self._ids = itertools.count(first_id)
+
+    def emit(self, event):
+        event = super().emit(event)
+        if self.link is not None and not self.link.closed.done():
+            self.link.send({"op": "event", "event": event})
+        return event
+
+
+class Learner:
+    """The firewall's learned set, as the DNS filter uses it (`learn`, on an executor
+    thread): judged here first (this worker's policy and the inspected hosts' addresses it
+    has seen), then taught by the coordinator, which judges again with its own."""
+
+    def __init__(self, link: Link, reach: Reach, loop: asyncio.AbstractEventLoop):
+        self.link, self.reach, self.loop = link, reach, loop
+
+    def learn(self, teachings: list[Teaching]) -> Learned:
+        allowed, refused = [], []
+        for teaching in teachings:
+            decision: Decision = self.reach.may_reach(
+                teaching.session, (teaching.sandbox, teaching.destination, teaching.port),
+                teaching.name)
+            (allowed if decision.allowed else refused).append(
+                teaching if decision.allowed else decision.reason)
+        if not allowed:
+            return Learned([], "; ".join(refused) or None)
+        call = self.link.call({"op": "learn", "teachings": [asdict(t) for t in allowed]},
+                              seconds=LEARN_TIMEOUT)
+        reply = asyncio.run_coroutine_threadsafe(call, self.loop).result(LEARN_TIMEOUT + 1)
+        taught = [Teaching(**t) for t in reply["taught"]]
+        why = [*refused, *([reply["refused"]] if reply.get("refused") else [])]
+        return Learned(taught, "; ".join(why) or None)
+
+
+class Worker:
+    def __init__(self, link_sock: socket.socket, index: int, first_id: int):
+        self.link = Link(link_sock, sends=JSON, handle=self.handle)
+        self.index, self.first_id = index, first_id
+        self.count = 0
+        self.store = None
+        self.gateways: dict[str, list] = {}
+        """Gateway address -> the servers and transports listening there."""
+        self.stopping = asyncio.Event()
+
+    def handle(self, message: dict, fds: list[int]):
+        op = message["op"]
+        if op == "start":
+            return self.start(message)
+        if op == "change":
+            return self.change(message["state"])
+        if op == "serve":
+            return self.serve(message["address"], message["keys"], fds)
+        if op == "close":
+            return self.close(message["address"])
+        if op == "secrets":
+            self.proxy.credentials = Credentials(message["key"], message["http"])
+            return {}
+        if op == "authority":
+            return self.authority()
+        if op == "status":
+            return self.status()
+        if op == "held":
+            return {"held": dict(self.proxy.flows.connections.held)}
+        if op == "heard":
+            self.frontends.heard(message["name"], replica.Heard(
+                [ipaddress.ip_address(a) for a in message["addresses"]], message["ttl"]))
+            return None
+        if op == "ruling":
+            self.holds.ruling(message["approval"], message["grant"], message["reason"],
+                              message["open"])
+            return None
+        if op == "stop":
+            self.stopping.set()
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    def start(self, message: dict) -> dict:
+        """Build the data plane from the coordinator's state; nothing is served yet."""
+        config = self.config = message["config"]
+        self.count = message["count"]
+        self.store = replica.replica(config)
+        self.bus = RelayBus(self.link, self.first_id)
+        self.store.on_change(lambda: self.bus.forget(set(self.store.sessions)))
+        self.resolver = Resolver(config.dns.upstream, config.dns.timeout, config.dns.ttl_min,
+                                 config.dns.ttl_max, config.dns.cache_share)
+        self.frontends = Frontends(self.store, self.resolver)
+        self.resolver.observers.append(self._heard)  # after the book's own
+        learner = Learner(self.link, Reach(self.store, self.frontends),
+                          asyncio.get_running_loop())
+        self.holds = RemoteHolds(self.link)
+        self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, learner,
+                             config.firewall.learn_ttl_min, config.dns, self.holds,
+                             self.frontends)
+        self.inspector, _ = interception(config.inspect)
+        self.proxy = Proxy(self.store, self.resolver, self.bus, config.proxy, config.gateway,
+                           self.dns.exfil, self.inspector,
+                           Credentials(message["key"], message["http"]), self.holds,
+                           self.frontends)
+        self.store.commit(replica.apply(self.store, message["state"]))
+        tune_gc()
+        return {"pid": os.getpid()}
+
+    def _heard(self, name: str, answer) -> None:
+        """The resolver fetched an answer: one for a name some policy here inspects goes
+        to the coordinator, which tells its book and the other workers' (coordinator.py)."""
+        if not any(True for _ in self.frontends.watch.patterns(name)):
+            return
+        addresses = answer.addresses(name)
+        if addresses and not self.link.closed.done():
+            self.link.send({"op": "heard", "name": name,
+                            "addresses": [str(a) for a in addresses[:64]],
+                            "ttl": answer.ttl(time.monotonic())})
+
+    def change(self, state: dict) -> dict:
+        self.store.commit(replica.apply(self.store, state))
+        return {}
+
+    async def serve(self, address: str, keys: list[str], fds: list[int]) -> dict:
+        serve = servers(self.config, self.dns, self.proxy)
+        socks = [socket.socket(fileno=fd) for fd in fds]
+        if address in self.gateways:  # sent again by a start that raced the first
+            for sock in socks:
+                sock.close()
+            return {}
+        try:
+            served = self.gateways.setdefault(address, [])
+            for key, sock in zip(keys, socks, strict=True):
+                served.append(await serve[key](sock))
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            raise
+        return {}
+
+    def close(self, address: str) -> dict:
+        for served in self.gateways.pop(address, []):
+            served.close()
+        return {}
+
+    async def authority(self) -> dict:
+        """The interception CA was rotated: sign with the new one (read from its directory,
+        where the coordinator put it)."""
+        inspector = self.inspector
+        if inspector is not None and inspector.directory is not None:
+            directory = inspector.directory
+            inspector.use(await asyncio.to_thread(Authority.load, str(directory.cert),
+                                                  str(directory.key)))
+        return {}
+
+    def status(self) -> dict:
+        proxy = self.proxy
+        return {"pid": os.getpid(), "sessions": sorted(
+                    n for n in self.store.sessions
+                    if replica.shard_of(n, self.count) == self.index),
+                "active_connections": proxy.active, "proxy": dict(proxy.stats),
+                "secrets": len(proxy.credentials.secrets),
+                "dns": self.dns.stats(), "resolver": dict(self.resolver.stats)}
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the coordinator says when
+        closed = asyncio.ensure_future(self.link.closed)
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([closed, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for task in (closed, stopping):
+            task.cancel()
+        for address in list(self.gateways):
+            self.close(address)
+        if self.store is not None:
+            self.proxy.forward.drop_kept()
+            if self.inspector is not None:
+                self.inspector.close()
+            self.resolver.close()
+        self.link.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="corral-filter worker")
+    parser.add_argument("--link-fd", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--first-id", type=int, required=True)
+    parser.add_argument("--event-loop", default="auto")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "
+                        "%(message)s")
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    link_sock = socket.socket(fileno=args.link_fd)
+
+    async def serve() -> None:
+        worker = Worker(link_sock, args.index, args.first_id)
+        await worker.run()
+
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        runner.run(serve())
+    return 0
+

@@ -1,0 +1,97 @@
+"""What the coordinator takes from a worker, judged as if the worker were hostile: an
+approval only for its own sessions, in ask mode, for something a person may approve; a
+wait counted once and forgotten with its worker; heard answers checked. No
+processes: the coordinator's handlers, with real stores, books and buses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.filter.approvals import Holds
+from appliance.filter.dns.resolver import Resolver
+from appliance.filter.events import EventBus
+from appliance.filter.proxy.frontends import Frontends
+from appliance.filter.workers.coordinator import Workers
+from appliance.filter.workers.link import LinkError
+from appliance.policystore import PolicyStore
+from tests.unit.filterconfig import one_session
+
+ASK = {"op": "ask", "reason": "not allowed by any rule", "origin": "proxy", "note": "",
+       "hint": "corral allow-http other.test:443", "client": "10.214.1.2",
+       "name": "other.test", "port": 443}
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    (tmp_path / "ask.toml").write_text('[approval]\nmode = "ask"\nhold = 30\n')
+    (tmp_path / "deny.toml").write_text("")
+    store = PolicyStore(one_session(tmp_path))
+    store.register("w3", "10.214.1.0/24", files=[str(tmp_path / "ask.toml")])  # worker 1
+    store.register("w6", "10.214.2.0/24", files=[str(tmp_path / "deny.toml")])  # worker 1
+    store.register("w1", "10.214.3.0/24", files=[str(tmp_path / "ask.toml")])  # worker 0
+    bus = EventBus()
+    resolver = Resolver([("127.0.0.1", 9)])
+    made = Workers(2, store, bus, None, None, Frontends(store, resolver), Holds(bus.emit))
+    yield made
+    resolver.close()
+
+
+def test_an_ask_opens_an_approval_only_where_a_person_may_grant_it(coordinator):
+    one = coordinator.workers[1]
+    opened = coordinator._ask(one, {**ASK, "session": "w3"})["pending"]
+    assert opened["session"] == "w3" and opened["target"] == "other.test:443"
+    assert list(coordinator.holds.book.pending) == [opened["id"]]
+    assert [e["action"] for e in coordinator.bus.recent] == ["pending"]
+    refused = [
+        {**ASK, "session": "w1"},    # another worker's session
+        {**ASK, "session": "w6"},    # not in ask mode
+        {**ASK, "session": "gone"},  # no such session
+        {**ASK, "session": "w3", "hint": "corral allow-http 192.0.2.1:443"},  # a literal
+        {**ASK, "session": "w3", "hint": "corral allow-http api.corral:443"},
+        {**ASK, "session": "w3", "hint": "corral deny everything"},
+        {**ASK, "session": "w3", "origin": "person"},
+    ]
+    for message in refused:
+        assert coordinator._ask(one, message) == {"pending": None}, message
+    assert len(coordinator.holds.book.pending) == 1
+    for broken in ({**ASK, "session": 3}, {**ASK, "session": "w3", "port": "443"},
+                   {k: v for k, v in ASK.items() if k != "reason"}):
+        with pytest.raises(LinkError):
+            coordinator._ask(one, broken)
+
+
+def test_a_wait_is_counted_once_and_forgotten_with_its_worker(coordinator):
+    one = coordinator.workers[1]
+    pending_id = coordinator._ask(one, {**ASK, "session": "w3"})["pending"]["id"]
+    pending = coordinator.holds.book.pending[pending_id]
+    wait = {"op": "waiting", "approval": pending_id, "counted": True}
+    coordinator._waiting(one, {**wait, "token": 1, "delta": 1})
+    coordinator._waiting(one, {**wait, "token": 1, "delta": 1})  # said twice: counted once
+    coordinator._waiting(one, {**wait, "token": 2, "delta": 1})
+    assert (pending.waiting, pending.held, coordinator.holds.present(pending_id)) == (2, 2, 2)
+    coordinator._waiting(one, {**wait, "token": 2, "delta": -1})
+    coordinator._waiting(one, {**wait, "token": 2, "delta": -1})  # again: nothing
+    assert (pending.waiting, pending.held) == (1, 1)
+    coordinator._forget_waits(one)  # the worker died
+    assert (pending.waiting, pending.held, coordinator.holds.present(pending_id)) == (0, 0, 0)
+    coordinator._waiting(one, {**wait, "token": 3, "delta": 1, "approval": "ap-none"})
+    assert coordinator._waits == {}  # a closed approval: nothing waits for it
+    with pytest.raises(LinkError):
+        coordinator._waiting(one, {**wait, "token": 4, "delta": 2})
+
+
+def test_a_heard_answer_is_checked_before_it_reaches_the_book(coordinator):
+    async def main():
+        zero = coordinator.workers[0]
+        coordinator._heard(zero, {"op": "heard", "name": "x.test", "addresses": ["192.0.2.9"],
+                                  "ttl": 30})
+        for broken in ({"name": "x.test", "addresses": ["not an address"], "ttl": 30},
+                       {"name": "x.test", "addresses": [], "ttl": 30},
+                       {"name": "x.test", "addresses": ["192.0.2.9"] * 65, "ttl": 30},
+                       {"name": "x" * 300, "addresses": ["192.0.2.9"], "ttl": 30},
+                       {"name": "x.test", "addresses": ["192.0.2.9"], "ttl": -1}):
+            with pytest.raises(LinkError):
+                coordinator._heard(zero, {"op": "heard", **broken})
+    asyncio.run(main())

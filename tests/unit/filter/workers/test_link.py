@@ -1,0 +1,102 @@
+"""The link's frames as transcripts (bytes in, bodies out), then a real socketpair: calls and
+replies, descriptors passed with a message, a worker's pickle refused by the coordinator,
+and a peer that goes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import socket
+
+import pytest
+
+from appliance.filter.workers import link
+from appliance.filter.workers.coordinator import _teaching
+from appliance.filter.workers.link import JSON, PICKLE, Frames, Link, LinkError
+
+
+def test_frames_split_and_joined_anywhere_give_the_same_bodies():
+    data = link.encode({"op": "a", "n": 1}, JSON) + link.encode({"op": "b", "x": "y" * 300},
+                                                                JSON)
+    for cut in range(len(data) + 1):
+        frames = Frames(JSON)
+        bodies = frames.feed(data[:cut]) + frames.feed(data[cut:])
+        assert [json.loads(b)["op"] for b in bodies] == ["a", "b"]
+
+
+def test_the_coordinator_reads_no_pickle_and_no_giant_frame():
+    with pytest.raises(LinkError, match="kind"):
+        Frames(JSON).feed(link.encode({"op": "x"}, PICKLE))
+    with pytest.raises(LinkError, match="more than"):  # refused before its body came
+        Frames(JSON).feed(link.HEADER.pack(link.MAX_JSON + 1, JSON))
+    with pytest.raises(LinkError, match="`op`"):
+        link.decode(b"[1, 2]", JSON)
+    assert Frames(PICKLE).feed(link.encode({"op": "x"}, PICKLE)) == [
+        pickle.dumps({"op": "x"}, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+def test_a_teaching_from_a_worker_is_checked_field_by_field():
+    good = {"session": "s", "name": "n.test", "sandbox": "10.0.0.2",
+            "destination": "192.0.2.1", "port": 443, "timeout": 60}
+    assert _teaching(good).port == 443
+    for bad in ({**good, "port": "443"}, {**good, "port": 0}, {**good, "timeout": -1},
+                {**good, "destination": "1.2.3"}, {**good, "extra": 1},
+                {k: v for k, v in good.items() if k != "name"}, [good]):
+        with pytest.raises(LinkError):
+            _teaching(bad)
+
+
+def test_calls_replies_and_descriptors_over_a_real_socketpair(tmp_path):
+    async def main():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        got: list = []
+
+        def worker_handles(message, fds):
+            if message["op"] == "read":
+                with os.fdopen(fds[0], "rb") as passed:
+                    return {"data": passed.read().decode()}
+            if message["op"] == "fail":
+                raise ValueError("as asked")
+            got.append(message)
+            return None
+
+        coordinator = Link(a, sends=PICKLE, handle=lambda m, f: None)
+        worker = Link(b, sends=JSON, handle=worker_handles)
+        path = tmp_path / "passed"
+        path.write_text("through the link")
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the caller's to close: the link sends a copy
+            reply = await coordinator.call({"op": "read", "fds": 1}, fds=[fd], seconds=5)
+        finally:
+            os.close(fd)
+        assert reply["data"] == "through the link"
+        with pytest.raises(LinkError, match="ValueError: as asked"):
+            await coordinator.call({"op": "fail"}, seconds=5)
+        coordinator.send({"op": "note", "big": "x" * 500_000})  # more than one recv
+        fd = os.open(path, os.O_RDONLY)
+        reply = await coordinator.call({"op": "read", "fds": 1}, fds=[fd], seconds=5)
+        os.close(fd)
+        assert reply["data"] == "through the link"
+        assert got and got[0]["big"] == "x" * 500_000
+        # a worker that speaks pickle is cut off
+        worker.sends = PICKLE
+        worker.send({"op": "event"})
+        assert isinstance(await asyncio.wait_for(coordinator.closed, 5), LinkError)
+        assert await asyncio.wait_for(worker.closed, 5) is None  # it saw the end
+        with pytest.raises(ConnectionError):
+            await coordinator.call({"op": "read"})
+    asyncio.run(main())
+
+
+def test_a_call_ends_when_the_peer_goes():
+    async def main():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        coordinator = Link(a, sends=PICKLE, handle=lambda m, f: None)
+        pending = asyncio.ensure_future(coordinator.call({"op": "slow"}, seconds=5))
+        await asyncio.sleep(0.01)
+        b.close()
+        with pytest.raises(ConnectionError):
+            await pending
+    asyncio.run(main())
