@@ -115,18 +115,21 @@ class Workers:
         """(worker, its token) -> a request waiting there: (approval, counted, `there`)."""
         self.event_loop, self.log_level = event_loop, log_level
         self.workers = [Worker(i) for i in range(count)]
+        self.shards = replica.Shards(count)
         self.gateways: dict[str, tuple[int, list[str], list[socket.socket]]] = {}
         """Gateway address -> (its worker, its listeners' keys, their sockets, kept open
         here while a worker serves them)."""
         self._keepers: list[asyncio.Task] = []
         self._stopping = False
 
-    def shard(self, session: str) -> int:
-        return replica.shard_of(session, self.count)
+    def shard(self, session: str) -> int | None:
+        """The worker that serves `session` (None: no such session)."""
+        return self.shards.of.get(session)
 
     # -- starting and keeping them running ----------------------------------------------
     async def start(self) -> None:
         """Every worker started and given the state; raises if one cannot be."""
+        self.shards.follow(self.store.sessions)
         for worker in self.workers:
             await self._spawn(worker)
         self._keepers = [asyncio.get_running_loop().create_task(
@@ -152,7 +155,8 @@ class Workers:
             try:
                 reply = await worker.link.call(
                     {"op": "start", "config": self.store.config, "count": self.count,
-                     "state": replica.follow(None, self.store, worker.index, self.count),
+                     "state": replica.follow(None, self.store,
+                                             self.shards.serves(worker.index)),
                      "key": self.secrets.key, "http": self.secrets.http()},
                     seconds=START_TIMEOUT)
                 for address, (index, keys, socks) in list(self.gateways.items()):
@@ -219,6 +223,7 @@ class Workers:
     async def follow(self, before, after) -> None:
         """`after` committed: every worker has its part before this returns (or is killed,
         and its next process starts from the whole state)."""
+        self.shards.follow(after.sessions)
         await asyncio.gather(*(self._follow(w, before, after) for w in self.workers))
 
     async def _follow(self, worker: Worker, before, after) -> None:
@@ -228,7 +233,8 @@ class Workers:
             try:
                 await worker.link.call(
                     {"op": "change",
-                     "state": replica.follow(before, after, worker.index, self.count)},
+                     "state": replica.follow(before, after,
+                                             self.shards.serves(worker.index))},
                     seconds=CHANGE_TIMEOUT)
             except (ConnectionError, LinkError, TimeoutError) as exc:
                 log.error("worker %d did not take a change (%s): started again with the "
@@ -239,6 +245,10 @@ class Workers:
         """The session's gateway listeners (bound here), served by its worker; kept here
         too, for the next worker if this one dies."""
         index = self.shard(session)
+        if index is None:  # gone before its gateway was served (registration.py checks)
+            for _, sock in bound:
+                sock.close()
+            return
         keys = [listener.key for listener, _ in bound]
         socks = [sock for _, sock in bound]
         self.gateways[address] = (index, keys, socks)
@@ -386,7 +396,10 @@ class Workers:
     def _ruling(self, pending, verdict) -> None:
         """A verdict for an approval: to the worker of its session, where its requests
         wait (or the next will)."""
-        worker = self.workers[self.shard(pending.session)]
+        index = self.shard(pending.session)
+        if index is None:
+            return  # its session went: its worker closed its connections
+        worker = self.workers[index]
         if worker.link is not None and not worker.link.closed.done():
             worker.link.send({"op": "ruling", "approval": pending.id, "grant": verdict.grant,
                               "reason": verdict.reason,

@@ -1,9 +1,11 @@
 """What a worker holds of the policy store, and how a change reaches it. Pure.
 
-Sessions are sharded across the workers by a hash of their name (`shard_of`): every DNS
-question and proxy connection of a session reaches the one worker that serves its gateway,
-so what a session counts (rate limits, exfiltration scores, held connections, kept
-upstreams, mint budgets) lives in one place, as with one process.
+Each session is served by one worker (`Shards`): every DNS question and proxy connection of
+a session reaches the one worker that serves its gateway, so what a session counts (rate
+limits, exfiltration scores, held connections, kept upstreams, mint budgets) lives in one
+place, as with one process. A session goes to the worker with the fewest sessions when it
+comes, and stays there while it lives: a hash of the name would be stateless, but spreads a
+team's few sessions unevenly (two of two landed on one worker in the e2e tier).
 
 A worker is never told to read a file. The coordinator works every change out, writes it
 and follows it with the firewall as before (changes.py); then it sends each worker the
@@ -20,8 +22,8 @@ this worker's gateway) is judged by FOREIGN, which allows nothing.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
+from collections.abc import Callable, Iterable
 
 from appliance.policy import Policy
 from appliance.policystore import Change, PolicyStore, Session
@@ -30,22 +32,41 @@ FOREIGN = Policy()
 """The policy of a session another worker serves: nothing is allowed."""
 
 
-def shard_of(name: str, count: int) -> int:
-    """The worker (0 .. count-1) that serves session `name`: the same in every process and
-    across restarts (never Python's salted `hash`)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % count
+class Shards:
+    """Which worker serves each session: the one with the fewest sessions when it came (the
+    lowest index on a tie), for as long as it lives. Kept by the coordinator alone; a
+    restarted filter assigns its sessions again, in the store's order."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.of: dict[str, int] = {}
+        self._load = [0] * count
+
+    def follow(self, names: Iterable[str]) -> None:
+        """The sessions there are now: those gone are let go, those new assigned."""
+        names = list(names)
+        present = set(names)
+        for gone in [n for n in self.of if n not in present]:
+            self._load[self.of.pop(gone)] -= 1
+        for name in names:
+            if name not in self.of:
+                index = min(range(self.count), key=lambda k: (self._load[k], k))
+                self.of[name] = index
+                self._load[index] += 1
+
+    def serves(self, index: int) -> Callable[[str], bool]:
+        return lambda name: self.of.get(name) == index
 
 
-def follow(before: PolicyStore | Change | None, after: PolicyStore | Change, index: int,
-           count: int) -> dict:
-    """What worker `index` of `count` is sent for the step from `before` to `after`
-    (`before` None: everything, for a worker that starts)."""
+def follow(before: PolicyStore | Change | None, after: PolicyStore | Change,
+           owns: Callable[[str], bool]) -> dict:
+    """What a worker is sent for the step from `before` to `after` (`before` None:
+    everything, for a worker that starts); `owns`: is a session that worker's?"""
     state: dict = {"registered": after.registered, "policies": {}}
     if before is None or after.base is not before.base:
         state["base"] = after.base
     for name, session in after.sessions.items():
-        if shard_of(name, count) != index:
+        if not owns(name):
             continue
         if before is not None and before.sessions.get(name) is session:
             continue
@@ -73,6 +94,11 @@ def replica(config) -> PolicyStore:
     store.registered, store.base, store.outside, store.sessions = (), (), Policy(), {}
     store._clients, store._listeners = {}, []
     return store
+
+
+def served(store: PolicyStore) -> list[str]:
+    """The sessions a worker's store holds a policy for: its own."""
+    return [name for name, s in store.sessions.items() if s.policy is not FOREIGN]
 
 
 def apply(store: PolicyStore, state: dict) -> Change:

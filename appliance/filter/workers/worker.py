@@ -97,7 +97,6 @@ class Worker:
     def __init__(self, link_sock: socket.socket, index: int, first_id: int):
         self.link = Link(link_sock, sends=JSON, handle=self.handle)
         self.index, self.first_id = index, first_id
-        self.count = 0
         self.store = None
         self.gateways: dict[str, list] = {}
         """Gateway address -> the servers and transports listening there."""
@@ -138,7 +137,6 @@ class Worker:
     def start(self, message: dict) -> dict:
         """Build the data plane from the coordinator's state; nothing is served yet."""
         config = self.config = message["config"]
-        self.count = message["count"]
         self.store = replica.replica(config)
         self.bus = RelayBus(self.link, self.first_id)
         self.store.on_change(lambda: self.bus.forget(set(self.store.sessions)))
@@ -210,9 +208,7 @@ class Worker:
 
     def status(self) -> dict:
         proxy = self.proxy
-        return {"pid": os.getpid(), "sessions": sorted(
-                    n for n in self.store.sessions
-                    if replica.shard_of(n, self.count) == self.index),
+        return {"pid": os.getpid(), "sessions": replica.served(self.store),
                 "active_connections": proxy.active, "proxy": dict(proxy.stats),
                 "secrets": len(proxy.credentials.secrets),
                 "dns": self.dns.stats(), "resolver": dict(self.resolver.stats)}

@@ -28,12 +28,16 @@ def coordinator(tmp_path):
     (tmp_path / "ask.toml").write_text('[approval]\nmode = "ask"\nhold = 30\n')
     (tmp_path / "deny.toml").write_text("")
     store = PolicyStore(one_session(tmp_path))
-    store.register("w3", "10.214.1.0/24", files=[str(tmp_path / "ask.toml")])  # worker 1
-    store.register("w6", "10.214.2.0/24", files=[str(tmp_path / "deny.toml")])  # worker 1
-    store.register("w1", "10.214.3.0/24", files=[str(tmp_path / "ask.toml")])  # worker 0
+    # the least loaded worker takes each as it comes: s1 (the config file's) 0, w3 1, w1 0,
+    # w6 1
+    store.register("w3", "10.214.1.0/24", files=[str(tmp_path / "ask.toml")])
+    store.register("w1", "10.214.3.0/24", files=[str(tmp_path / "ask.toml")])
+    store.register("w6", "10.214.2.0/24", files=[str(tmp_path / "deny.toml")])
     bus = EventBus()
     resolver = Resolver([("127.0.0.1", 9)])
     made = Workers(2, store, bus, None, None, Frontends(store, resolver), Holds(bus.emit))
+    made.shards.follow(store.sessions)
+    assert made.shards.of == {"s1": 0, "w3": 1, "w1": 0, "w6": 1}
     yield made
     resolver.close()
 

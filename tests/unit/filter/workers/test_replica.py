@@ -14,7 +14,8 @@ from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
 
 NAMES = ["w1", "w3", "w4", "w6"]
-"""Two sessions on each worker of two."""
+"""Registered in this order: w1 and w4 on worker 0, w3 and w6 on worker 1 (s1, the config
+file's, came first: on worker 0)."""
 
 
 def store(tmp_path) -> PolicyStore:
@@ -29,12 +30,19 @@ def before(store: PolicyStore) -> Before:
     return Before(store.registered, store.sessions, store.base)
 
 
+def shards(source: PolicyStore, count: int = 2) -> replica.Shards:
+    made = replica.Shards(count)
+    made.follow(source.sessions)
+    return made
+
+
 def workers_of(source: PolicyStore, count: int = 2) -> list[PolicyStore]:
-    made = []
+    made, assigned = [], shards(source, count)
     for index in range(count):
         worker = replica.replica(source.config)
         # as it travels: pickled
-        state = pickle.loads(pickle.dumps(replica.follow(None, source, index, count)))
+        state = pickle.loads(pickle.dumps(replica.follow(None, source,
+                                                         assigned.serves(index))))
         worker.commit(replica.apply(worker, state))
         made.append(worker)
     return made
@@ -45,11 +53,18 @@ def allowed(store: PolicyStore, client: str, name: str) -> bool:
     return policy.decide_http(Host(name=name), 443).allowed
 
 
-def test_shards_are_stable_and_spread():
-    assert [replica.shard_of(n, 2) for n in NAMES] == [0, 1, 0, 1]
-    assert replica.shard_of("w1", 1) == 0
-    spread = [replica.shard_of(f"session-{i}", 4) for i in range(400)]
-    assert all(60 < spread.count(k) < 140 for k in range(4))
+def test_a_session_goes_to_the_least_loaded_worker_and_stays_there():
+    assigned = replica.Shards(2)
+    assigned.follow(["s1", *NAMES])
+    assert assigned.of == {"s1": 0, "w1": 1, "w3": 0, "w4": 1, "w6": 0}
+    assigned.follow(["s1", "w1", "w4", "w6"])  # w3 went
+    assigned.follow(["s1", "w1", "w4", "w6", "new"])
+    assert assigned.of["new"] == 0 and assigned.of["w1"] == 1  # the others stay
+    assigned.follow([])
+    assert assigned.of == {} and assigned._load == [0, 0]
+    four = replica.Shards(4)
+    four.follow([f"session-{i}" for i in range(10)])
+    assert sorted(four._load) == [2, 2, 3, 3]
 
 
 def test_a_worker_holds_its_own_sessions_policies_and_nothing_for_the_others(tmp_path):
@@ -58,7 +73,7 @@ def test_a_worker_holds_its_own_sessions_policies_and_nothing_for_the_others(tmp
     assert set(zero.sessions) == set(one.sessions) == {"s1", *NAMES}
     for index, name in enumerate(NAMES):
         client = f"10.214.{index}.2"
-        mine, theirs = (zero, one) if replica.shard_of(name, 2) == 0 else (one, zero)
+        mine, theirs = (zero, one) if shards(source).of[name] == 0 else (one, zero)
         assert mine.lookup(client)[0] == theirs.lookup(client)[0] == name
         assert allowed(source, client, "allowed.test")
         assert allowed(mine, client, "allowed.test")
@@ -71,36 +86,37 @@ def test_a_worker_holds_its_own_sessions_policies_and_nothing_for_the_others(tmp
 
 def test_a_change_sends_only_the_session_it_changed_to_its_worker(tmp_path):
     source = store(tmp_path)
-    zero, one = workers_of(source)
-    kept = one.sessions["w6"]
+    zero, one = workers_of(source)  # zero: s1, w3, w6; one: w1, w4
+    owns = shards(source).serves
+    kept = zero.sessions["w6"]
     was = before(source)
     source.commit(source.plan_add("w3", "http", "granted.test"))
-    to_zero = replica.follow(was, source, 0, 2)
-    to_one = replica.follow(was, source, 1, 2)
-    assert to_zero["policies"] == {} and "base" not in to_zero
-    assert list(to_one["policies"]) == ["w3"] and "base" not in to_one
+    to_zero, to_one = replica.follow(was, source, owns(0)), replica.follow(was, source, owns(1))
+    assert list(to_zero["policies"]) == ["w3"] and "base" not in to_zero
+    assert to_one["policies"] == {} and "base" not in to_one
     zero.commit(replica.apply(zero, to_zero))
     one.commit(replica.apply(one, to_one))
-    assert allowed(one, "10.214.1.2", "granted.test")
-    assert not allowed(one, "10.214.3.2", "granted.test")
-    assert one.sessions["w6"] is kept  # not compiled again
+    assert allowed(zero, "10.214.1.2", "granted.test")
+    assert not allowed(zero, "10.214.3.2", "granted.test")
+    assert zero.sessions["w6"] is kept  # not compiled again
     # the revoke
     was = before(source)
     source.commit(source.plan_remove("w3", "http", "granted.test"))
-    one.commit(replica.apply(one, replica.follow(was, source, 1, 2)))
-    assert not allowed(one, "10.214.1.2", "granted.test")
+    zero.commit(replica.apply(zero, replica.follow(was, source, owns(0))))
+    assert not allowed(zero, "10.214.1.2", "granted.test")
 
 
 def test_a_session_that_goes_is_gone_from_every_worker_and_applying_twice_is_the_same(
         tmp_path):
     source = store(tmp_path)
     zero, one = workers_of(source)
+    owns = shards(source).serves
     was = before(source)
     source.commit(source.plan_unregister("w6"))
-    state = replica.follow(was, source, 1, 2)
+    state = replica.follow(was, source, owns(0))
     for _ in range(2):  # a worker that started meanwhile is sent it again: the same
-        one.commit(replica.apply(one, state))
-    zero.commit(replica.apply(zero, replica.follow(was, source, 0, 2)))
+        zero.commit(replica.apply(zero, state))
+    one.commit(replica.apply(one, replica.follow(was, source, owns(1))))
     for worker in (zero, one):
         assert "w6" not in worker.sessions
         assert worker.lookup("10.214.3.2")[0] is None
@@ -114,14 +130,14 @@ def test_a_reload_sends_the_appliance_rules_and_every_session_again(tmp_path):
     source.config = dataclasses.replace(source.config, policy_files=(str(policy),))
     was = before(source)
     source.commit(source.plan_reload())
-    state = replica.follow(was, source, 0, 2)
-    mine = sorted(n for n in source.sessions if replica.shard_of(n, 2) == 0)
-    assert "base" in state and sorted(state["policies"]) == mine and "w1" in mine
+    state = replica.follow(was, source, shards(source).serves(0))
+    assert "base" in state and sorted(state["policies"]) == ["s1", "w3", "w6"]
     policy.write_text('[http]\nallow = ["changed-on-disk.test"]\n')  # read by no worker
     zero.commit(replica.apply(zero, state))
-    assert allowed(zero, "10.214.0.2", "everyone.test")
+    assert allowed(zero, "10.214.1.2", "everyone.test")
     assert allowed(zero, "192.0.2.1", "everyone.test")  # outside every session
-    assert not allowed(zero, "10.214.0.2", "changed-on-disk.test")
+    assert not allowed(zero, "10.214.1.2", "changed-on-disk.test")
+    assert replica.served(zero) == ["s1", "w3", "w6"]
 
 
 def test_heard_is_what_a_frontends_book_reads():
