@@ -391,7 +391,7 @@ class FilterConfig:
     gateway: ipaddress.IPv4Address | None = setting(None, ipv4, "host.gateway")
     """What host.corral resolves to."""
     workers: int = setting(1, whole(0), "filter.workers")
-    """Processes that serve the sessions' gateways, sessions sharded across them by name
+    """Processes that serve the sessions' gateways, each session by one of them
     (filter/workers/); 1: the filter serves them itself, as one process."""
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)

@@ -69,6 +69,8 @@ class World:
         (directory / "s2.toml").write_text(S2_POLICY)
         self.config = directory / "filter.toml"
         self.config.write_text(f"""
+[filter]
+workers = 2                      # the e2e tier runs the worker processes (the VM tier: one)
 [dns]
 listen = ["gateway:53"]          # on every session's gateway, sessions registered later
 upstream = ["203.0.113.53:53"]   # included, and nowhere else: resolvers.py keeps its :53
