@@ -659,7 +659,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     python = meta["python"]
     lines = [f"# corral bench, {meta['started']}", "",
              f"{meta['reps']} reps, {meta['bulk_mib']} MiB bulk, {meta['dns_seconds']} s DNS "
-             f"runs; {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.", "",
+             f"runs; {meta['starts']} session starts; {meta['cpus']} CPUs; wall "
+             f"{meta['wall_s']:.0f} s.", "",
              f"Python: {python['path']} {python['version']} ({python['build']}, "
              f"{python['compiler']}; its configure flags are in the JSON).",
              "",
@@ -761,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bench.stop()
     meta = {"started": stamp, "reps": args.reps, "bulk_mib": args.bulk_mib,
-            "dns_seconds": args.dns_seconds, "cpus": os.cpu_count(),
+            "dns_seconds": args.dns_seconds, "starts": args.starts, "cpus": os.cpu_count(),
             "wall_s": time.monotonic() - started, "python": interpreter()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": bench.rows},
