@@ -1,7 +1,7 @@
 """The ruleset row: what one more session costs the firewall when many are registered, run
 as root inside a network namespace of its own (nothing is routed; only nftables is loaded):
 
-  python -m bench.ruleset SESSIONS REPS STATE_DIR
+  python -m bench.ruleset SESSIONS REPS STATE_DIR [FILTER_TOML]
 
 SESSIONS are registered through the policy store as `corral run` registers them and loaded
 as one ruleset; then, REPS times, one more session is registered the way the filter's
@@ -9,6 +9,8 @@ as one ruleset; then, REPS times, one more session is registered the way the fil
 unregistered again (untimed), each through the filter's own `Firewall.apply`. Prints
 {"sessions", "add_ms": [...] and its parts "plan_ms" (the store's plan and write) and
 "load_ms" (the ruleset built and loaded), "full_ms" (the first load of them all)} as JSON.
+FILTER_TOML: the filter's config to build the ruleset from (its [state] dir STATE_DIR), in
+place of CONFIG (the start row's: the local backend's own, bench/start.py).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def subnet(i: int) -> str:
     return f"10.{240 + i // 250}.{i % 250}.0/24"
 
 
-def measure(sessions: int, reps: int, state: Path) -> dict:
-    store = PolicyStore(parse_config(CONFIG.format(state=state), "filter.toml"))
+def measure(sessions: int, reps: int, state: Path, config: str | None = None) -> dict:
+    store = PolicyStore(parse_config(config or CONFIG.format(state=state), "filter.toml"))
     for i in range(sessions):
         store.register(f"s{i}", subnet(i))
     nft = Nft()
@@ -71,4 +73,5 @@ def measure(sessions: int, reps: int, state: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))))
+    print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]),
+                             Path(sys.argv[4]).read_text() if len(sys.argv) > 4 else None)))

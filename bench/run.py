@@ -9,9 +9,13 @@ in one run, on one topology of network namespaces.
    (direct baseline and the peers: not a sandbox interface, so not under corral's ruleset)
                                                                                allowed.test)
 
-Every number is the median of --reps runs; ratios are medians of per-run ratios to the
-direct run made just before. Results: bench/results/<time>.{json,md}. Never a timed test:
-tests/bench only checks that a tiny run completes and reports every row.
+The session start row (`start`, bench/start.py) runs apart from this topology: the local
+backend (`corral up --backend local`) in a namespace of its own, sessions started by the CLI.
+
+Every number is the median of --reps runs (the start row's: of --starts starts); ratios are
+medians of per-run ratios to the direct run made just before. Results:
+bench/results/<time>.{json,md}. Never a timed test: tests/bench only checks that a tiny run
+completes and reports every row.
 
   scripts/bench [--reps 3] [--bulk-mib 100] [--dns-seconds 4]     (root; a few minutes)
 """
@@ -36,7 +40,7 @@ import time
 import timeit
 from pathlib import Path
 
-from . import inspected, targets
+from . import inspected, start, targets
 from .netns import (
     APP,
     CLIENT,
@@ -63,8 +67,11 @@ BIN = Path(sys.executable).parent
 RESULTS = Path(__file__).resolve().parent / "results"
 TOOLS = ("nginx", "squid", "tinyproxy", "dnsmasq", "dnsperf", "curl", "openssl", "nft", "wrk", "ab")
 WRK_SCRIPT = Path(__file__).resolve().parent / "absolute.lua"
+START_TOOLS = ("podman", "runc", "nsenter")
+"""The session start row's (`start`: bench/start.py), beyond what `corral up --backend local`
+checks itself."""
 PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "ruleset", "team", "noisy",
-         "inspect"]
+         "inspect", "start"]
 
 
 class Bench:
@@ -75,7 +82,7 @@ class Bench:
 
     # -- the servers -----------------------------------------------------------------------
 
-    def start(self) -> None:
+    def serve(self) -> None:
         d, mib = self.dir, self.args.bulk_mib
         d.chmod(0o755)  # nginx's and squid's workers run as www-data and proxy
         (d / "www").mkdir()
@@ -599,6 +606,20 @@ class Bench:
         """TLS inspection next to mitmproxy's (bench/inspected.py)."""
         inspected.measure(self)
 
+    def start(self) -> None:
+        """Session start on the local backend (bench/start.py): `corral run --detach`, the
+        first `corral shell -- true`, and where the start's time went, over --starts."""
+        directory = self.dir / "start"
+        directory.mkdir()
+        for row in start.rows(start.measure(directory, self.args.starts)):
+            self.rows.append(row)
+            print(f"  {row['metric']:<40} p50 {row['p50_s']:.3f} s, p95 {row['p95_s']:.3f} s",
+                  flush=True)
+        took = self.rows[-3]
+        print("  " + ", ".join(f"{k[:-3]} {took[k]} ms" for k in (
+            *(f"{step}_ms" for step in start.STEPS), "firewall_apply_ms", "registration_ms",
+            "outside_ms", "cli_ms")), flush=True)
+
     def _stop_filter(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.filter.pid, signal.SIGTERM)
@@ -669,7 +690,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     python = meta["python"]
     lines = [f"# corral bench, {meta['started']}", "",
              f"{meta['reps']} reps, {meta['bulk_mib']} MiB bulk, {meta['dns_seconds']} s DNS "
-             f"runs; {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.", "",
+             f"runs; {meta['starts']} session starts; {meta['cpus']} CPUs; wall "
+             f"{meta['wall_s']:.0f} s.", "",
              f"Python: {python['path']} {python['version']} ({python['build']}, "
              f"{python['compiler']}; its configure flags are in the JSON).",
              "",
@@ -685,6 +707,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "load_ms" in r:
             latency = (f"plan {r['plan_ms']} ms, ruleset {r['load_ms']} ms; all at once "
                        f"{r['full_ms']} ms")
+        if "p95_s" in r:
+            latency = f"p50 {r['p50_s']} / p95 {r['p95_s']} s over {r['n']}"
+        if "container_ms" in r:
+            latency += (f"; network {r['network_ms']} ms, files {r['files_ms']} ms, filter "
+                        f"{r['filter_ms']} ms (registration {r['registration_ms']}, firewall "
+                        f"apply {r['firewall_apply_ms']} alone), podman run "
+                        f"{r['container_ms']} ms; CLI, API and the rest {r['outside_ms']} ms "
+                        f"(the CLI's own start, `corral --version`: {r['cli_ms']} ms)")
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
@@ -733,12 +763,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the team row's second filter: [filter] workers (the cores)")
     parser.add_argument("--sessions", type=int, default=200,
                         help="sessions registered for the ruleset row")
+    parser.add_argument("--starts", type=int, default=10,
+                        help="session starts timed for the start row (after one left out)")
     parser.add_argument("--only", choices=PARTS, action="append")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench: needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
     missing = [t for t in TOOLS if shutil.which(t) is None]
+    if "start" in (args.only or PARTS):
+        missing += [t for t in START_TOOLS if shutil.which(t) is None]
     if "inspect" in (args.only or PARTS) and not inspected.MITMDUMP.exists():
         missing.append(str(inspected.MITMDUMP))
     if missing:
@@ -751,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(Path(tmp), args)
         try:
             topology()
-            bench.start()
+            bench.serve()
             for part in args.only or PARTS:
                 print(f"bench: {part}", flush=True)
                 getattr(bench, part)()
@@ -762,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bench.stop()
     meta = {"started": stamp, "reps": args.reps, "bulk_mib": args.bulk_mib,
-            "dns_seconds": args.dns_seconds, "cpus": os.cpu_count(),
+            "dns_seconds": args.dns_seconds, "starts": args.starts, "cpus": os.cpu_count(),
             "wall_s": time.monotonic() - started, "python": interpreter()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": bench.rows},

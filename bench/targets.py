@@ -111,6 +111,8 @@ TARGETS = [
            _field("noisy neighbour: CONNECT setup (A at 50/s)", "ratio_alone"), 0.8, False),
     Target("noisy neighbour, CONNECT: A's p99 ≤ 2x",
            _field("noisy neighbour: CONNECT setup (A at 50/s)", "p99_ratio"), 2.0, True),
+    Target("session start (local): first command done ≤ 0.5 s",
+           _field("session start: first command done", "value"), 0.5, True, " s"),
 ]
 
 

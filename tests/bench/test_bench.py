@@ -32,7 +32,9 @@ ROWS = {(m, t) for m in ("CONNECT+TLS bulk", "CONNECT plain bulk", "HTTP keep-al
                                           "corral tunnel")} | {
     ("leaf mint", "corral"), ("ruleset: one more session, 20 registered", "corral")} | {
     ("team scale: 4 sessions x 5 HTTPS connections", t)
-    for t in ("direct", "corral", "corral, 2 workers")}
+    for t in ("direct", "corral", "corral, 2 workers")} | {
+    (f"session start: {m}", "corral") for m in ("run --detach", "first shell -- true",
+                                                 "first command done")}
 
 
 def test_a_tiny_run_reports_every_row(tmp_path):
@@ -47,7 +49,7 @@ def test_a_tiny_run_reports_every_row(tmp_path):
                              "50", "--tunnels", "50", "--noisy-seconds", "1",
                              "--inspect-requests", "20", "--inspect-connects", "3", "--sessions",
                              "20", "--team-sessions", "4", "--team-connections", "5",
-                             "--team-workers", "2", "--out",
+                             "--team-workers", "2", "--starts", "2", "--out",
                              str(tmp_path)],
                             capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[2])
@@ -66,6 +68,10 @@ def test_a_tiny_run_reports_every_row(tmp_path):
                                    "inspected HTTPS keep-alive"))
     assert [r["ratio_tunnel"] > 0 for r in rows if r["metric"] == "inspected HTTPS bulk"
             and r["tool"] == "corral"] == [True]
+    (started,) = [r for r in rows if r["metric"] == "session start: run --detach"]
+    assert started["n"] == 2 and started["p95_s"] >= started["p50_s"] > 0
+    assert all(started[f"{step}_ms"] > 0 for step in ("network", "files", "filter",
+                                                      "container", "firewall_apply", "cli"))
     (table,) = tmp_path.glob("*.md")
     assert "| CONNECT+TLS bulk | corral |" in table.read_text()
     assert "## Targets (issue 29)" in table.read_text()  # each met, missed or not measured
@@ -73,3 +79,8 @@ def test_a_tiny_run_reports_every_row(tmp_path):
                                             text=True).stdout.split() if
                 ns.startswith("corral-bench-")]  # cleaned up
     assert not Path("/etc/netns/corral-bench-app").exists()
+    for listing in (["ps", "--all"], ["network", "ls"]):  # the start row's sessions went
+        names = subprocess.run(["podman", *listing, "--format", "{{.Name}}" if listing[0] ==
+                                "network" else "{{.Names}}"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert not [name for name in names if name.startswith("corral-bstart")]
