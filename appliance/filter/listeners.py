@@ -48,6 +48,11 @@ def _name(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+IN_WORKERS = frozenset({"dns_udp", "dns_tcp", "proxy", "transparent_http", "transparent_tls"})
+"""The listeners a worker serves (workers/); the git gateway stays in the coordinator, which
+holds the keys its calls use."""
+
+
 class _InWorker:
     """A gateway served by a worker: closing it closes it there and here."""
 
@@ -114,17 +119,22 @@ class Listeners:
                 sock.close()
             return
         served = self._gateways[address] = []
-        if self.workers is not None:
+        if self.workers is not None:  # DNS and the proxy there; the git gateway here
+            theirs = [(listener, sock) for listener, sock in bound
+                      if listener.key in IN_WORKERS]
+            bound = [(listener, sock) for listener, sock in bound
+                     if listener.key not in IN_WORKERS]
             served.append(_InWorker(self.workers, address))
-            await self.workers.serve(session.name, address, bound)
-            for listener, sock in bound:
+            await self.workers.serve(session.name, address, theirs)
+            for listener, sock in theirs:
                 self.names.setdefault(listener.key, []).append(_name(sock))
-        else:
-            for listener, sock in bound:
-                served.append(await self._serve(listener.key, sock))
+        for listener, sock in bound:
+            served.append(await self._serve(listener.key, sock))
         self.unserved.pop(session.name, None)
-        log.info("session %s: listening on %s", session.name,
-                 ", ".join(f"{address}:{p}" for p in sorted({b.port for b, _ in bound})))
+        log.info("session %s: listening on %s", session.name, ", ".join(
+            f"{address}:{p}" for p in sorted({int(n.rsplit(":", 1)[1])
+                                              for names in self.names.values() for n in names
+                                              if n.rpartition(":")[0] == address})))
 
     async def open_gateway(self, session) -> None:
         """At start: a session of the config file whose gateway cannot be had stops the
@@ -159,6 +169,11 @@ class Listeners:
                     self.names[key] = left
                 else:
                     del self.names[key]
+
+    async def closed(self) -> None:
+        """The gateways `close_gateways` closed are closed in the workers too."""
+        if self.workers is not None:
+            await self.workers.closed()
 
     def close(self) -> None:
         for served in self._fixed:

@@ -81,6 +81,7 @@ class Registration:
             raise ControlError(f"session {name} not unregistered: the firewall could not "
                                f"follow: {exc}") from None
         self.listeners.close_gateways({str(s.gateway) for s in change.session_configs()})
+        await self.listeners.closed()  # in the workers too, before the call returns
         self.listeners.unserved.pop(name, None)
         # its approvals went with it: written off before a session of the same name can come
         await self.approvals.save()

@@ -25,15 +25,18 @@ import ipaddress
 import logging
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 
 from appliance.event import Event, check
 from appliance.firewall.learned import LearnedSet, Teaching
-from appliance.policy import Decision
+from appliance.policy import Decision, Host
+from appliance.policy.grants import grant_of
+from appliance.policy.names import HostNameError, split_host_port
 from appliance.policystore import PolicyStore
 
-from ..approvals import Holds, approvable
+from ..approvals import Holds, approvable, decide_kind
 from ..events import EventBus
 from ..proxy.frontends import Frontends
 from . import replica
@@ -49,7 +52,21 @@ RESTART_DELAY = 0.2
 """Seconds before a dead worker is started again; doubled while it keeps dying, up to
 RESTART_DELAY_MAX."""
 RESTART_DELAY_MAX = 10.0
+STEADY = 30.0
+"""Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
 STOP_TIMEOUT = 5.0
+
+
+def _denied_by_default(policy, decision: Decision) -> bool:
+    """Would the coordinator's policy deny what the grant names by its default alone (no
+    deny rule, no placeholder)? A worker's decision says so, but is not taken at its word."""
+    kind, target = grant_of(decision)
+    try:
+        name, port = split_host_port(target)
+        mine = decide_kind(policy, kind, Host(name=name), int(port) if port else None)
+    except (HostNameError, ValueError):
+        return False
+    return approvable(mine)
 
 
 def _there() -> bool:
@@ -120,6 +137,7 @@ class Workers:
         """Gateway address -> (its worker, its listeners' keys, their sockets, kept open
         here while a worker serves them)."""
         self._keepers: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()
         self._stopping = False
 
     def shard(self, session: str) -> int | None:
@@ -140,14 +158,19 @@ class Workers:
         async with worker.turn:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             worker.started += 1
+            # event ids apart from the coordinator's and each other's: the worker's index in
+            # the top bits, how many times it started below (repeating after 256 restarts)
             first_id = ((worker.index + 1) << 48) | ((worker.started & 0xFF) << 40)
-            try:
+            try:  # (a worker that cannot be started leaves no descriptor behind)
                 worker.process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "appliance.filter.workers",
                     "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
                     "--first-id", str(first_id), "--event-loop", self.event_loop,
                     "--log-level", self.log_level, pass_fds=(theirs.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL)
+            except BaseException:
+                ours.close()
+                raise
             finally:
                 theirs.close()
             worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker:
@@ -169,9 +192,12 @@ class Workers:
             log.info("worker %d serving (pid %s)", worker.index, reply.get("pid"))
 
     async def _keep(self, worker: Worker) -> None:
-        """Start `worker` again whenever it dies, until the filter stops."""
+        """Start `worker` again whenever it dies, until the filter stops. One that dies
+        within STEADY seconds of its start waits twice as long as the last time first (a
+        worker that cannot live is not started five times a second)."""
         delay = RESTART_DELAY
         while not self._stopping:
+            started = time.monotonic()
             assert worker.link is not None and worker.process is not None
             await asyncio.wait([asyncio.ensure_future(worker.link.closed),
                                 asyncio.ensure_future(worker.process.wait())],
@@ -182,6 +208,8 @@ class Workers:
             if self._stopping:
                 return
             worker.restarts += 1
+            if time.monotonic() - started > STEADY:
+                delay = RESTART_DELAY
             log.error("worker %d (pid %d) ended (%s): its sessions are not served until it "
                       "is started again", worker.index, worker.process.pid, code)
             while not self._stopping:
@@ -194,30 +222,32 @@ class Workers:
                     log.error("worker %d could not be started again: %s", worker.index, exc)
             else:
                 return
-            delay = RESTART_DELAY
 
     async def stop(self) -> None:
         self._stopping = True
         for task in self._keepers:
             task.cancel()
-        for worker in self.workers:
+        async def stopped(worker: Worker) -> None:
             if worker.link is not None and not worker.link.closed.done():
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
                     await worker.link.call({"op": "stop"}, seconds=STOP_TIMEOUT)
-        for worker in self.workers:
-            if worker.process is not None and worker.process.returncode is None:
-                try:
-                    async with asyncio.timeout(STOP_TIMEOUT):
-                        await worker.process.wait()
-                except TimeoutError:
-                    worker.kill()
-                    await worker.process.wait()
-            if worker.link is not None:
-                worker.link.close()
+        await asyncio.gather(*(stopped(w) for w in self.workers))
+        await asyncio.gather(*(self._ended(w) for w in self.workers))
         for _, _, socks in self.gateways.values():
             for sock in socks:
                 sock.close()
         self.gateways.clear()
+
+    async def _ended(self, worker: Worker) -> None:
+        if worker.process is not None and worker.process.returncode is None:
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await worker.process.wait()
+            except TimeoutError:
+                worker.kill()
+                await worker.process.wait()
+        if worker.link is not None:
+            worker.link.close()
 
     # -- what the coordinator tells them ------------------------------------------------
     async def follow(self, before, after) -> None:
@@ -245,15 +275,17 @@ class Workers:
         """The session's gateway listeners (bound here), served by its worker; kept here
         too, for the next worker if this one dies."""
         index = self.shard(session)
-        if index is None:  # gone before its gateway was served (registration.py checks)
+        if index is None or not bound:  # gone before its gateway was served
             for _, sock in bound:
                 sock.close()
             return
         keys = [listener.key for listener, _ in bound]
         socks = [sock for _, sock in bound]
-        self.gateways[address] = (index, keys, socks)
+        entry = self.gateways[address] = (index, keys, socks)
         worker = self.workers[index]
         async with worker.turn:
+            if self.gateways.get(address) is not entry:
+                return  # closed while it waited for its turn (the session went)
             if worker.ready and worker.link is not None:
                 try:
                     await self._serve(worker, address, keys, socks)
@@ -276,20 +308,30 @@ class Workers:
         index, _, socks = found
         worker = self.workers[index]
         if worker.link is not None and not worker.link.closed.done():
-            worker.link.send({"op": "close", "address": address})
+            task = asyncio.get_running_loop().create_task(self._ask_now(
+                worker, {"op": "close", "address": address}))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         for sock in socks:
             sock.close()
+
+    async def closed(self) -> None:
+        """Every gateway `close` asked for is closed in its worker (or the worker is gone:
+        its sockets with it)."""
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def secrets_changed(self) -> None:
         """The secrets changed: every worker attaches (and redacts) the new ones before
         the call that changed them returns."""
-        message = {"op": "secrets", "key": self.secrets.key, "http": self.secrets.http()}
-        await asyncio.gather(*(self._call(w, message) for w in self.workers))
+        await asyncio.gather(*(self._call(w, lambda: {
+            "op": "secrets", "key": self.secrets.key, "http": self.secrets.http()})
+            for w in self.workers))
 
     async def held(self) -> dict[str, int]:
         """Open connections per session, in every worker."""
         found: dict[str, int] = {}
-        for reply in await asyncio.gather(*(self._call(w, {"op": "held"})
+        for reply in await asyncio.gather(*(self._ask_now(w, {"op": "held"})
                                             for w in self.workers)):
             for session, count in (reply or {}).get("held", {}).items():
                 found[session] = found.get(session, 0) + count
@@ -298,17 +340,31 @@ class Workers:
     async def authority_changed(self) -> None:
         """The interception CA was rotated: every worker signs with the new one before
         the rotation's call returns."""
-        await asyncio.gather(*(self._call(w, {"op": "authority"}) for w in self.workers))
+        await asyncio.gather(*(self._call(w, lambda: {"op": "authority"})
+                               for w in self.workers))
 
-    async def _call(self, worker: Worker, message: dict) -> dict | None:
+    async def _call(self, worker: Worker, message: Callable[[], dict]) -> None:
+        """Tell `worker` of a change outside the store (secrets, the CA), in its turn: one
+        that is starting gets it after its start (whose state may predate the change), never
+        not at all. `message` is made in the turn, from what is in force then."""
+        async with worker.turn:
+            if not worker.ready or worker.link is None:
+                return  # its next start reads the change from what it is sent
+            made = message()
+            try:
+                await worker.link.call(made, seconds=CHANGE_TIMEOUT)
+            except (ConnectionError, LinkError, TimeoutError) as exc:
+                log.error("worker %d did not answer %s (%s): started again", worker.index,
+                          made["op"], exc)
+                worker.kill()
+
+    async def _ask_now(self, worker: Worker, message: dict) -> dict | None:
+        """A question for `worker` (nothing changes): None when it cannot answer now."""
         if not worker.ready or worker.link is None:
             return None
         try:
-            return await worker.link.call(message, seconds=CHANGE_TIMEOUT)
-        except (ConnectionError, LinkError, TimeoutError) as exc:
-            log.error("worker %d did not answer %s (%s): started again", worker.index,
-                      message["op"], exc)
-            worker.kill()
+            return await worker.link.call(message, seconds=5.0)
+        except (ConnectionError, LinkError, TimeoutError):
             return None
 
     async def describe(self) -> list[dict]:
@@ -354,8 +410,10 @@ class Workers:
 
     def _ask(self, worker: Worker, message: dict) -> dict:
         """A worker's request to open (or join) an approval. The coordinator judges what it
-        may be: a session of that worker's, in ask mode, and something a person can
-        approve (approvable: never an IP literal, a deny rule's, the appliance's own)."""
+        may be: a session of that worker's, and something a person can approve under the
+        coordinator's own policy (approvable: never an IP literal, a deny rule's, the
+        appliance's own). Any approval mode: an agent may always ask (request.corral); the
+        worker holds requests in ask mode alone, as the proxy does in one process."""
         fields = {"session": str, "reason": str, "hint": str, "origin": str, "note": str}
         if not all(isinstance(message.get(k), kind) for k, kind in fields.items()) or not all(
                 message.get(k) is None or isinstance(message.get(k), kind)
@@ -365,8 +423,9 @@ class Workers:
         current = self.store.sessions.get(session)
         decision = Decision(False, message["reason"][:2000], None, message["hint"][:600])
         if self.shard(session) != worker.index or current is None \
-                or not current.policy.hold or not approvable(decision) \
-                or message["origin"] not in ("proxy", "dns", "agent"):
+                or not approvable(decision) \
+                or message["origin"] not in ("proxy", "dns", "agent") \
+                or not _denied_by_default(current.policy, decision):
             return {"pending": None}
         pending = self.holds.ask(session, decision, message["origin"], message.get("client"),
                                  message.get("name"), message.get("port"), message["note"])

@@ -85,7 +85,10 @@ class RemoteHolds:
                    gone: Callable[[], bool] | None = None) -> Ruling:
         """As Holds.wait, the verdict coming from the coordinator."""
         ruled = self._ruled.pop(pending.id, None)
-        if ruled is not None:
+        if ruled is not None:  # decided before this request waited (a quick person)
+            if ruled.grant is not None and gone is not None and gone():
+                return Ruling(None, f"the client left before the grant ({pending.id}) "
+                              "reached it")
             return ruled
         future = self._decided.get(pending.id)
         if future is None:

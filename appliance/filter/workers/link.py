@@ -104,7 +104,9 @@ class Link:
         self.sock.setblocking(False)
         self.loop = asyncio.get_running_loop()
         self.closed: asyncio.Future = self.loop.create_future()
-        self._out: deque[tuple[bytes, list[int]]] = deque()
+        self._out: deque[tuple[memoryview, list[int]]] = deque()
+        """Frames to send (what is left of the first), each with the descriptors that go
+        with its first byte: a partial send takes a slice, never a copy of the rest."""
         self._fds: deque[int] = deque()
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
@@ -116,7 +118,10 @@ class Link:
         """Queue `message` (and the descriptors, which stay the caller's to close)."""
         if self.closed.done():
             raise ConnectionError("the worker's link is closed")
-        self._out.append((encode(message, self.sends), [os.dup(fd) for fd in fds]))
+        if len(fds) > MAX_FDS:
+            raise LinkError(f"{len(fds)} descriptors in one message, at most {MAX_FDS}")
+        self._out.append((memoryview(encode(message, self.sends)),
+                          [os.dup(fd) for fd in fds]))
         if len(self._out) == 1:
             self._writable()
 
@@ -163,8 +168,9 @@ class Link:
     # -- receiving -------------------------------------------------------------------
     def _readable(self) -> None:
         try:
-            data, ancillary, _, _ = self.sock.recvmsg(
-                1 << 18, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize))
+            data, ancillary, flags, _ = self.sock.recvmsg(
+                1 << 18, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize),
+                socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -175,6 +181,9 @@ class Link:
                 fds = array.array("i")
                 fds.frombytes(raw[:len(raw) - len(raw) % fds.itemsize])
                 self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:  # descriptors the kernel dropped: a message lost them
+            self.close(LinkError("descriptors were cut off a message (more than MAX_FDS)"))
+            return
         if not data:
             self.close(None)
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import ipaddress
 import itertools
 import logging
@@ -40,6 +41,7 @@ from ..proxy import Proxy
 from ..proxy.credentials import Credentials
 from ..proxy.frontends import Frontends
 from ..proxy.inspect import Authority
+from ..redact import LogFilter
 from ..revocation import Reach
 from . import replica
 from .holds import RemoteHolds
@@ -101,6 +103,7 @@ class Worker:
         self.gateways: dict[str, list] = {}
         """Gateway address -> the servers and transports listening there."""
         self.stopping = asyncio.Event()
+        self.changing = asyncio.Lock()
 
     def handle(self, message: dict, fds: list[int]):
         op = message["op"]
@@ -170,25 +173,38 @@ class Worker:
                             "addresses": [str(a) for a in addresses[:64]],
                             "ttl": answer.ttl(time.monotonic())})
 
-    def change(self, state: dict) -> dict:
-        self.store.commit(replica.apply(self.store, state))
+    async def change(self, state: dict) -> dict:
+        """Compiled off the loop (a session of 100k rules takes about half a second: its
+        neighbours' DNS and proxy go on meanwhile), committed on it, one at a time."""
+        async with self.changing:
+            change = await asyncio.to_thread(replica.apply, self.store, state)
+            self.store.commit(change)
         return {}
 
     async def serve(self, address: str, keys: list[str], fds: list[int]) -> dict:
+        """Serve a gateway's sockets: all of them, or none (a socket already served is
+        closed through its server: the loop polls it, and closing it behind the loop's back
+        aborts libuv)."""
         serve = servers(self.config, self.dns, self.proxy)
         socks = [socket.socket(fileno=fd) for fd in fds]
-        if address in self.gateways:  # sent again by a start that raced the first
+        if address in self.gateways or len(keys) != len(socks) or not all(
+                k in serve for k in keys):
             for sock in socks:
                 sock.close()
-            return {}
+            if address in self.gateways:  # sent again by a start that raced the first
+                return {}
+            raise ValueError(f"cannot serve {keys} on {len(socks)} sockets")
+        served: list = []
         try:
-            served = self.gateways.setdefault(address, [])
             for key, sock in zip(keys, socks, strict=True):
                 served.append(await serve[key](sock))
         except BaseException:
-            for sock in socks:
+            for server in served:
+                server.close()
+            for sock in socks[len(served):]:
                 sock.close()
             raise
+        self.gateways[address] = served
         return {}
 
     def close(self, address: str) -> dict:
@@ -212,6 +228,11 @@ class Worker:
                 "active_connections": proxy.active, "proxy": dict(proxy.stats),
                 "secrets": len(proxy.credentials.secrets),
                 "dns": self.dns.stats(), "resolver": dict(self.resolver.stats)}
+
+    def redactor(self):
+        """The secrets' values out of every log line, as in the filter (redact.py)."""
+        proxy = getattr(self, "proxy", None)  # none before `start`
+        return proxy.redactor if proxy is not None else None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "
                         "%(message)s")
@@ -248,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve() -> None:
         worker = Worker(link_sock, args.index, args.first_id)
+        for handler in logging.getLogger().handlers:  # no secret's value in a log line
+            handler.addFilter(LogFilter(worker.redactor))
         await worker.run()
 
     with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:

@@ -25,7 +25,8 @@ ASK = {"op": "ask", "reason": "not allowed by any rule", "origin": "proxy", "not
 
 @pytest.fixture
 def coordinator(tmp_path):
-    (tmp_path / "ask.toml").write_text('[approval]\nmode = "ask"\nhold = 30\n')
+    (tmp_path / "ask.toml").write_text('[approval]\nmode = "ask"\nhold = 30\n'
+                                       '[deny]\nnames = ["blocked.test"]\n')
     (tmp_path / "deny.toml").write_text("")
     store = PolicyStore(one_session(tmp_path))
     # the least loaded worker takes each as it comes: s1 (the config file's) 0, w3 1, w1 0,
@@ -50,16 +51,21 @@ def test_an_ask_opens_an_approval_only_where_a_person_may_grant_it(coordinator):
     assert [e["action"] for e in coordinator.bus.recent] == ["pending"]
     refused = [
         {**ASK, "session": "w1"},    # another worker's session
-        {**ASK, "session": "w6"},    # not in ask mode
         {**ASK, "session": "gone"},  # no such session
         {**ASK, "session": "w3", "hint": "corral allow-http 192.0.2.1:443"},  # a literal
         {**ASK, "session": "w3", "hint": "corral allow-http api.corral:443"},
         {**ASK, "session": "w3", "hint": "corral deny everything"},
         {**ASK, "session": "w3", "origin": "person"},
+        # a deny rule's target, which the worker calls approvable: the coordinator's policy
+        # says otherwise
+        {**ASK, "session": "w3", "hint": "corral allow-http blocked.test:443"},
     ]
     for message in refused:
         assert coordinator._ask(one, message) == {"pending": None}, message
     assert len(coordinator.holds.book.pending) == 1
+    # an agent may ask in any approval mode (request.corral): w6 denies at once
+    assert coordinator._ask(coordinator.workers[1], {**ASK, "session": "w6", "origin": "agent"}
+                            )["pending"]["session"] == "w6"
     for broken in ({**ASK, "session": 3}, {**ASK, "session": "w3", "port": "443"},
                    {k: v for k, v in ASK.items() if k != "reason"}):
         with pytest.raises(LinkError):
