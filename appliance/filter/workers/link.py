@@ -8,8 +8,11 @@ directions are encoded differently on purpose:
   trusts the coordinator with everything (it was started by it, with its privileges).
 - worker -> coordinator: JSON (`J`), at most MAX_JSON bytes a frame. A worker parses what
   agents send; one that was made to misbehave must not be able to run code in the process
-  that holds the audit chain, the firewall and the control socket, so nothing it says is
-  unpickled.
+  that holds the firewall and the control socket through the link, so nothing it says is
+  unpickled, and every field is checked (coordinator.py). The link is one wall, not all
+  of them: a worker runs as the filter's user, and so reaches its files (the state
+  directory: the audit log, the secrets); it keeps no capability (worker.py
+  drop_capabilities), so it cannot touch the firewall or bind a port.
 
 `Frames` is the pure decoder (bytes in, bodies out); `Link` puts it on a socket with the
 event loop's reader and writer callbacks. Descriptors sent with a frame arrive no later

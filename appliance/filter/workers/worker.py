@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import faulthandler
 import ipaddress
 import itertools
@@ -253,6 +254,30 @@ class Worker:
         self.link.close()
 
 
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """Every capability the filter's unit gives it (CAP_NET_ADMIN for nftables,
+    CAP_NET_BIND_SERVICE for port 53) goes, for good: a worker binds nothing (its sockets
+    come bound) and never touches the firewall, so one that an agent's traffic subverts
+    cannot either. Raises OSError: a worker that cannot drop them does not serve."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = _CapHeader(CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"capset: {os.strerror(error)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="corral-filter worker")
     parser.add_argument("--link-fd", type=int, required=True)
@@ -261,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    drop_capabilities()
     faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "

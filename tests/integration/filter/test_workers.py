@@ -144,6 +144,11 @@ def test_each_session_is_served_by_its_worker_and_events_reach_one_audit_chain(s
     assert seen[0]["sessions"] == [ZERO] and seen[1]["sessions"] == [ONE]
     pids = {w["pid"] for w in seen}
     assert len(pids) == 2 and f.process.pid not in pids
+    for pid in pids:  # a worker keeps no capability (it binds nothing, and no nftables)
+        status = dict(line.split(":\t", 1) for line in
+                      Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+        assert {k: int(status[k], 16) for k in ("CapEff", "CapPrm", "CapAmb")} == {
+            "CapEff": 0, "CapPrm": 0, "CapAmb": 0}
     assert set(_children(f.process.pid)) == pids
     for name in (ZERO, ONE):
         assert ask(gateway(name), f.dns, client(name), "allowed.test") == "NOERROR"
