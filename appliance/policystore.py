@@ -132,12 +132,14 @@ class Change:
 
 
 class PolicyStore:
-    def __init__(self, config: FilterConfig):
-        """Load every layer; raises ConfigError (file, key, line) on any bad file."""
+    def __init__(self, config: FilterConfig, read: bool = True):
+        """Load every layer; raises ConfigError (file, key, line) on any bad file. With
+        `read` False, nothing is read and the store is empty: a worker's, filled by the
+        changes it is sent (filter/workers/replica.py)."""
         self.config = config
         self.runtime_dir = Path(config.state_dir) / "runtime"
         self.registered_path = Path(config.state_dir) / "sessions.json"
-        self.registered: tuple[SessionConfig, ...] = self._load_registered()
+        self.registered: tuple[SessionConfig, ...] = self._load_registered() if read else ()
         """Sessions registered at run time (by the sandbox manager), kept across restarts."""
         self.base: tuple[Rule, ...] = ()
         self.outside = Policy()
@@ -146,7 +148,8 @@ class PolicyStore:
         """Client address -> the session whose subnet holds it (None: no session). Emptied
         whenever a session comes or goes; a session's policy is always read fresh."""
         self._listeners: list = []
-        self.reload()
+        if read:
+            self.reload()
 
     def on_change(self, callback) -> None:
         """Call `callback()` after every change to a policy or to the set of sessions (the

@@ -233,6 +233,9 @@ def cmd_status(args) -> int:
                     f" {health['active_connections']} connections")
     else:
         output.line(f"filter: DOWN: {render.text(health['error'])}")
+    workers = health.get("workers") or []
+    if workers:
+        output.line(workers_line(workers))
     trouble = render.text(firewall.get("error", "unknown"))
     output.line("firewall: " + (f"loaded, {firewall['rules']} rules" if firewall.get("loaded")
                                 else f"NOT LOADED: {trouble}"))
@@ -254,7 +257,19 @@ def cmd_status(args) -> int:
                     + ("" if sandbox["image_present"] else " MISSING: `corral image build`")
                     if sandbox["healthy"] else f"sandbox: DOWN: {render.text(sandbox['error'])}")
     return exitcodes.OK if health["healthy"] and firewall.get("loaded") and (
-        sandbox is None or sandbox["healthy"]) else exitcodes.FAILURE
+        sandbox is None or sandbox["healthy"]) and all(
+        w["up"] for w in workers) else exitcodes.FAILURE
+
+
+def workers_line(workers: list[dict]) -> str:
+    """`status`'s line for the filter's worker processes ([filter] workers)."""
+    def one(w: dict) -> str:
+        if not w["up"]:
+            return f"{w['index']} DOWN (its sessions get no answer; restarting)"
+        return f"{w['index']} up, {len(w.get('sessions', []))} sessions"
+    restarts = sum(w["restarts"] for w in workers)
+    return (f"workers: {'; '.join(one(w) for w in workers)}"
+            + (f"; {restarts} restarts" if restarts else ""))
 
 
 def journal_line(journal: dict) -> str:

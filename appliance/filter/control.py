@@ -274,6 +274,7 @@ class ControlServer:
             described["workers"] = await self.workers.describe()
             described["active_connections"] += sum(w.get("active_connections", 0)
                                                    for w in described["workers"])
+            described["unserved"] = {**self.workers.unserved(), **described["unserved"]}
         return {"ok": True, **described}
 
     @handles("sessions")

@@ -367,6 +367,13 @@ class Workers:
         except (ConnectionError, LinkError, TimeoutError):
             return None
 
+    def unserved(self) -> dict[str, str]:
+        """Sessions whose worker is down, and why they get no answer now."""
+        return {session: f"its worker ({index}) is down: its queries and connections wait "
+                         f"unanswered until it is started again"
+                for session, index in self.shards.of.items()
+                if not self.workers[index].ready}
+
     async def describe(self) -> list[dict]:
         """Each worker as `status` shows it."""
         async def one(worker: Worker) -> dict:

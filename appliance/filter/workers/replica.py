@@ -89,11 +89,7 @@ class Heard:
 
 def replica(config) -> PolicyStore:
     """An empty store for a worker: nothing read from disk, filled by `apply`."""
-    store = PolicyStore.__new__(PolicyStore)
-    store.config = config
-    store.registered, store.base, store.outside, store.sessions = (), (), Policy(), {}
-    store._clients, store._listeners = {}, []
-    return store
+    return PolicyStore(config, read=False)
 
 
 def served(store: PolicyStore) -> list[str]:

@@ -250,6 +250,8 @@ def test_a_killed_worker_fails_its_sessions_closed_and_the_next_serves_the_polic
     deadline = time.monotonic() + 10
     while workers(f)[1]["up"] and time.monotonic() < deadline:
         time.sleep(0.01)
+    status = f.control({"op": "status"})
+    assert list(status["unserved"]) == [ONE]  # said while it is down
     # meanwhile: a rule added while nobody serves ONE; ZERO is served throughout
     assert f.control({"op": "add", "session": ONE, "kind": "http",
                       "rule": "other.test:8080"})["ok"]
@@ -260,6 +262,7 @@ def test_a_killed_worker_fails_its_sessions_closed_and_the_next_serves_the_polic
             break
         time.sleep(0.05)
     assert now["up"] and now["restarts"] == 1 and now["pid"] != one["pid"]
+    assert f.control({"op": "status"})["unserved"] == {}
     assert ask(gateway(ONE), f.dns, client(ONE), "other.test") == "NOERROR"
     assert fetch(gateway(ONE), f.proxy, client(ONE), "http://other.test:8080/") == 200
 

@@ -218,3 +218,15 @@ def test_status_says_what_the_journal_export_lost_and_why():
                          "error": f"{sock}: No such file or directory\x1b[2J"}) == (
         f"journal: 3 events sent to {sock}; 5 NOT sent (the audit log has them): {sock}: "
         "No such file or directory\\x1b[2J; journald full, 7 waiting")
+
+
+def test_status_says_which_filter_worker_is_down():
+    from cli.control import workers_line
+
+    assert workers_line([{"index": 0, "up": True, "restarts": 0, "sessions": ["s1", "s3"]},
+                         {"index": 1, "up": True, "restarts": 0, "sessions": ["s2"]}]) == (
+        "workers: 0 up, 2 sessions; 1 up, 1 sessions")
+    assert workers_line([{"index": 0, "up": True, "restarts": 0, "sessions": []},
+                         {"index": 1, "up": False, "restarts": 3}]) == (
+        "workers: 0 up, 0 sessions; 1 DOWN (its sessions get no answer; restarting); "
+        "3 restarts")
