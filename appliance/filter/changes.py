@@ -25,7 +25,7 @@ log = logging.getLogger("corral.filter")
 
 
 class Before(NamedTuple):
-    """The store's state before a change, as the workers are told it (replica.follow)."""
+    """The store's state before a change, as the workers are told it (replica.state_for)."""
 
     registered: tuple
     sessions: dict

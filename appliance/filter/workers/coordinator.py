@@ -93,7 +93,7 @@ def _teaching(item) -> Teaching:
     return Teaching(**item)
 
 
-class Worker:
+class WorkerProcess:
     """One worker process as the coordinator sees it."""
 
     def __init__(self, index: int):
@@ -131,7 +131,7 @@ class Workers:
         self._waits: dict[tuple[int, int], tuple[str, bool, Callable[[], bool]]] = {}
         """(worker, its token) -> a request waiting there: (approval, counted, `there`)."""
         self.event_loop, self.log_level = event_loop, log_level
-        self.workers = [Worker(i) for i in range(count)]
+        self.workers = [WorkerProcess(i) for i in range(count)]
         self.shards = replica.Shards(count)
         self.gateways: dict[str, tuple[int, list[str], list[socket.socket]]] = {}
         """Gateway address -> (its worker, its listeners' keys, their sockets, kept open
@@ -147,14 +147,14 @@ class Workers:
     # -- starting and keeping them running ----------------------------------------------
     async def start(self) -> None:
         """Every worker started and given the state; raises if one cannot be."""
-        self.shards.follow(self.store.sessions)
+        self.shards.assign(self.store.sessions)
         for worker in self.workers:
             await self._spawn(worker)
         self._keepers = [asyncio.get_running_loop().create_task(
             self._keep(worker), name=f"corral-worker-{worker.index}")
             for worker in self.workers]
 
-    async def _spawn(self, worker: Worker) -> None:
+    async def _spawn(self, worker: WorkerProcess) -> None:
         async with worker.turn:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             worker.started += 1
@@ -178,7 +178,7 @@ class Workers:
             try:
                 reply = await worker.link.call(
                     {"op": "start", "config": self.store.config, "count": self.count,
-                     "state": replica.follow(None, self.store,
+                     "state": replica.state_for(None, self.store,
                                              self.shards.serves(worker.index)),
                      "key": self.secrets.key, "http": self.secrets.http()},
                     seconds=START_TIMEOUT)
@@ -191,7 +191,7 @@ class Workers:
             worker.ready = True
             log.info("worker %d serving (pid %s)", worker.index, reply.get("pid"))
 
-    async def _keep(self, worker: Worker) -> None:
+    async def _keep(self, worker: WorkerProcess) -> None:
         """Start `worker` again whenever it dies, until the filter stops. One that dies
         within STEADY seconds of its start waits twice as long as the last time first (a
         worker that cannot live is not started five times a second)."""
@@ -227,7 +227,7 @@ class Workers:
         self._stopping = True
         for task in self._keepers:
             task.cancel()
-        async def stopped(worker: Worker) -> None:
+        async def stopped(worker: WorkerProcess) -> None:
             if worker.link is not None and not worker.link.closed.done():
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
                     await worker.link.call({"op": "stop"}, seconds=STOP_TIMEOUT)
@@ -238,7 +238,7 @@ class Workers:
                 sock.close()
         self.gateways.clear()
 
-    async def _ended(self, worker: Worker) -> None:
+    async def _ended(self, worker: WorkerProcess) -> None:
         if worker.process is not None and worker.process.returncode is None:
             try:
                 async with asyncio.timeout(STOP_TIMEOUT):
@@ -253,17 +253,17 @@ class Workers:
     async def follow(self, before, after) -> None:
         """`after` committed: every worker has its part before this returns (or is killed,
         and its next process starts from the whole state)."""
-        self.shards.follow(after.sessions)
+        self.shards.assign(after.sessions)
         await asyncio.gather(*(self._follow(w, before, after) for w in self.workers))
 
-    async def _follow(self, worker: Worker, before, after) -> None:
+    async def _follow(self, worker: WorkerProcess, before, after) -> None:
         async with worker.turn:
             if not worker.ready or worker.link is None:
                 return  # its next start sends the whole state, this change in it
             try:
                 await worker.link.call(
                     {"op": "change",
-                     "state": replica.follow(before, after,
+                     "state": replica.state_for(before, after,
                                              self.shards.serves(worker.index))},
                     seconds=CHANGE_TIMEOUT)
             except (ConnectionError, LinkError, TimeoutError) as exc:
@@ -294,7 +294,7 @@ class Workers:
                               index, address, exc)
                     worker.kill()
 
-    async def _serve(self, worker: Worker, address: str, keys: list[str], socks) -> None:
+    async def _serve(self, worker: WorkerProcess, address: str, keys: list[str], socks) -> None:
         assert worker.link is not None
         await worker.link.call({"op": "serve", "address": address, "keys": keys,
                                 "fds": len(socks)},
@@ -343,7 +343,7 @@ class Workers:
         await asyncio.gather(*(self._call(w, lambda: {"op": "authority"})
                                for w in self.workers))
 
-    async def _call(self, worker: Worker, message: Callable[[], dict]) -> None:
+    async def _call(self, worker: WorkerProcess, message: Callable[[], dict]) -> None:
         """Tell `worker` of a change outside the store (secrets, the CA), in its turn: one
         that is starting gets it after its start (whose state may predate the change), never
         not at all. `message` is made in the turn, from what is in force then."""
@@ -358,7 +358,7 @@ class Workers:
                           made["op"], exc)
                 worker.kill()
 
-    async def _ask_now(self, worker: Worker, message: dict) -> dict | None:
+    async def _ask_now(self, worker: WorkerProcess, message: dict) -> dict | None:
         """A question for `worker` (nothing changes): None when it cannot answer now."""
         if not worker.ready or worker.link is None:
             return None
@@ -376,7 +376,7 @@ class Workers:
 
     async def describe(self) -> list[dict]:
         """Each worker as `status` shows it."""
-        async def one(worker: Worker) -> dict:
+        async def one(worker: WorkerProcess) -> dict:
             seen = {"index": worker.index, "up": worker.ready, "restarts": worker.restarts}
             if worker.ready and worker.link is not None:
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
@@ -387,7 +387,7 @@ class Workers:
         return list(await asyncio.gather(*(one(w) for w in self.workers)))
 
     # -- what they tell the coordinator -------------------------------------------------
-    def handle(self, worker: Worker, message: dict, fds: list[int]):
+    def handle(self, worker: WorkerProcess, message: dict, fds: list[int]):
         for fd in fds:  # a worker never sends descriptors
             socket.socket(fileno=fd).close()
         op = message["op"]
@@ -415,7 +415,7 @@ class Workers:
             return None
         raise LinkError(f"unknown op {op!r}")
 
-    def _ask(self, worker: Worker, message: dict) -> dict:
+    def _ask(self, worker: WorkerProcess, message: dict) -> dict:
         """A worker's request to open (or join) an approval. The coordinator judges what it
         may be: a session of that worker's, and something a person can approve under the
         coordinator's own policy (approvable: never an IP literal, a deny rule's, the
@@ -438,7 +438,7 @@ class Workers:
                                  message.get("name"), message.get("port"), message["note"])
         return {"pending": None if pending is None else pending.to_json()}
 
-    def _waiting(self, worker: Worker, message: dict) -> None:
+    def _waiting(self, worker: WorkerProcess, message: dict) -> None:
         approval, token, counted, delta = (message.get("approval"), message.get("token"),
                                            message.get("counted"), message.get("delta"))
         if not isinstance(approval, str) or type(token) is not int or \
@@ -453,7 +453,7 @@ class Workers:
             approval, counted, there = self._waits.pop(key)
             self.holds.done_elsewhere(approval, counted, there)
 
-    def _forget_waits(self, worker: Worker) -> None:
+    def _forget_waits(self, worker: WorkerProcess) -> None:
         """A worker that died: nothing waits there any more."""
         for key in [k for k in self._waits if k[0] == worker.index]:
             approval, counted, there = self._waits.pop(key)
@@ -471,7 +471,7 @@ class Workers:
                               "reason": verdict.reason,
                               "open": pending.id in self.holds.book.pending})
 
-    def _heard(self, worker: Worker, message: dict) -> None:
+    def _heard(self, worker: WorkerProcess, message: dict) -> None:
         """An inspected name's addresses, as a worker's resolver fetched them: into the
         coordinator's book (revocation judges learned elements by it) and every other
         worker's (their neighbours' tunnels are judged by theirs). A worker can only make
@@ -491,7 +491,7 @@ class Workers:
                     and not other.link.closed.done():
                 other.link.send(relayed)
 
-    async def _learn(self, worker: Worker, teachings) -> dict:
+    async def _learn(self, worker: WorkerProcess, teachings) -> dict:
         if self.learned is None:
             return {"taught": [], "refused": "the filter has no firewall to teach"}
         if not isinstance(teachings, list):

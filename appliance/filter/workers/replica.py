@@ -10,7 +10,7 @@ team's few sessions unevenly (two of two landed on one worker in the e2e tier).
 A worker is never told to read a file. The coordinator works every change out, writes it
 and follows it with the firewall as before (changes.py); then it sends each worker the
 result in compiled form: the registered sessions, the appliance rules when they changed,
-and the rules of each of the worker's own sessions whose policy changed (`follow`). The
+and the rules of each of the worker's own sessions whose policy changed (`state_for`). The
 worker compiles those rules into the same Policy the coordinator holds. A policy file edited
 between the coordinator's reading it and the worker's turn cannot make them disagree.
 
@@ -42,7 +42,7 @@ class Shards:
         self.of: dict[str, int] = {}
         self._load = [0] * count
 
-    def follow(self, names: Iterable[str]) -> None:
+    def assign(self, names: Iterable[str]) -> None:
         """The sessions there are now: those gone are let go, those new assigned."""
         names = list(names)
         present = set(names)
@@ -58,7 +58,7 @@ class Shards:
         return lambda name: self.of.get(name) == index
 
 
-def follow(before: PolicyStore | Change | None, after: PolicyStore | Change,
+def state_for(before: PolicyStore | Change | None, after: PolicyStore | Change,
            owns: Callable[[str], bool]) -> dict:
     """What a worker is sent for the step from `before` to `after` (`before` None:
     everything, for a worker that starts); `owns`: is a session that worker's?"""
@@ -98,7 +98,7 @@ def served(store: PolicyStore) -> list[str]:
 
 
 def apply(store: PolicyStore, state: dict) -> Change:
-    """The change `state` (from `follow`) makes to a worker's store, to commit."""
+    """The change `state` (from `state_for`) makes to a worker's store, to commit."""
     base = state.get("base", store.base)
     outside = Policy(base) if "base" in state else store.outside
     policies = state["policies"]

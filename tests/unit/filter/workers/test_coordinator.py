@@ -37,7 +37,7 @@ def coordinator(tmp_path):
     bus = EventBus()
     resolver = Resolver([("127.0.0.1", 9)])
     made = Workers(2, store, bus, None, None, Frontends(store, resolver), Holds(bus.emit))
-    made.shards.follow(store.sessions)
+    made.shards.assign(store.sessions)
     assert made.shards.of == {"s1": 0, "w3": 1, "w1": 0, "w6": 1}
     yield made
     resolver.close()

@@ -100,3 +100,38 @@ def test_a_call_ends_when_the_peer_goes():
         with pytest.raises(ConnectionError):
             await pending
     asyncio.run(main())
+
+
+def test_a_frame_larger_than_the_socket_buffer_keeps_its_descriptors(tmp_path):
+    """Sent in many partial writes: the descriptors ride on the first, and the message that
+    names them gets them, after a queue of plain messages that came before."""
+    async def main():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        got: list = []
+
+        def worker_handles(message, fds):
+            got.append((message["op"], len(message.get("big", "")),
+                        [os.read(fd, 64) for fd in fds]))
+            for fd in fds:
+                os.close(fd)
+            return {} if "id" in message else None
+
+        coordinator = Link(a, sends=PICKLE, handle=lambda m, f: None)
+        worker = Link(b, sends=JSON, handle=worker_handles)
+        for n in range(3):
+            coordinator.send({"op": f"plain{n}", "big": "y" * 100_000})
+        readers = []
+        for n in range(2):
+            r, w = os.pipe()
+            os.write(w, f"pipe {n}".encode())
+            os.close(w)
+            readers.append(r)
+        await coordinator.call({"op": "serve", "big": "x" * (8 << 20), "fds": 2},
+                               fds=readers, seconds=30)
+        for fd in readers:
+            os.close(fd)
+        assert got == [("plain0", 100_000, []), ("plain1", 100_000, []),
+                       ("plain2", 100_000, []), ("serve", 8 << 20, [b"pipe 0", b"pipe 1"])]
+        coordinator.close()
+        worker.close()
+    asyncio.run(main())

@@ -32,7 +32,7 @@ def before(store: PolicyStore) -> Before:
 
 def shards(source: PolicyStore, count: int = 2) -> replica.Shards:
     made = replica.Shards(count)
-    made.follow(source.sessions)
+    made.assign(source.sessions)
     return made
 
 
@@ -41,7 +41,7 @@ def workers_of(source: PolicyStore, count: int = 2) -> list[PolicyStore]:
     for index in range(count):
         worker = replica.replica(source.config)
         # as it travels: pickled
-        state = pickle.loads(pickle.dumps(replica.follow(None, source,
+        state = pickle.loads(pickle.dumps(replica.state_for(None, source,
                                                          assigned.serves(index))))
         worker.commit(replica.apply(worker, state))
         made.append(worker)
@@ -55,15 +55,15 @@ def allowed(store: PolicyStore, client: str, name: str) -> bool:
 
 def test_a_session_goes_to_the_least_loaded_worker_and_stays_there():
     assigned = replica.Shards(2)
-    assigned.follow(["s1", *NAMES])
+    assigned.assign(["s1", *NAMES])
     assert assigned.of == {"s1": 0, "w1": 1, "w3": 0, "w4": 1, "w6": 0}
-    assigned.follow(["s1", "w1", "w4", "w6"])  # w3 went
-    assigned.follow(["s1", "w1", "w4", "w6", "new"])
+    assigned.assign(["s1", "w1", "w4", "w6"])  # w3 went
+    assigned.assign(["s1", "w1", "w4", "w6", "new"])
     assert assigned.of["new"] == 0 and assigned.of["w1"] == 1  # the others stay
-    assigned.follow([])
+    assigned.assign([])
     assert assigned.of == {} and assigned._load == [0, 0]
     four = replica.Shards(4)
-    four.follow([f"session-{i}" for i in range(10)])
+    four.assign([f"session-{i}" for i in range(10)])
     assert sorted(four._load) == [2, 2, 3, 3]
 
 
@@ -91,7 +91,8 @@ def test_a_change_sends_only_the_session_it_changed_to_its_worker(tmp_path):
     kept = zero.sessions["w6"]
     was = before(source)
     source.commit(source.plan_add("w3", "http", "granted.test"))
-    to_zero, to_one = replica.follow(was, source, owns(0)), replica.follow(was, source, owns(1))
+    to_zero = replica.state_for(was, source, owns(0))
+    to_one = replica.state_for(was, source, owns(1))
     assert list(to_zero["policies"]) == ["w3"] and "base" not in to_zero
     assert to_one["policies"] == {} and "base" not in to_one
     zero.commit(replica.apply(zero, to_zero))
@@ -102,7 +103,7 @@ def test_a_change_sends_only_the_session_it_changed_to_its_worker(tmp_path):
     # the revoke
     was = before(source)
     source.commit(source.plan_remove("w3", "http", "granted.test"))
-    zero.commit(replica.apply(zero, replica.follow(was, source, owns(0))))
+    zero.commit(replica.apply(zero, replica.state_for(was, source, owns(0))))
     assert not allowed(zero, "10.214.1.2", "granted.test")
 
 
@@ -113,10 +114,10 @@ def test_a_session_that_goes_is_gone_from_every_worker_and_applying_twice_is_the
     owns = shards(source).serves
     was = before(source)
     source.commit(source.plan_unregister("w6"))
-    state = replica.follow(was, source, owns(0))
+    state = replica.state_for(was, source, owns(0))
     for _ in range(2):  # a worker that started meanwhile is sent it again: the same
         zero.commit(replica.apply(zero, state))
-    one.commit(replica.apply(one, replica.follow(was, source, owns(1))))
+    one.commit(replica.apply(one, replica.state_for(was, source, owns(1))))
     for worker in (zero, one):
         assert "w6" not in worker.sessions
         assert worker.lookup("10.214.3.2")[0] is None
@@ -130,7 +131,7 @@ def test_a_reload_sends_the_appliance_rules_and_every_session_again(tmp_path):
     source.config = dataclasses.replace(source.config, policy_files=(str(policy),))
     was = before(source)
     source.commit(source.plan_reload())
-    state = replica.follow(was, source, shards(source).serves(0))
+    state = replica.state_for(was, source, shards(source).serves(0))
     assert "base" in state and sorted(state["policies"]) == ["s1", "w3", "w6"]
     policy.write_text('[http]\nallow = ["changed-on-disk.test"]\n')  # read by no worker
     zero.commit(replica.apply(zero, state))
