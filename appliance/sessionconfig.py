@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import grp
 import ipaddress
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,13 @@ def number(low: float = 0, kind: type = float):
 
 def whole(low: int = 0):
     return number(low, int)
+
+
+def processes(value, fail: Fail) -> int:
+    """A count of processes, or "cores": the CPUs this process may run on, read at start."""
+    if value == "cores":
+        return max(1, len(os.sched_getaffinity(0)))
+    return whole(0)(value, lambda m, v=None: fail(f'{m} (or "cores")', v))
 
 
 def string(value, fail: Fail) -> str:
@@ -390,7 +398,7 @@ class FilterConfig:
     """A group that may use the control socket too (mode 0660): the admin API's user."""
     gateway: ipaddress.IPv4Address | None = setting(None, ipv4, "host.gateway")
     """What host.corral resolves to."""
-    workers: int = setting(1, whole(0), "filter.workers")
+    workers: int = setting(1, processes, "filter.workers")
     """Processes that serve the sessions' gateways, each session by one of them
     (filter/workers/); 1: the filter serves them itself, as one process."""
     sessions: tuple[SessionConfig, ...] = ()

@@ -184,6 +184,9 @@ DIFFER_ON_PURPOSE = {
     ("filter.toml", "events", "journal"): "code: off (tests, the local backend, a filter "
                                           "where no journald runs); the role: on, journald "
                                           "runs on every appliance",
+    ("filter.toml", "filter", "workers"): "code: 1, one process (tests start hundreds of "
+                                          "filters, each at once); the role: one worker per "
+                                          "CPU, a team's load on every core",
 }
 """Where a role default and its code default differ, and why (safe without the role)."""
 
