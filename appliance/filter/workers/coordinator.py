@@ -103,7 +103,9 @@ class WorkerProcess:
         self.ready = False
         """Started with the whole state and serving its gateways: changes go to it."""
         self.turn = asyncio.Lock()
-        """Held while it starts and while a change is sent: one thing at a time reaches it."""
+        """Held while it starts, and while a change, the secrets, a new CA or a gateway is
+        sent and acknowledged: each reaches it after its start, never lost in between.
+        (Questions, verdicts and heard addresses are sent as they come.)"""
         self.restarts = 0
         self.started = 0
         """How many processes have been started for this index (they tell event ids apart)."""
