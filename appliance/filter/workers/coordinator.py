@@ -274,7 +274,7 @@ class Workers:
         """The secrets changed: every worker attaches (and redacts) the new ones before
         the call that changed them returns."""
         message = {"op": "secrets", "key": self.secrets.key, "http": self.secrets.http()}
-        await asyncio.gather(*(self._call(w, message) for w in self.workers))
+        await asyncio.gather(*(self._call(w, message, turn=True) for w in self.workers))
 
     async def held(self) -> dict[str, int]:
         """Open connections per session, in every worker."""
@@ -288,9 +288,21 @@ class Workers:
     async def authority_changed(self) -> None:
         """The interception CA was rotated: every worker signs with the new one before
         the rotation's call returns."""
-        await asyncio.gather(*(self._call(w, {"op": "authority"}) for w in self.workers))
+        await asyncio.gather(*(self._call(w, {"op": "authority"}, turn=True)
+                               for w in self.workers))
 
-    async def _call(self, worker: Worker, message: dict) -> dict | None:
+    async def _call(self, worker: Worker, message: dict, turn: bool = False) -> dict | None:
+        """`turn`: a change the worker must have, sent in its turn. A worker that is
+        starting was sent the secrets (and read the CA) of when its start began: one
+        skipped because it was not ready yet would come up with those for good, a secret
+        removed meanwhile still attached. In its turn, the change waits for the start to
+        end and reaches it after."""
+        if not turn:
+            return await self._ask_worker(worker, message)
+        async with worker.turn:
+            return await self._ask_worker(worker, message)
+
+    async def _ask_worker(self, worker: Worker, message: dict) -> dict | None:
         if not worker.ready or worker.link is None:
             return None
         try:

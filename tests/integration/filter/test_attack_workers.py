@@ -1,0 +1,102 @@
+"""Attacks on `[filter] workers`: state that must be in every worker before a control call
+returns, a dead or restarting worker, and what a worker may tell its coordinator. Real
+corral-filter, real worker processes, real sockets on 127.78.0.0/16 (as test_workers.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers import stop
+
+from .test_workers import (
+    ONE,
+    POLICY,
+    SUBNETS,
+    ZERO,
+    LoopFilter,
+    _children,
+    free_ports,
+    workers,
+)
+
+
+@pytest.fixture
+def pair(internet, tmp_path):
+    """The filter with two workers, ZERO served by worker 0 and ONE by worker 1."""
+    dns, proxy = free_ports(2)
+    (tmp_path / "w.toml").write_text(POLICY)
+    config = tmp_path / "filter.toml"
+    upstream = "{}:{}".format(*internet.dns.address)
+    sessions = "".join(f"""
+[[session]]
+name = "{name}"
+subnet = "{SUBNETS[name]}.0/24"
+files = ["{tmp_path}/w.toml"]
+""" for name in (ZERO, ONE))
+    config.write_text(f"""
+[filter]
+workers = 2
+[dns]
+listen = ["gateway:{dns}"]
+upstream = ["{upstream}"]
+[proxy]
+listen = ["gateway:{proxy}"]
+[state]
+dir = "{tmp_path}/state"
+[control]
+socket = "{tmp_path}/filter.sock"
+{sessions}""")
+    running = LoopFilter(tmp_path, config, "auto")
+    running.dns, running.proxy, running.files = dns, proxy, str(tmp_path / "w.toml")
+    yield running
+    for pid in _children(running.process.pid):  # one a test left stopped
+        os.kill(pid, signal.SIGCONT)
+    stop(running.process)
+
+
+def _caught_starting(f, index: int) -> int:
+    """Kill worker `index` and stop its successor as soon as it exists (before it has told
+    the coordinator it started): the pid of the stopped successor."""
+    before = {w["pid"] for w in workers(f)}
+    os.kill(workers(f)[index]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = [p for p in _children(f.process.pid) if p not in before]
+        if new:
+            os.kill(new[0], signal.SIGSTOP)
+            return new[0]
+        time.sleep(0.001)
+    raise AssertionError("no worker was started again")
+
+
+def _up(f, index: int) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        seen = workers(f)[index]
+        if seen["up"]:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"worker {index} did not come back")
+
+
+def test_a_secret_removed_while_a_worker_starts_is_removed_there_too(pair):
+    """`secret-remove` answered while worker 1 was starting (its start message, with the
+    secrets of then, already sent) skipped it: it came up attaching the removed secret to
+    its sessions' requests, for as long as it lived."""
+    f = pair
+    assert f.control({"op": "secret-set", "name": "TOKEN", "value": "v" * 24 + "-worker-test",
+                      "hosts": ["allowed.test"]})["ok"]
+    assert [w["secrets"] for w in workers(f)] == [1, 1]
+    starting = _caught_starting(f, 1)
+    with ThreadPoolExecutor(1) as pool:
+        removed = pool.submit(f.control, {"op": "secret-remove", "name": "TOKEN"})
+        time.sleep(0.5)  # it may wait for the start to end, not skip the worker
+        os.kill(starting, signal.SIGCONT)
+        assert removed.result(20)["ok"]
+    assert _up(f, 1)["pid"] == starting
+    assert [w["secrets"] for w in workers(f)] == [0, 0]
