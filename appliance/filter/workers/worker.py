@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    # Nothing of the coordinator's but the link (and its gateways' listeners, sent over
+    # it): uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C
+    # libraries open some without the mark (libnftables' netlink socket). A worker parses
+    # what agents send; it must not hold the firewall's socket.
+    os.closerange(3, args.link_fd)
+    os.closerange(args.link_fd + 1, os.sysconf("SC_OPEN_MAX"))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "
                         "%(message)s")

@@ -4,10 +4,13 @@ corral-filter, real worker processes, real sockets on 127.78.0.0/16 (as test_wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +31,14 @@ from .test_workers import (
 @pytest.fixture
 def pair(internet, tmp_path):
     """The filter with two workers, ZERO served by worker 0 and ONE by worker 1."""
+    running = _started(internet, tmp_path)
+    yield running
+    for pid in _children(running.process.pid):  # one a test left stopped
+        os.kill(pid, signal.SIGCONT)
+    stop(running.process)
+
+
+def _started(internet, tmp_path, loop: str = "auto") -> LoopFilter:
     dns, proxy = free_ports(2)
     (tmp_path / "w.toml").write_text(POLICY)
     config = tmp_path / "filter.toml"
@@ -51,12 +62,9 @@ dir = "{tmp_path}/state"
 [control]
 socket = "{tmp_path}/filter.sock"
 {sessions}""")
-    running = LoopFilter(tmp_path, config, "auto")
+    running = LoopFilter(tmp_path, config, loop)
     running.dns, running.proxy, running.files = dns, proxy, str(tmp_path / "w.toml")
-    yield running
-    for pid in _children(running.process.pid):  # one a test left stopped
-        os.kill(pid, signal.SIGCONT)
-    stop(running.process)
+    return running
 
 
 def _caught_starting(f, index: int) -> int:
@@ -100,3 +108,46 @@ def test_a_secret_removed_while_a_worker_starts_is_removed_there_too(pair):
         assert removed.result(20)["ok"]
     assert _up(f, 1)["pid"] == starting
     assert [w["secrets"] for w in workers(f)] == [0, 0]
+
+
+
+def _sockets(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return found
+
+
+def _listening_on_gateways() -> set[int]:
+    """The inodes of the sockets bound on the sessions' gateways (127.78.x.1)."""
+    found = set()
+    for table in ("tcp", "udp"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address = socket.inet_ntoa(int(fields[1].split(":")[0], 16).to_bytes(4, "little"))
+            if address.startswith("127.78."):
+                found.add(int(fields[9]))
+    return found
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_worker_holds_no_descriptor_of_the_coordinator_but_its_gateways(internet, tmp_path,
+                                                                          loop):
+    """A worker parses what agents send: of the coordinator's descriptors it is given its
+    link and its gateways' listeners, nothing else. Under uvloop a worker was started
+    holding the coordinator's netlink socket to nftables (inherited: libuv's spawn closes
+    only descriptors marked close-on-exec)."""
+    f = _started(internet, tmp_path, loop)
+    try:
+        coordinator = _sockets(f.process.pid)
+        gateways = _listening_on_gateways()
+        for seen in workers(f):
+            shared = (coordinator & _sockets(seen["pid"])) - gateways
+            assert not shared, (seen["index"], shared,
+                                Path("/proc/net/netlink").read_text())
+    finally:
+        stop(f.process)
