@@ -50,6 +50,8 @@ RESTART_DELAY = 0.2
 RESTART_DELAY_MAX."""
 RESTART_DELAY_MAX = 10.0
 STOP_TIMEOUT = 5.0
+WORKER_KINDS = frozenset({"dns", "http", "connect", "tls", "git", "leak", "secret"})
+"""The kinds of event a worker emits: its sessions' flows and what was found in them."""
 
 
 def _there() -> bool:
@@ -337,6 +339,7 @@ class Workers:
                     raise TypeError("not an object")
                 event = Event(raw)
                 check(event)  # emit checks only the type of what it is handed
+                self._own(worker, event)
                 self.bus.emit(event)
             except (TypeError, KeyError, ValueError) as exc:
                 log.error("worker %d sent an event that is not one (%s): dropped",
@@ -353,6 +356,26 @@ class Workers:
             self._waiting(worker, message)
             return None
         raise LinkError(f"unknown op {op!r}")
+
+    def _own(self, worker: Worker, event: Event) -> None:
+        """A worker reports its own sessions' flows (or a client's outside every session),
+        nothing else: another worker's session would spend that session's audit budget and
+        write its history, and a rule, an approval, a session or the log's own records are
+        the coordinator's (recorded whatever the budget, read as a person's decisions).
+        ValueError (the event is dropped) for anything else, or a field of the wrong type."""
+        session = event.get("session")
+        if session is not None and (type(session) is not str
+                                    or self.shard(session) != worker.index):
+            raise ValueError(f"an event for session {session!r:.80}, not the worker's")
+        if event["kind"] not in WORKER_KINDS:
+            raise ValueError(f"an event of kind {event['kind']!r:.40}")
+        for key in ("kind", "verdict", "reason", "client", "name", "address", "rule",
+                    "layer", "hint"):
+            if event.get(key) is not None and type(event[key]) is not str:
+                raise ValueError(f"an event whose {key} is not text")
+        for key, kinds in (("id", (int,)), ("port", (int,)), ("ts", (int, float))):
+            if event.get(key) is not None and type(event[key]) not in kinds:
+                raise ValueError(f"an event whose {key} is not a number")
 
     def _ask(self, worker: Worker, message: dict) -> dict:
         """A worker's request to open (or join) an approval. The coordinator judges what it

@@ -175,6 +175,12 @@ class Link:
                 fds = array.array("i")
                 fds.frombytes(raw[:len(raw) - len(raw) % fds.itemsize])
                 self._fds.extend(fds)
+        if self._fds and self.sends == PICKLE:
+            # the coordinator takes no descriptor from a worker: kept, each frame's would
+            # fill its table (the audit log, the control socket, the gateways need it)
+            log.error("workers: a worker sent descriptors, closing its link")
+            self.close(LinkError("a worker sent descriptors"))
+            return
         if not data:
             self.close(None)
             return
