@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import ipaddress
 import itertools
 import logging
@@ -46,6 +47,9 @@ from .holds import RemoteHolds
 from .link import JSON, Link
 
 log = logging.getLogger("corral.filter")
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+"""<linux/prctl.h>, <linux/capability.h>."""
 LEARN_TIMEOUT = 5.0
 """Seconds a worker waits for the coordinator to teach the firewall: past it, nothing is
 learned (the connection the answer was for is refused, as when nftables refuses)."""
@@ -236,6 +240,23 @@ class Worker:
         self.link.close()
 
 
+def drop_capabilities() -> None:
+    """The worker keeps none of the filter's capabilities (CAP_NET_ADMIN would let it load
+    any ruleset; systemd gives them to the filter as ambient ones, which exec passes on),
+    and can gain none again. It binds nothing (its gateways' sockets come bound) and
+    teaches the firewall through the coordinator; its resolver's sockets get the buffer
+    SO_RCVBUF allows rather than SO_RCVBUFFORCE's. Before any thread starts: capabilities
+    are each thread's, and a thread started later copies them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset: " + os.strerror(ctypes.get_errno()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="corral-filter worker")
     parser.add_argument("--link-fd", type=int, required=True)
@@ -250,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # what agents send; it must not hold the firewall's socket.
     os.closerange(3, args.link_fd)
     os.closerange(args.link_fd + 1, os.sysconf("SC_OPEN_MAX"))
+    drop_capabilities()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "
                         "%(message)s")

@@ -5,9 +5,12 @@ corral-filter, real worker processes, real sockets on 127.78.0.0/16 (as test_wor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +26,10 @@ from .test_workers import (
     ZERO,
     LoopFilter,
     _children,
+    ask,
+    client,
     free_ports,
+    gateway,
     workers,
 )
 
@@ -151,3 +157,53 @@ def test_a_worker_holds_no_descriptor_of_the_coordinator_but_its_gateways(intern
                                 Path("/proc/net/netlink").read_text())
     finally:
         stop(f.process)
+
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def test_a_worker_holds_no_capability_of_the_filter(pair):
+    """The filter runs with CAP_NET_ADMIN (its unit gives it as an ambient capability,
+    which exec passes on): a worker, which parses what agents send, ran with it too, able
+    to load any ruleset itself, whatever the link lets it say."""
+    f = pair
+    assert int(_status(f.process.pid)["CapEff"], 16)  # the filter has some here (root)
+    for seen in workers(f):
+        status = _status(seen["pid"])
+        assert [status[k] for k in ("CapEff", "CapPrm", "CapAmb", "CapInh", "NoNewPrivs")] \
+            == ["0" * 16] * 4 + ["1"], (seen["index"], status)
+        assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
+        assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test") == "NOERROR"
+
+
+@pytest.mark.xfail(strict=True, reason="a worker runs as the filter's own user: it can use "
+                   "the control socket (add rules, decide approvals) and write the state "
+                   "directory; the fix is a user of its own for the workers (see the report)")
+def test_a_process_with_a_workers_credentials_cannot_change_the_policy(pair):
+    """What the JSON-only link is for (a worker made to misbehave must not act as the
+    coordinator) holds only if a worker cannot simply do what the coordinator does: with
+    the filter's uid it connects to the control socket (0600, the filter's) and adds any
+    rule to any session."""
+    f = pair
+    seen = workers(f)[1]
+    status = _status(seen["pid"])
+    uid, gid = int(status["Uid"].split()[1]), int(status["Gid"].split()[1])
+    code = (
+        "import json, os, socket, sys\n"
+        f"os.setgroups([]); os.setgid({gid}); os.setuid({uid})\n"
+        "from appliance.filter.workers.worker import drop_capabilities\n"
+        "drop_capabilities()\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect(sys.argv[1])\n"
+        "except OSError as exc:\n"
+        "    print(json.dumps({'ok': False, 'error': str(exc)})); sys.exit()\n"
+        "s.sendall(json.dumps({'op': 'add', 'session': sys.argv[2], 'kind': 'http',\n"
+        "                      'rule': 'evil.test:443'}).encode() + b'\\n')\n"
+        "print(s.makefile().readline())\n")
+    done = subprocess.run([sys.executable, "-c", code, str(f.dir / "filter.sock"), ZERO],
+                          capture_output=True, text=True, timeout=30)
+    assert not json.loads(done.stdout)["ok"], done.stdout
