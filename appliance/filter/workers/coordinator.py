@@ -50,6 +50,8 @@ RESTART_DELAY = 0.2
 RESTART_DELAY_MAX."""
 RESTART_DELAY_MAX = 10.0
 STOP_TIMEOUT = 5.0
+BEAT = 1.0
+"""Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
 WORKER_KINDS = frozenset({"dns", "http", "connect", "tls", "git", "leak", "secret"})
 """The kinds of event a worker emits: its sessions' flows and what was found in them."""
 
@@ -134,6 +136,18 @@ class Workers:
         self._keepers = [asyncio.get_running_loop().create_task(
             self._keep(worker), name=f"corral-worker-{worker.index}")
             for worker in self.workers]
+        self._keepers.append(asyncio.get_running_loop().create_task(
+            self._beat(), name="corral-worker-beat"))
+
+    async def _beat(self) -> None:
+        """Tell every worker, every BEAT seconds, that this loop runs: a worker that stops
+        hearing it stops serving (worker.py `watch`). A coordinator that is stopped or stuck
+        can neither record what the workers decide nor make a change reach them."""
+        while not self._stopping:
+            for worker in self.workers:
+                if worker.link is not None and not worker.link.closed.done():
+                    worker.link.send({"op": "beat"})
+            await asyncio.sleep(BEAT)
 
     async def _spawn(self, worker: Worker) -> None:
         async with worker.turn:

@@ -50,6 +50,9 @@ log = logging.getLogger("corral.filter")
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
 CAPABILITY_VERSION_3 = 0x20080522
 """<linux/prctl.h>, <linux/capability.h>."""
+STALE = 5.0
+"""Seconds without a beat from the coordinator (coordinator.py BEAT) before a worker stops
+serving."""
 LEARN_TIMEOUT = 5.0
 """Seconds a worker waits for the coordinator to teach the firewall: past it, nothing is
 learned (the connection the answer was for is refused, as when nftables refuses)."""
@@ -106,6 +109,8 @@ class Worker:
         self.gateways: dict[str, list] = {}
         """Gateway address -> the servers and transports listening there."""
         self.stopping = asyncio.Event()
+        self.beat = asyncio.get_running_loop().time()
+        """When the coordinator's loop was last heard from (`beat`)."""
 
     def handle(self, message: dict, fds: list[int]):
         op = message["op"]
@@ -133,6 +138,9 @@ class Worker:
         if op == "ruling":
             self.holds.ruling(message["approval"], message["grant"], message["reason"],
                               message["open"])
+            return None
+        if op == "beat":
+            self.beat = asyncio.get_running_loop().time()
             return None
         if op == "stop":
             self.stopping.set()
@@ -212,6 +220,23 @@ class Worker:
                                                   str(directory.key)))
         return {}
 
+    async def watch(self) -> None:
+        """Returns (and the worker ends) when the coordinator has not been heard for STALE
+        seconds: stopped or stuck, it records none of this worker's decisions and no
+        change reaches it (a revoke's call cannot even be made), so serving on would be
+        serving unrecorded, under a policy nobody can change. Its sessions then wait
+        unanswered, as while any worker is down, until the coordinator, running again,
+        starts the next. A round this worker's own loop was too busy to keep does not
+        count: beats may be waiting unread."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(STALE / 10)
+            now = loop.time()
+            if now - before < STALE / 5 and now - self.beat > STALE:
+                log.error("the coordinator was not heard for %.0fs: not serving", STALE)
+                return
+
     def status(self) -> dict:
         proxy = self.proxy
         return {"pid": os.getpid(), "sessions": sorted(
@@ -227,8 +252,9 @@ class Worker:
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the coordinator says when
         closed = asyncio.ensure_future(self.link.closed)
         stopping = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait([closed, stopping], return_when=asyncio.FIRST_COMPLETED)
-        for task in (closed, stopping):
+        watching = asyncio.ensure_future(self.watch())
+        await asyncio.wait([closed, stopping, watching], return_when=asyncio.FIRST_COMPLETED)
+        for task in (closed, stopping, watching):
             task.cancel()
         for address in list(self.gateways):
             self.close(address)

@@ -28,6 +28,7 @@ from .test_workers import (
     _children,
     ask,
     client,
+    fetch,
     free_ports,
     gateway,
     workers,
@@ -207,3 +208,32 @@ def test_a_process_with_a_workers_credentials_cannot_change_the_policy(pair):
     done = subprocess.run([sys.executable, "-c", code, str(f.dir / "filter.sock"), ZERO],
                           capture_output=True, text=True, timeout=30)
     assert not json.loads(done.stdout)["ok"], done.stdout
+
+
+
+def test_a_stopped_coordinator_leaves_no_worker_serving(pair):
+    """With the coordinator stopped (or its loop stuck) the workers served on: decisions
+    recorded nowhere (their events queued in the worker's memory, lost if it goes), no
+    control call answered, so no revoke can be made. Nothing is served once the workers
+    stop hearing it; running again, it starts them and they serve the policy of now."""
+    f = pair
+    os.kill(f.process.pid, signal.SIGSTOP)
+    try:
+        assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
+        deadline = time.monotonic() + 15
+        while ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test", timeout=0.5) \
+                != "timeout" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test", timeout=1) == "timeout"
+        assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test", timeout=1) == "timeout"
+        with socket.create_connection((gateway(ONE), f.proxy), timeout=1,
+                                      source_address=(client(ONE), 0)) as sock:
+            sock.sendall(b"GET http://allowed.test:8080/ HTTP/1.1\r\nHost: allowed.test"
+                         b":8080\r\n\r\n")
+            with pytest.raises(TimeoutError):  # queued in the kernel, never answered
+                sock.recv(4096)
+    finally:
+        os.kill(f.process.pid, signal.SIGCONT)
+    _up(f, 0), _up(f, 1)
+    assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
+    assert fetch(gateway(ONE), f.proxy, client(ONE), "http://allowed.test:8080/") == 200
