@@ -161,6 +161,7 @@ class Worker:
         learner = Learner(self.link, Reach(self.store, self.frontends),
                           asyncio.get_running_loop())
         self.holds = RemoteHolds(self.link)
+        self.store.on_change(self.holds.changed)
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, learner,
                              config.firewall.learn_ttl_min, config.dns, self.holds,
                              self.frontends)

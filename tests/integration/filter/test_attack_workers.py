@@ -25,7 +25,9 @@ from .test_workers import (
     SUBNETS,
     ZERO,
     LoopFilter,
+    _ask_mode,
     _children,
+    _opened,
     ask,
     client,
     fetch,
@@ -237,3 +239,19 @@ def test_a_stopped_coordinator_leaves_no_worker_serving(pair):
     _up(f, 0), _up(f, 1)
     assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
     assert fetch(gateway(ONE), f.proxy, client(ONE), "http://allowed.test:8080/") == 200
+
+
+def test_a_request_held_when_a_rule_allows_it_goes_on_in_its_worker(pair):
+    """A rule added while a request waits in ask mode settles its approval ("the policy
+    allows it now") and the request goes on, as with one process. The verdict reached the
+    worker before the change did (it is given while the change commits, the change is sent
+    after), so the worker judged the request again by the policy before: refused."""
+    f = pair
+    _ask_mode(f)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(fetch, gateway(ONE), f.proxy, client(ONE),
+                           "http://other.test:8080/")
+        _opened(f, ONE, "other.test:8080", waiting=1)
+        assert f.control({"op": "add", "session": ONE, "kind": "http",
+                          "rule": "other.test:8080"})["ok"]
+        assert held.result(10) == 200
