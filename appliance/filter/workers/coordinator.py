@@ -50,6 +50,9 @@ RESTART_DELAY = 0.2
 RESTART_DELAY_MAX."""
 RESTART_DELAY_MAX = 10.0
 STOP_TIMEOUT = 5.0
+STATUS = {"pid": int, "sessions": list, "active_connections": int, "proxy": dict,
+          "secrets": int, "dns": dict, "resolver": dict}
+"""What a worker's `status` answer may add to what the coordinator knows of it."""
 BEAT = 1.0
 """Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
 WORKER_KINDS = frozenset({"dns", "http", "connect", "tls", "git", "leak", "secret"})
@@ -295,10 +298,14 @@ class Workers:
     async def held(self) -> dict[str, int]:
         """Open connections per session, in every worker."""
         found: dict[str, int] = {}
-        for reply in await asyncio.gather(*(self._call(w, {"op": "held"})
-                                            for w in self.workers)):
-            for session, count in (reply or {}).get("held", {}).items():
-                found[session] = found.get(session, 0) + count
+        replies = await asyncio.gather(*(self._call(w, {"op": "held"}) for w in self.workers))
+        for worker, reply in zip(self.workers, replies, strict=True):
+            held = (reply or {}).get("held")
+            if not isinstance(held, dict):
+                continue
+            for session, count in held.items():  # its own sessions', counted
+                if type(count) is int and count >= 0 and self.shard(session) == worker.index:
+                    found[session] = found.get(session, 0) + count
         return found
 
     async def authority_changed(self) -> None:
@@ -336,8 +343,12 @@ class Workers:
             if worker.ready and worker.link is not None:
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
                     reply = await worker.link.call({"op": "status"}, seconds=5.0)
+                    # what it says of itself, each of the type status shows: never which
+                    # worker it is, nor a count `status` could not add up
                     seen.update({k: v for k, v in reply.items()
-                                 if k not in ("op", "id", "error")})
+                                 if k in STATUS and type(v) is STATUS[k]})
+                    seen["sessions"] = [s for s in seen.get("sessions", ())
+                                        if type(s) is str and self.shard(s) == worker.index]
             return seen
         return list(await asyncio.gather(*(one(w) for w in self.workers)))
 

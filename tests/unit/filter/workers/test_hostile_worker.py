@@ -99,3 +99,34 @@ def test_descriptors_a_worker_sends_are_not_kept():
             link.close()
             theirs.close()
     asyncio.run(main())
+
+
+def test_what_a_worker_answers_for_status_and_sessions_is_its_own_and_typed(coordinator):
+    """`status` shows each worker as the coordinator knows it (index, up, restarts) and
+    sums their connections; `sessions` adds what each holds. A worker's answer could say it
+    was another index, make the sum fail (`status` answered an internal error), or count
+    connections for another worker's session."""
+    answers = {"status": {"index": 0, "up": True, "restarts": 0, "pid": 1,
+                          "active_connections": "many", "sessions": ["w1"]},
+               "held": {"held": {"w1": 10 ** 9, "w3": 2}}}
+
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        one = coordinator.workers[1]
+        one.link = Link(ours, sends=PICKLE, handle=lambda message, fds: None)
+        hostile = Link(theirs, sends=JSON,
+                       handle=lambda message, fds: answers.get(message["op"]))
+        one.ready, one.restarts = True, 3
+        try:
+            described = {w["index"]: w for w in await coordinator.describe()}
+            assert described[1]["up"] and described[1]["restarts"] == 3
+            assert described[0] == {"index": 0, "up": False, "restarts": 0}
+            assert type(described[1].get("active_connections", 0)) is int
+            assert described[1].get("sessions", []) in ([], ["w3"])
+            assert await coordinator.held() == {"w3": 2}
+            answers["held"] = {"held": ["w3"]}
+            assert await coordinator.held() == {}
+        finally:
+            one.link.close()
+            hostile.close()
+    asyncio.run(main())
