@@ -255,3 +255,31 @@ def test_a_request_held_when_a_rule_allows_it_goes_on_in_its_worker(pair):
         assert f.control({"op": "add", "session": ONE, "kind": "http",
                           "rule": "other.test:8080"})["ok"]
         assert held.result(10) == 200
+
+
+def test_a_grant_that_ends_when_the_disk_refuses_ends_in_its_worker_too(pair):
+    """A rule granted for a while ends in the filter even when its file cannot be written
+    (expiry.py: fail closed, the change committed in memory alone). That commit did not
+    go through the changes' door, so no worker was told: the rule stayed in force in its
+    session's worker, and later changes (told as differences) left it there until that
+    session's policy changed again, a reload or the worker's restart."""
+    f = pair
+    assert f.control({"op": "add", "session": ONE, "kind": "http", "rule": "other.test:8080",
+                      "expires_in": 2})["ok"]
+    assert fetch(gateway(ONE), f.proxy, client(ONE), "http://other.test:8080/") == 200
+    runtime = f.dir / "state" / "runtime"
+    runtime.rename(f.dir / "state" / "runtime.away")
+    runtime.write_text("not a directory: the grant's end cannot be written")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                r["rule"] == "other.test:8080"
+                for r in f.control({"op": "policy", "session": ONE})["rules"]):
+            time.sleep(0.1)
+        rules = f.control({"op": "policy", "session": ONE})["rules"]
+        assert not any(r["rule"] == "other.test:8080" for r in rules)  # ended in the filter
+        assert fetch(gateway(ONE), f.proxy, client(ONE), "http://other.test:8080/") == 403
+        assert ask(gateway(ONE), f.dns, client(ONE), "other.test") == "NXDOMAIN"
+    finally:
+        runtime.unlink()
+        (f.dir / "state" / "runtime.away").rename(runtime)
