@@ -25,6 +25,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -120,6 +121,8 @@ class Workers:
         holds.on_resolve = self._ruling
         self._waits: dict[tuple[int, int], tuple[str, bool, Callable[[], bool]]] = {}
         """(worker, its token) -> a request waiting there: (approval, counted, `there`)."""
+        self._held_in: Counter[int] = Counter()
+        """Worker -> how many of `_waits` are its."""
         self.event_loop, self.log_level = event_loop, log_level
         self.workers = [Worker(i) for i in range(count)]
         self.gateways: dict[str, tuple[int, list[str], list[socket.socket]]] = {}
@@ -430,15 +433,22 @@ class Workers:
             raise LinkError(f"worker {worker.index} sent a wait that is not one")
         key = (worker.index, token)
         if delta == 1 and key not in self._waits:
+            # each wait is a connection held open there: no more than it may hold
+            if self._held_in[worker.index] >= self.store.config.proxy.max_connections:
+                raise LinkError(f"worker {worker.index} says more requests wait than it "
+                                "may hold connections")
             there = _there
             if self.holds.waiting_elsewhere(approval, counted, there):
                 self._waits[key] = (approval, counted, there)
+                self._held_in[worker.index] += 1
         elif delta == -1 and key in self._waits:
             approval, counted, there = self._waits.pop(key)
+            self._held_in[worker.index] -= 1
             self.holds.done_elsewhere(approval, counted, there)
 
     def _forget_waits(self, worker: Worker) -> None:
         """A worker that died: nothing waits there any more."""
+        self._held_in[worker.index] = 0
         for key in [k for k in self._waits if k[0] == worker.index]:
             approval, counted, there = self._waits.pop(key)
             self.holds.done_elsewhere(approval, counted, there)

@@ -17,7 +17,8 @@ from appliance.filter.dns.resolver import Resolver
 from appliance.filter.events import EventBus
 from appliance.filter.proxy.frontends import Frontends
 from appliance.filter.workers.coordinator import Workers
-from appliance.filter.workers.link import JSON, PICKLE, Link, encode
+from appliance.filter.workers.link import JSON, PICKLE, Link, LinkError, encode
+from appliance.policy import Decision
 from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
 
@@ -130,3 +131,20 @@ def test_what_a_worker_answers_for_status_and_sessions_is_its_own_and_typed(coor
             one.link.close()
             hostile.close()
     asyncio.run(main())
+
+
+def test_a_worker_cannot_say_more_requests_wait_than_it_can_hold(coordinator):
+    """Each wait a worker reports is kept (and counted for a grant `once`) until it says it
+    ended: one saying it started waits it never ends, each with a new token, grew the
+    coordinator's memory for as long as it cared to."""
+    most = coordinator.store.config.proxy.max_connections  # what a worker can hold open
+    one = coordinator.workers[1]
+    pending = coordinator.holds.ask("w3", Decision(False, "not allowed", None,
+                                                   "corral allow-http other.test:443"), "proxy")
+    for token in range(most + 1000):
+        try:
+            coordinator._waiting(one, {"op": "waiting", "approval": pending.id,
+                                       "token": token, "counted": True, "delta": 1})
+        except LinkError:
+            break
+    assert len(coordinator._waits) <= most
