@@ -404,6 +404,9 @@ class Workers:
         for key, kinds in (("id", (int,)), ("port", (int,)), ("ts", (int, float))):
             if event.get(key) is not None and type(event[key]) not in kinds:
                 raise ValueError(f"an event whose {key} is not a number")
+        if "id" in event and event["id"] >> 48 != worker.index + 1:
+            # ids are unique since the filter started: each worker has its range (_spawn)
+            raise ValueError(f"an event id {event['id']} outside worker {worker.index}'s")
 
     def _ask(self, worker: Worker, message: dict) -> dict:
         """A worker's request to open (or join) an approval. The coordinator judges what it

@@ -45,7 +45,8 @@ def coordinator(tmp_path):
 
 
 def flow(**fields) -> dict:
-    return {"session": "w3", "client": "10.214.1.2", "kind": "dns", "name": "x.test",
+    return {"id": (2 << 48) + 1, "session": "w3", "client": "10.214.1.2", "kind": "dns",
+            "name": "x.test",
             "verdict": "deny", "reason": "not allowed", "rule": None, "layer": None,
             **fields}
 
@@ -61,6 +62,8 @@ def test_a_worker_records_only_its_own_sessions_flows(coordinator):
         flow(kind="audit", verdict="error", reason="0 events not recorded"),
         flow(session={"w3": 1}),   # not a name
         flow(id="seven"),          # ids and times are numbers
+        flow(id=7),                # the coordinator's own ids (a flow of its, closed)
+        flow(id=(1 << 48) + 7),    # worker 0's
         flow(verdict=["deny"]),
     ]
     for event in forged:
