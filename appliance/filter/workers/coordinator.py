@@ -137,13 +137,18 @@ class Workers:
     # -- starting and keeping them running ----------------------------------------------
     async def start(self) -> None:
         """Every worker started and given the state; raises if one cannot be."""
-        for worker in self.workers:
-            await self._spawn(worker)
-        self._keepers = [asyncio.get_running_loop().create_task(
+        # beating from the first start on: the first worker must not go unheard while the
+        # others start (each takes its time: imports, compiling its sessions' rules)
+        beat = asyncio.get_running_loop().create_task(self._beat(), name="corral-worker-beat")
+        try:
+            for worker in self.workers:
+                await self._spawn(worker)
+        except BaseException:
+            beat.cancel()
+            raise
+        self._keepers = [beat, *(asyncio.get_running_loop().create_task(
             self._keep(worker), name=f"corral-worker-{worker.index}")
-            for worker in self.workers]
-        self._keepers.append(asyncio.get_running_loop().create_task(
-            self._beat(), name="corral-worker-beat"))
+            for worker in self.workers)]
 
     async def _beat(self) -> None:
         """Tell every worker, every BEAT seconds, that this loop runs: a worker that stops
