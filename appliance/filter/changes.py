@@ -65,6 +65,21 @@ class Changes:
                 await self.follow(before, change)
             return change
 
+    async def in_memory(self, plan: Callable[[], Change]) -> Change:
+        """A change made in memory alone, nothing written and the firewall not told: what
+        taking back a grant does when the disk or nftables refuse (expiry.py, fail closed).
+        Still one at a time and still followed by the workers: one not told would go on
+        granting it, and later changes reach a worker as differences from this one."""
+        if self._changing is None:
+            self._changing = asyncio.Lock()
+        async with self._changing:
+            change = plan()
+            before = Before(self.store.registered, self.store.sessions, self.store.base)
+            self.store.commit(change)
+            if self.follow is not None and change.changed:
+                await self.follow(before, change)
+            return change
+
     def _prepare(self, plan: Callable[[], Change]) -> Change:
         change = plan()
         if change.changed:

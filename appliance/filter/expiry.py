@@ -35,9 +35,13 @@ def due_in(end: float | None, now: float) -> float | None:
 
 class GrantExpiry:
     def __init__(self, store: PolicyStore, change: Callable[..., Awaitable[Change]],
-                 bus: EventBus):
-        """`change`: how a change reaches the store (changes.Changes.change)."""
+                 bus: EventBus,
+                 in_memory: Callable[..., Awaitable[Change]] | None = None):
+        """`change`: how a change reaches the store (changes.Changes.change); `in_memory`:
+        how one that cannot be written does (changes.Changes.in_memory: the workers are
+        told it too); None: committed here."""
         self.store, self.change, self.bus = store, change, bus
+        self.in_memory = in_memory
         self._woken = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -83,8 +87,12 @@ class GrantExpiry:
         try:
             change = await self.change(lambda: self.store.plan_expire(time.time()))
         except Exception as exc:  # disk or nftables: the rule goes from memory anyway
-            change = self.store.plan_expire(time.time())
-            self.store.commit(change)  # fail closed: the filter no longer grants it
+            # fail closed: the filter no longer grants it, nor does any worker
+            if self.in_memory is not None:
+                change = await self.in_memory(lambda: self.store.plan_expire(time.time()))
+            else:
+                change = self.store.plan_expire(time.time())
+                self.store.commit(change)
             log.error("grants: rules whose time came are taken back in the filter, but "
                       "not on disk or in the firewall: %s", exc)
             self.bus.emit(Event(session=None, client=None, kind="rule", name=None,

@@ -174,7 +174,7 @@ class Service:
         config, store, bus = self.config, self.store, self.bus
         self.registration = Registration(store, self.changes.change, self.budget,
                                          self.listeners, self.approvals)
-        self.expiry = GrantExpiry(store, self.changes.change, bus)
+        self.expiry = GrantExpiry(store, self.changes.change, bus, self.changes.in_memory)
         self.drops = DropReader(store, bus, config.firewall.log_group,
                                 ruleset.gateway_services(config))
         self.journal = Journal(bus, config.events.journal_socket) \

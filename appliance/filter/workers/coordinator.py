@@ -26,6 +26,7 @@ import logging
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -55,6 +56,13 @@ RESTART_DELAY_MAX = 10.0
 STEADY = 30.0
 """Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
 STOP_TIMEOUT = 5.0
+STATUS = {"pid": int, "sessions": list, "active_connections": int, "proxy": dict,
+          "secrets": int, "dns": dict, "resolver": dict}
+"""What a worker's `status` answer may add to what the coordinator knows of it."""
+BEAT = 1.0
+"""Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
+WORKER_KINDS = frozenset({"dns", "http", "connect", "tls", "git", "leak", "secret"})
+"""The kinds of event a worker emits: its sessions' flows and what was found in them."""
 
 
 def _denied_by_default(policy, decision: Decision) -> bool:
@@ -132,6 +140,8 @@ class Workers:
         holds.on_resolve = self._ruling
         self._waits: dict[tuple[int, int], tuple[str, bool, Callable[[], bool]]] = {}
         """(worker, its token) -> a request waiting there: (approval, counted, `there`)."""
+        self._held_in: Counter[int] = Counter()
+        """Worker index -> how many of `_waits` are its."""
         self.event_loop, self.log_level = event_loop, log_level
         self.workers = [WorkerProcess(i) for i in range(count)]
         self.shards = replica.Shards(count)
@@ -150,11 +160,28 @@ class Workers:
     async def start(self) -> None:
         """Every worker started and given the state; raises if one cannot be."""
         self.shards.assign(self.store.sessions)
-        for worker in self.workers:
-            await self._spawn(worker)
-        self._keepers = [asyncio.get_running_loop().create_task(
+        # beating from the first start on: the first worker must not go unheard while the
+        # others start (each takes its time: imports, compiling its sessions' rules)
+        beat = asyncio.get_running_loop().create_task(self._beat(), name="corral-worker-beat")
+        try:
+            for worker in self.workers:
+                await self._spawn(worker)
+        except BaseException:
+            beat.cancel()
+            raise
+        self._keepers = [beat, *(asyncio.get_running_loop().create_task(
             self._keep(worker), name=f"corral-worker-{worker.index}")
-            for worker in self.workers]
+            for worker in self.workers)]
+
+    async def _beat(self) -> None:
+        """Tell every worker, every BEAT seconds, that this loop runs: a worker that stops
+        hearing it stops serving (worker.py `watch`). A coordinator that is stopped or stuck
+        can neither record what the workers decide nor make a change reach them."""
+        while not self._stopping:
+            for worker in self.workers:
+                if worker.link is not None and not worker.link.closed.done():
+                    worker.link.send({"op": "beat"})
+            await asyncio.sleep(BEAT)
 
     async def _spawn(self, worker: WorkerProcess) -> None:
         async with worker.turn:
@@ -333,10 +360,14 @@ class Workers:
     async def held(self) -> dict[str, int]:
         """Open connections per session, in every worker."""
         found: dict[str, int] = {}
-        for reply in await asyncio.gather(*(self._ask_now(w, {"op": "held"})
-                                            for w in self.workers)):
-            for session, count in (reply or {}).get("held", {}).items():
-                found[session] = found.get(session, 0) + count
+        replies = await asyncio.gather(*(self._ask_now(w, {"op": "held"}) for w in self.workers))
+        for worker, reply in zip(self.workers, replies, strict=True):
+            held = (reply or {}).get("held")
+            if not isinstance(held, dict):
+                continue
+            for session, count in held.items():  # its own sessions', counted
+                if type(count) is int and count >= 0 and self.shard(session) == worker.index:
+                    found[session] = found.get(session, 0) + count
         return found
 
     async def authority_changed(self) -> None:
@@ -383,8 +414,12 @@ class Workers:
             if worker.ready and worker.link is not None:
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
                     reply = await worker.link.call({"op": "status"}, seconds=5.0)
+                    # what it says of itself, each of the type status shows: never which
+                    # worker it is, nor a count `status` could not add up
                     seen.update({k: v for k, v in reply.items()
-                                 if k not in ("op", "id", "error")})
+                                 if k in STATUS and type(v) is STATUS[k]})
+                    seen["sessions"] = [s for s in seen.get("sessions", ())
+                                        if type(s) is str and self.shard(s) == worker.index]
             return seen
         return list(await asyncio.gather(*(one(w) for w in self.workers)))
 
@@ -400,6 +435,7 @@ class Workers:
                     raise TypeError("not an object")
                 event = Event(raw)
                 check(event)  # emit checks only the type of what it is handed
+                self._own(worker, event)
                 self.bus.emit(event)
             except (TypeError, KeyError, ValueError) as exc:
                 log.error("worker %d sent an event that is not one (%s): dropped",
@@ -416,6 +452,29 @@ class Workers:
             self._waiting(worker, message)
             return None
         raise LinkError(f"unknown op {op!r}")
+
+    def _own(self, worker: WorkerProcess, event: Event) -> None:
+        """A worker reports its own sessions' flows (or a client's outside every session),
+        nothing else: another worker's session would spend that session's audit budget and
+        write its history, and a rule, an approval, a session or the log's own records are
+        the coordinator's (recorded whatever the budget, read as a person's decisions).
+        ValueError (the event is dropped) for anything else, or a field of the wrong type."""
+        session = event.get("session")
+        if session is not None and (type(session) is not str
+                                    or self.shard(session) != worker.index):
+            raise ValueError(f"an event for session {session!r:.80}, not the worker's")
+        if event["kind"] not in WORKER_KINDS:
+            raise ValueError(f"an event of kind {event['kind']!r:.40}")
+        for key in ("kind", "verdict", "reason", "client", "name", "address", "rule",
+                    "layer", "hint"):
+            if event.get(key) is not None and type(event[key]) is not str:
+                raise ValueError(f"an event whose {key} is not text")
+        for key, kinds in (("id", (int,)), ("port", (int,)), ("ts", (int, float))):
+            if event.get(key) is not None and type(event[key]) not in kinds:
+                raise ValueError(f"an event whose {key} is not a number")
+        if "id" in event and event["id"] >> 48 != worker.index + 1:
+            # ids are unique since the filter started: each worker has its range (_spawn)
+            raise ValueError(f"an event id {event['id']} outside worker {worker.index}'s")
 
     def _ask(self, worker: WorkerProcess, message: dict) -> dict:
         """A worker's request to open (or join) an approval. The coordinator judges what it
@@ -448,15 +507,22 @@ class Workers:
             raise LinkError(f"worker {worker.index} sent a wait that is not one")
         key = (worker.index, token)
         if delta == 1 and key not in self._waits:
+            # each wait is a connection held open there: no more than it may hold
+            if self._held_in[worker.index] >= self.store.config.proxy.max_connections:
+                raise LinkError(f"worker {worker.index} says more requests wait than it "
+                                "may hold connections")
             there = _there
             if self.holds.waiting_elsewhere(approval, counted, there):
                 self._waits[key] = (approval, counted, there)
+                self._held_in[worker.index] += 1
         elif delta == -1 and key in self._waits:
             approval, counted, there = self._waits.pop(key)
+            self._held_in[worker.index] -= 1
             self.holds.done_elsewhere(approval, counted, there)
 
     def _forget_waits(self, worker: WorkerProcess) -> None:
         """A worker that died: nothing waits there any more."""
+        self._held_in[worker.index] = 0
         for key in [k for k in self._waits if k[0] == worker.index]:
             approval, counted, there = self._waits.pop(key)
             self.holds.done_elsewhere(approval, counted, there)

@@ -44,6 +44,8 @@ class RemoteHolds:
         self._decided: dict[str, asyncio.Future[Ruling]] = {}
         self._ruled: OrderedDict[str, Ruling] = OrderedDict()
         self._tokens = itertools.count(1)
+        self._settled: list[tuple[str, str | None, str, bool]] = []
+        """Verdicts "policy" waiting for the change that gave them (`changed`)."""
 
     @staticmethod
     def _asked(session: str, decision: Decision, origin: str, client, name, port,
@@ -122,7 +124,23 @@ class RemoteHolds:
     def ruling(self, approval_id: str, grant: str | None, reason: str, still_open: bool
                ) -> None:
         """The coordinator's verdict for an approval: to the requests waiting for it here,
-        or kept for the next one that waits."""
+        or kept for the next one that waits. A "policy" one (a change allows it now) is
+        given while that change commits in the coordinator, and so sent before the change
+        itself: told now, the request would be judged again by the policy before it and
+        refused. It waits for the next change committed here (`changed`)."""
+        if grant == "policy":
+            self._settled.append((approval_id, grant, reason, still_open))
+            return
+        self._rule(approval_id, grant, reason, still_open)
+
+    def changed(self) -> None:
+        """A store listener: the change the "policy" verdicts came with is in force here."""
+        settled, self._settled = self._settled, []
+        for approval_id, grant, reason, still_open in settled:
+            self._rule(approval_id, grant, reason, still_open)
+
+    def _rule(self, approval_id: str, grant: str | None, reason: str, still_open: bool
+              ) -> None:
         verdict = Ruling(grant, reason)
         if not still_open:
             self.book.pending.pop(approval_id, None)

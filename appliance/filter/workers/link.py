@@ -187,6 +187,12 @@ class Link:
         if flags & socket.MSG_CTRUNC:  # descriptors the kernel dropped: a message lost them
             self.close(LinkError("descriptors were cut off a message (more than MAX_FDS)"))
             return
+        if self._fds and self.sends == PICKLE:
+            # the coordinator takes no descriptor from a worker: kept, each frame's would
+            # fill its table (the audit log, the control socket, the gateways need it)
+            log.error("workers: a worker sent descriptors, closing its link")
+            self.close(LinkError("a worker sent descriptors"))
+            return
         if not data:
             self.close(None)
             return

@@ -49,6 +49,12 @@ from .holds import RemoteHolds
 from .link import JSON, Link
 
 log = logging.getLogger("corral.filter")
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+"""<linux/prctl.h>, <linux/capability.h>."""
+STALE = 5.0
+"""Seconds without a beat from the coordinator (coordinator.py BEAT) before a worker stops
+serving."""
 LEARN_TIMEOUT = 5.0
 """Seconds a worker waits for the coordinator to teach the firewall: past it, nothing is
 learned (the connection the answer was for is refused, as when nftables refuses)."""
@@ -105,6 +111,8 @@ class Worker:
         """Gateway address -> the servers and transports listening there."""
         self.stopping = asyncio.Event()
         self.changing = asyncio.Lock()
+        self.beat = asyncio.get_running_loop().time()
+        """When the coordinator's loop was last heard from (`beat`)."""
 
     def handle(self, message: dict, fds: list[int]):
         op = message["op"]
@@ -133,6 +141,9 @@ class Worker:
             self.holds.ruling(message["approval"], message["grant"], message["reason"],
                               message["open"])
             return None
+        if op == "beat":
+            self.beat = asyncio.get_running_loop().time()
+            return None
         if op == "stop":
             self.stopping.set()
             return {}
@@ -151,6 +162,7 @@ class Worker:
         learner = Learner(self.link, Reach(self.store, self.frontends),
                           asyncio.get_running_loop())
         self.holds = RemoteHolds(self.link)
+        self.store.on_change(self.holds.changed)
         self.dns = DnsFilter(self.store, self.resolver, self.bus, config.gateway, learner,
                              config.firewall.learn_ttl_min, config.dns, self.holds,
                              self.frontends)
@@ -223,6 +235,23 @@ class Worker:
                                                   str(directory.key)))
         return {}
 
+    async def watch(self) -> None:
+        """Returns (and the worker ends) when the coordinator has not been heard for STALE
+        seconds: stopped or stuck, it records none of this worker's decisions and no
+        change reaches it (a revoke's call cannot even be made), so serving on would be
+        serving unrecorded, under a policy nobody can change. Its sessions then wait
+        unanswered, as while any worker is down, until the coordinator, running again,
+        starts the next. A round this worker's own loop was too busy to keep does not
+        count: beats may be waiting unread."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(STALE / 10)
+            now = loop.time()
+            if now - before < STALE / 5 and now - self.beat > STALE:
+                log.error("the coordinator was not heard for %.0fs: not serving", STALE)
+                return
+
     def status(self) -> dict:
         proxy = self.proxy
         return {"pid": os.getpid(), "sessions": replica.served(self.store),
@@ -241,8 +270,9 @@ class Worker:
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the coordinator says when
         closed = asyncio.ensure_future(self.link.closed)
         stopping = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait([closed, stopping], return_when=asyncio.FIRST_COMPLETED)
-        for task in (closed, stopping):
+        watching = asyncio.ensure_future(self.watch())
+        await asyncio.wait([closed, stopping, watching], return_when=asyncio.FIRST_COMPLETED)
+        for task in (closed, stopping, watching):
             task.cancel()
         for address in list(self.gateways):
             self.close(address)
@@ -254,28 +284,21 @@ class Worker:
         self.link.close()
 
 
-CAPABILITY_VERSION_3 = 0x20080522
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
-
-
 def drop_capabilities() -> None:
-    """Every capability the filter's unit gives it (CAP_NET_ADMIN for nftables,
-    CAP_NET_BIND_SERVICE for port 53) goes, for good: a worker binds nothing (its sockets
-    come bound) and never touches the firewall, so one that an agent's traffic subverts
-    cannot either. Raises OSError: a worker that cannot drop them does not serve."""
+    """The worker keeps none of the filter's capabilities (CAP_NET_ADMIN would let it load
+    any ruleset; systemd gives them to the filter as ambient ones, which exec passes on),
+    and can gain none again. It binds nothing (its gateways' sockets come bound) and
+    teaches the firewall through the coordinator; its resolver's sockets get the buffer
+    SO_RCVBUF allows rather than SO_RCVBUFFORCE's. Before any thread starts: capabilities
+    are each thread's, and a thread started later copies them."""
     libc = ctypes.CDLL(None, use_errno=True)
-    header, data = _CapHeader(CAPABILITY_VERSION_3, 0), (_CapData * 2)()
-    if libc.capset(ctypes.byref(header), data) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"capset: {os.strerror(error)}")
+    if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset: " + os.strerror(ctypes.get_errno()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    # Nothing of the coordinator's but the link (and its gateways' listeners, sent over
+    # it): uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C
+    # libraries open some without the mark (libnftables' netlink socket). A worker parses
+    # what agents send; it must not hold the firewall's socket.
+    os.closerange(3, args.link_fd)
+    os.closerange(args.link_fd + 1, os.sysconf("SC_OPEN_MAX"))
     drop_capabilities()
     faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
