@@ -20,28 +20,22 @@ Invariants it keeps, across processes:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
 
-from appliance.event import Event, check
-from appliance.firewall.learned import LearnedSet, Teaching
-from appliance.policy import Decision, Host
-from appliance.policy.grants import grant_of
-from appliance.policy.names import HostNameError, split_host_port
+from appliance.firewall.learned import LearnedSet
 from appliance.policystore import PolicyStore
 
-from ..approvals import Holds, approvable, decide_kind
+from ..approvals import Holds
 from ..events import EventBus
 from ..proxy.frontends import Frontends
 from . import replica
+from .inbox import Inbox
 from .link import PICKLE, Link, LinkError
+from .process import WorkerProcess
 
 log = logging.getLogger("corral.filter")
 
@@ -55,78 +49,8 @@ RESTART_DELAY_MAX."""
 RESTART_DELAY_MAX = 10.0
 STEADY = 30.0
 """Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
-STOP_TIMEOUT = 5.0
-STATUS = {"pid": int, "sessions": list, "active_connections": int, "proxy": dict,
-          "secrets": int, "dns": dict, "resolver": dict}
-"""What a worker's `status` answer may add to what the coordinator knows of it."""
 BEAT = 1.0
 """Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
-WORKER_KINDS = frozenset({"dns", "http", "connect", "tls", "git", "leak", "secret"})
-"""The kinds of event a worker emits: its sessions' flows and what was found in them."""
-
-
-def _denied_by_default(policy, decision: Decision) -> bool:
-    """Would the coordinator's policy deny what the grant names by its default alone (no
-    deny rule, no placeholder)? A worker's decision says so, but is not taken at its word."""
-    kind, target = grant_of(decision)
-    try:
-        name, port = split_host_port(target)
-        mine = decide_kind(policy, kind, Host(name=name), int(port) if port else None)
-    except (HostNameError, ValueError):
-        return False
-    return approvable(mine)
-
-
-def _there() -> bool:
-    """A request waiting in a worker is there until the worker says it stopped (it looks
-    for its client every half second, and again before a grant lets it go)."""
-    return True
-
-
-def _teaching(item) -> Teaching:
-    """A teaching as a worker wrote it, every field checked (the coordinator judges it
-    again, but does not trust its types)."""
-    fields = {"session": str, "name": str, "sandbox": str, "destination": str, "port": int,
-              "timeout": int}
-    if not isinstance(item, dict) or set(item) != set(fields) or not all(
-            type(item[k]) is kind for k, kind in fields.items()):
-        raise LinkError(f"not a teaching: {item!r:.200}")
-    if not 0 < item["port"] < 65536 or not 0 < item["timeout"] <= 1 << 31:
-        raise LinkError(f"a teaching's port or timeout out of range: {item!r:.200}")
-    try:
-        for key in ("sandbox", "destination"):
-            ipaddress.ip_address(item[key])
-    except ValueError as exc:
-        raise LinkError(f"a teaching's address: {exc}") from None
-    return Teaching(**item)
-
-
-class WorkerProcess:
-    """One worker process as the coordinator sees it."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.process: asyncio.subprocess.Process | None = None
-        self.link: Link | None = None
-        self.ready = False
-        """Started with the whole state and serving its gateways: changes go to it."""
-        self.turn = asyncio.Lock()
-        """Held while it starts, and while a change, the secrets, a new CA or a gateway is
-        sent and acknowledged: each reaches it after its start, never lost in between.
-        (Questions, verdicts and heard addresses are sent as they come.)"""
-        self.restarts = 0
-        self.started = 0
-        """How many processes have been started for this index (they tell event ids apart)."""
-
-    def kill(self) -> None:
-        self.ready = False  # (its waiting requests are forgotten by Workers._keep)
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-        if self.link is not None:
-            self.link.close()
-
-
 class Workers:
     def __init__(self, count: int, store: PolicyStore, bus: EventBus,
                  learned: LearnedSet | None, secrets, frontends: Frontends, holds: Holds, *,
@@ -136,15 +60,12 @@ class Workers:
         worker hears (and the other workers with it); `holds`: the approvals (ask mode),
         whose requests wait in the workers (workers/holds.py)."""
         self.count, self.store, self.bus, self.learned = count, store, bus, learned
-        self.secrets, self.frontends, self.holds = secrets, frontends, holds
-        holds.on_resolve = self._ruling
-        self._waits: dict[tuple[int, int], tuple[str, bool, Callable[[], bool]]] = {}
-        """(worker, its token) -> a request waiting there: (approval, counted, `there`)."""
-        self._held_in: Counter[int] = Counter()
-        """Worker index -> how many of `_waits` are its."""
+        self.secrets = secrets
         self.event_loop, self.log_level = event_loop, log_level
         self.workers = [WorkerProcess(i) for i in range(count)]
         self.shards = replica.Shards(count)
+        self.inbox = Inbox(store, bus, learned, holds, frontends, self.shards, self.workers)
+        """What the workers say, checked (inbox.py)."""
         self.gateways: dict[str, tuple[int, list[str], list[socket.socket]]] = {}
         """Gateway address -> (its worker, its listeners' keys, their sockets, kept open
         here while a worker serves them)."""
@@ -203,7 +124,7 @@ class Workers:
             finally:
                 theirs.close()
             worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker:
-                               self.handle(w, m, f))
+                               self.inbox.handle(w, m, f))
             try:
                 reply = await worker.link.call(
                     {"op": "start", "config": self.store.config, "count": self.count,
@@ -233,7 +154,7 @@ class Workers:
                                return_when=asyncio.FIRST_COMPLETED)
             worker.kill()
             code = await worker.process.wait()
-            self._forget_waits(worker)
+            self.inbox.forget_waits(worker)
             if self._stopping:
                 return
             worker.restarts += 1
@@ -256,27 +177,11 @@ class Workers:
         self._stopping = True
         for task in self._keepers:
             task.cancel()
-        async def stopped(worker: WorkerProcess) -> None:
-            if worker.link is not None and not worker.link.closed.done():
-                with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
-                    await worker.link.call({"op": "stop"}, seconds=STOP_TIMEOUT)
-        await asyncio.gather(*(stopped(w) for w in self.workers))
-        await asyncio.gather(*(self._ended(w) for w in self.workers))
+        await asyncio.gather(*(w.stop() for w in self.workers))
         for _, _, socks in self.gateways.values():
             for sock in socks:
                 sock.close()
         self.gateways.clear()
-
-    async def _ended(self, worker: WorkerProcess) -> None:
-        if worker.process is not None and worker.process.returncode is None:
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT):
-                    await worker.process.wait()
-            except TimeoutError:
-                worker.kill()
-                await worker.process.wait()
-        if worker.link is not None:
-            worker.link.close()
 
     # -- what the coordinator tells them ------------------------------------------------
     async def follow(self, before, after) -> None:
@@ -337,8 +242,8 @@ class Workers:
         index, _, socks = found
         worker = self.workers[index]
         if worker.link is not None and not worker.link.closed.done():
-            task = asyncio.get_running_loop().create_task(self._ask_now(
-                worker, {"op": "close", "address": address}))
+            task = asyncio.get_running_loop().create_task(worker.ask(
+                {"op": "close", "address": address}))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         for sock in socks:
@@ -356,19 +261,6 @@ class Workers:
         await asyncio.gather(*(self._call(w, lambda: {
             "op": "secrets", "key": self.secrets.key, "http": self.secrets.http()})
             for w in self.workers))
-
-    async def held(self) -> dict[str, int]:
-        """Open connections per session, in every worker."""
-        found: dict[str, int] = {}
-        replies = await asyncio.gather(*(self._ask_now(w, {"op": "held"}) for w in self.workers))
-        for worker, reply in zip(self.workers, replies, strict=True):
-            held = (reply or {}).get("held")
-            if not isinstance(held, dict):
-                continue
-            for session, count in held.items():  # its own sessions', counted
-                if type(count) is int and count >= 0 and self.shard(session) == worker.index:
-                    found[session] = found.get(session, 0) + count
-        return found
 
     async def authority_changed(self) -> None:
         """The interception CA was rotated: every worker signs with the new one before
@@ -391,15 +283,6 @@ class Workers:
                           made["op"], exc)
                 worker.kill()
 
-    async def _ask_now(self, worker: WorkerProcess, message: dict) -> dict | None:
-        """A question for `worker` (nothing changes): None when it cannot answer now."""
-        if not worker.ready or worker.link is None:
-            return None
-        try:
-            return await worker.link.call(message, seconds=5.0)
-        except (ConnectionError, LinkError, TimeoutError):
-            return None
-
     def unserved(self) -> dict[str, str]:
         """Sessions whose worker is down, and why they get no answer now."""
         return {session: f"its worker ({index}) is down: its queries and connections wait "
@@ -407,168 +290,10 @@ class Workers:
                 for session, index in self.shards.of.items()
                 if not self.workers[index].ready}
 
+    async def held(self) -> dict[str, int]:
+        """Open connections per session, in every worker (inbox.py)."""
+        return await self.inbox.held()
+
     async def describe(self) -> list[dict]:
-        """Each worker as `status` shows it."""
-        async def one(worker: WorkerProcess) -> dict:
-            seen = {"index": worker.index, "up": worker.ready, "restarts": worker.restarts}
-            if worker.ready and worker.link is not None:
-                with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
-                    reply = await worker.link.call({"op": "status"}, seconds=5.0)
-                    # what it says of itself, each of the type status shows: never which
-                    # worker it is, nor a count `status` could not add up
-                    seen.update({k: v for k, v in reply.items()
-                                 if k in STATUS and type(v) is STATUS[k]})
-                    seen["sessions"] = [s for s in seen.get("sessions", ())
-                                        if type(s) is str and self.shard(s) == worker.index]
-            return seen
-        return list(await asyncio.gather(*(one(w) for w in self.workers)))
-
-    # -- what they tell the coordinator -------------------------------------------------
-    def handle(self, worker: WorkerProcess, message: dict, fds: list[int]):
-        for fd in fds:  # a worker never sends descriptors
-            socket.socket(fileno=fd).close()
-        op = message["op"]
-        if op == "event":
-            try:
-                raw = message["event"]
-                if not isinstance(raw, dict):
-                    raise TypeError("not an object")
-                event = Event(raw)
-                check(event)  # emit checks only the type of what it is handed
-                self._own(worker, event)
-                self.bus.emit(event)
-            except (TypeError, KeyError, ValueError) as exc:
-                log.error("worker %d sent an event that is not one (%s): dropped",
-                          worker.index, exc)
-            return None
-        if op == "learn":
-            return self._learn(worker, message.get("teachings"))
-        if op == "heard":
-            self._heard(worker, message)
-            return None
-        if op == "ask":
-            return self._ask(worker, message)
-        if op == "waiting":
-            self._waiting(worker, message)
-            return None
-        raise LinkError(f"unknown op {op!r}")
-
-    def _own(self, worker: WorkerProcess, event: Event) -> None:
-        """A worker reports its own sessions' flows (or a client's outside every session),
-        nothing else: another worker's session would spend that session's audit budget and
-        write its history, and a rule, an approval, a session or the log's own records are
-        the coordinator's (recorded whatever the budget, read as a person's decisions).
-        ValueError (the event is dropped) for anything else, or a field of the wrong type."""
-        session = event.get("session")
-        if session is not None and (type(session) is not str
-                                    or self.shard(session) != worker.index):
-            raise ValueError(f"an event for session {session!r:.80}, not the worker's")
-        if event["kind"] not in WORKER_KINDS:
-            raise ValueError(f"an event of kind {event['kind']!r:.40}")
-        for key in ("kind", "verdict", "reason", "client", "name", "address", "rule",
-                    "layer", "hint"):
-            if event.get(key) is not None and type(event[key]) is not str:
-                raise ValueError(f"an event whose {key} is not text")
-        for key, kinds in (("id", (int,)), ("port", (int,)), ("ts", (int, float))):
-            if event.get(key) is not None and type(event[key]) not in kinds:
-                raise ValueError(f"an event whose {key} is not a number")
-        if "id" in event and event["id"] >> 48 != worker.index + 1:
-            # ids are unique since the filter started: each worker has its range (_spawn)
-            raise ValueError(f"an event id {event['id']} outside worker {worker.index}'s")
-
-    def _ask(self, worker: WorkerProcess, message: dict) -> dict:
-        """A worker's request to open (or join) an approval. The coordinator judges what it
-        may be: a session of that worker's, and something a person can approve under the
-        coordinator's own policy (approvable: never an IP literal, a deny rule's, the
-        appliance's own). Any approval mode: an agent may always ask (request.corral); the
-        worker holds requests in ask mode alone, as the proxy does in one process."""
-        fields = {"session": str, "reason": str, "hint": str, "origin": str, "note": str}
-        if not all(isinstance(message.get(k), kind) for k, kind in fields.items()) or not all(
-                message.get(k) is None or isinstance(message.get(k), kind)
-                for k, kind in (("client", str), ("name", str), ("port", int))):
-            raise LinkError(f"worker {worker.index} sent an ask that is not one")
-        session = message["session"]
-        current = self.store.sessions.get(session)
-        decision = Decision(False, message["reason"][:2000], None, message["hint"][:600])
-        if self.shard(session) != worker.index or current is None \
-                or not approvable(decision) \
-                or message["origin"] not in ("proxy", "dns", "agent") \
-                or not _denied_by_default(current.policy, decision):
-            return {"pending": None}
-        pending = self.holds.ask(session, decision, message["origin"], message.get("client"),
-                                 message.get("name"), message.get("port"), message["note"])
-        return {"pending": None if pending is None else pending.to_json()}
-
-    def _waiting(self, worker: WorkerProcess, message: dict) -> None:
-        approval, token, counted, delta = (message.get("approval"), message.get("token"),
-                                           message.get("counted"), message.get("delta"))
-        if not isinstance(approval, str) or type(token) is not int or \
-                type(counted) is not bool or delta not in (1, -1):
-            raise LinkError(f"worker {worker.index} sent a wait that is not one")
-        key = (worker.index, token)
-        if delta == 1 and key not in self._waits:
-            # each wait is a connection held open there: no more than it may hold
-            if self._held_in[worker.index] >= self.store.config.proxy.max_connections:
-                raise LinkError(f"worker {worker.index} says more requests wait than it "
-                                "may hold connections")
-            there = _there
-            if self.holds.waiting_elsewhere(approval, counted, there):
-                self._waits[key] = (approval, counted, there)
-                self._held_in[worker.index] += 1
-        elif delta == -1 and key in self._waits:
-            approval, counted, there = self._waits.pop(key)
-            self._held_in[worker.index] -= 1
-            self.holds.done_elsewhere(approval, counted, there)
-
-    def _forget_waits(self, worker: WorkerProcess) -> None:
-        """A worker that died: nothing waits there any more."""
-        self._held_in[worker.index] = 0
-        for key in [k for k in self._waits if k[0] == worker.index]:
-            approval, counted, there = self._waits.pop(key)
-            self.holds.done_elsewhere(approval, counted, there)
-
-    def _ruling(self, pending, verdict) -> None:
-        """A verdict for an approval: to the worker of its session, where its requests
-        wait (or the next will)."""
-        index = self.shard(pending.session)
-        if index is None:
-            return  # its session went: its worker closed its connections
-        worker = self.workers[index]
-        if worker.link is not None and not worker.link.closed.done():
-            worker.link.send({"op": "ruling", "approval": pending.id, "grant": verdict.grant,
-                              "reason": verdict.reason,
-                              "open": pending.id in self.holds.book.pending})
-
-    def _heard(self, worker: WorkerProcess, message: dict) -> None:
-        """An inspected name's addresses, as a worker's resolver fetched them: into the
-        coordinator's book (revocation judges learned elements by it) and every other
-        worker's (their neighbours' tunnels are judged by theirs). A worker can only make
-        more addresses count as an inspected host's: more is refused, never less."""
-        name, addresses, ttl = message.get("name"), message.get("addresses"), message.get("ttl")
-        if not isinstance(name, str) or len(name) > 253 or not isinstance(addresses, list) \
-                or not 0 < len(addresses) <= 64 or type(ttl) is not int or not 0 <= ttl < 1 << 31:
-            raise LinkError(f"worker {worker.index} sent a heard answer that is not one")
-        try:
-            heard = replica.Heard([ipaddress.ip_address(a) for a in addresses], ttl)
-        except (ValueError, TypeError) as exc:
-            raise LinkError(f"a heard answer's address: {exc}") from None
-        self.frontends.heard(name, heard)
-        relayed = {"op": "heard", "name": name, "addresses": addresses, "ttl": ttl}
-        for other in self.workers:
-            if other is not worker and other.ready and other.link is not None \
-                    and not other.link.closed.done():
-                other.link.send(relayed)
-
-    async def _learn(self, worker: WorkerProcess, teachings) -> dict:
-        if self.learned is None:
-            return {"taught": [], "refused": "the filter has no firewall to teach"}
-        if not isinstance(teachings, list):
-            raise LinkError("teachings must be a list")
-        asked = [_teaching(t) for t in teachings]
-        foreign = [t for t in asked if self.shard(t.session) != worker.index]
-        if foreign:
-            raise LinkError(f"worker {worker.index} taught for session "
-                            f"{foreign[0].session!r}, which it does not serve")
-        learned = await asyncio.get_running_loop().run_in_executor(
-            None, self.learned.learn, asked)
-        return {"taught": [asdict(t) for t in learned.taught], "refused": learned.refused}
+        """Each worker as `status` shows it (inbox.py)."""
+        return await self.inbox.describe()

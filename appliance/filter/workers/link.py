@@ -12,7 +12,7 @@ directions are encoded differently on purpose:
   unpickled, and every field is checked (coordinator.py). The link is one wall, not all
   of them: a worker runs as the filter's user, and so reaches its files (the state
   directory: the audit log, the secrets); it keeps no capability (worker.py
-  drop_capabilities), so it cannot touch the firewall or bind a port.
+  confine.py), so it cannot touch the firewall or bind a port.
 
 `Frames` is the pure decoder (bytes in, bodies out); `Link` puts it on a socket with the
 event loop's reader and writer callbacks. Descriptors sent with a frame arrive no later

@@ -19,24 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import faulthandler
 import ipaddress
-import itertools
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import asdict
-
-from appliance.firewall.learned import Learned, Teaching
-from appliance.policy import Decision
 
 from ..dns.filter import DnsFilter
 from ..dns.resolver import Resolver
-from ..events import EventBus
 from ..plane import interception, loop_factory, servers, tune_gc
 from ..proxy import Proxy
 from ..proxy.credentials import Credentials
@@ -45,61 +38,15 @@ from ..proxy.inspect import Authority
 from ..redact import LogFilter
 from ..revocation import Reach
 from . import replica
+from .confine import confine
 from .holds import RemoteHolds
 from .link import JSON, Link
+from .outbox import Learner, RelayBus
 
 log = logging.getLogger("corral.filter")
-PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
-CAPABILITY_VERSION_3 = 0x20080522
-"""<linux/prctl.h>, <linux/capability.h>."""
 STALE = 5.0
 """Seconds without a beat from the coordinator (coordinator.py BEAT) before a worker stops
 serving."""
-LEARN_TIMEOUT = 5.0
-"""Seconds a worker waits for the coordinator to teach the firewall: past it, nothing is
-learned (the connection the answer was for is refused, as when nftables refuses)."""
-
-
-class RelayBus(EventBus):
-    """The worker's bus: each event, made printable and redacted here as anywhere, goes to
-    the coordinator's bus (which checks it again, records it and tells subscribers)."""
-
-    def __init__(self, link: Link | None, first_id: int):
-        super().__init__()
-        self.link = link
-        self._ids = itertools.count(first_id)
-
-    def emit(self, event):
-        event = super().emit(event)
-        if self.link is not None and not self.link.closed.done():
-            self.link.send({"op": "event", "event": event})
-        return event
-
-
-class Learner:
-    """The firewall's learned set, as the DNS filter uses it (`learn`, on an executor
-    thread): judged here first (this worker's policy and the inspected hosts' addresses it
-    has seen), then taught by the coordinator, which judges again with its own."""
-
-    def __init__(self, link: Link, reach: Reach, loop: asyncio.AbstractEventLoop):
-        self.link, self.reach, self.loop = link, reach, loop
-
-    def learn(self, teachings: list[Teaching]) -> Learned:
-        allowed, refused = [], []
-        for teaching in teachings:
-            decision: Decision = self.reach.may_reach(
-                teaching.session, (teaching.sandbox, teaching.destination, teaching.port),
-                teaching.name)
-            (allowed if decision.allowed else refused).append(
-                teaching if decision.allowed else decision.reason)
-        if not allowed:
-            return Learned([], "; ".join(refused) or None)
-        call = self.link.call({"op": "learn", "teachings": [asdict(t) for t in allowed]},
-                              seconds=LEARN_TIMEOUT)
-        reply = asyncio.run_coroutine_threadsafe(call, self.loop).result(LEARN_TIMEOUT + 1)
-        taught = [Teaching(**t) for t in reply["taught"]]
-        why = [*refused, *([reply["refused"]] if reply.get("refused") else [])]
-        return Learned(taught, "; ".join(why) or None)
 
 
 class Worker:
@@ -284,23 +231,6 @@ class Worker:
         self.link.close()
 
 
-def drop_capabilities() -> None:
-    """The worker keeps none of the filter's capabilities (CAP_NET_ADMIN would let it load
-    any ruleset; systemd gives them to the filter as ambient ones, which exec passes on),
-    and can gain none again. It binds nothing (its gateways' sockets come bound) and
-    teaches the firewall through the coordinator; its resolver's sockets get the buffer
-    SO_RCVBUF allows rather than SO_RCVBUFFORCE's. Before any thread starts: capabilities
-    are each thread's, and a thread started later copies them."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
-            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))
-    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
-    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words
-    if libc.capset(header, data) != 0:
-        raise OSError(ctypes.get_errno(), "capset: " + os.strerror(ctypes.get_errno()))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="corral-filter worker")
     parser.add_argument("--link-fd", type=int, required=True)
@@ -309,13 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    # Nothing of the coordinator's but the link (and its gateways' listeners, sent over
-    # it): uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C
-    # libraries open some without the mark (libnftables' netlink socket). A worker parses
-    # what agents send; it must not hold the firewall's socket.
-    os.closerange(3, args.link_fd)
-    os.closerange(args.link_fd + 1, os.sysconf("SC_OPEN_MAX"))
-    drop_capabilities()
+    confine(args.link_fd)  # before anything else, and before any thread starts
     faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "

@@ -197,7 +197,7 @@ def test_a_process_with_a_workers_credentials_cannot_change_the_policy(pair):
     code = (
         "import json, os, socket, sys\n"
         f"os.setgroups([]); os.setgid({gid}); os.setuid({uid})\n"
-        "from appliance.filter.workers.worker import drop_capabilities\n"
+        "from appliance.filter.workers.confine import drop_capabilities\n"
         "drop_capabilities()\n"
         "s = socket.socket(socket.AF_UNIX)\n"
         "try:\n"

@@ -45,9 +45,9 @@ def coordinator(tmp_path):
 
 def test_an_ask_opens_an_approval_only_where_a_person_may_grant_it(coordinator):
     one = coordinator.workers[1]
-    opened = coordinator._ask(one, {**ASK, "session": "w3"})["pending"]
+    opened = coordinator.inbox._ask(one, {**ASK, "session": "w3"})["pending"]
     assert opened["session"] == "w3" and opened["target"] == "other.test:443"
-    assert list(coordinator.holds.book.pending) == [opened["id"]]
+    assert list(coordinator.inbox.holds.book.pending) == [opened["id"]]
     assert [e["action"] for e in coordinator.bus.recent] == ["pending"]
     refused = [
         {**ASK, "session": "w1"},    # another worker's session
@@ -61,41 +61,42 @@ def test_an_ask_opens_an_approval_only_where_a_person_may_grant_it(coordinator):
         {**ASK, "session": "w3", "hint": "corral allow-http blocked.test:443"},
     ]
     for message in refused:
-        assert coordinator._ask(one, message) == {"pending": None}, message
-    assert len(coordinator.holds.book.pending) == 1
+        assert coordinator.inbox._ask(one, message) == {"pending": None}, message
+    assert len(coordinator.inbox.holds.book.pending) == 1
     # an agent may ask in any approval mode (request.corral): w6 denies at once
-    assert coordinator._ask(coordinator.workers[1], {**ASK, "session": "w6", "origin": "agent"}
-                            )["pending"]["session"] == "w6"
+    asked = coordinator.inbox._ask(coordinator.workers[1],
+                                   {**ASK, "session": "w6", "origin": "agent"})
+    assert asked["pending"]["session"] == "w6"
     for broken in ({**ASK, "session": 3}, {**ASK, "session": "w3", "port": "443"},
                    {k: v for k, v in ASK.items() if k != "reason"}):
         with pytest.raises(LinkError):
-            coordinator._ask(one, broken)
+            coordinator.inbox._ask(one, broken)
 
 
 def test_a_wait_is_counted_once_and_forgotten_with_its_worker(coordinator):
     one = coordinator.workers[1]
-    pending_id = coordinator._ask(one, {**ASK, "session": "w3"})["pending"]["id"]
-    pending = coordinator.holds.book.pending[pending_id]
+    pending_id = coordinator.inbox._ask(one, {**ASK, "session": "w3"})["pending"]["id"]
+    pending = coordinator.inbox.holds.book.pending[pending_id]
     wait = {"op": "waiting", "approval": pending_id, "counted": True}
-    coordinator._waiting(one, {**wait, "token": 1, "delta": 1})
-    coordinator._waiting(one, {**wait, "token": 1, "delta": 1})  # said twice: counted once
-    coordinator._waiting(one, {**wait, "token": 2, "delta": 1})
-    assert (pending.waiting, pending.held, coordinator.holds.present(pending_id)) == (2, 2, 2)
-    coordinator._waiting(one, {**wait, "token": 2, "delta": -1})
-    coordinator._waiting(one, {**wait, "token": 2, "delta": -1})  # again: nothing
+    coordinator.inbox._waiting(one, {**wait, "token": 1, "delta": 1})
+    coordinator.inbox._waiting(one, {**wait, "token": 1, "delta": 1})  # said twice: counted once
+    coordinator.inbox._waiting(one, {**wait, "token": 2, "delta": 1})
+    assert (pending.waiting, pending.held, coordinator.inbox.holds.present(pending_id)) == (2, 2, 2)
+    coordinator.inbox._waiting(one, {**wait, "token": 2, "delta": -1})
+    coordinator.inbox._waiting(one, {**wait, "token": 2, "delta": -1})  # again: nothing
     assert (pending.waiting, pending.held) == (1, 1)
-    coordinator._forget_waits(one)  # the worker died
-    assert (pending.waiting, pending.held, coordinator.holds.present(pending_id)) == (0, 0, 0)
-    coordinator._waiting(one, {**wait, "token": 3, "delta": 1, "approval": "ap-none"})
-    assert coordinator._waits == {}  # a closed approval: nothing waits for it
+    coordinator.inbox.forget_waits(one)  # the worker died
+    assert (pending.waiting, pending.held, coordinator.inbox.holds.present(pending_id)) == (0, 0, 0)
+    coordinator.inbox._waiting(one, {**wait, "token": 3, "delta": 1, "approval": "ap-none"})
+    assert coordinator.inbox._waits == {}  # a closed approval: nothing waits for it
     with pytest.raises(LinkError):
-        coordinator._waiting(one, {**wait, "token": 4, "delta": 2})
+        coordinator.inbox._waiting(one, {**wait, "token": 4, "delta": 2})
 
 
 def test_a_heard_answer_is_checked_before_it_reaches_the_book(coordinator):
     async def main():
         zero = coordinator.workers[0]
-        coordinator._heard(zero, {"op": "heard", "name": "x.test", "addresses": ["192.0.2.9"],
+        coordinator.inbox._heard(zero, {"op": "heard", "name": "x.test", "addresses": ["192.0.2.9"],
                                   "ttl": 30})
         for broken in ({"name": "x.test", "addresses": ["not an address"], "ttl": 30},
                        {"name": "x.test", "addresses": [], "ttl": 30},
@@ -103,5 +104,5 @@ def test_a_heard_answer_is_checked_before_it_reaches_the_book(coordinator):
                        {"name": "x" * 300, "addresses": ["192.0.2.9"], "ttl": 30},
                        {"name": "x.test", "addresses": ["192.0.2.9"], "ttl": -1}):
             with pytest.raises(LinkError):
-                coordinator._heard(zero, {"op": "heard", **broken})
+                coordinator.inbox._heard(zero, {"op": "heard", **broken})
     asyncio.run(main())

@@ -68,13 +68,13 @@ def test_a_worker_records_only_its_own_sessions_flows(coordinator):
         flow(verdict=["deny"]),
     ]
     for event in forged:
-        coordinator.handle(one, {"op": "event", "event": event}, [])
+        coordinator.inbox.handle(one, {"op": "event", "event": event}, [])
     assert list(bus.recent) == [] and bus.audit.records == []
-    coordinator.handle(one, {"op": "event", "event": flow()}, [])
+    coordinator.inbox.handle(one, {"op": "event", "event": flow()}, [])
     assert [(e["session"], e["kind"]) for e in bus.recent] == [("w3", "dns")]
     assert len(bus.audit.records) == 1
     # a session that is nobody's (a client outside every session) is the worker's to report
-    coordinator.handle(one, {"op": "event", "event": flow(session=None)}, [])
+    coordinator.inbox.handle(one, {"op": "event", "event": flow(session=None)}, [])
     assert len(bus.recent) == 2
 
 
@@ -143,12 +143,12 @@ def test_a_worker_cannot_say_more_requests_wait_than_it_can_hold(coordinator):
     coordinator's memory for as long as it cared to."""
     most = coordinator.store.config.proxy.max_connections  # what a worker can hold open
     one = coordinator.workers[1]
-    pending = coordinator.holds.ask("w3", Decision(False, "not allowed", None,
+    pending = coordinator.inbox.holds.ask("w3", Decision(False, "not allowed", None,
                                                    "corral allow-http other.test:443"), "proxy")
     for token in range(most + 1000):
         try:
-            coordinator._waiting(one, {"op": "waiting", "approval": pending.id,
+            coordinator.inbox._waiting(one, {"op": "waiting", "approval": pending.id,
                                        "token": token, "counted": True, "delta": 1})
         except LinkError:
             break
-    assert len(coordinator._waits) <= most
+    assert len(coordinator.inbox._waits) <= most

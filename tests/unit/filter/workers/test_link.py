@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from appliance.filter.workers import link
-from appliance.filter.workers.coordinator import _teaching
+from appliance.filter.workers.inbox import _teaching
 from appliance.filter.workers.link import JSON, PICKLE, Frames, Link, LinkError
 
 

@@ -1,0 +1,39 @@
+"""What a worker gives up as it starts, before it reads a byte an agent sent: every
+descriptor of the coordinator's but its link, and every capability.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+"""<linux/prctl.h>, <linux/capability.h>."""
+
+
+def confine(link_fd: int) -> None:
+    """Nothing of the coordinator's but the link (its gateways' listeners come over it):
+    uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C libraries
+    open some without the mark (libnftables' netlink socket). A worker parses what agents
+    send; it must not hold the firewall's socket, nor the right to open another."""
+    os.closerange(3, link_fd)
+    os.closerange(link_fd + 1, os.sysconf("SC_OPEN_MAX"))
+    drop_capabilities()
+
+
+def drop_capabilities() -> None:
+    """The worker keeps none of the filter's capabilities (CAP_NET_ADMIN would let it load
+    any ruleset; systemd gives them to the filter as ambient ones, which exec passes on),
+    and can gain none again. It binds nothing (its gateways' sockets come bound) and
+    teaches the firewall through the coordinator; its resolver's sockets get the buffer
+    SO_RCVBUF allows rather than SO_RCVBUFFORCE's. Before any thread starts: capabilities
+    are each thread's, and a thread started later copies them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset: " + os.strerror(ctypes.get_errno()))
