@@ -515,9 +515,14 @@ class Bench:
                   else cgroups.layout(list(groups.values())))
         self._stop_filter()
         (d / "noisy.toml").write_text(NOISY_FILTER.format(dir=d, up=UPSTREAM))
-        noisy_filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                   str(d / "noisy.toml")], d / "noisy-filter.log", FILTER_NOFILE,
-                             cgroup=groups.get("filter"))
+        try:
+            noisy_filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                       str(d / "noisy.toml")], d / "noisy-filter.log",
+                                 FILTER_NOFILE, cgroup=groups.get("filter"))
+        except BaseException:
+            for group in groups.values():
+                group.remove()
+            raise
         try:
             wait_port(CLIENT, GATEWAY, 3128, "corral-filter (defaults)")
             cached = [f"n{i}.allowed.test" for i in range(10)]
@@ -532,8 +537,10 @@ class Bench:
 
             def probe(argv: list[str]) -> dict:  # A's numbers, and how long the filter's
                 waited = _run_queue_wait(pid)    # loop waited for a core meanwhile
+                began = time.monotonic()
                 result = self._noisy_run(CLIENT, argv)
-                result["wait_ms_s"] = (_run_queue_wait(pid) - waited) * 1e3 / seconds
+                result["wait_ms_s"] = ((_run_queue_wait(pid) - waited) * 1e3
+                                       / (time.monotonic() - began))
                 return result
 
             for _ in range(self.args.reps):
@@ -579,9 +586,11 @@ class Bench:
     def _noisy_run(self, ns: str, argv: list[str]) -> dict:
         """Session A's probe, in A's cgroup."""
         group = self.groups.get("a")
-        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "bench.noisy",
-                              *argv], capture_output=True, text=True, timeout=120, check=True,
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.noisy", *argv]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120,
                              preexec_fn=group.join if group is not None else None)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)}: {out.stderr.strip() or out.stdout}")
         return json.loads(out.stdout)
 
     def _neighbour(self, seconds: int) -> list[subprocess.Popen]:
