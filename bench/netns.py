@@ -71,7 +71,7 @@ def topology() -> None:
 
 
 def spawn(ns: str, args: list[str], log: Path, nofile: int | None = None,
-          stdin=None) -> subprocess.Popen:
+          stdin=None, cgroup=None) -> subprocess.Popen:
     out = open(log, "ab")  # noqa: SIM115 - the child keeps it
 
     def limit():  # as far as this host lets root go (a container may cap the hard limit)
@@ -83,9 +83,15 @@ def spawn(ns: str, args: list[str], log: Path, nofile: int | None = None,
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
+    def prepare():  # in the child, before it runs the command: its limit and cgroup
+        if nofile:
+            limit()
+        if cgroup is not None:
+            cgroup.join()
+
     return subprocess.Popen(["ip", "netns", "exec", ns, *args], stdout=out, stderr=out,
                             stdin=stdin, start_new_session=True,
-                            preexec_fn=limit if nofile else None)
+                            preexec_fn=prepare if nofile or cgroup is not None else None)
 
 
 def wait_port(ns: str, host: str, port: int, what: str, timeout: float = 30) -> None:

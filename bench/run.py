@@ -40,7 +40,8 @@ import time
 import timeit
 from pathlib import Path
 
-from . import inspected, start, targets
+from . import cgroups, inspected, start, targets
+from .cgroups import CpuGroup
 from .netns import (
     APP,
     CLIENT,
@@ -79,6 +80,8 @@ class Bench:
         self.dir, self.args = directory, args
         self.processes: list[subprocess.Popen] = []
         self.rows: list[dict] = []
+        self.groups: dict[str, CpuGroup] = {}
+        """The noisy neighbour's CPU cgroups while it runs (bench/cgroups.py)."""
 
     # -- the servers -----------------------------------------------------------------------
 
@@ -526,12 +529,27 @@ class Bench:
         random denied names, holds connections and tunnels up to its caps and sends the
         worst DNS packets there are: A's answered rate and p99 against its own, unloaded,
         measured in the same rep. Runs a filter with the appliance's defaults in place of
-        the benchmark's, and puts the benchmark's back afterwards."""
+        the benchmark's, and puts the benchmark's back afterwards. The processes sit in CPU
+        cgroups as on an appliance (bench/cgroups.py): the filter in its slice's, A and B in
+        one each, as podman runs a sandbox; --noisy-flat keeps them all in one, as before."""
         d, seconds = self.dir, self.args.noisy_seconds
+        flat = self.args.noisy_flat
+        groups = {} if flat else {"filter": CpuGroup(PREFIX + "filter", cgroups.FILTER_WEIGHT),
+                                  "a": CpuGroup(PREFIX + "a", cgroups.SANDBOX_WEIGHT),
+                                  "b": CpuGroup(PREFIX + "b", cgroups.SANDBOX_WEIGHT)}
+        self.groups = groups
+        layout = ("one cgroup for all (--noisy-flat)" if flat
+                  else cgroups.layout(list(groups.values())))
         self._stop_filter()
         (d / "noisy.toml").write_text(NOISY_FILTER.format(dir=d, up=UPSTREAM))
-        noisy_filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                   str(d / "noisy.toml")], d / "noisy-filter.log", FILTER_NOFILE)
+        try:
+            noisy_filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
+                                       str(d / "noisy.toml")], d / "noisy-filter.log",
+                                 FILTER_NOFILE, cgroup=groups.get("filter"))
+        except BaseException:
+            for group in groups.values():
+                group.remove()
+            raise
         try:
             wait_port(CLIENT, GATEWAY, 3128, "corral-filter (defaults)")
             cached = [f"n{i}.allowed.test" for i in range(10)]
@@ -542,14 +560,24 @@ class Bench:
                                               "bulk.allowed.test:443", "50", str(seconds)]}
             results: dict[str, dict[str, list[dict]]] = {m: {"alone": [], "noisy": []}
                                                          for m in victim}
+            pid = noisy_filter.pid
+
+            def probe(argv: list[str]) -> dict:  # A's numbers, and how long the filter's
+                waited = _run_queue_wait(pid)    # loop waited for a core meanwhile
+                began = time.monotonic()
+                result = self._noisy_run(CLIENT, argv)
+                result["wait_ms_s"] = ((_run_queue_wait(pid) - waited) * 1e3
+                                       / (time.monotonic() - began))
+                return result
+
             for _ in range(self.args.reps):
                 for metric, argv in victim.items():  # warm the caches, then alone
                     self._noisy_run(CLIENT, argv)
-                    results[metric]["alone"].append(self._noisy_run(CLIENT, argv))
+                    results[metric]["alone"].append(probe(argv))
                 load = self._neighbour(seconds * len(victim) + 3)
                 try:
                     for metric, argv in victim.items():
-                        results[metric]["noisy"].append(self._noisy_run(CLIENT, argv))
+                        results[metric]["noisy"].append(probe(argv))
                 finally:
                     for process in load:
                         with contextlib.suppress(ProcessLookupError):
@@ -557,16 +585,19 @@ class Bench:
                         process.wait()
             for metric, runs in results.items():
                 alone = {k: statistics.median(r[k] for r in runs["alone"])
-                         for k in ("rate", "p50_us", "p99_us")}
+                         for k in ("rate", "p50_us", "p99_us", "wait_ms_s")}
                 noisy = {k: statistics.median(r[k] for r in runs["noisy"])
-                         for k in ("rate", "p50_us", "p99_us")}
+                         for k in ("rate", "p50_us", "p99_us", "wait_ms_s")}
                 row = {"metric": f"noisy neighbour: {metric}", "tool": "corral",
                        "unit": "answered/s", "value": noisy["rate"],
                        "n": len(runs["noisy"]),
                        "ratio_alone": round(noisy["rate"] / alone["rate"], 3),
                        "p50_us": noisy["p50_us"], "p99_us": noisy["p99_us"],
                        "alone_p50_us": alone["p50_us"], "alone_p99_us": alone["p99_us"],
-                       "p99_ratio": round(noisy["p99_us"] / alone["p99_us"], 2)}
+                       "p99_ratio": round(noisy["p99_us"] / alone["p99_us"], 2),
+                       "cgroups": layout,
+                       "filter_wait_ms_s": round(noisy["wait_ms_s"], 1),
+                       "alone_filter_wait_ms_s": round(alone["wait_ms_s"], 1)}
                 self.rows.append(row)
                 print(f"  {row['metric']:<48} {row['value']:>8} /s ({row['ratio_alone']:.2f} "
                       f"of alone; p99 {row['p99_ratio']:.2f}x)", flush=True)
@@ -574,11 +605,20 @@ class Bench:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(noisy_filter.pid, signal.SIGTERM)
             noisy_filter.wait(10)
+            for group in groups.values():
+                group.remove()
+            self.groups = {}
             self._start_filter()
 
     def _noisy_run(self, ns: str, argv: list[str]) -> dict:
-        return json.loads(sh(sys.executable, "-m", "bench.noisy", *argv, ns=ns,
-                             timeout=120).stdout)
+        """Session A's probe, in A's cgroup."""
+        group = self.groups.get("a")
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.noisy", *argv]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                             preexec_fn=group.join if group is not None else None)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)}: {out.stderr.strip() or out.stdout}")
+        return json.loads(out.stdout)
 
     def _neighbour(self, seconds: int) -> list[subprocess.Popen]:
         """Session B at its worst, for `seconds`: a flood of random denied names, tunnels and
@@ -588,12 +628,14 @@ class Bench:
         names.write_text("".join(f"x{random.getrandbits(48):x}.denied.test A\n"
                                  for _ in range(100_000)))
         flood = spawn(NOISY, ["dnsperf", "-s", NOISY_GATEWAY, "-p", "5300", "-d", str(names),
-                              "-l", str(seconds), "-q", "500", "-c", "4"], d / "flood.log")
+                              "-l", str(seconds), "-q", "500", "-c", "4"], d / "flood.log",
+                      cgroup=self.groups.get("b"))
         holder = spawn(NOISY, [sys.executable, "-m", "bench.noisy", "hold",
                                f"{NOISY_GATEWAY}:3128", "bulk.allowed.test:443", "400"],
-                       d / "hold.log", stdin=subprocess.PIPE)
+                       d / "hold.log", stdin=subprocess.PIPE, cgroup=self.groups.get("b"))
         bombs = spawn(NOISY, [sys.executable, "-m", "bench.noisy", "bombs",
-                              f"{NOISY_GATEWAY}:5300", str(seconds)], d / "bombs.log")
+                              f"{NOISY_GATEWAY}:5300", str(seconds)], d / "bombs.log",
+                      cgroup=self.groups.get("b"))
         deadline = time.monotonic() + 30
         while b"held" not in (d / "hold.log").read_bytes():  # B sits at its caps now
             if time.monotonic() > deadline or holder.poll() is not None:
@@ -668,6 +710,12 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
+def _run_queue_wait(pid: int) -> float:
+    """Seconds a process's main thread (an event loop's) has waited on the run queue for a
+    core, runnable but not running (schedstat)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
 def _process_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -731,6 +779,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "alone_p99_us" in r:
             latency += (f" (alone {r['alone_p50_us']:.0f} / {r['alone_p99_us']:.0f}: "
                         f"p99 {r['p99_ratio']}x)")
+        if "cgroups" in r:
+            latency += (f"; the filter's loop waited for a core {r['filter_wait_ms_s']} ms a "
+                        f"second (alone {r['alone_filter_wait_ms_s']}); {r['cgroups']}")
         ratio = r.get("ratio_direct", r.get("ratio_alone", ""))
         if "ratio_alone" in r:
             ratio = f"{ratio} of alone"
@@ -751,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connects", type=int, default=1000)
     parser.add_argument("--tunnels", type=int, default=1000)
     parser.add_argument("--noisy-seconds", type=int, default=4)
+    parser.add_argument("--noisy-flat", action="store_true",
+                        help="the noisy neighbour's processes all in one cgroup (not as an "
+                             "appliance runs them: to compare)")
     parser.add_argument("--inspect-requests", type=int, default=500,
                         help="inspected keep-alive requests per connection")
     parser.add_argument("--inspect-connects", type=int, default=20,

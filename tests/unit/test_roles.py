@@ -215,6 +215,20 @@ def test_every_role_default_a_config_template_writes_is_the_loaders_default():
                                       for t, k, _ in templated_keys(r, n)}
 
 
+def test_the_filter_is_ahead_of_the_sandboxes_for_the_cpu():
+    """The filter serves every session: under a flood it is never one equal among a
+    sandbox's processes (bench/: its loop waited for a core longer than it ran), so it
+    runs in a slice of its own, beside machine.slice (podman's sandboxes), with ten times
+    the default CPU weight. The bench reads the weight from here (bench/cgroups.py)."""
+    filter_unit = render("corral_filter", "etc/systemd/system/corral-filter.service.j2")
+    slice_unit = render("corral_filter", "etc/systemd/system/corral.slice.j2")
+    assert "Slice=corral.slice\n" in filter_unit
+    assert "[Slice]\nCPUWeight=1000\n" in slice_unit
+    tasks = yaml.safe_load((ROOT / "roles/corral_filter/tasks/main.yml").read_text())
+    written = [f["dest"] for t in tasks for f in t.get("corral_files", {}).get("files", [])]
+    assert "/etc/systemd/system/corral.slice" in written
+
+
 def test_units_are_hardened_and_ordered():
     filter_unit = render("corral_filter", "etc/systemd/system/corral-filter.service.j2")
     api_unit = render("corral_api", "etc/systemd/system/corral-api.service.j2")
