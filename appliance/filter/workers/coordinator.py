@@ -51,6 +51,8 @@ STEADY = 30.0
 """Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
 BEAT = 1.0
 """Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
+
+
 class Workers:
     def __init__(self, count: int, store: PolicyStore, bus: EventBus,
                  learned: LearnedSet | None, secrets, frontends: Frontends, holds: Holds, *,
@@ -127,9 +129,9 @@ class Workers:
                                self.inbox.handle(w, m, f))
             try:
                 reply = await worker.link.call(
-                    {"op": "start", "config": self.store.config, "count": self.count,
+                    {"op": "start", "config": self.store.config,
                      "state": replica.state_for(None, self.store,
-                                             self.shards.serves(worker.index)),
+                                                self.shards.serves(worker.index)),
                      "key": self.secrets.key, "http": self.secrets.http()},
                     seconds=START_TIMEOUT)
                 for address, (index, keys, socks) in list(self.gateways.items()):
@@ -198,7 +200,7 @@ class Workers:
                 await worker.link.call(
                     {"op": "change",
                      "state": replica.state_for(before, after,
-                                             self.shards.serves(worker.index))},
+                                                self.shards.serves(worker.index))},
                     seconds=CHANGE_TIMEOUT)
             except (ConnectionError, LinkError, TimeoutError) as exc:
                 log.error("worker %d did not take a change (%s): started again with the "
@@ -240,14 +242,18 @@ class Workers:
         if found is None:
             return
         index, _, socks = found
-        worker = self.workers[index]
-        if worker.link is not None and not worker.link.closed.done():
-            task = asyncio.get_running_loop().create_task(worker.ask(
-                {"op": "close", "address": address}))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        task = asyncio.get_running_loop().create_task(self._close(self.workers[index],
+                                                                  address))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         for sock in socks:
             sock.close()
+
+    async def _close(self, worker: WorkerProcess, address: str) -> None:
+        """In its turn: a worker starting meanwhile may have served the gateway already
+        (its start serves every gateway it is given); once started, it is told."""
+        async with worker.turn:
+            await worker.ask({"op": "close", "address": address})
 
     async def closed(self) -> None:
         """Every gateway `close` asked for is closed in its worker (or the worker is gone:
