@@ -21,18 +21,15 @@ from tests.helpers import stop
 
 from .test_workers import (
     ONE,
-    POLICY,
-    SUBNETS,
     ZERO,
-    LoopFilter,
     _ask_mode,
     _children,
     _opened,
     ask,
     client,
     fetch,
-    free_ports,
     gateway,
+    started,
     workers,
 )
 
@@ -40,40 +37,11 @@ from .test_workers import (
 @pytest.fixture
 def pair(internet, tmp_path):
     """The filter with two workers, ZERO served by worker 0 and ONE by worker 1."""
-    running = _started(internet, tmp_path)
+    running = started(internet, tmp_path)
     yield running
     for pid in _children(running.process.pid):  # one a test left stopped
         os.kill(pid, signal.SIGCONT)
     stop(running.process)
-
-
-def _started(internet, tmp_path, loop: str = "auto") -> LoopFilter:
-    dns, proxy = free_ports(2)
-    (tmp_path / "w.toml").write_text(POLICY)
-    config = tmp_path / "filter.toml"
-    upstream = "{}:{}".format(*internet.dns.address)
-    sessions = "".join(f"""
-[[session]]
-name = "{name}"
-subnet = "{SUBNETS[name]}.0/24"
-files = ["{tmp_path}/w.toml"]
-""" for name in (ZERO, ONE))
-    config.write_text(f"""
-[filter]
-workers = 2
-[dns]
-listen = ["gateway:{dns}"]
-upstream = ["{upstream}"]
-[proxy]
-listen = ["gateway:{proxy}"]
-[state]
-dir = "{tmp_path}/state"
-[control]
-socket = "{tmp_path}/filter.sock"
-{sessions}""")
-    running = LoopFilter(tmp_path, config, loop)
-    running.dns, running.proxy, running.files = dns, proxy, str(tmp_path / "w.toml")
-    return running
 
 
 def _caught_starting(f, index: int) -> int:
@@ -150,7 +118,7 @@ def test_a_worker_holds_no_descriptor_of_the_coordinator_but_its_gateways(intern
     link and its gateways' listeners, nothing else. Under uvloop a worker was started
     holding the coordinator's netlink socket to nftables (inherited: libuv's spawn closes
     only descriptors marked close-on-exec)."""
-    f = _started(internet, tmp_path, loop)
+    f = started(internet, tmp_path, loop)
     try:
         coordinator = _sockets(f.process.pid)
         gateways = _listening_on_gateways()

@@ -73,8 +73,9 @@ class LoopFilter(GatewayFilter):
         self.wait_started()
 
 
-@pytest.fixture(params=["uvloop", "asyncio"])
-def sharded(internet, tmp_path, request):
+def started(internet, tmp_path, loop: str = "auto") -> LoopFilter:
+    """corral-filter with two workers, ZERO served by worker 0 and ONE by worker 1, the git
+    gateway on each gateway as the role writes it (the coordinator serves it)."""
     dns, proxy, ssh = free_ports(3)
     (tmp_path / "w.toml").write_text(POLICY)
     config = tmp_path / "filter.toml"
@@ -93,16 +94,22 @@ listen = ["gateway:{dns}"]
 upstream = ["{upstream}"]
 [proxy]
 listen = ["gateway:{proxy}"]
-[sshgate]                        # as the role writes it: the coordinator serves it
+[sshgate]
 listen = ["gateway:{ssh}"]
 [state]
 dir = "{tmp_path}/state"
 [control]
 socket = "{tmp_path}/filter.sock"
 {sessions}""")
-    running = LoopFilter(tmp_path, config, request.param)
+    running = LoopFilter(tmp_path, config, loop)
     running.dns, running.proxy, running.ssh = dns, proxy, ssh
     running.files = str(tmp_path / "w.toml")
+    return running
+
+
+@pytest.fixture(params=["uvloop", "asyncio"])
+def sharded(internet, tmp_path, request):
+    running = started(internet, tmp_path, request.param)
     yield running
     stop(running.process)
     assert not [p for p in _children(running.process.pid)], "a worker outlived the filter"
