@@ -430,6 +430,32 @@ class Approvals:
                        asked=max(1, min(int(item["asked"]), MAX_ASKED)))
 
 
+async def held_for(future: asyncio.Future, approval_id: str, hold: float,
+                   gone: Callable[[], bool] | None, keep: float) -> Ruling:
+    """The verdict `future` brings within `hold` seconds, for a request waiting for it (in
+    the filter, or in a worker: workers/holds.py). `gone`, asked every GONE_POLL seconds:
+    its client has left, and nothing waits any more; asked again when a grant comes, so a
+    client gone since is dialled nothing."""
+    try:
+        # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel
+        async with asyncio.timeout(hold):
+            while not future.done():
+                # asyncio.wait never cancels the future it watches (other requests share it)
+                await asyncio.wait([future], timeout=GONE_POLL if gone else None)
+                if gone is not None and not future.done() and gone():
+                    return Ruling(None, "the client left while it waited; the approval "
+                                  f"{approval_id} stays open")
+            verdict = future.result()
+    except TimeoutError:
+        return Ruling(None, f"no decision within {hold:g}s (ask mode); the approval "
+                      f"{approval_id} stays open for {keep:.0f}s: a grant lets the next "
+                      "attempt through")
+    if verdict.grant is not None and gone is not None and gone():
+        # its turn came after the grant: a client gone since is dialled nothing
+        return Ruling(None, f"the client left before the grant ({approval_id}) reached it")
+    return verdict
+
+
 class Holds:
     """The requests waiting on approvals (a future per approval), and the approval events.
 
@@ -513,24 +539,7 @@ class Holds:
         pending.waiting += counted
         pending.held += 1
         try:
-            # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel
-            async with asyncio.timeout(hold):
-                while not future.done():
-                    # asyncio.wait never cancels the future it watches (other requests share it)
-                    await asyncio.wait([future], timeout=GONE_POLL if gone else None)
-                    if gone is not None and not future.done() and gone():
-                        return Ruling(None, "the client left while it waited; the approval "
-                                       f"{pending.id} stays open")
-                verdict = future.result()
-            if verdict.grant is not None and not there():
-                # its turn came after the grant: a client gone since is dialled nothing
-                return Ruling(None, f"the client left before the grant ({pending.id}) "
-                               "reached it")
-            return verdict
-        except TimeoutError:
-            return Ruling(None, f"no decision within {hold:g}s (ask mode); the approval "
-                           f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "
-                           "the next attempt through")
+            return await held_for(future, pending.id, hold, gone, self.book.keep)
         finally:
             pending.waiting -= counted
             pending.held -= 1

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from appliance.policy import Decision
 
-from ..approvals import GONE_POLL, KEEP, MAX_PENDING, Pending, Ruling
+from ..approvals import KEEP, MAX_PENDING, Pending, Ruling, held_for
 from .link import Link, LinkError
 
 ASK_TIMEOUT = 10.0
@@ -98,21 +98,7 @@ class RemoteHolds:
         token = next(self._tokens)
         self._tell(pending.id, token, counted, 1)
         try:
-            async with asyncio.timeout(hold):
-                while not future.done():
-                    await asyncio.wait([future], timeout=GONE_POLL if gone else None)
-                    if gone is not None and not future.done() and gone():
-                        return Ruling(None, "the client left while it waited; the approval "
-                                      f"{pending.id} stays open")
-                verdict = future.result()
-            if verdict.grant is not None and gone is not None and gone():
-                return Ruling(None, f"the client left before the grant ({pending.id}) "
-                              "reached it")
-            return verdict
-        except TimeoutError:
-            return Ruling(None, f"no decision within {hold:g}s (ask mode); the approval "
-                          f"{pending.id} stays open for {self.book.keep:.0f}s: a grant lets "
-                          "the next attempt through")
+            return await held_for(future, pending.id, hold, gone, self.book.keep)
         finally:
             self._tell(pending.id, token, counted, -1)
 
