@@ -122,3 +122,27 @@ def playbook(name: str, inventory: Path, config_home: Path, log_dir: Path, timeo
         result = timed(name, argv, timeout, env=env, cwd=ROOT, stdout=out)
     result.stdout = log.read_text()
     return result
+
+
+STATE_ON_FAILURE = (
+    "free -m; echo; sudo dmesg | grep -iE 'oom|killed process|out of memory' | tail -20; echo; "
+    "ps -eo rss,pid,user,args --sort=-rss | head -25 | cut -c1-160; echo; "
+    "systemctl --failed --no-legend; systemctl --no-legend list-units 'corral*'; echo; "
+    "sudo journalctl -p warning -n 40 --no-pager -o short-monotonic | cut -c1-240")
+"""What a failed VM test reports of the VM as it was: the CI log is all there is of a run on
+another machine, and the VM is destroyed at the module's end."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    appliance = getattr(item, "funcargs", {}).get("appliance")
+    if report.when != "call" or not report.failed or appliance is None:
+        return
+    try:
+        state = appliance.ssh(STATE_ON_FAILURE, timeout=120)
+        report.sections.append(("the appliance when the test failed",
+                                state.stdout[-8000:] + state.stderr[-2000:]))
+    except Exception as error:  # a report of the failure must not hide the failure
+        report.sections.append(("the appliance when the test failed", f"unreadable: {error!r}"))
