@@ -22,10 +22,15 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 from urllib.parse import urlencode
 
-from appliance import pki
+if TYPE_CHECKING:
+    from appliance import pki
+
+CREDENTIALS = ("ca.crt", "client.crt", "client.key")
+"""What `corral up` writes for each appliance (appliance.pki's CLIENT_FILES) and every call
+presents. Named here so the CLI's start does not import cryptography to read three files."""
 
 
 class CliError(Exception):
@@ -65,6 +70,10 @@ def known_appliances() -> list[str]:
     return sorted(p.parent.name for p in (config_home() / "appliances").glob("*/appliance.toml"))
 
 
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
 def load_appliance(name: str, need_credentials: bool = True) -> Appliance:
     """The appliance's settings; with `need_credentials` (the API's client), its client
     certificate too (a VM booted with `corral up --no-provision` has none yet)."""
@@ -86,7 +95,7 @@ def load_appliance(name: str, need_credentials: bool = True) -> Appliance:
         raise CliError(f"{settings}: unreadable ({exc})",
                        "re-provision the appliance to rewrite it", exitcodes.NOT_CONFIGURED
                        ) from None
-    missing = pki.missing(directory, pki.CLIENT_FILES) if need_credentials else []
+    missing = [f for f in CREDENTIALS if need_credentials and not _nonempty(directory / f)]
     if missing:
         raise CliError(f"appliance {name!r} has no credentials: {', '.join(missing)} missing in "
                        f"{directory}", "provisioning writes them: run `corral provision`",
@@ -105,6 +114,8 @@ def write_appliance(name: str, endpoint: str, bundle: pki.Bundle | None = None,
     Without a bundle only appliance.toml is (re)written: the credentials stay."""
     directory = config_home() / "appliances" / name
     if bundle is not None:
+        from appliance import pki  # cryptography: only where a bundle is written
+
         pki.write_client(bundle, directory)
     # JSON strings and lists of strings are valid TOML values
     lines = [f"endpoint = {json.dumps(endpoint)}"] + [f"{k} = {json.dumps(v)}"

@@ -12,45 +12,68 @@ import each other in a circle (tests/unit/test_import_graph.py).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from importlib.metadata import version
 
-from appliance.policy import ConfigError
-
-from . import (
-    agents,
-    approvals,
-    box,
-    certs,
-    control,
-    dashboard,
-    evidence,
-    exitcodes,
-    image,
-    learn,
-    lifecycle,
-    output,
-    policy,
-    secrets,
-    selftest,
-    sessions,
-    vm,
-)
+from . import exitcodes, output
 from .client import CliError
 
-COMMANDS = (policy, agents, control, evidence, approvals, dashboard, learn, sessions, selftest,
-            secrets, image, lifecycle, vm, box, certs)
+COMMANDS = ("policy", "agents", "control", "evidence", "approvals", "dashboard", "learn",
+            "sessions", "selftest", "secrets", "image", "lifecycle", "vm", "box", "certs")
 """The command modules, in the order `corral --help` lists their commands."""
 
+WORDS = {
+    "check": "policy", "presets": "policy",
+    "agents": "agents",
+    "allow-http": "control", "allow-dns": "control", "allow-tcp": "control", "deny": "control",
+    "inspect": "control", "allow-request": "control", "deny-request": "control",
+    "revoke": "control", "rules": "control", "monitor": "control", "audit": "control",
+    "status": "control",
+    "evidence": "evidence",
+    "ask": "approvals", "approvals": "approvals", "approve": "approvals", "refuse": "approvals",
+    "dashboard": "dashboard",
+    "learn": "learn",
+    "run": "sessions", "shell": "sessions", "ls": "sessions", "stop": "sessions",
+    "rm": "sessions", "diff": "sessions", "apply": "sessions",
+    "selftest": "selftest",
+    "secret": "secrets",
+    "image": "image",
+    "up": "lifecycle", "down": "lifecycle",
+    "provision": "vm", "destroy": "vm", "verify": "vm", "inventory": "vm", "ssh": "vm",
+    "box": "box",
+    "certs": "certs",
+}
+"""Which module registers each command (tests/unit/cli/test_main.py keeps it true): a
+command line imports only its command's module. `corral shell` is a step of every session's
+start, and importing all fifteen (the agents' profiles, the workspace, cryptography) doubled
+the CLI's own start."""
 
-def parser() -> argparse.ArgumentParser:
+
+class _Version(argparse.Action):
+    """--version, read from the package's metadata only when asked (importlib.metadata is
+    a tenth of the CLI's start)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        print(f"corral {version('corral')}")
+        parser.exit()
+
+
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with `only`, the top and that one module's commands."""
     top = argparse.ArgumentParser(
         prog="corral", description="Run AI coding agents with default-deny egress.")
-    top.add_argument("--version", action="version", version=f"corral {version('corral')}")
+    top.add_argument("--version", action=_Version,
+                     help="show program's version number and exit")
     top.add_argument("--debug", action="store_true", help="show stack traces on errors")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
-        module.register(sub)
+    for name in (only,) if only else COMMANDS:
+        importlib.import_module(f"{__package__}.{name}").register(sub)
     return top
 
 
@@ -59,8 +82,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     PROJECT --name N -- ARGS` would leave `-- ARGS` unrecognised (PROJECT took the list).
     So for `run` the words after `--` are taken off first and added to its words after;
     `args.after_dashes` keeps them apart (with --agent they are the agent's)."""
-    top = parser()
     words = [w for w in argv if not w.startswith("-")]
+    top = parser(WORDS.get(words[0]) if words else None)
     if words[:1] == ["run"] and "--" in argv:
         cut = argv.index("--")
         args = top.parse_args(argv[:cut])
@@ -76,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         return args.run(args)
-    except ConfigError as exc:
-        output.error(str(exc), "fix the file and run `corral check` again")
-        return exitcodes.USAGE
     except CliError as exc:
         output.error(str(exc), exc.hint)
         return exc.code
     except Exception as exc:
+        from appliance.policy import ConfigError  # loaded already where one was raised
+
+        if isinstance(exc, ConfigError):
+            output.error(str(exc), "fix the file and run `corral check` again")
+            return exitcodes.USAGE
         if args.debug:
             raise
         output.error(f"{type(exc).__name__}: {exc}", "run again with --debug for details")
