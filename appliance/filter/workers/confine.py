@@ -1,11 +1,14 @@
 """What a worker gives up as it starts, before it reads a byte an agent sent: every
-descriptor of the coordinator's but its link, and every capability.
+descriptor of the coordinator's but its link, every capability, and the system calls with
+which its user could do the coordinator's work (jail.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+
+from . import jail
 
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
 CAPABILITY_VERSION_3 = 0x20080522
@@ -20,6 +23,7 @@ def confine(link_fd: int) -> None:
     os.closerange(3, link_fd)
     os.closerange(link_fd + 1, os.sysconf("SC_OPEN_MAX"))
     drop_capabilities()
+    jail.lock()
 
 
 def drop_capabilities() -> None:

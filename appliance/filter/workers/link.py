@@ -10,9 +10,11 @@ directions are encoded differently on purpose:
   agents send; one that was made to misbehave must not be able to run code in the process
   that holds the firewall and the control socket through the link, so nothing it says is
   unpickled, and every field is checked (coordinator.py). The link is one wall, not all
-  of them: a worker runs as the filter's user, and so reaches its files (the state
-  directory: the audit log, the secrets); it keeps no capability (worker.py
-  confine.py), so it cannot touch the firewall or bind a port.
+  of them: a worker runs as the filter's user, so it keeps no capability (confine.py: it
+  cannot touch the firewall or bind a port) and a seccomp filter refuses it the calls
+  with which that user could act as the coordinator (jail.py: the control socket, a write
+  in the state directory, a signal, a new program). It can still read what that user
+  can (the state directory's files).
 
 `Frames` is the pure decoder (bytes in, bodies out); `Link` puts it on a socket with the
 event loop's reader and writer callbacks. Descriptors sent with a frame arrive no later

@@ -150,35 +150,57 @@ def test_a_worker_holds_no_capability_of_the_filter(pair):
         assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test") == "NOERROR"
 
 
-@pytest.mark.xfail(strict=True, reason="a worker runs as the filter's own user: it can use "
-                   "the control socket (add rules, decide approvals) and write the state "
-                   "directory; the fix is a user of its own for the workers (see the report)")
-def test_a_process_with_a_workers_credentials_cannot_change_the_policy(pair):
+ATTACK = """
+import json, os, socket, sys
+uid, gid, control, state, coordinator = sys.argv[1:]
+os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))
+from appliance.filter.workers.confine import drop_capabilities
+from appliance.filter.workers import jail
+drop_capabilities(); jail.lock()  # as a worker is, from its first byte on
+tried = {}
+def attempt(name, act):
+    try:
+        act(); tried[name] = "done"
+    except OSError as exc:
+        tried[name] = exc.errno
+def add_rule():
+    s = socket.socket(socket.AF_UNIX); s.connect(control)
+    s.sendall(json.dumps({"op": "add", "session": "%s", "kind": "http",
+                          "rule": "evil.test:443"}).encode() + b"\\n")
+    raise OSError(0, s.makefile().readline())
+attempt("control socket", add_rule)
+attempt("state file", lambda: open(os.path.join(state, "planted"), "w"))
+attempt("control socket moved", lambda: os.rename(control, control + ".moved"))
+attempt("shell", lambda: os.execv("/bin/sh", ["sh", "-c", "true"]))
+attempt("fork", os.fork)
+attempt("signal the coordinator", lambda: os.kill(int(coordinator), 19))
+attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0))
+print(json.dumps(tried))
+"""
+
+
+def test_a_process_confined_as_a_worker_cannot_act_as_its_coordinator(pair):
     """What the JSON-only link is for (a worker made to misbehave must not act as the
-    coordinator) holds only if a worker cannot simply do what the coordinator does: with
-    the filter's uid it connects to the control socket (0600, the filter's) and adds any
-    rule to any session."""
+    coordinator) holds only if a worker cannot simply do what the coordinator does. It runs
+    as the filter's user, so with the uid alone it could connect to the control socket
+    (0600, the filter's) and add any rule, write the state directory, or stop the filter.
+    Confined as a worker is (its uid, no capability, the jail's filter), none of that."""
     f = pair
     seen = workers(f)[1]
     status = _status(seen["pid"])
-    uid, gid = int(status["Uid"].split()[1]), int(status["Gid"].split()[1])
-    code = (
-        "import json, os, socket, sys\n"
-        f"os.setgroups([]); os.setgid({gid}); os.setuid({uid})\n"
-        "from appliance.filter.workers.confine import drop_capabilities\n"
-        "drop_capabilities()\n"
-        "s = socket.socket(socket.AF_UNIX)\n"
-        "try:\n"
-        "    s.connect(sys.argv[1])\n"
-        "except OSError as exc:\n"
-        "    print(json.dumps({'ok': False, 'error': str(exc)})); sys.exit()\n"
-        "s.sendall(json.dumps({'op': 'add', 'session': sys.argv[2], 'kind': 'http',\n"
-        "                      'rule': 'evil.test:443'}).encode() + b'\\n')\n"
-        "print(s.makefile().readline())\n")
-    done = subprocess.run([sys.executable, "-c", code, str(f.dir / "filter.sock"), ZERO],
+    assert (status["Seccomp"], status["Seccomp_filters"]) == ("2", "1"), status
+    uid, gid = status["Uid"].split()[1], status["Gid"].split()[1]
+    done = subprocess.run([sys.executable, "-c", ATTACK % ZERO, uid, gid,
+                           str(f.dir / "filter.sock"), str(f.dir / "state"),
+                           str(f.process.pid)],
                           capture_output=True, text=True, timeout=30)
-    assert not json.loads(done.stdout)["ok"], done.stdout
-
+    tried = json.loads(done.stdout)
+    assert tried == {"control socket": 97, "state file": 13, "control socket moved": 1, "shell": 1,
+                     "fork": 1, "signal the coordinator": 1, "netlink": 97}, tried
+    assert not (f.dir / "state" / "planted").exists()
+    assert (f.dir / "filter.sock").exists()
+    assert "evil.test" not in json.dumps(f.control({"op": "policy", "session": ZERO}))
+    assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
 
 
 def test_a_stopped_coordinator_leaves_no_worker_serving(pair):

@@ -1,0 +1,135 @@
+"""A worker's system calls: a seccomp filter it loads as it starts, after its capabilities
+are gone, so that a worker an agent's bytes took over cannot act as its coordinator does.
+
+A worker runs as the filter's own user (a user of its own would need CAP_SETUID in the
+filter, which is a wider door than the one it closes). What that user may do and a worker
+needs not, the filter refuses:
+- a socket of any family but IPv4 and IPv6: no connection to the control socket, nor to
+  journald or any local service (a pathname AF_UNIX connect needs a new AF_UNIX socket;
+  the worker's own, its link and its loop's pair, are connected already), no netlink;
+- a file opened for writing, created, removed, renamed, linked or changed in mode, owner
+  or times: the state directory and the audit log are the coordinator's;
+- a new process or program (a clone without CLONE_THREAD, fork, exec), a namespace
+  (unshare, setns), a signal to any process but itself, another process's memory (ptrace,
+  process_vm_*, pidfd_getfd), and io_uring, bpf, userfaultfd and the kernel keyring, which
+  would do the same things past this filter or widen what the kernel exposes;
+- clone3, with ENOSYS, which glibc reads as "use clone" (its flags sit in memory, where a
+  filter cannot look);
+- the x32 ABI's numbers, and any architecture but the one this table is for.
+
+Everything else is allowed: this is a wall around what the filter's user owns, not a
+minimal list of what a worker calls (that list would break with each Python and uvloop).
+Loaded with TSYNC, so every thread has it; inherited by anything a worker could start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+
+# <linux/filter.h>, <linux/seccomp.h>, <linux/audit.h>
+LD_ABS_W, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+ALLOW, KILL_PROCESS, ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+NR, ARCH = 0, 4
+"""Offsets in struct seccomp_data: the call's number, its architecture; then args[i] at
+16 + 8 * i (the low 32 bits first, little-endian)."""
+
+AF_INET, AF_INET6 = 2, 10
+WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+CLONE_THREAD = 0x00010000
+
+X86_64 = {
+    "seccomp": 317, "socket": 41, "open": 2, "openat": 257, "clone": 56, "kill": 62,
+    "tgkill": 234,
+    # refused outright (EPERM)
+    "refused": {
+        "creat": 85, "openat2": 437, "open_by_handle_at": 304,
+        "rename": 82, "renameat": 264, "renameat2": 316, "unlink": 87, "unlinkat": 263,
+        "rmdir": 84, "mkdir": 83, "mkdirat": 258, "link": 86, "linkat": 265,
+        "symlink": 88, "symlinkat": 266, "mknod": 133, "mknodat": 259, "truncate": 76,
+        "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92,
+        "fchown": 93, "lchown": 94, "fchownat": 260, "utime": 132, "utimes": 235,
+        "futimesat": 261, "utimensat": 280, "setxattr": 188, "lsetxattr": 189,
+        "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
+        "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "unshare": 272,
+        "setns": 308, "tkill": 200, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
+        "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "ptrace": 101,
+        "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "bpf": 321, "userfaultfd": 323, "perf_event_open": 298, "add_key": 248,
+        "request_key": 249, "keyctl": 250, "mq_open": 240, "name_to_handle_at": 303,
+    },
+    "absent": {"clone3": 435},
+}
+"""<asm/unistd_64.h>. The appliance is amd64 (its box, its packages); another machine's
+table would be written and tested on it."""
+
+
+def _ld(offset: int) -> bytes:
+    return struct.pack("=HBBI", LD_ABS_W, 0, 0, offset)
+
+
+def _jump(code: int, k: int, true: int, false: int) -> bytes:
+    return struct.pack("=HBBI", code, true, false, k)
+
+
+def _ret(value: int) -> bytes:
+    return struct.pack("=HBBI", RET, 0, 0, value)
+
+
+def _arg(index: int) -> int:
+    return 16 + 8 * index
+
+
+def _when(nr: int, block: list[bytes]) -> list[bytes]:
+    """`block` (which ends in a return) for call `nr`; the next check for any other."""
+    return [_jump(JEQ, nr, 0, len(block)), *block]
+
+
+def program(table: dict, pid: int) -> bytes:
+    """The filter, as the kernel reads it (struct sock_filter[]). `pid`: the worker's own,
+    the one process it may signal."""
+    denied = _ret(ERRNO | errno.EPERM)
+    code = [_ld(ARCH), _jump(JEQ, AUDIT_ARCH_X86_64, 1, 0), _ret(KILL_PROCESS),
+            _ld(NR), _jump(JGE, X32_SYSCALL_BIT, 0, 1), denied]
+    for nr in table["refused"].values():
+        code += [_jump(JEQ, nr, 0, 1), denied]
+    for nr in table["absent"].values():
+        code += [_jump(JEQ, nr, 0, 1), _ret(ERRNO | errno.ENOSYS)]
+    code += _when(table["socket"], [_ld(_arg(0)), _jump(JEQ, AF_INET, 2, 0),
+                                    _jump(JEQ, AF_INET6, 1, 0),
+                                    _ret(ERRNO | errno.EAFNOSUPPORT), _ret(ALLOW)])
+    for call, flags in (("open", 1), ("openat", 2)):
+        code += _when(table[call], [_ld(_arg(flags)), _jump(JSET, WRITING, 0, 1),
+                                    _ret(ERRNO | errno.EACCES), _ret(ALLOW)])
+    code += _when(table["clone"], [_ld(_arg(0)), _jump(JSET, CLONE_THREAD, 1, 0), denied,
+                                   _ret(ALLOW)])
+    for call in ("kill", "tgkill"):
+        code += _when(table[call], [_ld(_arg(0)), _jump(JEQ, pid, 1, 0), denied, _ret(ALLOW)])
+    code.append(_ret(ALLOW))
+    return b"".join(code)
+
+
+class _Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+def lock() -> None:
+    """Load the filter into every thread of this process. Needs no_new_privs (confine sets
+    it) or CAP_SYS_ADMIN; refuses to run anywhere the table does not fit."""
+    if platform.machine() != "x86_64":
+        raise OSError(errno.ENOSYS, f"the workers' system call filter is written for x86_64, "
+                      f"not {platform.machine()}: run the filter with workers = 1")
+    code = program(X86_64, os.getpid())
+    prog = _Program(len(code) // 8, code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(ctypes.c_long(X86_64["seccomp"]), ctypes.c_long(SECCOMP_SET_MODE_FILTER),
+                    ctypes.c_long(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(prog)) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp: " + os.strerror(ctypes.get_errno()))
