@@ -568,7 +568,7 @@ class ControlServer:
         try:
             await self._send(writer, {"ok": True, "subscribed": True, "ts": time.time()})
             async for event in subscription:
-                writer.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+                writer.write(self.bus.line(event))
                 await writer.drain()
         finally:
             subscription.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
@@ -34,6 +35,11 @@ from .ratelimit import TokenBucket
 from .redact import NONE
 
 __all__ = ["Event", "EventBus", "Subscription", "printable", "retired", "rule_changed"]
+
+
+LINES = 256
+"""Events whose encoded line is kept: subscribers drain their queues soon after an emit,
+so one a second subscriber writes was mostly encoded for the first."""
 
 
 class Subscription:
@@ -88,6 +94,8 @@ class EventBus:
         self._summary_due = False
         self.redactor = NONE
         """The secrets' values out of every event (redact.py); set with the secrets."""
+        self._lines: dict[int, tuple[Event, bytes]] = {}
+        """id(event) -> (event, its line): the last LINES encoded (`line`)."""
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -116,6 +124,19 @@ class EventBus:
         if self.audit is not None:
             self._record(event)
         return event
+
+    def line(self, event: Event) -> bytes:
+        """The event as a line of the control socket's stream, encoded once for however
+        many subscribers stream it (`monitor`, the dashboard, the API's stream each have
+        one). The event is held with its line, so its id names no other while it is here."""
+        held = self._lines.get(id(event))
+        if held is not None and held[0] is event:
+            return held[1]
+        encoded = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+        if len(self._lines) >= LINES:
+            del self._lines[next(iter(self._lines))]  # the oldest
+        self._lines[id(event)] = (event, encoded)
+        return encoded
 
     def _record(self, event: dict) -> None:
         """Into the audit log, within the session's budget: past `audit_rate` records a

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.event import Event
+from appliance.filter import events
 from appliance.filter.audit.reader import page
 from appliance.filter.audit.writer import AuditLog
 from appliance.filter.events import EventBus, printable
@@ -60,3 +61,17 @@ def test_printable_text_is_left_alone_and_the_rest_escaped_once(text):
     assert shown.isprintable()
     if text.isprintable():
         assert shown == text
+
+
+def test_an_event_is_encoded_once_for_every_subscriber_that_streams_it():
+    bus = EventBus()
+    first = bus.emit(Event(kind="dns", verdict="deny", reason="no rule", session="s1",
+                           name="evil.test"))
+    line = bus.line(first)
+    assert json.loads(line) == first and line.endswith(b"\n")
+    assert bus.line(first) is line  # the second subscriber writes the same bytes
+    for _ in range(events.LINES):
+        bus.line(bus.emit(Event(kind="dns", verdict="deny", reason="no rule", session="s1")))
+    assert len(bus._lines) == events.LINES
+    again = bus.line(first)  # pushed out by the newer ones: encoded again, the same line
+    assert again == line and again is not line
