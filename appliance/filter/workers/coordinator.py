@@ -20,6 +20,7 @@ Invariants it keeps, across processes:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import sys
@@ -35,7 +36,7 @@ from ..proxy.frontends import Frontends
 from . import replica
 from .inbox import Inbox
 from .link import PICKLE, Link, LinkError
-from .process import WorkerProcess
+from .process import ID_BITS, WorkerProcess
 
 log = logging.getLogger("corral.filter")
 
@@ -65,6 +66,7 @@ class Workers:
         self.secrets = secrets
         self.event_loop, self.log_level = event_loop, log_level
         self.workers = [WorkerProcess(i) for i in range(count)]
+        self._blocks = itertools.count(1)
         self.shards = replica.Shards(count)
         self.inbox = Inbox(store, bus, learned, holds, frontends, self.shards, self.workers)
         """What the workers say, checked (inbox.py)."""
@@ -109,10 +111,8 @@ class Workers:
     async def _spawn(self, worker: WorkerProcess) -> None:
         async with worker.turn:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            worker.started += 1
-            # event ids apart from the coordinator's and each other's: the worker's index in
-            # the top bits, how many times it started below (repeating after 256 restarts)
-            first_id = ((worker.index + 1) << 48) | ((worker.started & 0xFF) << 40)
+            worker.block = next(self._blocks)  # ids apart from every other process's
+            first_id = worker.block << ID_BITS
             try:  # (a worker that cannot be started leaves no descriptor behind)
                 worker.process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "appliance.filter.workers",
@@ -125,8 +125,10 @@ class Workers:
                 raise
             finally:
                 theirs.close()
-            worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker:
-                               self.inbox.handle(w, m, f))
+            # (the block as this process was given it: its last events, read after it died
+            # and the next began, are still its own)
+            worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker,
+                               b=worker.block: self.inbox.handle(w, m, f, b))
             try:
                 reply = await worker.link.call(
                     {"op": "start", "config": self.store.config,

@@ -29,7 +29,7 @@ from ..events import EventBus
 from ..proxy.frontends import Frontends
 from . import replica
 from .link import LinkError
-from .process import WorkerProcess
+from .process import ID_BITS, WorkerProcess
 
 log = logging.getLogger("corral.filter")
 
@@ -94,7 +94,8 @@ class Inbox:
         self._held_in: Counter[int] = Counter()
         """Worker index -> how many of `_waits` are its."""
 
-    def handle(self, worker: WorkerProcess, message: dict, fds: list[int]):
+    def handle(self, worker: WorkerProcess, message: dict, fds: list[int], block: int):
+        """One message from a worker's process, the one started with ids in `block`."""
         for fd in fds:  # a worker never sends descriptors
             os.close(fd)
         op = message["op"]
@@ -105,7 +106,7 @@ class Inbox:
                     raise TypeError("not an object")
                 event = Event(raw)
                 check(event)  # emit checks only the type of what it is handed
-                self._own(worker, event)
+                self._own(worker, event, block)
                 self.bus.emit(event)
             except (TypeError, KeyError, ValueError) as exc:
                 log.error("worker %d sent an event that is not one (%s): dropped",
@@ -123,7 +124,7 @@ class Inbox:
             return None
         raise LinkError(f"unknown op {op!r}")
 
-    def _own(self, worker: WorkerProcess, event: Event) -> None:
+    def _own(self, worker: WorkerProcess, event: Event, block: int) -> None:
         """A worker reports its own sessions' flows (or a client's outside every session),
         nothing else: another worker's session would spend that session's audit budget and
         write its history, and a rule, an approval, a session or the log's own records are
@@ -142,8 +143,8 @@ class Inbox:
         for key, kinds in (("id", (int,)), ("port", (int,)), ("ts", (int, float))):
             if event.get(key) is not None and type(event[key]) not in kinds:
                 raise ValueError(f"an event whose {key} is not a number")
-        if "id" in event and event["id"] >> 48 != worker.index + 1:
-            # ids are unique since the filter started: each worker has its range (_spawn)
+        if "id" in event and event["id"] >> ID_BITS != block:
+            # ids are unique since the filter started: each worker process has its block
             raise ValueError(f"an event id {event['id']} outside worker {worker.index}'s")
 
     def _ask(self, worker: WorkerProcess, message: dict) -> dict:

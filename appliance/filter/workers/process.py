@@ -8,6 +8,12 @@ import contextlib
 
 from .link import Link, LinkError
 
+ID_BITS = 40
+"""Each process a worker starts numbers its events from its own block's start, block <<
+ID_BITS (2**40 events a process; the coordinator's own are block 0), blocks handed out in
+turn: ids are unique while the filter runs, and the first 8191 starts stay below 2**53,
+where a JSON reader with doubles (the dashboard's JavaScript) still reads them exactly."""
+
 STOP_TIMEOUT = 5.0
 """Seconds a worker has to end once told to stop, before it is killed."""
 
@@ -26,8 +32,8 @@ class WorkerProcess:
         sent and acknowledged: each reaches it after its start, never lost in between.
         (Questions, verdicts and heard addresses are sent as they come.)"""
         self.restarts = 0
-        self.started = 0
-        """How many processes have been started for this index (they tell event ids apart)."""
+        self.block = 0
+        """The block of event ids its current process numbers its events in (ID_BITS)."""
 
     def kill(self) -> None:
         self.ready = False  # (its waiting requests are forgotten by Workers._keep)

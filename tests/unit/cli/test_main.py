@@ -27,7 +27,7 @@ def registered() -> dict[str, str]:
 
 
 def test_the_table_of_command_words_is_what_the_modules_register():
-    assert main.WORDS == registered()
+    assert registered() == main.WORDS
 
 
 @pytest.mark.parametrize("word", sorted(main.WORDS))

@@ -18,6 +18,7 @@ from appliance.filter.events import EventBus
 from appliance.filter.proxy.frontends import Frontends
 from appliance.filter.workers.coordinator import Workers
 from appliance.filter.workers.link import JSON, PICKLE, Link, LinkError, encode
+from appliance.filter.workers.process import ID_BITS
 from appliance.policy import Decision
 from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
@@ -45,8 +46,13 @@ def coordinator(tmp_path):
     resolver.close()
 
 
+BLOCK = 300
+"""The block of ids the worker's process was started with: past 256 starts, where ids once
+began to repeat."""
+
+
 def flow(**fields) -> dict:
-    return {"id": (2 << 48) + 1, "session": "w3", "client": "10.214.1.2", "kind": "dns",
+    return {"id": (BLOCK << ID_BITS) + 1, "session": "w3", "client": "10.214.1.2", "kind": "dns",
             "name": "x.test",
             "verdict": "deny", "reason": "not allowed", "rule": None, "layer": None,
             **fields}
@@ -64,17 +70,19 @@ def test_a_worker_records_only_its_own_sessions_flows(coordinator):
         flow(session={"w3": 1}),   # not a name
         flow(id="seven"),          # ids and times are numbers
         flow(id=7),                # the coordinator's own ids (a flow of its, closed)
-        flow(id=(1 << 48) + 7),    # worker 0's
+        flow(id=((BLOCK - 1) << ID_BITS) + 7),  # another process's: worker 0's, or its own
+        #                                         process before it was restarted
+        flow(id=((BLOCK + 1) << ID_BITS) + 7),  # one not started yet
         flow(verdict=["deny"]),
     ]
     for event in forged:
-        coordinator.inbox.handle(one, {"op": "event", "event": event}, [])
+        coordinator.inbox.handle(one, {"op": "event", "event": event}, [], BLOCK)
     assert list(bus.recent) == [] and bus.audit.records == []
-    coordinator.inbox.handle(one, {"op": "event", "event": flow()}, [])
+    coordinator.inbox.handle(one, {"op": "event", "event": flow()}, [], BLOCK)
     assert [(e["session"], e["kind"]) for e in bus.recent] == [("w3", "dns")]
     assert len(bus.audit.records) == 1
     # a session that is nobody's (a client outside every session) is the worker's to report
-    coordinator.inbox.handle(one, {"op": "event", "event": flow(session=None)}, [])
+    coordinator.inbox.handle(one, {"op": "event", "event": flow(session=None)}, [], BLOCK)
     assert len(bus.recent) == 2
 
 
