@@ -19,9 +19,10 @@ needs not, the filter refuses:
   (unshare, setns), a signal to any process but itself (kill, and F_SETOWN or FIOSETOWN,
   with which the kernel would send SIGIO or any F_SETSIG signal to the owner named),
   another process's memory (ptrace, process_vm_*, pidfd_getfd; /proc/PID/mem is shut by
-  confine's PR_SET_DUMPABLE), and io_uring, bpf, userfaultfd, the kernel keyring and
-  System V IPC, which would do the same things past this filter or widen what the kernel
-  exposes;
+  confine's PR_SET_DUMPABLE), and io_uring, bpf, userfaultfd, the kernel keyring, which
+  would do the same things past this filter or widen what the kernel exposes, and System V
+  IPC and POSIX message queues (the host's, shared with every user: a channel past the
+  link, or another's queue or segment open to all);
 - a limit, priority, scheduling or memory placement set on any process but itself
   (prlimit64, setpriority, ioprio_set, sched_set*, migrate_pages, move_pages): a same-uid
   caller may, and an RLIMIT_CPU or RLIMIT_NOFILE of the coordinator's would stop it;
@@ -100,8 +101,10 @@ X86_64 = {
         "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "bpf": 321, "userfaultfd": 323, "perf_event_open": 298, "add_key": 248,
         "request_key": 249, "keyctl": 250, "mq_open": 240, "name_to_handle_at": 303,
-        "bind": 49, "msgget": 68, "semget": 64, "shmget": 29, "setxattrat": 463,
-        "removexattrat": 466, "file_setattr": 469,
+        "bind": 49, "setxattrat": 463, "removexattrat": 466, "file_setattr": 469,
+        "mq_unlink": 241, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+        "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "shmget": 29,
+        "shmat": 30, "shmctl": 31,
     },
     "absent": {"clone3": 435},
     "newest": 469,  # file_setattr (6.17); anything past it: ENOSYS
