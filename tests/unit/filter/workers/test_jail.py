@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -293,3 +294,26 @@ def test_the_kernel_loads_it_and_a_confined_process_does_only_what_a_worker_need
         "exec": errno.EPERM, "memfd": "ok", "thread": "ok", "asyncio loop": "ok",
         "uvloop loop": "ok"}
     assert not target.exists() and not (tmp_path / "planted.d").exists()
+
+
+INT_80 = textwrap.dedent("""
+    import ctypes, mmap
+    from appliance.filter.workers.confine import drop_capabilities
+    from appliance.filter.workers import jail
+    drop_capabilities()
+    jail.lock()
+    code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    code.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))  # mov eax, 20 (getpid); int 0x80
+    address = ctypes.addressof(ctypes.c_char.from_buffer(code))
+    print(ctypes.CFUNCTYPE(ctypes.c_long)(address)(), flush=True)
+""")
+
+
+def test_an_i386_call_from_64_bit_code_kills_the_process():
+    """int 0x80 from x86_64 code is the i386 ABI (AUDIT_ARCH_I386): the filter kills the
+    process rather than read the number in another table (a kernel without IA32 emulation
+    faults it instead)."""
+    done = subprocess.run([sys.executable, "-c", INT_80], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode in (-signal.SIGSYS, -signal.SIGSEGV), (done.returncode, done.stdout)
+    assert done.stdout == ""
