@@ -7,11 +7,11 @@ needs not, the filter refuses:
 - a socket of any family but IPv4 and IPv6: no connection to the control socket, nor to
   journald or any local service (a pathname AF_UNIX connect needs a new AF_UNIX socket;
   the worker's own, its link and its loop's pair, are connected already), no netlink; of
-  any protocol but TCP and UDP (SCTP's, L2TP's would load a module of the kernel's); a
-  socketpair of AF_UNIX stream sockets only (a datagram one may sendto or connect to any
-  path: journald's, /dev/log; another family's pair, TIPC's, loads and reaches what
-  socket() is refused), and no bind (a worker's sockets come bound; binding a pair's end
-  to a path creates a file);
+  any protocol but TCP and UDP (SCTP, L2TP: kernel code a worker needs not, and a module
+  loaded where the unit's ProtectKernelModules is not set); a socketpair of AF_UNIX stream
+  sockets only (a datagram one may sendto or connect to any path: journald's, /dev/log;
+  another family's pair, TIPC's, is a socket() of a refused family), and no bind (a
+  worker's sockets come bound; binding a pair's end to a path creates a file);
 - a file opened for writing, created, removed, renamed, linked or changed in mode, owner,
   times, attributes or flags (chattr's ioctl needs only a read-only descriptor): the state
   directory and the audit log are the coordinator's;
