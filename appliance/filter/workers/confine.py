@@ -10,7 +10,7 @@ import os
 
 from . import jail
 
-PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 38, 47, 4
 CAPABILITY_VERSION_3 = 0x20080522
 """<linux/prctl.h>, <linux/capability.h>."""
 
@@ -32,10 +32,15 @@ def drop_capabilities() -> None:
     and can gain none again. It binds nothing (its gateways' sockets come bound) and
     teaches the firewall through the coordinator; its resolver's sockets get the buffer
     SO_RCVBUF allows rather than SO_RCVBUFFORCE's. Before any thread starts: capabilities
-    are each thread's, and a thread started later copies them."""
+    are each thread's, and a thread started later copies them.
+
+    Not dumpable either: the workers share a uid and, without capabilities, each could
+    otherwise open another's /proc/PID/mem and environ for reading (another agent's
+    traffic and secrets); the kernel lets only CAP_SYS_PTRACE in to a process that is not."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
-            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+            libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))
     header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -53,8 +54,51 @@ def test_each_refused_call_is_refused(name):
 
 
 def test_calls_it_does_not_name_are_allowed():
-    for nr in (0, 1, 3, 9, 44, 45, 46, 47, 49, 232, 281, 288, 319):  # read write close mmap ..
+    for nr in (0, 1, 3, 9, 44, 45, 46, 47, 50, 232, 281, 288, 319):  # read write close mmap ..
         assert run(CODE, nr) == jail.ALLOW, nr
+
+
+def test_calls_newer_than_the_table_are_absent():
+    assert run(CODE, jail.X86_64["newest"] + 1) == jail.ERRNO | errno.ENOSYS
+    assert run(CODE, 1000) == jail.ERRNO | errno.ENOSYS
+    assert run(CODE, 462) == jail.ALLOW  # mseal: older than the newest, not refused
+
+
+def test_socket_pairs_of_stream_sockets_only():
+    nr = jail.X86_64["socketpair"]
+    for kind in (1, 1 | os.O_NONBLOCK | os.O_CLOEXEC):  # SOCK_STREAM, with its flags
+        assert run(CODE, nr, (1, kind)) == jail.ALLOW
+    for kind in (2, 3, 4, 5, 10, 2 | os.O_CLOEXEC):  # dgram raw rdm seqpacket packet
+        assert run(CODE, nr, (1, kind)) == EPERM, kind
+    for family in (2, 10, 16, 30, 40):  # inet inet6 netlink tipc (which has pairs) vsock
+        assert run(CODE, nr, (family, 1)) == jail.ERRNO | errno.EAFNOSUPPORT, family
+
+
+def test_no_owner_for_signals_nor_flags_set_through_fcntl_or_ioctl():
+    for cmd in (8, 10, 15, 1024):  # F_SETOWN F_SETSIG F_SETOWN_EX F_SETLEASE
+        assert run(CODE, jail.X86_64["fcntl"], (3, cmd, 1)) == EPERM, cmd
+    for cmd in (1, 2, 3, 4, 9, 1030):  # F_GETFD F_SETFD F_GETFL F_SETFL F_GETOWN DUPFD_CLOEXEC
+        assert run(CODE, jail.X86_64["fcntl"], (3, cmd, 1)) == jail.ALLOW, cmd
+    for cmd in (0x8901, 0x8902, 0x5412, 0x40086602, 0x40046602, 0x401C5820, 0x40087602,
+                0x40806685, 0x800C6613):  # FIOSETOWN SIOCSPGRP TIOCSTI FS_IOC_SETFLAGS ..
+        assert run(CODE, jail.X86_64["ioctl"], (3, cmd, 0)) == EPERM, hex(cmd)
+    for cmd in (0x5421, 0x541B, 0x80086601):  # FIONBIO FIONREAD FS_IOC_GETFLAGS
+        assert run(CODE, jail.X86_64["ioctl"], (3, cmd, 0)) == jail.ALLOW, hex(cmd)
+
+
+def test_limits_priorities_and_scheduling_of_the_worker_itself_only():
+    for name, nr in jail.X86_64["own"].items():
+        assert run(CODE, nr, (0,)) == jail.ALLOW, name
+        assert run(CODE, nr, (PID,)) == jail.ALLOW, name
+        assert run(CODE, nr, (1,)) == EPERM, name
+    for name, which in (("setpriority", 0), ("ioprio_set", 1)):
+        nr = jail.X86_64[name]
+        assert run(CODE, nr, (which, 0, 5)) == jail.ALLOW, name
+        assert run(CODE, nr, (which, PID, 5)) == jail.ALLOW, name
+        assert run(CODE, nr, (which, 1, 5)) == EPERM, name
+        for other in (0, 1, 2, 3):  # its process group, its user: the coordinator's too
+            if other != which:
+                assert run(CODE, nr, (other, 0, 5)) == EPERM, (name, other)
 
 
 def test_clone3_is_absent_so_threads_start_with_clone():
@@ -69,6 +113,12 @@ def test_sockets_of_ipv4_and_ipv6_only():
     assert run(CODE, socket_nr, (10, 2)) == jail.ALLOW
     for family in (1, 16, 17, 38, 40):  # unix, netlink, packet, alg, vsock
         assert run(CODE, socket_nr, (family, 1)) == jail.ERRNO | errno.EAFNOSUPPORT
+    for family in (2, 10):
+        for protocol in (6, 17):
+            assert run(CODE, socket_nr, (family, 1, protocol)) == jail.ALLOW
+        for protocol in (1, 58, 115, 132, 136, 262):  # icmp icmpv6 l2tp sctp udplite mptcp
+            assert run(CODE, socket_nr, (family, 1, protocol)) == \
+                jail.ERRNO | errno.EPROTONOSUPPORT, protocol
 
 
 def test_files_are_opened_for_reading_only():
@@ -137,6 +187,101 @@ PROBE = textwrap.dedent("""
 """)
 
 
+THE_COORDINATOR = textwrap.dedent("""
+    import ctypes, fcntl, json, os, resource, signal, socket, sys, time
+    from appliance.filter.workers.confine import drop_capabilities
+    from appliance.filter.workers import jail
+    here = sys.argv[1]
+    got = []
+    for number in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGIO, signal.SIGURG):
+        signal.signal(number, lambda number, frame: got.append(number))
+    journal = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journal.bind(here + "/journal")
+    open(here + "/owned", "w").close()
+    ready, report = os.pipe()
+    done, finished = os.pipe()
+    other = os.fork()
+    if other == 0:  # the coordinator's stand-in: the same uid, what it was sent
+        os.close(ready)
+        while not os.read(done, 1):
+            pass
+        journal.setblocking(False)
+        sent = []
+        while True:
+            try:
+                sent.append(journal.recv(100).decode())
+            except BlockingIOError:
+                break
+        os.write(report, json.dumps({
+            "signals": got, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "nice": os.getpriority(os.PRIO_PROCESS, 0), "datagrams": sent}).encode())
+        os._exit(0)
+    os.close(report)
+    drop_capabilities()
+    jail.lock()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    done_by = {}
+    def attempt(name, act):
+        try:
+            act()
+            done_by[name] = "ok"
+        except OSError as exc:
+            done_by[name] = exc.errno
+    def call(*args):
+        if libc.syscall(*(ctypes.c_long(a) if isinstance(a, int) else a for a in args)) < 0:
+            raise OSError(ctypes.get_errno(), "")
+    def owned_by_it(how):
+        ours, theirs = socket.socketpair()
+        how(ours)
+        fcntl.fcntl(ours, fcntl.F_SETFL, os.O_ASYNC | os.O_NONBLOCK)
+        theirs.send(b"x")
+    attempt("F_SETOWN", lambda: owned_by_it(lambda s: fcntl.fcntl(s, 8, other)))
+    attempt("FIOSETOWN", lambda: owned_by_it(
+        lambda s: fcntl.ioctl(s, 0x8901, other.to_bytes(4, "little"))))
+    attempt("prlimit", lambda: resource.prlimit(other, resource.RLIMIT_NOFILE, (7, 7)))
+    attempt("setpriority", lambda: os.setpriority(os.PRIO_PROCESS, other, 7))
+    attempt("setpriority user", lambda: os.setpriority(os.PRIO_USER, 0, 7))
+    attempt("sched_setaffinity", lambda: os.sched_setaffinity(other, {0}))
+    attempt("own limit", lambda: resource.prlimit(0, resource.RLIMIT_CORE, (0, 0)))
+    attempt("datagram pair", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)[0]
+            .sendto(b"forged", here + "/journal"))
+    attempt("bound pair", lambda: socket.socketpair()[0].bind(here + "/planted"))
+    owned = here + "/owned"
+    attempt("setxattrat", lambda: call(463, -100, owned.encode(), 0, b"user.planted",
+                                       ctypes.byref((ctypes.c_uint64 * 2)()), 16))
+    attempt("chattr", lambda: call(16, os.open(owned, os.O_RDONLY), 0x40086602,
+                                   ctypes.byref(ctypes.c_long(0x80))))  # FS_NOATIME_FL
+    attempt("msgget", lambda: call(68, 0, 0o1600))
+    attempt("lease", lambda: fcntl.fcntl(os.open(owned, os.O_RDONLY), 1024, fcntl.F_RDLCK))
+    time.sleep(0.2)
+    os.write(finished, b"x")
+    print(json.dumps({"done": done_by, "dumpable": libc.prctl(3, 0, 0, 0, 0),  # PR_GET_
+                      "other": json.loads(os.read(ready, 65536))}))
+""")
+
+
+def test_a_confined_process_reaches_no_process_of_its_uid_nor_a_path(tmp_path):
+    """What the first version let through: the kernel's SIGIO (and F_SETSIG's signal) to the
+    owner F_SETOWN names, a same-uid process's limits and priority, a datagram pair's
+    sendto (journald's socket), bind's socket file, the calls newer than the table
+    (setxattrat), chattr's ioctl on a read-only descriptor, and /proc/PID/mem of a sibling
+    worker (dumpable)."""
+    done = subprocess.run([sys.executable, "-c", THE_COORDINATOR, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    told = json.loads(done.stdout)
+    assert told["done"] == {
+        "F_SETOWN": errno.EPERM, "FIOSETOWN": errno.EPERM, "prlimit": errno.EPERM,
+        "setpriority": errno.EPERM, "setpriority user": errno.EPERM,
+        "sched_setaffinity": errno.EPERM, "own limit": "ok", "datagram pair": errno.EPERM,
+        "bound pair": errno.EPERM, "setxattrat": errno.EPERM, "chattr": errno.EPERM,
+        "msgget": errno.EPERM, "lease": errno.EPERM}
+    assert told["dumpable"] == 0
+    assert told["other"]["signals"] == [] and told["other"]["datagrams"] == []
+    assert told["other"]["nofile"] != 7 and told["other"]["nice"] != 7
+    assert not (tmp_path / "planted").exists()
+
+
 def test_the_kernel_loads_it_and_a_confined_process_does_only_what_a_worker_needs(tmp_path):
     target = tmp_path / "planted"
     done = subprocess.run([sys.executable, "-c", PROBE, str(target)], capture_output=True,
@@ -149,3 +294,26 @@ def test_the_kernel_loads_it_and_a_confined_process_does_only_what_a_worker_need
         "exec": errno.EPERM, "memfd": "ok", "thread": "ok", "asyncio loop": "ok",
         "uvloop loop": "ok"}
     assert not target.exists() and not (tmp_path / "planted.d").exists()
+
+
+INT_80 = textwrap.dedent("""
+    import ctypes, mmap
+    from appliance.filter.workers.confine import drop_capabilities
+    from appliance.filter.workers import jail
+    drop_capabilities()
+    jail.lock()
+    code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    code.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))  # mov eax, 20 (getpid); int 0x80
+    address = ctypes.addressof(ctypes.c_char.from_buffer(code))
+    print(ctypes.CFUNCTYPE(ctypes.c_long)(address)(), flush=True)
+""")
+
+
+def test_an_i386_call_from_64_bit_code_kills_the_process():
+    """int 0x80 from x86_64 code is the i386 ABI (AUDIT_ARCH_I386): the filter kills the
+    process rather than read the number in another table (a kernel without IA32 emulation
+    faults it instead)."""
+    done = subprocess.run([sys.executable, "-c", INT_80], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode in (-signal.SIGSYS, -signal.SIGSEGV), (done.returncode, done.stdout)
+    assert done.stdout == ""
