@@ -46,3 +46,13 @@ def drop_capabilities() -> None:
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none, both words
     if libc.capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset: " + os.strerror(ctypes.get_errno()))
+
+
+def undumpable() -> None:
+    """The coordinator as its workers' neighbour: not dumpable either. Where it runs with
+    capabilities (the appliance's CAP_NET_ADMIN) a worker, which has none, cannot open its
+    /proc/PID/mem anyway; where it runs without (a test, a developer's run), a worker of
+    its uid could read the secrets and every session's state in its memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl: " + os.strerror(ctypes.get_errno()))

@@ -33,7 +33,7 @@ from appliance.policystore import PolicyStore
 from ..approvals import Holds
 from ..events import EventBus
 from ..proxy.frontends import Frontends
-from . import replica
+from . import confine, replica
 from .inbox import Inbox
 from .link import PICKLE, Link, LinkError
 from .process import ID_BITS, WorkerProcess
@@ -84,6 +84,7 @@ class Workers:
     # -- starting and keeping them running ----------------------------------------------
     async def start(self) -> None:
         """Every worker started and given the state; raises if one cannot be."""
+        confine.undumpable()
         self.shards.assign(self.store.sessions)
         # beating from the first start on: the first worker must not go unheard while the
         # others start (each takes its time: imports, compiling its sessions' rules)

@@ -107,6 +107,14 @@ X86_64 = {
         "shmat": 30, "shmctl": 31,
     },
     "absent": {"clone3": 435},
+    # allowed before any other check: what a worker calls for every request and connection
+    # (each check a call passes costs a few nanoseconds, and read() came last of ~300)
+    "hot": {"read": 0, "write": 1, "close": 3, "mmap": 9, "munmap": 11, "brk": 12,
+            "readv": 19, "writev": 20, "madvise": 28, "connect": 42, "sendto": 44,
+            "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48, "getsockname": 51,
+            "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "futex": 202,
+            "epoll_wait": 232, "epoll_ctl": 233, "splice": 275, "epoll_pwait": 281,
+            "accept4": 288, "pipe2": 293, "getrandom": 318},
     "newest": 469,  # file_setattr (6.17); anything past it: ENOSYS
 }
 """<asm/unistd_64.h>. The appliance is amd64 (its box, its packages); another machine's
@@ -148,6 +156,9 @@ def program(table: dict, pid: int) -> bytes:
     code = [_ld(ARCH), _jump(JEQ, AUDIT_ARCH_X86_64, 1, 0), _ret(KILL_PROCESS),
             _ld(NR), _jump(JGE, X32_SYSCALL_BIT, 0, 1), denied,
             _jump(JGE, table["newest"] + 1, 0, 1), _ret(ERRNO | errno.ENOSYS)]
+    *others, last = table["hot"].values()  # each a match lands on the ALLOW after them
+    code += [*(_jump(JEQ, nr, len(others) - at, 0) for at, nr in enumerate(others)),
+             _jump(JEQ, last, 0, 1), _ret(ALLOW)]
     for nr in table["refused"].values():
         code += [_jump(JEQ, nr, 0, 1), denied]
     for nr in table["absent"].values():

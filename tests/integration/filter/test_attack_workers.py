@@ -152,7 +152,7 @@ def test_a_worker_holds_no_capability_of_the_filter(pair):
 
 ATTACK = """
 import json, os, socket, sys
-uid, gid, control, state, coordinator = sys.argv[1:]
+uid, gid, control, state, coordinator, sibling = sys.argv[1:]
 os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))
 from appliance.filter.workers.confine import drop_capabilities
 from appliance.filter.workers import jail
@@ -175,6 +175,8 @@ attempt("shell", lambda: os.execv("/bin/sh", ["sh", "-c", "true"]))
 attempt("fork", os.fork)
 attempt("signal the coordinator", lambda: os.kill(int(coordinator), 19))
 attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0))
+attempt("another worker's memory", lambda: open(f"/proc/{sibling}/environ", "rb").read())
+attempt("the coordinator's memory", lambda: open(f"/proc/{coordinator}/environ", "rb").read())
 print(json.dumps(tried))
 """
 
@@ -192,11 +194,12 @@ def test_a_process_confined_as_a_worker_cannot_act_as_its_coordinator(pair):
     uid, gid = status["Uid"].split()[1], status["Gid"].split()[1]
     done = subprocess.run([sys.executable, "-c", ATTACK % ZERO, uid, gid,
                            str(f.dir / "filter.sock"), str(f.dir / "state"),
-                           str(f.process.pid)],
+                           str(f.process.pid), str(workers(f)[0]["pid"])],
                           capture_output=True, text=True, timeout=30)
     tried = json.loads(done.stdout)
     assert tried == {"control socket": 97, "state file": 13, "control socket moved": 1, "shell": 1,
-                     "fork": 1, "signal the coordinator": 1, "netlink": 97}, tried
+                     "fork": 1, "signal the coordinator": 1, "netlink": 97,
+                     "another worker's memory": 13, "the coordinator's memory": 13}, tried
     assert not (f.dir / "state" / "planted").exists()
     assert (f.dir / "filter.sock").exists()
     assert "evil.test" not in json.dumps(f.control({"op": "policy", "session": ZERO}))
