@@ -77,13 +77,23 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
     return top
 
 
+def command_module(argv: list[str]) -> str | None:
+    """The module registering the command `argv` names, or None for the whole command line:
+    when no command word is known, and when anything but `--debug` (or its abbreviation)
+    comes before it, since `-h` there asks for the top's help, every command listed."""
+    first = next((at for at, word in enumerate(argv) if not word.startswith("-")), None)
+    if first is None or not all(len(w) > 2 and "--debug".startswith(w) for w in argv[:first]):
+        return None
+    return WORDS.get(argv[first])
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line. argparse fills a positional list once: `corral run --agent A
     PROJECT --name N -- ARGS` would leave `-- ARGS` unrecognised (PROJECT took the list).
     So for `run` the words after `--` are taken off first and added to its words after;
     `args.after_dashes` keeps them apart (with --agent they are the agent's)."""
     words = [w for w in argv if not w.startswith("-")]
-    top = parser(WORDS.get(words[0]) if words else None)
+    top = parser(command_module(argv))
     if words[:1] == ["run"] and "--" in argv:
         cut = argv.index("--")
         args = top.parse_args(argv[:cut])

@@ -77,3 +77,20 @@ def test_version_is_read_only_when_asked(capsys):
         main.parse(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("corral 0.")
+
+
+@pytest.mark.parametrize("argv", [["--help", "shell"], ["-h", "run", "p"], ["--he", "ls"]])
+def test_help_before_a_command_word_lists_every_command(argv, capsys):
+    """`-h` before the command word is the top's help: the whole list, not the one module's
+    commands the word names."""
+    with pytest.raises(SystemExit) as exited:
+        main.parse(argv)
+    assert exited.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(f"    {word} " in listed or f"    {word}\n" in listed for word in main.WORDS), \
+        listed
+
+
+def test_debug_before_the_command_word_still_imports_its_module_only():
+    modules = loaded_after(["--debug", "shell", "s1"])
+    assert "cli.sessions" in modules and "cli.vm" not in modules and "cli.certs" not in modules
