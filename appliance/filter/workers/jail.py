@@ -7,8 +7,9 @@ needs not, the filter refuses:
 - a socket of any family but IPv4 and IPv6: no connection to the control socket, nor to
   journald or any local service (a pathname AF_UNIX connect needs a new AF_UNIX socket;
   the worker's own, its link and its loop's pair, are connected already), no netlink; of
-  any protocol but TCP and UDP (SCTP, L2TP: kernel code a worker needs not, and a module
-  loaded where the unit's ProtectKernelModules is not set); a socketpair of AF_UNIX stream
+  any protocol but TCP and UDP, nor of a type whose protocol 0 is another (SCTP, L2TP:
+  kernel code a worker needs not, and a module loaded where the unit's
+  ProtectKernelModules is not set); a socketpair of AF_UNIX stream
   sockets only (a datagram one may sendto or connect to any path: journald's, /dev/log;
   another family's pair, TIPC's, is a socket() of a refused family), and no bind (a
   worker's sockets come bound; binding a pair's end to a path creates a file);
@@ -60,6 +61,10 @@ WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 CLONE_THREAD = 0x00010000
 SOCK_TYPE_BUT_STREAM = 0xE
 """A socket type's low bits (SOCK_TYPE_MASK 0xF) but SOCK_STREAM's, 1: any set is another type."""
+SOCK_TYPE_PAST_RAW = 0xC
+"""Set in every type from SOCK_RDM (4) on, in none of stream, datagram and raw (1 to 3; raw
+needs CAP_NET_RAW): protocol 0 is the type's default, SCTP's for SOCK_SEQPACKET and DCCP's
+for SOCK_DCCP where either module is loaded, so the type is checked as well."""
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE = 8, 10, 15, 1024
 FIOSETOWN, SIOCSPGRP, TIOCSTI = 0x8901, 0x8902, 0x5412
@@ -166,6 +171,8 @@ def program(table: dict, pid: int) -> bytes:
     code += _when(table["socket"], [_ld(_arg(0)), _jump(JEQ, AF_INET, 2, 0),
                                     _jump(JEQ, AF_INET6, 1, 0),
                                     _ret(ERRNO | errno.EAFNOSUPPORT),
+                                    _ld(_arg(1)), _jump(JSET, SOCK_TYPE_PAST_RAW, 0, 1),
+                                    _ret(ERRNO | errno.ESOCKTNOSUPPORT),
                                     *_among(2, (0, IPPROTO_TCP, IPPROTO_UDP), _ret(ALLOW),
                                             _ret(ERRNO | errno.EPROTONOSUPPORT))])
     for call, flags in (("open", 1), ("openat", 2)):

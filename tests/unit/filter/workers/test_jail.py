@@ -343,3 +343,17 @@ def test_the_calls_made_for_every_request_are_allowed_first_and_nothing_else_is(
     before_hot = 8  # the architecture, x32 and newest checks
     for nr in hot:  # within the shortcut's length of the start
         assert steps(CODE, nr) <= before_hot + len(hot) + 1, nr
+
+
+def test_protocol_zero_names_tcp_or_udp_only_by_the_sockets_type():
+    """Protocol 0 is the type's default: TCP for a stream, UDP for a datagram, but SCTP for
+    a SOCK_SEQPACKET (and DCCP for SOCK_DCCP) wherever that module is loaded already."""
+    nr = jail.X86_64["socket"]
+    flags = os.O_NONBLOCK | os.O_CLOEXEC  # SOCK_NONBLOCK, SOCK_CLOEXEC
+    for family in (2, 10):
+        for kind in (1, 2, 1 | flags, 2 | flags):  # stream, dgram
+            assert run(CODE, nr, (family, kind, 0)) == jail.ALLOW, (family, kind)
+        for kind in (4, 5, 6, 10, 5 | flags):  # rdm seqpacket dccp packet
+            for protocol in (0, 6, 17):
+                assert run(CODE, nr, (family, kind, protocol)) == \
+                    jail.ERRNO | errno.ESOCKTNOSUPPORT, (family, kind, protocol)
