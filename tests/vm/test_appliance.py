@@ -123,9 +123,13 @@ def appliance(tmp_path_factory, vm_image, libvirtd):
         assert "next:" in up.stdout
         yield made
     finally:
-        # where the VM's memory went by the end (2 GiB by default): shown with -s or a failure
-        print(made.ssh("free -m; ps -eo rss,pid,args --sort=-rss | head -15 | cut -c1-120",
-                       timeout=120).stdout)
+        # where the VM's memory went by the end (2 GiB by default): shown with -s or a failure;
+        # a VM that does not answer (wedged, or never up) is still destroyed
+        try:
+            print(made.ssh("free -m; ps -eo rss,pid,args --sort=-rss | head -15 | cut -c1-120",
+                           timeout=120).stdout)
+        except (subprocess.TimeoutExpired, OSError) as error:
+            print(f"the VM's memory: unreadable ({error!r})")
         down = made.corral("destroy", "--appliance", NAME, timeout=600)
         print(down.stdout, down.stderr)
 
