@@ -94,3 +94,11 @@ def test_help_before_a_command_word_lists_every_command(argv, capsys):
 def test_debug_before_the_command_word_still_imports_its_module_only():
     modules = loaded_after(["--debug", "shell", "s1"])
     assert "cli.sessions" in modules and "cli.vm" not in modules and "cli.certs" not in modules
+
+
+def test_the_credentials_the_client_checks_are_those_provisioning_writes():
+    """cli.client names them itself (reading three files must not import cryptography)."""
+    from appliance import pki
+    from cli import client
+
+    assert client.CREDENTIALS == pki.CLIENT_FILES
