@@ -87,9 +87,19 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_cli_appliance_and_bench_import_without_a_circle():
+def drawn() -> dict[str, set[str]]:
+    """The project's graph, with the imports cli/main.py makes by name (importlib: a command
+    line imports its own command's module), which the source does not show as imports."""
+    from cli import main
+
     graph = import_graph(ROOT, TOPS)
-    assert len(graph) > 100 and graph["cli.main"], "the graph was not drawn"
+    graph["cli.main"] |= {f"cli.{name}" for name in main.COMMANDS}
+    return graph
+
+
+def test_cli_appliance_and_bench_import_without_a_circle():
+    graph = drawn()
+    assert len(graph) > 100 and "cli.sessions" in graph["cli.main"], "the graph was not drawn"
     assert circles(graph) == []
 
 
@@ -141,7 +151,7 @@ def test_rooms_and_the_modules_beside_them_import_one_way():
     and the modules beside them import one way. A room that imports what wires it
     (filter/service.py, filter/control.py) makes a circle here, as do two rooms that need
     each other (the proxy dialling for the git gateway that the proxy judges git for)."""
-    assert circles_between_rooms(import_graph(ROOT, TOPS)) == {}
+    assert circles_between_rooms(drawn()) == {}
 
 
 def test_a_room_that_imports_its_parents_service_is_found(tmp_path):
