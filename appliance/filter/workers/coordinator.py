@@ -120,12 +120,15 @@ class Workers:
                     "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
                     "--first-id", str(first_id), "--event-loop", self.event_loop,
                     "--log-level", self.log_level, pass_fds=(theirs.fileno(),),
-                    stdin=asyncio.subprocess.DEVNULL)
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE)
             except BaseException:
                 ours.close()
                 raise
             finally:
                 theirs.close()
+            worker.relay = asyncio.get_running_loop().create_task(
+                relay_log(worker.process.stderr), name=f"corral-worker-{worker.index}-log")
             # (the block as this process was given it: its last events, read after it died
             # and the next began, are still its own)
             worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker,
@@ -306,3 +309,23 @@ class Workers:
     async def describe(self) -> list[dict]:
         """Each worker as `status` shows it (inbox.py)."""
         return await self.inbox.describe()
+
+
+async def relay_log(stream: asyncio.StreamReader) -> None:
+    """A worker's log lines onto the filter's own stderr (under systemd, the unit's journal
+    stream), line by line so they do not cut into the filter's. Each worker writes to a pipe
+    of its own: given the filter's stream itself, a worker could shut it down (journald's
+    stream is a socket, and shutdown() a call every connection makes), and the filter's
+    lines, those naming that worker among them, would go nowhere."""
+    out = sys.stderr.buffer
+    while True:
+        try:
+            line = await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:  # its last words, without a newline
+            line = exc.partial + b"\n" if exc.partial else b""
+        except asyncio.LimitOverrunError as exc:  # longer than a line should be: in parts
+            line = await stream.readexactly(exc.consumed)
+        if not line:
+            return
+        out.write(line)
+        out.flush()

@@ -32,6 +32,8 @@ class WorkerProcess:
         sent and acknowledged: each reaches it after its start, never lost in between.
         (Questions, verdicts and heard addresses are sent as they come.)"""
         self.restarts = 0
+        self.relay: asyncio.Task | None = None
+        """Its log lines onto the filter's stderr (coordinator.relay_log), until it ends."""
         self.block = 0
         """The block of event ids its current process numbers its events in (ID_BITS)."""
 

@@ -117,15 +117,23 @@ def test_a_worker_holds_no_descriptor_of_the_coordinator_but_its_gateways(intern
     """A worker parses what agents send: of the coordinator's descriptors it is given its
     link and its gateways' listeners, nothing else. Under uvloop a worker was started
     holding the coordinator's netlink socket to nftables (inherited: libuv's spawn closes
-    only descriptors marked close-on-exec)."""
+    only descriptors marked close-on-exec). Its output goes to a pipe of its own, which the
+    filter reads: given the filter's stderr (under systemd a socket, journald's stream), a
+    worker could shut it down and the filter's log lines would go nowhere."""
     f = started(internet, tmp_path, loop)
     try:
         coordinator = _sockets(f.process.pid)
         gateways = _listening_on_gateways()
+        theirs = {os.readlink(f"/proc/{f.process.pid}/fd/{fd}") for fd in (1, 2)}
         for seen in workers(f):
             shared = (coordinator & _sockets(seen["pid"])) - gateways
             assert not shared, (seen["index"], shared,
                                 Path("/proc/net/netlink").read_text())
+            output = [os.readlink(f"/proc/{seen['pid']}/fd/{fd}") for fd in (1, 2)]
+            # (a pipe; a socketpair's end under uvloop, whose libuv makes pipes of those)
+            assert output[0] == "/dev/null" and output[1].startswith(("pipe:", "socket:")), \
+                output
+            assert not theirs & set(output), (theirs, output)
     finally:
         stop(f.process)
 
@@ -232,6 +240,10 @@ def test_a_stopped_coordinator_leaves_no_worker_serving(pair):
     _up(f, 0), _up(f, 1)
     assert ask(gateway(ZERO), f.dns, client(ZERO), "allowed.test") == "NOERROR"
     assert fetch(gateway(ONE), f.proxy, client(ONE), "http://allowed.test:8080/") == 200
+    # what the workers said meanwhile, on their own pipes, reached the filter's log after
+    logged = (f.dir / "filter.log").read_text()
+    for index in (0, 1):
+        assert f"[worker {index}]: the coordinator was not heard" in logged
 
 
 def test_a_request_held_when_a_rule_allows_it_goes_on_in_its_worker(pair):
