@@ -762,7 +762,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                         f"{r['filter_ms']} ms (registration {r['registration_ms']}, firewall "
                         f"apply {r['firewall_apply_ms']} alone), podman run "
                         f"{r['container_ms']} ms; CLI, API and the rest {r['outside_ms']} ms "
-                        f"(the CLI's own start, `corral --version`: {r['cli_ms']} ms)")
+                        f"(the CLI's own start, `corral shell --help`: "
+                        f"{r['cli_ms']} ms)")
         if "compile_s" in r:
             latency = (f"again {r['remembered_us']} µs; deny {r['deny_us']} µs; "
                        f"compile {r['compile_s']} s")
