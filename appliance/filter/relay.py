@@ -168,6 +168,28 @@ async def drain(writer, idle: float) -> None:
         raise ConnectionError(f"the peer read nothing for {idle:g} s") from None
 
 
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 16 << 20
+
+
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Before closing a connection whose answer came ahead of its request's body: the answer
+    sent, then what the client still sends read and dropped, for at most LINGER_SECONDS and
+    LINGER_BYTES (nginx's lingering close, bounded). Closed with bytes unread, a connection
+    is reset, and a client still sending its body meets the reset before it reads the
+    answer: a 413 for a body too large to scan, or a refusal, arrived as "connection reset"
+    or a TLS EOF in the middle of its write."""
+    deadline = time.monotonic() + LINGER_SECONDS
+    left = LINGER_BYTES
+    with contextlib.suppress(ConnectionError, TimeoutError, OSError):  # (ssl's are OSErrors)
+        await drain(writer, LINGER_SECONDS)
+        while left > 0 and (remaining := deadline - time.monotonic()) > 0:
+            data = await within(reader.read(min(left, CHUNK)), remaining)
+            if not data:
+                return
+            left -= len(data)
+
+
 def settled(writer: asyncio.StreamWriter) -> None:
     """Take the error a connection closed here ends with, now or whenever it arrives, so
     that asyncio never logs it as "Future exception was never retrieved". asyncio keeps a

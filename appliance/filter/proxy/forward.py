@@ -33,6 +33,7 @@ from ..relay import (
     copy_body,
     copy_until_eof,
     drain,
+    linger,
     read_body,
     settled,
     tunnel,
@@ -195,10 +196,14 @@ class Forward:
                                                 client=client.label, kind=kind,
                                                 name=denied.target, port=None)
                     client.writer.write(self.proxy.refusal(denied))
+                    if head.chunked or head.content_length:
+                        await linger(client.reader, client.writer)
                     return
                 except HttpError as exc:
                     self.proxy.error_event(client, exc)
                     client.writer.write(self.proxy.failed(exc.status, str(exc)))
+                    if head.chunked or head.content_length:
+                        await linger(client.reader, client.writer)
                     return
                 if not keep:
                     return
@@ -500,7 +505,10 @@ class Forward:
             left -= len(data)
         client.writer.write(refusal.report if refusal.report is not None
                             else proxy.refusal(denied, refusal.keep))
-        await drain(client.writer, idle)
+        if refusal.unread:
+            await linger(client.reader, client.writer)
+        else:
+            await drain(client.writer, idle)
         return refusal.keep
 
     async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters,

@@ -117,6 +117,9 @@ class Refuse:
     """A placeholder that went where it may not: a `secret` event first."""
     report: bytes | None = None
     """A refused push answered with git's own report (200: git shows why) instead."""
+    unread: bool = False
+    """A body comes that was not read, and the connection ends with the answer: what still
+    comes is read and dropped before it closes (relay.linger), or the client meets a reset."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +278,8 @@ def refusal(decision: Decision, target: str, head: Head, fields: dict, read: boo
     else:
         keep = keeps_after_refusal(head)
         discard = (head.content_length or 0) if keep else 0
-    return Refuse(decision, target, kind, {**fields, **extra}, keep, discard)
+    unread = not read and not keep and bool(head.chunked or head.content_length)
+    return Refuse(decision, target, kind, {**fields, **extra}, keep, discard, unread=unread)
 
 
 def leak_decision(host: Host, leak: Leak) -> Decision:

@@ -298,13 +298,17 @@ def test_a_clean_body_is_sent_whole_and_the_sessions_own_placeholder_is_no_leak(
     assert json.loads(body)["body"] == f"a note naming {mine}"
 
 
+@pytest.mark.parametrize("size", [SCAN_BYTES + 1, 8 << 20])
 def test_a_body_too_large_to_read_is_refused_and_says_how_to_let_it_pass(
-        holding, origins, interception):  # noqa: F811
+        holding, origins, interception, size):  # noqa: F811
+    """The answer comes from the head, before the body; the client still sending it gets
+    the answer, not a reset (the filter reads and drops what comes until it closes: 8 MiB
+    is more than the sockets' buffers hold, so the client is mid-write when it is sent)."""
     port = origins["good"].port
     before = len(origins["good"].requests)
     with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
         status, headers, _ = get(tls, f"inspected.test:{port}", "/bulk", "POST",
-                                 body=b"x" * (SCAN_BYTES + 1))
+                                 body=b"x" * size)
     assert status == 413 and "scan = false" in headers["x-corral-error"], headers
     assert len(origins["good"].requests) == before
 
@@ -326,6 +330,11 @@ def test_a_secret_limited_to_requests_reaches_only_those(holding, origins, inter
             assert json.loads(body)["headers"]["x-limited"] == "sk-limited-0123456789abcdef"
             status, headers, _ = get(tls, f"inspected.test:{port}", "/v1/write", "POST",
                                      extra=f"x-limited: {mine}\r\n", body=b"{}")
+            assert status == 403 and "placeholder" in headers["x-corral-deny"], headers
+        # refused from its head, with a body still coming: the refusal, not a reset
+        with tls_through(holding, client_context(interception), "inspected.test", port) as tls:
+            status, headers, _ = get(tls, f"inspected.test:{port}", "/v1/write", "POST",
+                                     extra=f"x-limited: {mine}\r\n", body=b"x" * (8 << 20))
             assert status == 403 and "placeholder" in headers["x-corral-deny"], headers
         assert [r["path"] for r in origins["good"].requests[before:]] == ["/v1/read/x"]
     finally:
