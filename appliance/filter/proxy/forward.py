@@ -481,7 +481,10 @@ class Forward:
         client.writer.write(response(status, json.dumps(answer) + "\n",
                                      content_type="application/json",
                                      redactor=self.proxy.redactor))
-        await drain(client.writer, self.config.idle_timeout)
+        if head.chunked or head.content_length:  # a POST's body, never read: still coming
+            await linger(client.reader, client.writer)
+        else:
+            await drain(client.writer, self.config.idle_timeout)
         return False
 
     async def _refuse(self, client: Client, where, session: str | None,

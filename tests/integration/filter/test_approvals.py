@@ -368,6 +368,20 @@ def test_what_no_person_can_grant_is_answered_at_once(asking):
     assert open_approvals(f) == []
 
 
+def test_an_ask_posted_with_a_body_gets_its_answer_not_a_reset(asking):
+    """request.corral never reads a body: a POST with one larger than the sockets hold still
+    gets its answer (the filter reads and drops the rest before it closes)."""
+    from tests.integration.conftest import S1_CLIENT
+
+    body = b"x" * (8 << 20)
+    with connect(asking.proxy_port, source=S1_CLIENT, timeout=30) as sock:
+        sock.sendall(b"POST http://request.corral/?host=a.test&reason=x HTTP/1.1\r\n"
+                     b"Host: request.corral\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        answer = recv_all(sock)
+    assert answer.startswith(b"HTTP/1.1 20"), answer[:200]
+
+
 def test_asking_is_rate_limited_per_session(asking):
     f = asking
     statuses = [agent_asks(f, f"host=n{i}.test&reason=x")[0] for i in range(8)]
