@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import stop
+from tests.unit.filter.workers.test_jail import ATTEMPT
 
 from .test_workers import (
     ONE,
@@ -158,19 +159,13 @@ def test_a_worker_holds_no_capability_of_the_filter(pair):
         assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test") == "NOERROR"
 
 
-ATTACK = """
+ATTACK = ATTEMPT + """
 import json, os, socket, sys
 uid, gid, control, state, coordinator, sibling = sys.argv[1:]
 os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))
 from appliance.filter.workers.confine import drop_capabilities
 from appliance.filter.workers import jail
 drop_capabilities(); jail.lock()  # as a worker is, from its first byte on
-tried = {}
-def attempt(name, act):
-    try:
-        act(); tried[name] = "done"
-    except OSError as exc:
-        tried[name] = exc.errno
 def add_rule():
     s = socket.socket(socket.AF_UNIX); s.connect(control)
     s.sendall(json.dumps({"op": "add", "session": "%s", "kind": "http",

@@ -160,19 +160,25 @@ def test_other_abis_and_architectures_are_not_let_through():
     assert run(CODE, 5, arch=0x40000003) == jail.KILL_PROCESS  # i386's open
 
 
-PROBE = textwrap.dedent("""
+ATTEMPT = textwrap.dedent("""
+    tried = {}
+    def attempt(name, act):
+        # how `act` ended: "ok", or the errno it was refused with
+        try:
+            act()
+            tried[name] = "ok"
+        except OSError as exc:
+            tried[name] = exc.errno
+""")
+"""What the confined scripts below (and test_attack_workers' attack) try things with."""
+
+
+PROBE = ATTEMPT + textwrap.dedent("""
     import asyncio, json, os, socket, sys, threading
     from appliance.filter.workers.confine import drop_capabilities
     from appliance.filter.workers import jail
     drop_capabilities()
     jail.lock()
-    done = {}
-    def attempt(name, act):
-        try:
-            act()
-            done[name] = "ok"
-        except OSError as exc:
-            done[name] = exc.errno
     def thread():
         t = threading.Thread(target=lambda: None)
         t.start()
@@ -194,11 +200,11 @@ PROBE = textwrap.dedent("""
     attempt("thread", thread)
     attempt("asyncio loop", lambda: asyncio.new_event_loop().close())
     attempt("uvloop loop", lambda: __import__("uvloop").new_event_loop().close())
-    print(json.dumps(done))
+    print(json.dumps(tried))
 """)
 
 
-THE_COORDINATOR = textwrap.dedent("""
+THE_COORDINATOR = ATTEMPT + textwrap.dedent("""
     import ctypes, fcntl, json, os, resource, signal, socket, sys, time
     from appliance.filter.workers.confine import drop_capabilities
     from appliance.filter.workers import jail
@@ -232,13 +238,6 @@ THE_COORDINATOR = textwrap.dedent("""
     jail.lock()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    done_by = {}
-    def attempt(name, act):
-        try:
-            act()
-            done_by[name] = "ok"
-        except OSError as exc:
-            done_by[name] = exc.errno
     def call(*args):
         if libc.syscall(*(ctypes.c_long(a) if isinstance(a, int) else a for a in args)) < 0:
             raise OSError(ctypes.get_errno(), "")
@@ -267,7 +266,7 @@ THE_COORDINATOR = textwrap.dedent("""
     attempt("lease", lambda: fcntl.fcntl(os.open(owned, os.O_RDONLY), 1024, fcntl.F_RDLCK))
     time.sleep(0.2)
     os.write(finished, b"x")
-    print(json.dumps({"done": done_by, "dumpable": libc.prctl(3, 0, 0, 0, 0),  # PR_GET_
+    print(json.dumps({"done": tried, "dumpable": libc.prctl(3, 0, 0, 0, 0),  # PR_GET_
                       "other": json.loads(os.read(ready, 65536))}))
 """)
 
