@@ -33,6 +33,7 @@ from appliance.policystore import PolicyStore
 from ..approvals import Holds
 from ..events import EventBus
 from ..proxy.frontends import Frontends
+from ..ratelimit import TokenBucket
 from . import confine, replica
 from .inbox import Inbox
 from .link import PICKLE, Link, LinkError
@@ -311,13 +312,21 @@ class Workers:
         return await self.inbox.describe()
 
 
+LOG_LINES, LOG_BURST = 100.0, 1000
+"""A worker's log lines relayed a second, and at once: past them they are counted, not
+written (a worker made to flood its log must not spend the coordinator's loop, which every
+session's changes and events go through, on relaying it)."""
+
+
 async def relay_log(stream: asyncio.StreamReader) -> None:
     """A worker's log lines onto the filter's own stderr (under systemd, the unit's journal
-    stream), line by line so they do not cut into the filter's. Each worker writes to a pipe
-    of its own: given the filter's stream itself, a worker could shut it down (journald's
-    stream is a socket, and shutdown() a call every connection makes), and the filter's
-    lines, those naming that worker among them, would go nowhere."""
+    stream), line by line so they do not cut into the filter's, within LOG_LINES. Each worker
+    writes to a pipe of its own: given the filter's stream itself, a worker could shut it
+    down (journald's stream is a socket, and shutdown() a call every connection makes), and
+    the filter's lines, those naming that worker among them, would go nowhere."""
     out = sys.stderr.buffer
+    budget = TokenBucket(LOG_LINES, LOG_BURST, time.monotonic())
+    dropped = 0
     while True:
         try:
             line = await stream.readuntil(b"\n")
@@ -325,6 +334,13 @@ async def relay_log(stream: asyncio.StreamReader) -> None:
             line = exc.partial + b"\n" if exc.partial else b""
         except asyncio.LimitOverrunError as exc:  # longer than a line should be: in parts
             line = await stream.readexactly(exc.consumed)
+        if line and not budget.take(time.monotonic()):
+            dropped += 1
+            continue
+        if dropped:  # before the next line it relays, or as it ends
+            log.warning("a worker wrote %d log lines past %g a second: not relayed",
+                        dropped, LOG_LINES)
+            dropped = 0
         if not line:
             return
         out.write(line)

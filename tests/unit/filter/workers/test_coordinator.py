@@ -13,7 +13,7 @@ from appliance.filter.approvals import Holds
 from appliance.filter.dns.resolver import Resolver
 from appliance.filter.events import EventBus
 from appliance.filter.proxy.frontends import Frontends
-from appliance.filter.workers.coordinator import Workers
+from appliance.filter.workers.coordinator import LOG_BURST, Workers, relay_log
 from appliance.filter.workers.link import LinkError
 from appliance.policystore import PolicyStore
 from tests.unit.filterconfig import one_session
@@ -106,3 +106,22 @@ def test_a_heard_answer_is_checked_before_it_reaches_the_book(coordinator):
             with pytest.raises(LinkError):
                 coordinator.inbox._heard(zero, {"op": "heard", **broken})
     asyncio.run(main())
+
+
+def test_a_workers_log_is_relayed_whole_lines_within_its_budget(capsys, caplog):
+    """Its lines reach the filter's stderr as they were written, the last one without a
+    newline too; a flood past LOG_BURST is counted, not relayed."""
+    async def relayed(data: bytes) -> None:
+        stream = asyncio.StreamReader()
+        stream.feed_data(data)
+        stream.feed_eof()
+        await relay_log(stream)
+
+    asyncio.run(relayed(b"one\ntwo\nlast words"))
+    assert capsys.readouterr().err == "one\ntwo\nlast words\n"
+    flood = LOG_BURST * 3
+    asyncio.run(relayed(b"".join(b"line %d\n" % n for n in range(flood)) + b"after\n"))
+    written = capsys.readouterr().err.splitlines()
+    assert LOG_BURST <= len(written) < flood / 2, len(written)
+    assert written[:2] == ["line 0", "line 1"]
+    assert any("log lines past" in r.getMessage() for r in caplog.records)
