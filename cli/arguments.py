@@ -29,6 +29,12 @@ def machine_command(sub, name: str, help: str, run) -> argparse.ArgumentParser:
     return command
 
 
+def vm_timeout(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
+                         help="vm: stop vagrant and everything it started (ansible, ssh) if "
+                         "it has not finished by then, printing where it was (default 3600)")
+
+
 def granted(command: argparse.ArgumentParser) -> None:
     command.add_argument("--for", dest="duration", metavar="DURATION",
                          help="only for this long (90s, 10m, 1h30m, 2d): the appliance "

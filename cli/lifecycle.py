@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from . import exitcodes, local, vm
-from .arguments import machine_command
+from .arguments import machine_command, vm_timeout
 from .client import CliError, load_appliance
 
 
@@ -49,6 +49,7 @@ def register(sub) -> None:
     up.add_argument("--no-provision", action="store_true",
                     help="vm: only boot the VM from the box; provision it (with others) from "
                     "an inventory: `ansible-playbook -i INVENTORY playbooks/site.yml`")
+    vm_timeout(up)
     up.set_defaults(run=cmd_up)
 
     machine_command(sub, "down", "stop an appliance: the VM halts (local backend: sessions, "

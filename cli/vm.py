@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import box, exitcodes, files, inventory, manifests, output
-from .arguments import machine_command
+from .arguments import machine_command, vm_timeout
 from .client import (
     Client,
     CliError,
@@ -280,7 +280,7 @@ def up(args) -> int:
                     **({"trust_ca": trust} if trust else {}))
     if getattr(args, "no_provision", False):
         _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
-                 api_port=args.api_port, started=started)
+                 api_port=args.api_port, started=started, timeout=args.timeout)
         output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} booted, "
                       "not provisioned")
         output.line(f"""
@@ -291,7 +291,8 @@ next: provision it from an inventory (it may list other appliances too):
   {directory / 'vagrant'} gives ADDRESS and KEY), then
   ansible-playbook -i INVENTORY playbooks/site.yml""")
         return exitcodes.OK
-    _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started)
+    _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started,
+             timeout=args.timeout)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -333,7 +334,8 @@ def _vm_appliance(name: str):
 def provision(args) -> int:
     appliance = _vm_appliance(args.appliance)
     port = appliance.host_port[1]
-    _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic())
+    _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic(),
+             timeout=args.timeout)
     output.line(f"appliance {args.appliance} provisioned")
     return exitcodes.OK
 
@@ -483,8 +485,8 @@ def _register_inventory(sub) -> None:
 
 
 def register(sub) -> None:
-    machine_command(sub, "provision", "re-run playbooks/site.yml on the VM (safe: idempotent)",
-                    provision)
+    vm_timeout(machine_command(sub, "provision", "re-run playbooks/site.yml on the VM (safe: "
+                               "idempotent)", provision))
     machine_command(sub, "destroy", "delete the appliance's VM (its credentials stay)", destroy)
     check = machine_command(sub, "verify", "run playbooks/verify.yml: the appliance as its "
                             "manifest records it (drift named), services, ruleset, API and the "

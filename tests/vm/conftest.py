@@ -110,6 +110,7 @@ def playbook(name: str, inventory: Path, config_home: Path, log_dir: Path, timeo
            "XDG_CONFIG_HOME": str(config_home), "ANSIBLE_FORCE_COLOR": "0",
            # each task, time-stamped
            "ANSIBLE_LOG_PATH": str(log_dir / f"{name}{'.' + limit if limit else ''}.timed.log"),
+           "ANSIBLE_TASK_TIMEOUT": TASK_TIMEOUT,
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / name)]
     if limit:
@@ -131,6 +132,67 @@ STATE_ON_FAILURE = (
     "sudo journalctl -p warning -n 40 --no-pager -o short-monotonic | cut -c1-240")
 """What a failed VM test reports of the VM as it was: the CI log is all there is of a run on
 another machine, and the VM is destroyed at the module's end."""
+
+
+UP_TIMEOUT = 1500
+"""Seconds `corral up --timeout` gives vagrant (booting and provisioning: 5 to 7 minutes
+here): then corral stops vagrant's process group and says where it was."""
+TASK_TIMEOUT = "600"
+"""ANSIBLE_TASK_TIMEOUT for the tier's playbooks: the slowest task here takes 40 s. A task
+that waits on a VM that stopped answering fails in this time instead of taking the run."""
+STALLED_STATE = STATE_ON_FAILURE + (
+    "; echo; uptime; systemctl list-jobs --no-legend --no-pager; echo; "
+    "systemctl status corral-filter corral-sandbox corral-api --no-pager -n 30 | cut -c1-200")
+RETRIED: list[Path] = []
+"""Each `corral up` that failed and was tried again, as what it left (CACHE/failures): the
+run's summary names them, so a failure a second try got past is still seen."""
+
+
+def up_with_one_more_try(appliance, name: str, argv: list[str],
+                         ansible_log: Path) -> subprocess.CompletedProcess:
+    """`corral up`, and once more from a new VM if it failed. CI once saw provisioning stop
+    for 45 minutes at one `systemctl start` (the VM did not answer; never seen here): a
+    wedged guest under QEMU/TCG must not take the whole run. What the first try left is
+    printed, kept under CACHE/failures and named in the summary; a second failure fails."""
+    up = appliance.corral(*argv, timeout=UP_TIMEOUT + 120)
+    if up.returncode == 0:
+        return up
+    RETRIED.append(record_failed_up(appliance, name, up, ansible_log))
+    appliance.corral("destroy", "--appliance", name, timeout=600)
+    return appliance.corral(*argv, timeout=UP_TIMEOUT + 120)
+
+
+def record_failed_up(appliance, name: str, up: subprocess.CompletedProcess,
+                     ansible_log: Path) -> Path:
+    """What a failed `corral up` left: its message, the playbook's last tasks, whether the
+    guest's CPUs still ran (two samples of libvirt's counters) and the guest as ssh finds it."""
+    lines = ansible_log.read_text().splitlines()[-40:] if ansible_log.exists() else []
+    parts = [f"`corral up` exited {up.returncode}:", up.stderr[-4000:],
+             f"the last tasks ({ansible_log}):", "\n".join(lines)]
+    for sample in (1, 2):
+        stats = subprocess.run(["virsh", "-c", "qemu:///system", "domstats", "--state",
+                                "--cpu-total", "--balloon", f"corral-{name}-default"],
+                               capture_output=True, text=True, timeout=60)
+        parts += [f"libvirt's counters, sample {sample}:", stats.stdout + stats.stderr]
+        time.sleep(5)
+    try:
+        state = appliance.ssh(STALLED_STATE, timeout=180)
+        parts += ["the guest:", state.stdout[-12000:] + state.stderr[-2000:]]
+    except subprocess.TimeoutExpired:
+        parts += ["the guest:", "did not answer `corral ssh` within 180 s"]
+    path = CACHE / "failures" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-up.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts) + "\n")
+    print("\n".join(parts))
+    return path
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for path in RETRIED:
+        terminalreporter.section("vm: a `corral up` failed and was tried again", yellow=True)
+        terminalreporter.line(f"what it left: {path}")
+        for line in path.read_text().splitlines()[:80]:
+            terminalreporter.line(line[:200])
 
 
 @pytest.hookimpl(hookwrapper=True)

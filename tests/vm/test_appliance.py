@@ -41,7 +41,18 @@ from cli import box
 from tests import fakes
 
 from . import host
-from .conftest import BIN, CACHE, free_port, playbook, recap, recaps, timed
+from .conftest import (
+    BIN,
+    CACHE,
+    TASK_TIMEOUT,
+    UP_TIMEOUT,
+    free_port,
+    playbook,
+    recap,
+    recaps,
+    timed,
+    up_with_one_more_try,
+)
 
 pytestmark = pytest.mark.vm
 NAME = "vmtest"
@@ -102,6 +113,7 @@ def appliance(tmp_path_factory, vm_image, libvirtd):
            "VAGRANT_HOME": str(CACHE / "vagrant.d"),
            # every task of every play, with a time stamp: where provisioning's time goes
            "ANSIBLE_LOG_PATH": str(home / "ansible.log"),
+           "ANSIBLE_TASK_TIMEOUT": TASK_TIMEOUT,
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     # the box from the image the tier already built (`corral box build` keeps an image that
     # is there and only packages and adds it)
@@ -114,8 +126,9 @@ def appliance(tmp_path_factory, vm_image, libvirtd):
     assert built.returncode == 0, built.stderr[-3000:]
     trust = [word for ca in EXTRA_CAS for word in ("--trust-ca", ca)]
     try:
-        up = made.corral("up", "--name", NAME, "--api-port", str(made.api_port), *trust,
-                         timeout=2700)
+        up = up_with_one_more_try(made, NAME, ["up", "--name", NAME, "--api-port",
+                                               str(made.api_port), "--timeout",
+                                               str(UP_TIMEOUT), *trust], home / "ansible.log")
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-5000:]
         phases = [line for line in up.stderr.splitlines() if line.startswith("corral: [")]
         print("\n".join(phases))

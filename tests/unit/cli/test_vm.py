@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli import vm
-from cli.client import CliError
+from cli.client import CliError, write_appliance
 from cli.main import main
 
 VM_CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse2 vmx hypervisor lahf_lm\n"
@@ -124,6 +124,26 @@ wait
     assert not _alive(vagrant_pid) and not _alive(child_pid)
     log = tmp_path / "config" / "corral" / "appliances" / "x" / "vagrant.log"
     assert "Starting domain" in log.read_text()
+
+
+def test_provision_stops_a_silent_vagrant_at_its_timeout(monkeypatch, tmp_path, capsys):
+    """`--timeout` reaches vagrant's deadline: a provisioning stuck on an unresponsive VM
+    ends with the tail of its output in the time given, not after the default hour."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vagrant").write_text("#!/bin/sh\necho 'TASK [corral_sandbox : Run it]'\n"
+                                     "exec sleep 600\n")
+    (bin_dir / "vagrant").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    (tmp_path / "config" / "corral" / "appliances" / "x").mkdir(parents=True)
+    write_appliance("x", "127.0.0.1:9", backend="vm", podman=["podman"], sandbox=["s"])
+    started = time.monotonic()
+    code = main(["provision", "--appliance", "x", "--timeout", "2"])
+    assert code != 0 and time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert "`vagrant provision` did not finish within 2s" in err, err
+    assert "TASK [corral_sandbox : Run it]" in err, err
 
 
 def test_vagrant_that_fails_reports_its_exit_and_output(monkeypatch, tmp_path):
