@@ -40,7 +40,7 @@ import pytest
 from cli import box
 from tests import fakes
 
-from . import host
+from . import host, pool
 from .conftest import (
     BIN,
     CACHE,
@@ -79,7 +79,11 @@ def libvirtd():
                           capture_output=True).returncode == 0:
             break
         time.sleep(0.5)
+    for name in (NAME, SECOND):  # a killed run's domain would stop `vagrant up` at once
+        if pool.remove_domain(f"corral-{name}-default"):
+            print(f"vm: removed the domain corral-{name}-default an earlier run left")
     yield
+    print(f"vm: box volumes no domain uses, removed: {pool.remove_unused_box_volumes()}")
     for daemon in reversed(started):
         subprocess.run(["pkill", "-x", daemon], check=False)
 
