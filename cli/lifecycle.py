@@ -19,7 +19,8 @@ def cmd_up(args) -> int:
 
 
 def cmd_down(args) -> int:
-    if load_appliance(args.appliance).backend == "local":
+    # (a VM booted with --no-provision has no credentials yet, and stops all the same)
+    if load_appliance(args.appliance, need_credentials=False).backend == "local":
         return local.down(args)
     return vm.halt(args)
 

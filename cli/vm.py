@@ -281,6 +281,7 @@ def up(args) -> int:
     if getattr(args, "no_provision", False):
         _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
                  api_port=args.api_port, started=started, timeout=args.timeout)
+        remember_ssh(args.name)
         output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} booted, "
                       "not provisioned")
         output.line(f"""
@@ -293,6 +294,7 @@ next: provision it from an inventory (it may list other appliances too):
         return exitcodes.OK
     _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started,
              timeout=args.timeout)
+    remember_ssh(args.name)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -336,12 +338,14 @@ def provision(args) -> int:
     port = appliance.host_port[1]
     _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic(),
              timeout=args.timeout)
+    remember_ssh(args.appliance)
     output.line(f"appliance {args.appliance} provisioned")
     return exitcodes.OK
 
 
 def halt(args) -> int:
     appliance = _vm_appliance(args.appliance)
+    ssh_config_file(args.appliance).unlink(missing_ok=True)
     _vagrant(args.appliance, "halt", api_port=appliance.host_port[1], started=time.monotonic())
     output.line(f"appliance {args.appliance} is down (`corral up` starts it again)")
     return exitcodes.OK
@@ -349,6 +353,7 @@ def halt(args) -> int:
 
 def destroy(args) -> int:
     appliance = _vm_appliance(args.appliance)
+    ssh_config_file(args.appliance).unlink(missing_ok=True)
     _vagrant(args.appliance, "destroy", "-f", api_port=appliance.host_port[1],
              started=time.monotonic())
     output.line(f"appliance {args.appliance}'s VM is deleted (its credentials stay in "
@@ -367,8 +372,36 @@ def ssh(args) -> int:
     while words and words[0].startswith("-"):
         options.append(words.pop(0))
     remote = [shlex.join(words)] if words else []
+    remembered = ssh_config_file(args.appliance)
+    if remembered.exists():
+        return subprocess.call(["ssh", "-F", str(remembered), "-o", "ConnectTimeout=30",
+                                *options, "default", *remote], env=env)
     return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
                                                 if options or remote else [])], env=env)
+
+
+def ssh_config_file(name: str) -> Path:
+    return config_home() / "appliances" / name / "ssh_config"
+
+
+def remember_ssh(name: str) -> None:
+    """`vagrant ssh-config`, kept beside the appliance's settings: `corral ssh` then runs
+    ssh itself. Each `vagrant ssh` starts Ruby and asks libvirt for the VM's address, which
+    every `corral shell` on a VM paid before its own command. `corral down` and `corral
+    destroy` remove the file (a VM started again may have another address); without it,
+    `corral ssh` goes through vagrant as before."""
+    path = ssh_config_file(name)
+    path.unlink(missing_ok=True)
+    result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
+                            capture_output=True, text=True, timeout=120)
+    try:
+        if result.returncode != 0:
+            raise ValueError(result.stderr.strip()[-300:] or f"exit {result.returncode}")
+        inventory.parse_ssh_config(result.stdout)
+    except ValueError as exc:
+        output.notice(f"`corral ssh` goes through vagrant: its ssh-config: {exc}")
+        return
+    files.replace(path, result.stdout.encode(), mode=0o600)
 
 
 def verify(args) -> int:

@@ -247,3 +247,64 @@ def test_a_vm_booted_without_provisioning_can_be_destroyed(monkeypatch, tmp_path
     assert main(["destroy", "--appliance", "two"]) == 0
     assert runs[-1] == ("two", ("destroy", "-f"))
     assert main(["status", "--appliance", "two"]) == 4  # the API's commands do need them
+
+
+SSH_CONFIG = """Host default
+  HostName 192.168.121.7
+  User vagrant
+  Port 22
+  UserKnownHostsFile /dev/null
+  StrictHostKeyChecking no
+  PasswordAuthentication no
+  IdentityFile /keys/private_key
+  IdentitiesOnly yes
+  LogLevel FATAL
+"""
+
+
+def _fake_ssh_tools(tmp_path, monkeypatch, config: str = SSH_CONFIG) -> Path:
+    """`vagrant` answering ssh-config with `config` (and recording any other call) and `ssh`
+    recording its words, one call a line, in the file returned."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (tmp_path / "ssh-config").write_text(config)
+    (bin_dir / "vagrant").write_text(f"""#!/bin/sh
+if [ "$1" = ssh-config ]; then cat {tmp_path / 'ssh-config'}; exit 0; fi
+echo "vagrant $*" >> {calls}
+""")
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "ssh $*" >> {calls}\n')
+    for tool in ("vagrant", "ssh"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    (tmp_path / "config" / "corral" / "appliances" / "x").mkdir(parents=True)
+    write_appliance("x", "127.0.0.1:9", backend="vm", podman=["podman"], sandbox=["s"])
+    return calls
+
+
+def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_path):
+    """Each `vagrant ssh` starts Ruby: a VM's every `corral shell` paid it. Once `corral up`
+    kept vagrant's ssh-config, `corral ssh` runs ssh with it, the same words as before."""
+    calls = _fake_ssh_tools(tmp_path, monkeypatch)
+    vm.remember_ssh("x")
+    kept = vm.ssh_config_file("x")
+    assert kept.read_text() == SSH_CONFIG and kept.stat().st_mode & 0o777 == 0o600
+    assert main(["ssh", "--appliance", "x", "--", "-q", "-t", "sudo", "echo", "a b"]) == 0
+    assert calls.read_text() == (f"ssh -F {kept} -o ConnectTimeout=30 -q -t default "
+                                 "sudo echo 'a b'\n")
+
+
+def test_ssh_goes_through_vagrant_without_a_kept_config(monkeypatch, tmp_path, capsys):
+    """An ssh-config vagrant gave without an address is not kept (nor one that failed), and
+    `corral down` and `destroy` drop the kept one: a VM started again may have another."""
+    calls = _fake_ssh_tools(tmp_path, monkeypatch, config="Host default\n  User vagrant\n")
+    vm.remember_ssh("x")
+    assert not vm.ssh_config_file("x").exists()
+    assert "goes through vagrant" in capsys.readouterr().err
+    assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
+    assert calls.read_text() == "vagrant ssh -- -q true\n"
+    for command in ("down", "destroy"):
+        vm.ssh_config_file("x").write_text(SSH_CONFIG)
+        assert main([command, "--appliance", "x"]) == 0
+        assert not vm.ssh_config_file("x").exists(), command
