@@ -65,14 +65,15 @@ class _Version(argparse.Action):
 
 
 def parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line, or with `only`, the top and that one module's commands."""
+    """The whole command line, or with `only`, the top and that one module's commands (with
+    `only` empty, the top alone: `--version`)."""
     top = argparse.ArgumentParser(
         prog="corral", description="Run AI coding agents with default-deny egress.")
     top.add_argument("--version", action=_Version,
                      help="show program's version number and exit")
     top.add_argument("--debug", action="store_true", help="show stack traces on errors")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in (only,) if only else COMMANDS:
+    for name in COMMANDS if only is None else (only,) if only else ():
         importlib.import_module(f"{__package__}.{name}").register(sub)
     return top
 
@@ -80,8 +81,12 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
 def command_module(argv: list[str]) -> str | None:
     """The module registering the command `argv` names, or None for the whole command line:
     when no command word is known, and when anything but `--debug` (or its abbreviation)
-    comes before it, since `-h` there asks for the top's help, every command listed."""
+    comes before it, since `-h` there asks for the top's help, every command listed. ""
+    for `--version` alone (with `--debug` or not): no command's module."""
     first = next((at for at, word in enumerate(argv) if not word.startswith("-")), None)
+    if first is None and "--version" in argv and all(
+            w == "--version" or (len(w) > 2 and "--debug".startswith(w)) for w in argv):
+        return ""  # the version alone: no command's module
     if first is None or not all(len(w) > 2 and "--debug".startswith(w) for w in argv[:first]):
         return None
     return WORDS.get(argv[first])

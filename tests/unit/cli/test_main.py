@@ -102,3 +102,17 @@ def test_the_credentials_the_client_checks_are_those_provisioning_writes():
     from cli import client
 
     assert client.CREDENTIALS == pki.CLIENT_FILES
+
+
+def test_version_alone_loads_no_command():
+    """`corral --version` is how a script checks the CLI is there: it had every command's
+    module imported to print one line."""
+    probe = ("import sys; from cli.main import parse\ntry: parse(sys.argv[1:])\n"
+             "except SystemExit: pass\nprint(' '.join(sorted(sys.modules)))")
+    for argv in (["--version"], ["--debug", "--version"]):
+        done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True,
+                              text=True, check=True)
+        version, modules = done.stdout.splitlines()
+        assert version.startswith("corral 0.")
+        loaded = {f"cli.{name}" for name in main.COMMANDS} & set(modules.split())
+        assert not loaded, sorted(loaded)
