@@ -29,10 +29,22 @@ def machine_command(sub, name: str, help: str, run) -> argparse.ArgumentParser:
     return command
 
 
+def seconds(text: str) -> float:
+    """A number of seconds above zero (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def vm_timeout(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
-                         help="vm: stop vagrant and everything it started (ansible, ssh) if "
-                         "it has not finished by then, printing where it was (default 3600)")
+    command.add_argument("--timeout", type=seconds, default=3600, metavar="SECONDS",
+                         help="vm: stop vagrant and its process group (ansible, ssh) if "
+                         "vagrant has not finished this long after it started, printing "
+                         "where it was (default 3600)")
 
 
 def granted(command: argparse.ArgumentParser) -> None:

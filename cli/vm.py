@@ -185,11 +185,14 @@ def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
 
 def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
              timeout: float = 3600) -> None:
-    """Run vagrant, showing phases with elapsed time; its whole output goes to a log.
+    """Run vagrant, showing phases with the time elapsed since `started`; its whole output
+    goes to a log.
 
-    The timeout counts from `started` and holds whether or not vagrant prints anything: a
-    reader thread takes the output while this one waits for the exit, and at the deadline
-    vagrant's whole process group (ssh, ansible-playbook, qemu-img, ...) is stopped."""
+    The timeout counts from vagrant's start (a box built before it is not counted) and
+    holds whether or not vagrant prints anything: a reader thread takes the output while
+    this one waits for the exit, and at the deadline vagrant's process group (ssh,
+    ansible-playbook, qemu-img, ...) is stopped."""
+    deadline = time.monotonic() + timeout
     log_path = config_home() / "appliances" / name / "vagrant.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     shown = set()
@@ -215,7 +218,7 @@ def _vagrant(name: str, *args: str, api_port: int | None = None, started: float,
         reader = threading.Thread(target=read, name="vagrant-output", daemon=True)
         reader.start()
         try:
-            code = process.wait(max(0.0, started + timeout - time.monotonic()))
+            code = process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _stop_group(process)
             reader.join(5)
@@ -271,6 +274,7 @@ def up(args) -> int:
         box.cmd_build(argparse.Namespace(output=None, rebuild=False, key=None, no_add=False))
     directory = config_home() / "appliances" / args.name
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ssh_config_file(args.name).unlink(missing_ok=True)  # kept again once vagrant is done
     # sessions' terminals and the image build run in the VM, through `corral ssh`
     through = [str(BIN / "corral"), "ssh", "--appliance", args.name, "--", "-q", "-t", "sudo"]
     write_appliance(args.name, f"127.0.0.1:{args.api_port}", backend="vm",
@@ -373,11 +377,27 @@ def ssh(args) -> int:
         options.append(words.pop(0))
     remote = [shlex.join(words)] if words else []
     remembered = ssh_config_file(args.appliance)
-    if remembered.exists():
-        return subprocess.call(["ssh", "-F", str(remembered), "-o", "ConnectTimeout=30",
-                                *options, "default", *remote], env=env)
-    return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
-                                                if options or remote else [])], env=env)
+    try:
+        kept = inventory.parse_ssh_config(remembered.read_text())
+    except (OSError, ValueError):
+        return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
+                                                    if options or remote else [])], env=env)
+    code = subprocess.call(["ssh", *vagrant_ssh_options(kept), *options,
+                            f"{kept['ansible_user']}@{kept['ansible_host']}", *remote], env=env)
+    if code == 255:  # ssh's own failure (or the command's 255): say where the address came from
+        output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}) exited 255: if "
+                      f"the VM was stopped or started outside corral, `corral up --name "
+                      f"{args.appliance}` finds it again")
+    return code
+
+
+def vagrant_ssh_options(kept: dict[str, str]) -> list[str]:
+    """The options `vagrant ssh` gives ssh (Vagrant::Util::SSH), first, so they win over the
+    user's as they did; the user's ssh_config files are still read, as they were."""
+    return ["-p", kept["ansible_port"], "-o", "LogLevel=FATAL", "-o", "Compression=yes",
+            "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=30",
+            "-i", kept["ansible_ssh_private_key_file"]]
 
 
 def ssh_config_file(name: str) -> Path:
@@ -392,13 +412,13 @@ def remember_ssh(name: str) -> None:
     `corral ssh` goes through vagrant as before."""
     path = ssh_config_file(name)
     path.unlink(missing_ok=True)
-    result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
-                            capture_output=True, text=True, timeout=120)
     try:
+        result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
+                                capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise ValueError(result.stderr.strip()[-300:] or f"exit {result.returncode}")
         inventory.parse_ssh_config(result.stdout)
-    except ValueError as exc:
+    except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
         output.notice(f"`corral ssh` goes through vagrant: its ssh-config: {exc}")
         return
     files.replace(path, result.stdout.encode(), mode=0o600)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from . import pool
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CACHE = Path(os.environ.get("CORRAL_VM_CACHE", "/var/tmp/corral-vm"))
@@ -143,6 +145,10 @@ that waits on a VM that stopped answering fails in this time instead of taking t
 STALLED_STATE = STATE_ON_FAILURE + (
     "; echo; uptime; systemctl list-jobs --no-legend --no-pager; echo; "
     "systemctl status corral-filter corral-sandbox corral-api --no-pager -n 30 | cut -c1-200")
+STALLED = re.compile(r"did not finish within|UNREACHABLE!|expected time frame|"
+                     r"Timed out while waiting for the machine to boot")
+"""How a `corral up` that stalled ends (corral's own timeout, an ssh keepalive, Ansible's
+task timeout, Vagrant's boot timeout): the failures tried once more."""
 RETRIED: list[Path] = []
 """Each `corral up` that failed and was tried again, as what it left (CACHE/failures): the
 run's summary names them, so a failure a second try got past is still seen."""
@@ -150,15 +156,19 @@ run's summary names them, so a failure a second try got past is still seen."""
 
 def up_with_one_more_try(appliance, name: str, argv: list[str],
                          ansible_log: Path) -> subprocess.CompletedProcess:
-    """`corral up`, and once more from a new VM if it failed. CI once saw provisioning stop
+    """`corral up`, and once more from a new VM if it stalled. CI once saw provisioning stop
     for 45 minutes at one `systemctl start` (the VM did not answer; never seen here): a
     wedged guest under QEMU/TCG must not take the whole run. What the first try left is
     printed, kept under CACHE/failures and named in the summary; a second failure fails."""
     up = appliance.corral(*argv, timeout=UP_TIMEOUT + 120)
-    if up.returncode == 0:
-        return up
+    vagrant_log = Path(appliance.env["XDG_CONFIG_HOME"], "corral", "appliances", name,
+                       "vagrant.log")
+    said = up.stderr + (vagrant_log.read_text() if vagrant_log.exists() else "")
+    if up.returncode == 0 or not STALLED.search(said):
+        return up  # a playbook's own failure fails at once, as it would a second time
     RETRIED.append(record_failed_up(appliance, name, up, ansible_log))
     appliance.corral("destroy", "--appliance", name, timeout=600)
+    pool.remove_domain(f"corral-{name}-default")  # what vagrant's state no longer knew
     return appliance.corral(*argv, timeout=UP_TIMEOUT + 120)
 
 

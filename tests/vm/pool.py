@@ -5,14 +5,17 @@
   already taken". It is removed, with its disk, before the tier starts.
 - vagrant-libvirt uploads a box into the storage pool once per box version and never removes
   it, and `corral box build` adds a new version each run: 1.7 GB a run. Box volumes that no
-  domain's disk is backed by are removed when the tier ends (a VM of the user's on this host,
-  made from the box, keeps its own).
+  domain's disk is backed by (at any depth) and that are an hour old are removed when the
+  tier ends: a VM of the user's made from the box keeps its own, and each run's own is
+  removed by a later run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 
 VIRSH = ["virsh", "-c", "qemu:///system"]
 BOX_VOLUMES = "corral-VAGRANTSLASH-"
@@ -33,41 +36,56 @@ def remove_domain(name: str) -> bool:
     return True
 
 
-def _disks(domain: str) -> list[str]:
-    listed = _virsh("domblklist", domain, "--details").stdout.splitlines()
-    return [fields[3] for fields in (line.split() for line in listed)
-            if len(fields) == 4 and fields[1] == "disk" and fields[3].startswith("/")]
+def _disks(domain: str) -> list[str] | None:
+    """The files of `domain`'s disks; None if libvirt cannot say."""
+    listed = _virsh("domblklist", domain, "--details")
+    if listed.returncode != 0:
+        return None
+    return [fields[3] for fields in (line.split() for line in listed.stdout.splitlines())
+            if len(fields) == 4 and fields[1] == "disk" and fields[3] != "-"]
 
 
-def _backing(image: str) -> str | None:
-    """The file `image` is backed by ('' if none), or None if it cannot be read."""
-    info = subprocess.run(["qemu-img", "info", "--force-share", "--output=json", image],
-                          capture_output=True, text=True, timeout=60)
+def _chain(image: str) -> list[str] | None:
+    """`image` and every file under it (backing files, all the way down); None if it cannot
+    be read."""
+    info = subprocess.run(["qemu-img", "info", "--force-share", "--backing-chain",
+                           "--output=json", image], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         return None
-    return json.loads(info.stdout).get("full-backing-filename", "")  # "": none
+    return [os.path.realpath(layer["filename"]) for layer in json.loads(info.stdout)]
 
 
-def remove_unused_box_volumes() -> list[str]:
-    """The box volumes in the default pool that no domain's disk is backed by, deleted; their
-    names. A disk that cannot be read counts as using every volume: nothing is removed."""
+def remove_unused_box_volumes(settle: float = 3600) -> list[str]:
+    """The box volumes in the default pool that no domain's disk is, or is backed by at any
+    depth, and that nothing wrote in the last `settle` seconds (a box another `vagrant up`
+    is uploading has no domain yet), deleted; their names. When libvirt or a disk cannot be
+    read, nothing is removed."""
     volumes = _virsh("vol-list", "default")
-    if volumes.returncode != 0:  # no pool yet: no vagrant up ever ran here
+    domains = _virsh("list", "--all", "--name")
+    if volumes.returncode != 0 or domains.returncode != 0:
         return []
     boxes = {}
     for line in volumes.stdout.splitlines()[2:]:
         fields = line.split()
         if len(fields) == 2 and fields[0].startswith(BOX_VOLUMES):
-            boxes[fields[0]] = fields[1]
+            boxes[fields[0]] = os.path.realpath(fields[1])
     used = set()
-    for domain in _virsh("list", "--all", "--name").stdout.split():
-        for disk in _disks(domain):
-            backing = _backing(disk)
-            if backing is None:
+    for domain in domains.stdout.split():
+        disks = _disks(domain)
+        if disks is None:
+            return []
+        for disk in disks:
+            chain = _chain(disk)
+            if chain is None:
                 return []
-            used.add(backing)
+            used.update(chain)
     removed = []
     for name, path in sorted(boxes.items()):
-        if path not in used and _virsh("vol-delete", "--pool", "default", name).returncode == 0:
+        try:
+            fresh = time.time() - os.stat(path).st_mtime < settle
+        except OSError:
+            continue
+        if path not in used and not fresh and _virsh(
+                "vol-delete", "--pool", "default", name).returncode == 0:
             removed.append(name)
     return removed

@@ -102,9 +102,11 @@ class Appliance:
                      env=self.env, **kwargs)
 
     def ssh(self, command: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        """A command on the VM, through `corral ssh` (vagrant ssh)."""
-        return self.corral("ssh", "--appliance", NAME, "--", "sh", "-c", command,
-                           timeout=timeout)
+        """A command on the VM, through `corral ssh` (ssh to the address `corral up` kept).
+        Keepalives: a VM that stops answering ends the ssh, not only the `corral` that the
+        timeout kills."""
+        return self.corral("ssh", "--appliance", NAME, "--", "-oServerAliveInterval=15",
+                           "-oServerAliveCountMax=4", "sh", "-c", command, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -291,8 +291,29 @@ def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_
     kept = vm.ssh_config_file("x")
     assert kept.read_text() == SSH_CONFIG and kept.stat().st_mode & 0o777 == 0o600
     assert main(["ssh", "--appliance", "x", "--", "-q", "-t", "sudo", "echo", "a b"]) == 0
-    assert calls.read_text() == (f"ssh -F {kept} -o ConnectTimeout=30 -q -t default "
-                                 "sudo echo 'a b'\n")
+    assert calls.read_text() == (
+        "ssh -p 22 -o LogLevel=FATAL -o Compression=yes -o IdentitiesOnly=yes "
+        "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=30 "
+        "-i /keys/private_key -q -t vagrant@192.168.121.7 sudo echo 'a b'\n")
+
+
+def test_ssh_that_cannot_connect_says_where_its_address_came_from(monkeypatch, tmp_path,
+                                                                  capsys):
+    """A VM stopped or started outside corral leaves the kept address stale: ssh's own
+    words are hidden (LogLevel=FATAL, -q), so corral names the file and the fix."""
+    calls = _fake_ssh_tools(tmp_path, monkeypatch)
+    (tmp_path / "bin" / "ssh").write_text(f'#!/bin/sh\necho "ssh $*" >> {calls}\nexit 255\n')
+    vm.remember_ssh("x")
+    assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 255
+    err = capsys.readouterr().err
+    assert str(vm.ssh_config_file("x")) in err and "corral up --name x" in err, err
+
+
+@pytest.mark.parametrize("given", ["0", "-5", "nan", "inf", "soon"])
+def test_a_timeout_must_be_seconds_above_zero(given, capsys):
+    with pytest.raises(SystemExit):
+        main(["provision", "--appliance", "x", "--timeout", given])
+    assert "is not a number of seconds above 0" in capsys.readouterr().err
 
 
 def test_ssh_goes_through_vagrant_without_a_kept_config(monkeypatch, tmp_path, capsys):
