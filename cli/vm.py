@@ -370,7 +370,6 @@ def ssh(args) -> int:
     to ssh, the rest is the remote command, each word quoted as given (so `corral shell`
     reaches a VM's sessions with `podman = [corral, ssh, ..., podman]`)."""
     appliance = _vm_appliance(args.appliance)
-    env = vagrant_env(args.appliance, appliance.host_port[1])
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
     options = []
     while words and words[0].startswith("-"):
@@ -381,9 +380,10 @@ def ssh(args) -> int:
         kept = inventory.parse_ssh_config(remembered.read_text())
     except (OSError, ValueError):
         return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
-                                                    if options or remote else [])], env=env)
+                                                    if options or remote else [])],
+                               env=vagrant_env(args.appliance, appliance.host_port[1]))
     code = subprocess.call(["ssh", *vagrant_ssh_options(kept), *options,
-                            f"{kept['ansible_user']}@{kept['ansible_host']}", *remote], env=env)
+                            f"{kept['ansible_user']}@{kept['ansible_host']}", *remote])
     if code == 255:  # ssh's own failure (or the command's 255): say where the address came from
         output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}) exited 255: if "
                       f"the VM was stopped or started outside corral, `corral up --name "
@@ -413,15 +413,11 @@ def remember_ssh(name: str) -> None:
     path = ssh_config_file(name)
     path.unlink(missing_ok=True)
     try:
-        result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise ValueError(result.stderr.strip()[-300:] or f"exit {result.returncode}")
-        inventory.parse_ssh_config(result.stdout)
+        text, _ = _asked_ssh_config(name)
     except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
         output.notice(f"`corral ssh` goes through vagrant: its ssh-config: {exc}")
         return
-    files.replace(path, result.stdout.encode(), mode=0o600)
+    files.replace(path, text.encode(), mode=0o600)
 
 
 def verify(args) -> int:
@@ -482,13 +478,19 @@ def _settings(name: str) -> dict:
                        ) from None
 
 
-def ssh_config(name: str) -> dict[str, str]:
+def _asked_ssh_config(name: str) -> tuple[str, dict[str, str]]:
+    """`vagrant ssh-config`'s answer, and the address, port, user and key it names. Raises
+    ValueError (a failure, or an answer without one of them) or subprocess.TimeoutExpired."""
     result = subprocess.run(["vagrant", "ssh-config"], env=vagrant_env(name),
                             capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise ValueError(result.stderr.strip()[-500:] or f"exit {result.returncode}")
+    return result.stdout, inventory.parse_ssh_config(result.stdout)
+
+
+def ssh_config(name: str) -> dict[str, str]:
     try:
-        if result.returncode != 0:
-            raise ValueError(result.stderr.strip()[-500:] or f"exit {result.returncode}")
-        return inventory.parse_ssh_config(result.stdout)
+        return _asked_ssh_config(name)[1]
     except ValueError as exc:
         raise CliError(f"appliance {name!r}: cannot tell how to reach its VM: {exc}",
                        f"is it up? `corral status --appliance {name}`") from None

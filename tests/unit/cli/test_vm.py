@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli import vm
-from cli.client import CliError, write_appliance
+from cli.client import CliError, config_home, write_appliance
 from cli.main import main
 
 VM_CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse2 vmx hypervisor lahf_lm\n"
@@ -95,23 +95,35 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _on_path(tmp_path, monkeypatch, **programs: str) -> None:
+    """Shell scripts (name -> body) first on PATH, standing in for vagrant and ssh; the CLI's
+    config in tmp_path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in programs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+
+
+def _vm_appliance_x() -> None:
+    """Appliance x, a VM, as `corral up` records it (no credentials)."""
+    (config_home() / "appliances" / "x").mkdir(parents=True)
+    write_appliance("x", "127.0.0.1:9", backend="vm", podman=["podman"], sandbox=["s"])
+
+
 def test_vagrant_that_goes_silent_is_stopped_at_the_deadline_with_its_process_group(
         monkeypatch, tmp_path):
     """The timeout fires although vagrant prints nothing more: a real process stands in for
     vagrant, prints one line, starts a child (as vagrant starts ssh) and sleeps."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     pids = tmp_path / "pids"
-    (bin_dir / "vagrant").write_text(f"""#!/bin/sh
-echo "==> default: Starting domain."
+    _on_path(tmp_path, monkeypatch, vagrant=f"""echo "==> default: Starting domain."
 sleep 600 &
 echo "$$ $!" > {pids}
 wait
 """)
-    (bin_dir / "vagrant").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
     with pytest.raises(CliError) as raised:
         vm._vagrant("x", "up", started=time.monotonic(), timeout=2)
     message = str(raised.value)
@@ -129,15 +141,9 @@ wait
 def test_provision_stops_a_silent_vagrant_at_its_timeout(monkeypatch, tmp_path, capsys):
     """`--timeout` reaches vagrant's deadline: a provisioning stuck on an unresponsive VM
     ends with the tail of its output in the time given, not after the default hour."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "vagrant").write_text("#!/bin/sh\necho 'TASK [corral_sandbox : Run it]'\n"
-                                     "exec sleep 600\n")
-    (bin_dir / "vagrant").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    (tmp_path / "config" / "corral" / "appliances" / "x").mkdir(parents=True)
-    write_appliance("x", "127.0.0.1:9", backend="vm", podman=["podman"], sandbox=["s"])
+    _on_path(tmp_path, monkeypatch,
+             vagrant="echo 'TASK [corral_sandbox : Run it]'\nexec sleep 600\n")
+    _vm_appliance_x()
     started = time.monotonic()
     code = main(["provision", "--appliance", "x", "--timeout", "2"])
     assert code != 0 and time.monotonic() - started < 60
@@ -147,13 +153,7 @@ def test_provision_stops_a_silent_vagrant_at_its_timeout(monkeypatch, tmp_path, 
 
 
 def test_vagrant_that_fails_reports_its_exit_and_output(monkeypatch, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "vagrant").write_text("#!/bin/sh\necho 'boom: no such box'\nexit 3\n")
-    (bin_dir / "vagrant").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    _on_path(tmp_path, monkeypatch, vagrant="echo 'boom: no such box'\nexit 3\n")
     with pytest.raises(CliError, match=r"failed \(exit 3\):\n  boom: no such box"):
         vm._vagrant("x", "up", started=time.monotonic())
 
@@ -265,21 +265,13 @@ SSH_CONFIG = """Host default
 def _fake_ssh_tools(tmp_path, monkeypatch, config: str = SSH_CONFIG) -> Path:
     """`vagrant` answering ssh-config with `config` (and recording any other call) and `ssh`
     recording its words, one call a line, in the file returned."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
+    calls = tmp_path / "calls"
     (tmp_path / "ssh-config").write_text(config)
-    (bin_dir / "vagrant").write_text(f"""#!/bin/sh
-if [ "$1" = ssh-config ]; then cat {tmp_path / 'ssh-config'}; exit 0; fi
+    _on_path(tmp_path, monkeypatch,
+             vagrant=f"""if [ "$1" = ssh-config ]; then cat {tmp_path / 'ssh-config'}; exit 0; fi
 echo "vagrant $*" >> {calls}
-""")
-    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "ssh $*" >> {calls}\n')
-    for tool in ("vagrant", "ssh"):
-        (bin_dir / tool).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
-    (tmp_path / "config" / "corral" / "appliances" / "x").mkdir(parents=True)
-    write_appliance("x", "127.0.0.1:9", backend="vm", podman=["podman"], sandbox=["s"])
+""", ssh=f'echo "ssh $*" >> {calls}\n')
+    _vm_appliance_x()
     return calls
 
 
@@ -302,7 +294,7 @@ def test_ssh_that_cannot_connect_says_where_its_address_came_from(monkeypatch, t
     """A VM stopped or started outside corral leaves the kept address stale: ssh's own
     words are hidden (LogLevel=FATAL, -q), so corral names the file and the fix."""
     calls = _fake_ssh_tools(tmp_path, monkeypatch)
-    (tmp_path / "bin" / "ssh").write_text(f'#!/bin/sh\necho "ssh $*" >> {calls}\nexit 255\n')
+    _on_path(tmp_path, monkeypatch, ssh=f'echo "ssh $*" >> {calls}\nexit 255\n')
     vm.remember_ssh("x")
     assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 255
     err = capsys.readouterr().err
