@@ -7,6 +7,7 @@ inside a sandbox can reach them.
 
 from __future__ import annotations
 
+import re
 import time
 from urllib.parse import quote
 
@@ -245,7 +246,8 @@ def monitor_ask(client, args, color: bool) -> int:
     (and reconnects, listing the open approvals again each time it has subscribed); keys
     and decisions happen here. A key is for the approval whose line was on the screen when
     it was pressed: if that one was decided meanwhile, the key is dropped; keys typed
-    before a new line are dropped too, and so are escape sequences (arrows, F-keys)."""
+    before a new line are dropped too (a `q` among them still quits), and so are escape
+    sequences (arrows, F-keys)."""
     import queue
     import select
     import signal
@@ -318,7 +320,8 @@ def monitor_ask(client, args, color: bool) -> int:
                                   "is dropped")
             first = asking.first
             if first is not None and (first["id"] != shown_id or key in KEYS):
-                termios.tcflush(fd, termios.TCIFLUSH)  # nothing typed before it is for it
+                if _quits(_typed_before(fd)):  # nothing typed before it is for it,
+                    return exitcodes.OK          # but a `q` still quits
                 said, decided = prompt(first)
                 for text in said:
                     output.line(text)
@@ -330,6 +333,33 @@ def monitor_ask(client, args, color: bool) -> int:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
         signal.signal(signal.SIGTERM, previous)
         stop.set()
+
+
+ESCAPE_SEQUENCE = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|O.|.)?", re.DOTALL)
+"""A key's escape sequence as terminals send them: CSI (arrows), SS3 (F1-F4, the keypad
+in application mode, whose `1` is ESC O q) and Alt with a key."""
+
+
+def _quits(typed: bytes) -> bool:
+    """Whether these keys hold a `q` of its own, not one inside an escape sequence."""
+    return b"q" in ESCAPE_SEQUENCE.sub(b"", typed)
+
+
+def _typed_before(fd: int) -> bytes:
+    """What was typed and not read yet, read and dropped (where tcflush would lose a `q`)."""
+    import os
+    import select
+
+    typed = b""
+    while len(typed) < 4096 and select.select([fd], [], [], 0)[0]:
+        try:
+            chunk = os.read(fd, 1024)
+        except OSError:  # the terminal went away
+            break
+        if not chunk:
+            break
+        typed += chunk
+    return typed
 
 
 def _key(fd: int) -> str:

@@ -137,10 +137,18 @@ class Terminal:
                 raise AssertionError(f"the terminal closed; saw {self.seen[-500:]!r}") from None
         return self.seen.decode(errors="replace")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
+        """`exit` typed; killed if the shell is not gone within `timeout` (never a hang)."""
         self.send("exit")
+        deadline = time.monotonic() + timeout
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    self.kill()
+                    break
+                if select.select([self.fd], [], [], 0.05)[0]:  # a full terminal stops it
+                    with contextlib.suppress(OSError):
+                        os.read(self.fd, 65536)
         os.close(self.fd)
 
     def kill(self) -> None:

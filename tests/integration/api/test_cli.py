@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -489,10 +490,19 @@ class Terminal:
     def type(self, keys: bytes) -> None:
         os.write(self.fd, keys)
 
-    def wait(self) -> int:
-        _, status = os.waitpid(self.pid, 0)
-        self.pid = 0
-        return os.waitstatus_to_exitcode(status)
+    def wait(self, timeout: float = 15) -> int:
+        """Its exit code, reading what it still writes (a full terminal would stop it);
+        fail after `timeout` rather than wait for ever on a CLI that did not quit."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = 0
+                return os.waitstatus_to_exitcode(status)
+            if select.select([self.fd], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):  # EIO once the child has closed it
+                    self.seen += os.read(self.fd, 65536)
+        raise AssertionError(f"still running after {timeout}s; saw {self.seen[-1500:]!r}")
 
     def close(self) -> None:
         if self.pid:
