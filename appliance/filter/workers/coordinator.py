@@ -53,6 +53,10 @@ STEADY = 30.0
 """Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
 BEAT = 1.0
 """Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
+UNHEARD = 15.0
+"""Seconds a serving worker may go without reading its link (each beat asks it for an
+answer) before it is taken for stuck, killed and started again: its sessions fail closed
+meanwhile, as for a dead one. Far above any change's work (100k rules compile in 0.6 s)."""
 
 
 class Workers:
@@ -103,11 +107,27 @@ class Workers:
     async def _beat(self) -> None:
         """Tell every worker, every BEAT seconds, that this loop runs: a worker that stops
         hearing it stops serving (worker.py `watch`). A coordinator that is stopped or stuck
-        can neither record what the workers decide nor make a change reach them."""
+        can neither record what the workers decide nor make a change reach them.
+
+        The other way round: a serving worker not heard from for UNHEARD seconds (each beat
+        asks for an answer) is stuck, and is killed; `_keep` starts the next. Judged only
+        when this loop was on time itself: late, the answers may be waiting unread."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while not self._stopping:
+            now = loop.time()
+            on_time, last = now - last < 2 * BEAT, now
             for worker in self.workers:
-                if worker.link is not None and not worker.link.closed.done():
-                    worker.link.send({"op": "beat"})
+                link = worker.link
+                if link is None or link.closed.done():
+                    continue
+                if on_time and worker.ready and now - link.heard > UNHEARD:
+                    log.error("worker %d (pid %s) did not answer for %.0f s: killed, and "
+                              "started again", worker.index,
+                              worker.process.pid if worker.process else "?", now - link.heard)
+                    worker.kill()
+                    continue
+                link.beat()
             await asyncio.sleep(BEAT)
 
     async def _spawn(self, worker: WorkerProcess) -> None:

@@ -73,9 +73,10 @@ def _teaching(item) -> Teaching:
     return Teaching(**item)
 
 
-STATUS = {"pid": int, "sessions": list, "active_connections": int, "proxy": dict,
+STATUS = {"sessions": list, "active_connections": int, "proxy": dict,
           "secrets": int, "dns": dict, "resolver": dict}
-"""What a worker's `status` answer may add to what the coordinator knows of it."""
+"""What a worker's `status` answer may add to what the coordinator knows of it (its pid is
+the coordinator's to say: a person kills the process `status` names)."""
 
 
 class Inbox:
@@ -263,6 +264,8 @@ class Inbox:
         """Each worker as `status` shows it."""
         async def one(worker: WorkerProcess) -> dict:
             seen = {"index": worker.index, "up": worker.ready, "restarts": worker.restarts}
+            if worker.process is not None and worker.process.returncode is None:
+                seen["pid"] = worker.process.pid
             if worker.ready and worker.link is not None:
                 with contextlib.suppress(ConnectionError, LinkError, TimeoutError):
                     reply = await worker.link.call({"op": "status"}, seconds=5.0)

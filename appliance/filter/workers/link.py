@@ -116,6 +116,8 @@ class Link:
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.heard = self.loop.time()
+        """When the other end was last read from (loop time): `beat` asks it to answer."""
         self.loop.add_reader(self.sock.fileno(), self._readable)
 
     # -- sending ---------------------------------------------------------------------
@@ -129,6 +131,11 @@ class Link:
                           [os.dup(fd) for fd in fds]))
         if len(self._out) == 1:
             self._writable()
+
+    def beat(self) -> None:
+        """Say this loop runs, with an id: the other end's loop answers it (as any message
+        with one), and that answer moves `heard`, whatever else it has to say or not."""
+        self.send({"op": "beat", "id": next(self._ids)})
 
     async def call(self, message: dict, fds=(), seconds: float | None = None) -> dict:
         """Send `message` with an id and wait for its reply; ConnectionError when the link
@@ -198,6 +205,7 @@ class Link:
         if not data:
             self.close(None)
             return
+        self.heard = self.loop.time()
         try:
             for body in self.frames.feed(data):
                 self._dispatch(decode(body, self.frames.accepts))

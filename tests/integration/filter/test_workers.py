@@ -6,6 +6,7 @@ Real corral-filter, real worker processes, real sockets on 127.78.0.0/16."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -299,6 +300,31 @@ def test_while_a_worker_is_down_its_sessions_get_no_answer(sharded):
     finally:
         os.kill(one["pid"], signal.SIGCONT)
     assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test") == "NOERROR"
+
+
+def test_a_worker_that_stops_answering_is_killed_and_started_again(sharded):
+    """Stopped and never continued (as a worker wedged in a loop would be): the coordinator
+    hears nothing from it for UNHEARD seconds, kills it and starts the next, which serves
+    its sessions again; nothing waits for a control call to find it stuck."""
+    from appliance.filter.workers.coordinator import UNHEARD
+
+    f = sharded
+    zero, one = workers(f)
+    os.kill(one["pid"], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + UNHEARD + 30
+        while time.monotonic() < deadline:
+            now = workers(f)[1]
+            if now["up"] and now["pid"] != one["pid"]:
+                break
+            time.sleep(0.2)
+        assert now["up"] and now["pid"] != one["pid"] and now["restarts"] == 1, now
+        assert workers(f)[0]["pid"] == zero["pid"]  # its neighbour was left alone
+        assert ask(gateway(ONE), f.dns, client(ONE), "allowed.test") == "NOERROR"
+        assert fetch(gateway(ONE), f.proxy, client(ONE), "http://allowed.test:8080/") == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(one["pid"], signal.SIGKILL)
 
 
 def _ask_mode(f) -> None:

@@ -115,10 +115,11 @@ def test_descriptors_a_worker_sends_are_not_kept():
 
 
 def test_what_a_worker_answers_for_status_and_sessions_is_its_own_and_typed(coordinator):
-    """`status` shows each worker as the coordinator knows it (index, up, restarts) and
+    """`status` shows each worker as the coordinator knows it (index, up, restarts, pid) and
     sums their connections; `sessions` adds what each holds. A worker's answer could say it
-    was another index, make the sum fail (`status` answered an internal error), or count
-    connections for another worker's session."""
+    was another index or another process (a person would kill that one), make the sum fail
+    (`status` answered an internal error), or count connections for another worker's
+    session."""
     answers = {"status": {"index": 0, "up": True, "restarts": 0, "pid": 1,
                           "active_connections": "many", "sessions": ["w1"]},
                "held": {"held": {"w1": 10 ** 9, "w3": 2}}}
@@ -133,6 +134,7 @@ def test_what_a_worker_answers_for_status_and_sessions_is_its_own_and_typed(coor
         try:
             described = {w["index"]: w for w in await coordinator.describe()}
             assert described[1]["up"] and described[1]["restarts"] == 3
+            assert "pid" not in described[1]  # its pid is the coordinator's to say (none here)
             assert described[0] == {"index": 0, "up": False, "restarts": 0}
             assert type(described[1].get("active_connections", 0)) is int
             assert described[1].get("sessions", []) in ([], ["w3"])

@@ -135,3 +135,32 @@ def test_a_frame_larger_than_the_socket_buffer_keeps_its_descriptors(tmp_path):
         coordinator.close()
         worker.close()
     asyncio.run(main())
+
+
+def test_a_beat_is_answered_by_a_running_loop_and_moves_heard_and_silence_does_not():
+    """`heard` is when the other end last wrote: a beat asks it to (the coordinator takes a
+    worker whose loop answers nothing for UNHEARD seconds for stuck)."""
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        mute_ours, mute_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        seen: list[dict] = []
+        coordinator = Link(ours, sends=PICKLE, handle=lambda message, fds: None)
+        worker = Link(theirs, sends=JSON, handle=lambda message, fds: seen.append(message))
+        to_mute = Link(mute_ours, sends=PICKLE, handle=lambda message, fds: None)
+        try:
+            coordinator.heard = to_mute.heard = 0.0
+            coordinator.beat()
+            to_mute.beat()  # its other end is a socket nobody reads: a stopped worker
+            for _ in range(1000):  # 5 s at most
+                if coordinator.heard:
+                    break
+                await asyncio.sleep(0.005)
+            assert coordinator.heard > 0.0
+            assert [m["op"] for m in seen] == ["beat"] and "id" in seen[0]
+            await asyncio.sleep(0.1)
+            assert to_mute.heard == 0.0 and mute_theirs.recv(1 << 16)  # sent, unanswered
+        finally:
+            for one in (coordinator, worker, to_mute):
+                one.close()
+            mute_theirs.close()
+    asyncio.run(main())
