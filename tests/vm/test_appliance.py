@@ -257,6 +257,11 @@ def test_the_units_are_hardened_as_designed(appliance):
     assert "CapabilityBoundingSet=cap_net_bind_service cap_net_admin" in out
     assert out.count("ProtectSystem=strict") == 2 and out.count("NoNewPrivileges=yes") == 2
     assert "660 corral-filter corral" in out and "640 root corral-api" in out
+    # the filter's workers (one per core, the role's default) each say what they were given
+    jailed = appliance.ssh("sudo journalctl -u corral-filter -b --no-pager -o cat "
+                           "| grep -a 'confined' | tail -n 4")
+    lines = jailed.stdout.splitlines()
+    assert lines and all("Landlock ABI" in line for line in lines), jailed.stdout
 
 
 def test_the_boot_ruleset_is_loaded_before_networking(appliance):

@@ -1,29 +1,38 @@
 """What a worker gives up as it starts, before it reads a byte an agent sent: every
-descriptor of the coordinator's but its link, every capability, and the system calls with
-which its user could do the coordinator's work (jail.py).
+descriptor of the coordinator's but its link, every capability, the files its user may read
+but a worker needs not (landlock.py), and the system calls with which its user could do the
+coordinator's work (jail.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 
-from . import jail
+from . import jail, landlock
 
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 38, 47, 4
 CAPABILITY_VERSION_3 = 0x20080522
 """<linux/prctl.h>, <linux/capability.h>."""
 
 
-def confine(link_fd: int) -> None:
+def confine(link_fd: int, reads: Iterable[str] = ()) -> str:
     """Nothing of the coordinator's but the link (its gateways' listeners come over it):
     uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C libraries
     open some without the mark (libnftables' netlink socket). A worker parses what agents
-    send; it must not hold the firewall's socket, nor the right to open another."""
+    send; it must not hold the firewall's socket, nor the right to open another, nor read
+    what its user may but it needs not (landlock.py: beneath the system's and Python's
+    files and `reads` only). Returns what the kernel gave of that, for the log."""
     os.closerange(3, link_fd)
     os.closerange(link_fd + 1, os.sysconf("SC_OPEN_MAX"))
     drop_capabilities()
+    try:
+        said = f"Landlock ABI {landlock.restrict(landlock.readable(reads))}"
+    except landlock.Unsupported as exc:
+        said = f"no Landlock ruleset ({exc.strerror}): it reads what the filter's user may"
     jail.lock()
+    return said
 
 
 def drop_capabilities() -> None:

@@ -140,7 +140,8 @@ class Workers:
                     sys.executable, "-m", "appliance.filter.workers",
                     "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
                     "--first-id", str(first_id), "--event-loop", self.event_loop,
-                    "--log-level", self.log_level, pass_fds=(theirs.fileno(),),
+                    "--log-level", self.log_level, *self._reads(),
+                    pass_fds=(theirs.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE)
             except BaseException:
@@ -169,6 +170,14 @@ class Workers:
                 raise
             worker.ready = True
             log.info("worker %d serving (pid %s)", worker.index, reply.get("pid"))
+
+    def _reads(self) -> list[str]:
+        """The files a worker reads besides its code (its Landlock ruleset's): the
+        interception CA's, which it loads as it starts and again after a rotation, and the
+        upstreams' CA bundle."""
+        inspect = self.store.config.inspect
+        paths = (inspect.ca_dir, inspect.ca_cert, inspect.ca_key, inspect.upstream_ca)
+        return [arg for path in paths if path for arg in ("--read", path)]
 
     async def _keep(self, worker: WorkerProcess) -> None:
         """Start `worker` again whenever it dies, until the filter stops. One that dies

@@ -238,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-id", type=int, required=True)
     parser.add_argument("--event-loop", default="auto")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--read", action="append", default=[],
+                        help="a path it may read beneath besides its code's (the CA's)")
     args = parser.parse_args(argv)
-    confine(args.link_fd)  # before anything else, and before any thread starts
+    jailed = confine(args.link_fd, args.read)  # before anything else, before any thread
     faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "
                         "%(message)s")
+    if jailed.startswith("Landlock"):
+        log.info("confined: %s", jailed)
+    else:
+        log.warning("confined, but %s", jailed)
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     link_sock = socket.socket(fileno=args.link_fd)
 

@@ -161,11 +161,10 @@ def test_a_worker_holds_no_capability_of_the_filter(pair):
 
 ATTACK = ATTEMPT + """
 import json, os, socket, sys
-uid, gid, control, state, coordinator, sibling = sys.argv[1:]
+uid, gid, control, state, coordinator, sibling, policy = sys.argv[1:]
 os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))
-from appliance.filter.workers.confine import drop_capabilities
-from appliance.filter.workers import jail
-drop_capabilities(); jail.lock()  # as a worker is, from its first byte on
+from appliance.filter.workers.confine import confine
+confine(os.open("/dev/null", os.O_RDONLY))  # as a worker is, from its first byte on
 def add_rule():
     s = socket.socket(socket.AF_UNIX); s.connect(control)
     s.sendall(json.dumps({"op": "add", "session": "%s", "kind": "http",
@@ -180,6 +179,9 @@ attempt("signal the coordinator", lambda: os.kill(int(coordinator), 19))
 attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0))
 attempt("another worker's memory", lambda: open(f"/proc/{sibling}/environ", "rb").read())
 attempt("the coordinator's memory", lambda: open(f"/proc/{coordinator}/environ", "rb").read())
+attempt("the state directory", lambda: os.listdir(state))
+attempt("the audit log", lambda: open(os.path.join(state, "audit.jsonl"), "rb").read())
+attempt("the policy files", lambda: open(policy).read())
 print(json.dumps(tried))
 """
 
@@ -189,7 +191,9 @@ def test_a_process_confined_as_a_worker_cannot_act_as_its_coordinator(pair):
     coordinator) holds only if a worker cannot simply do what the coordinator does. It runs
     as the filter's user, so with the uid alone it could connect to the control socket
     (0600, the filter's) and add any rule, write the state directory, or stop the filter.
-    Confined as a worker is (its uid, no capability, the jail's filter), none of that."""
+    Confined as a worker is (its uid, no capability, the jail's filter, its Landlock
+    ruleset), none of that; nor can it read the state directory (the audit log, the secrets'
+    store) or the policy files, which its user may."""
     f = pair
     seen = workers(f)[1]
     status = _status(seen["pid"])
@@ -197,12 +201,18 @@ def test_a_process_confined_as_a_worker_cannot_act_as_its_coordinator(pair):
     uid, gid = status["Uid"].split()[1], status["Gid"].split()[1]
     done = subprocess.run([sys.executable, "-c", ATTACK % ZERO, uid, gid,
                            str(f.dir / "filter.sock"), str(f.dir / "state"),
-                           str(f.process.pid), str(workers(f)[0]["pid"])],
+                           str(f.process.pid), str(workers(f)[0]["pid"]), f.files],
                           capture_output=True, text=True, timeout=30)
     tried = json.loads(done.stdout)
     assert tried == {"control socket": 97, "state file": 13, "control socket moved": 1, "shell": 1,
                      "fork": 1, "signal the coordinator": 1, "netlink": 97,
-                     "another worker's memory": 13, "the coordinator's memory": 13}, tried
+                     "another worker's memory": 13, "the coordinator's memory": 13,
+                     "the state directory": 13, "the audit log": 13,
+                     "the policy files": 13}, tried
+    confined = [line for line in (f.dir / "filter.log").read_text().splitlines()
+                if "confined" in line]  # the real workers say what the kernel gave them
+    assert len(confined) >= 2 and all("Landlock ABI" in line for line in confined), confined
+    assert (f.dir / "state" / "audit.jsonl").stat().st_size  # there, and its user's to read
     assert not (f.dir / "state" / "planted").exists()
     assert (f.dir / "filter.sock").exists()
     assert "evil.test" not in json.dumps(f.control({"op": "policy", "session": ZERO}))
