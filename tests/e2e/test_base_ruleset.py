@@ -43,7 +43,7 @@ def test_template_and_python_build_the_same_boot_table(tmp_path):
         # loading it again replaces the table (the unit's restart), it does not fail
         subprocess.run(["ip", "netns", "exec", names[0], "nft", "-f", str(ruleset)], check=True)
         subprocess.run(["ip", "netns", "exec", names[1], str(BIN / "corral-firewall"), "apply",
-                        "--base"], check=True, capture_output=True)
+                        "--base"], check=True, capture_output=True, timeout=60)
         assert _table(names[0]) == _table(names[1])
     finally:
         for name in names:
@@ -75,7 +75,7 @@ manage = true
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
                        check=True)
         subprocess.run(["ip", "netns", "exec", name, str(BIN / "corral-firewall"), "apply",
-                        "--base"], check=True, capture_output=True)
+                        "--base"], check=True, capture_output=True, timeout=60)
         assert not [i for i in _table(name) if i.get("set", {}).get("name") == "learned"]
         filter_process = subprocess.Popen(
             ["ip", "netns", "exec", name, str(BIN / "corral-filter"), "--config",

@@ -6,6 +6,7 @@ tests/e2e/dashboard_driver.py drives it, and saves a screenshot of each page."""
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,8 @@ def test_a_held_request_is_approved_from_the_page(world, d1, tmp_path):
                          "--no-open", "--json", stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=world.cli_env)
     fetch = None
-    try:
+    try:  # its first line says where it is: one that never comes fails, never a read for ever
+        assert select.select([board.stdout], [], [], 60)[0], "corral dashboard said nothing in 60s"
         url = json.loads(board.stdout.readline())["url"]
         fetch = in_appliance(str(BIN / "corral"), "shell", "--appliance", APPLIANCE_NAME, d1,
                              "--", "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}",

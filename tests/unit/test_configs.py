@@ -135,9 +135,10 @@ def test_the_example_filter_config_loads(monkeypatch):
     monkeypatch.chdir(ROOT)  # its paths are relative to the checkout, as scripts/filter runs it
     config = load_filter("examples/filter.toml")
     assert config.dns.listen == (("127.0.0.1", 5353),)
+    # a filter that took no notice of --check would serve for ever: bounded
     result = subprocess.run([str(Path(sys.executable).parent / "corral-filter"), "--config",
                              "examples/filter.toml", "--check"], cwd=ROOT,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 

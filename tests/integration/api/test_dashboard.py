@@ -122,8 +122,9 @@ def test_the_event_stream_is_relayed_recent_first_then_live(board, corral_filter
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith(
         "text/event-stream")
-    while response.readline().strip() != b": live":
-        pass
+    deadline = time.monotonic() + 30  # at the end (b"") a readline answers at once, for ever
+    while (line := response.readline()).strip() != b": live":
+        assert line and time.monotonic() < deadline, f"no ': live' mark; last line {line!r}"
     with connect(corral_filter.proxy_port) as sock:  # s1: a denial, live
         sock.sendall(b"CONNECT stream-live.test:443 HTTP/1.1\r\n\r\n")
         recv_all(sock)

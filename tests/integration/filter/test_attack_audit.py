@@ -31,6 +31,7 @@ def test_one_session_can_flush_its_own_history_out_of_the_audit_log(internet, tm
         # then a flood of cheap denials from the same session
         for _ in range(600):
             s = socket.socket()
+            s.settimeout(10)  # a denial the filter never answers: a TimeoutError, not a hang
             s.bind((S1_CLIENT, 0))
             s.connect(("127.0.0.1", corral.proxy_port))
             s.sendall(b"GET http://" + b"x" * 60 + b".denied.test/ HTTP/1.1\r\n\r\n")

@@ -261,7 +261,9 @@ def test_an_upstream_hanging_up_inside_a_response_is_an_event_not_a_traceback(
         tls = context.wrap_socket(up, server_side=True)
         buf = b""
         while b"\r\n\r\n" not in buf:
-            buf += tls.recv(65536)
+            chunk = tls.recv(65536)
+            assert chunk, "the filter closed before its request's head"  # not a spin
+            buf += chunk
         tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1000)
         time.sleep(0.1)
         if how == "rst":
@@ -347,7 +349,9 @@ def test_an_upstream_hanging_up_while_a_body_goes_up_is_an_event_not_a_traceback
         up.settimeout(10)
         buf = b""
         while b"\r\n\r\n" not in buf:
-            buf += up.recv(65536)
+            chunk = up.recv(65536)
+            assert chunk, "the filter closed before its request's head"  # not a spin
+            buf += chunk
         if how == "rst":
             rst(up)
         else:

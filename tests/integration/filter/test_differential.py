@@ -241,7 +241,9 @@ def send(corral_filter, path: str, data: bytes) -> tuple[str, bytes]:
                          .encode())
             head = b""
             while b"\r\n\r\n" not in head:
-                head += sock.recv(4096)
+                chunk = sock.recv(4096)
+                assert chunk, "the proxy closed instead of answering CONNECT"
+                head += chunk
             assert head.startswith(b"HTTP/1.1 200"), head
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)

@@ -29,7 +29,9 @@ def ask(port, name, qtype="A", source=S1_CLIENT, tcp=False, raw: bytes | None = 
             (n,) = struct.unpack("!H", sock.recv(2))
             data = b""
             while len(data) < n:
-                data += sock.recv(n - len(data))
+                chunk = sock.recv(n - len(data))
+                assert chunk, "the filter closed in the middle of a DNS answer"
+                data += chunk
     else:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.settimeout(5)
@@ -234,7 +236,10 @@ def read_framed(sock: socket.socket) -> bytes:
     (n,) = struct.unpack("!H", head)
     data = b""
     while len(data) < n:
-        data += sock.recv(n - len(data))
+        chunk = sock.recv(n - len(data))
+        if not chunk:  # as for the head: an end, never a spin for ever on it
+            raise ConnectionError("closed")
+        data += chunk
     return data
 
 

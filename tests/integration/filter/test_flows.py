@@ -35,7 +35,9 @@ def keep_alive_get(port: int, source: str = "127.0.0.1") -> socket.socket:
     sock.sendall(b"GET http://allowed.test/held HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
     data = b""
     while b"/held" not in data:
-        data += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, "the proxy closed before the response came"  # (else: a spin for ever)
+        data += chunk
     return sock
 
 

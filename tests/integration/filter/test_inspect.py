@@ -442,12 +442,16 @@ def test_a_websocket_upgrade_is_relayed_after_inspection(inspecting, origins, in
                     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:
-            head += tls.recv(4096)
+            chunk = tls.recv(4096)
+            assert chunk, "the filter closed before answering the upgrade"
+            head += chunk
         assert head.startswith(b"HTTP/1.1 101")
         tls.sendall(b"frames are not inspected")
         echoed = b""
         while len(echoed) < 24:
-            echoed += tls.recv(4096)
+            chunk = tls.recv(4096)
+            assert chunk, f"the tunnel closed before the echo; got {echoed!r}"
+            echoed += chunk
         assert echoed == b"frames are not inspected"
 
 

@@ -205,11 +205,15 @@ def test_absolute_form_get_with_keep_alive(corral_filter, internet):
                          "Proxy-Connection: keep-alive\r\n\r\n".encode())
             data = b""
             while b"\r\n\r\n" not in data:
-                data += sock.recv(65536)
+                chunk = sock.recv(65536)
+                assert chunk, f"the proxy closed before answer {n}'s head"
+                data += chunk
             length = int(header(data, "Content-Length"))
             _, _, body = data.partition(b"\r\n\r\n")
             while len(body) < length:
-                body += sock.recv(65536)
+                chunk = sock.recv(65536)
+                assert chunk, f"the proxy closed before answer {n}'s body"
+                body += chunk
             reply = json.loads(body)
             assert reply["path"] == f"/k{n}"
             assert "proxy-connection" not in reply["headers"]
@@ -310,7 +314,9 @@ def test_a_websocket_upgrade_switches_to_a_tunnel(corral_filter):
                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
         data = b""
         while b"\r\n\r\n" not in data:
-            data += sock.recv(4096)
+            chunk = sock.recv(4096)
+            assert chunk, "the proxy closed before answering the upgrade"
+            data += chunk
         assert status_of(data) == 101
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
@@ -434,7 +440,9 @@ def test_what_the_server_says_first_reaches_the_client_but_not_the_other_way(
         assert status_of(head) == 200
         heard = head.split(b"\r\n\r\n", 1)[1]  # it may come in one read with the 200
         while len(heard) < 16:
-            heard += sock.recv(100)
+            chunk = sock.recv(100)
+            assert chunk, f"the tunnel closed before the origin's banner; heard {heard!r}"
+            heard += chunk
         assert heard == b"SSH-2.0-origin\r\n"
         sock.sendall(b"SSH-2.0-client\r\n")
         reply = recv_all(sock)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import select
 import subprocess
 from pathlib import Path
 
@@ -340,7 +341,8 @@ def test_a_policy_change_cuts_a_call_it_no_longer_allows(gated):
     is cut when the session's [[git]] table goes, with an event saying so."""
     seen = {e["id"] for e in gated.filter.events()}
     fetch = gated.ssh("git-upload-pack 'acme/widget.git'", popen=True)
-    try:
+    try:  # (a gateway that never shows the refs fails here, not a read for ever)
+        assert select.select([fetch.stdout], [], [], 20)[0], "no refs from the gateway in 20s"
         assert fetch.stdout.read(4)  # the refs' first pkt-line: the call is open
         gated.filter.reload('[http]\nallow = ["git.test:*"]\n')
         _, stderr = fetch.communicate(timeout=20)
@@ -370,6 +372,7 @@ def test_stopping_the_gateway_cuts_its_calls_saying_so(gated):
     seen = {e["id"] for e in gated.filter.events()}
     fetch = gated.ssh("git-upload-pack 'acme/widget.git'", popen=True)
     try:
+        assert select.select([fetch.stdout], [], [], 20)[0], "no refs from the gateway in 20s"
         assert fetch.stdout.read(4)
         gated.filter.run(gated.filter.service.gate.close())
         _, stderr = fetch.communicate(timeout=20)

@@ -163,6 +163,7 @@ def test_on_a_real_terminal_raw_records_and_the_prompt_arrive_as_drawn(tmp_path)
     import pty
     import select
     import sys
+    import time
 
     records = tmp_path / "records.json"
     records.write_text(json.dumps([hostile_event(value) for value in HOSTILE]))
@@ -192,8 +193,14 @@ def test_on_a_real_terminal_raw_records_and_the_prompt_arrive_as_drawn(tmp_path)
             if not chunk:
                 break
             seen += chunk
-    finally:
-        _, status = os.waitpid(pid, 0)
+    finally:  # reached early by a failed read too: then the child may never exit by itself
+        deadline = time.monotonic() + 10
+        while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended == (0, 0):
+            os.kill(pid, 9)
+            ended = os.waitpid(pid, 0)
+        status = ended[1]
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0, seen
     shown = seen.decode("utf-8")

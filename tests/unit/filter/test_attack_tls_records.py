@@ -75,7 +75,11 @@ def test_a_flood_of_tiny_records_is_decrypted_a_slice_per_turn(contexts, version
             client.do_handshake()
         talking = asyncio.ensure_future(client_side())
         await server.handshake(out.read(), 5)
-        await talking
+        try:  # the client's side spins until the server's last flight reaches it
+            await asyncio.wait_for(talking, 10)
+        except TimeoutError:
+            raise AssertionError("the client's handshake not done 10s after the server's") \
+                from None
         for _ in range(RECORDS):
             client.write(b"x")  # one record each
         fed: list[int] = []

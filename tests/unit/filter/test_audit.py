@@ -69,6 +69,7 @@ def test_torn_last_line_is_cut_on_open_and_chain_goes_on(tmp_path):
 
 def test_verify_during_heavy_writing_never_sees_a_false_cut(tmp_path):
     import threading
+    import time
 
     log = AuditLog(tmp_path / "audit.jsonl")
     done = threading.Event()
@@ -78,12 +79,16 @@ def test_verify_during_heavy_writing_never_sees_a_false_cut(tmp_path):
             log.append({"n": i})
         done.set()
 
-    writer = threading.Thread(target=write)
+    writer = threading.Thread(target=write, daemon=True)
     writer.start()
     verdicts = []
+    deadline = time.monotonic() + 120  # a writer that failed or stuck never sets `done`
     while not done.is_set() or len(verdicts) < 20:
+        assert writer.is_alive() or done.is_set(), "the writer thread died (see its error)"
+        assert time.monotonic() < deadline, "20,000 appends not done after 120s"
         verdicts.append(log.verify())
-    writer.join()
+    writer.join(30)
+    assert not writer.is_alive(), "the writer thread did not end"
     log.close()
     broken = [v for v in verdicts if not v.ok]
     assert not broken, broken[0]

@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -236,6 +237,9 @@ def test_kill_9_at_any_moment_leaves_a_chain_that_recovers(active):
     for _ in range(8):
         writer = subprocess.Popen([sys.executable, "-c", WRITER, str(active)],
                                   stdout=subprocess.PIPE, cwd=Path(__file__).parents[3])
+        if not select.select([writer.stdout], [], [], 30)[0]:  # opening the log hung
+            writer.kill()
+            raise AssertionError("the writer printed no head within 30s of starting")
         started = int(writer.stdout.readline())
         def newest() -> int:
             return max((s.first for s in segments(active) if s.first is not None), default=0)
@@ -290,6 +294,7 @@ def test_paging_after_retention_starts_at_the_first_record_kept(active):
         collected += [r["seq"] for r in records]
         if not more:
             break
+        assert records[-1]["seq"] > after, records  # a page that never moves on: no end
         after = records[-1]["seq"]
     assert collected == list(range(first, 61))
 
@@ -354,12 +359,13 @@ def test_head_status_and_verify_do_not_wait_for_a_writer_stuck_mid_batch(active)
     assert log._file.stuck.wait(10)
     answers = []
     reader = threading.Thread(target=lambda: answers.extend(
-        [log.head, log.describe(), log.verify()]))
+        [log.head, log.describe(), log.verify()]), daemon=True)
     reader.start()
     reader.join(10)  # a reader that took the writer's lock would still be waiting
     stuck_with_answers = not reader.is_alive()
     log._file.go.set()
-    reader.join()
+    reader.join(30)  # the writer is free again: a reader still waiting is deadlocked
+    assert not reader.is_alive(), "head, describe or verify still waiting 30s after the write"
     log.close()
     assert stuck_with_answers
     head, described, verdict = answers

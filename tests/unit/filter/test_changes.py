@@ -229,7 +229,10 @@ def test_an_unexpected_failure_is_answered_logged_and_the_connection_goes_on(
         for request in ({"op": "policy", "session": "s1"}, {"op": "sessions"},
                         {"op": "audit", "limit": 0}, {"op": "events", "last": 2}):
             writer.write(json.dumps(request).encode() + b"\n")
-            answers.append(json.loads(await reader.readline()))
+            try:  # a request the server never answers fails here, never waits for ever
+                answers.append(json.loads(await asyncio.wait_for(reader.readline(), 10)))
+            except TimeoutError:
+                raise AssertionError(f"no answer to {request['op']} within 10s") from None
         writer.close()
         server.close()
         await server.wait_closed()

@@ -26,7 +26,10 @@ async def ask(path, *requests: dict) -> list[dict]:
     answers = []
     for request in requests:
         writer.write(json.dumps(request).encode() + b"\n")
-        answers.append(json.loads(await reader.readline()))
+        try:  # a request the server never answers fails here, never waits for ever
+            answers.append(json.loads(await asyncio.wait_for(reader.readline(), 10)))
+        except TimeoutError:
+            raise AssertionError(f"no answer to {request['op']} within 10s") from None
     writer.close()
     return answers
 

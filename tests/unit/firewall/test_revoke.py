@@ -45,9 +45,12 @@ async def learn(service, session, client, name, address, port):
 
 
 async def settle(service):
-    """Until the pass that the last change asked for has run."""
+    """Until the pass that the last change asked for has run (one that never ends fails)."""
     if service.revocation.running is not None:
-        await service.revocation.running
+        try:
+            await asyncio.wait_for(service.revocation.running, 10)
+        except TimeoutError:
+            raise AssertionError("the revocation pass still running after 10s") from None
 
 
 def cuts(service) -> list[dict]:

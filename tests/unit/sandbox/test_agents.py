@@ -143,12 +143,13 @@ def test_two_sessions_asking_at_once_wait_for_one_install(tmp_path):
     run = Recorder(delay=0.3)
     installs = agents.Installs(tmp_path / "agents", run, OWNER)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(installs.ensure(claude(), "k")))
-               for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(installs.ensure(claude(), "k")),
+                                daemon=True) for _ in range(4)]  # a stuck one: no hang at exit
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(30)  # an install lock never released must fail here, not hang the run
+        assert not thread.is_alive(), "a session still waits for the install after 30s"
     assert len(run.calls) == 1 and len({g.tree for g in got}) == 1
     assert sorted(g.fresh for g in got) == [False, False, False, True]
 

@@ -271,8 +271,13 @@ def leaves(authority, size=4, rate=0.001, burst=100) -> CountingLeaves:
     return found
 
 
-def run(coro):
-    return asyncio.run(coro)
+def run(coro, timeout: float = 60):
+    """`coro` to its end, or an AssertionError after `timeout`: a scenario awaits what the
+    code under test should deliver (a mint, a handshake, decrypted bytes), never for ever."""
+    try:
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+    except TimeoutError as exc:  # the traceback above it shows the await that was waiting
+        raise AssertionError(f"the scenario still waiting after {timeout}s") from exc
 
 
 def test_leaves_are_minted_off_the_loop_and_kept_least_recently_used_first(authority):
