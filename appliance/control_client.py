@@ -62,11 +62,12 @@ class ControlClient:
         sock = self._connect(None)
         try:
             sock.sendall(json.dumps(message).encode() + b"\n")
-            sock.settimeout(idle)
             lines = _lines(sock)
-            first = next(lines)
-            while first is None:
-                first = next(lines)
+            first = next(lines)  # within `timeout`, as any answer: a filter that is stuck
+            if first is None:   # would hold this request (and its API worker) for ever
+                raise ServiceUnavailable(f"{self.what} did not answer the subscription "
+                                         f"within {self.timeout:g} s")
+            sock.settimeout(idle)
             answer = json.loads(first or b"{}")
             if not answer.get("ok"):
                 raise ServiceUnavailable(answer.get("error", "subscription refused"))
