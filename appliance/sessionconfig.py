@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import grp
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Callable
@@ -38,11 +39,14 @@ holds `value`, when given)."""
 
 
 def number(low: float = 0, kind: type = float):
-    """A number greater than `low` (a whole one with kind=int)."""
+    """A finite number greater than `low` (a whole one with kind=int): TOML reads `nan` and
+    `inf` as floats, and nan compares as greater than nothing and less than nothing."""
     def check(value, fail: Fail):
         if isinstance(value, bool) or not isinstance(value, int | float) or (
                 kind is int and not isinstance(value, int)):
             fail(f"must be a {'whole ' if kind is int else ''}number, got {value!r}")
+        if not math.isfinite(value):
+            fail(f"must be a finite number, got {value!r}")
         if value <= low:
             fail(f"must be greater than {low}, got {value!r}")
         return kind(value)
@@ -401,6 +405,10 @@ class FilterConfig:
     workers: int = setting(1, processes, "filter.workers")
     """Processes that serve the sessions' gateways, each session by one of them
     (filter/workers/); 1: the filter serves them itself, as one process."""
+    worker_silence: float = setting(60.0, number(), "filter.worker_silence")
+    """Seconds a serving worker may go without answering its coordinator's beats (one a
+    second) before it is taken for stuck, killed and started again; a change in flight to it
+    has its own minute instead."""
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)

@@ -335,9 +335,10 @@ def monitor_ask(client, args, color: bool) -> int:
         stop.set()
 
 
-ESCAPE_SEQUENCE = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|O.|.)?", re.DOTALL)
+ESCAPE_SEQUENCE = re.compile(rb"\x1b+(?:\[[0-?]*[ -/]*[@-~]|O[0-9;]*.|.)?", re.DOTALL)
 """A key's escape sequence as terminals send them: CSI (arrows), SS3 (F1-F4, the keypad
-in application mode, whose `1` is ESC O q) and Alt with a key."""
+in application mode, whose `1` is ESC O q, with a modifier ESC O 5 q) and Alt with a key
+(Alt with an arrow: two ESCs)."""
 
 
 def _quits(typed: bytes) -> bool:
@@ -351,7 +352,7 @@ def _typed_before(fd: int) -> bytes:
     import select
 
     typed = b""
-    while len(typed) < 4096 and select.select([fd], [], [], 0)[0]:
+    while select.select([fd], [], [], 0)[0]:
         try:
             chunk = os.read(fd, 1024)
         except OSError:  # the terminal went away
@@ -359,6 +360,11 @@ def _typed_before(fd: int) -> bytes:
         if not chunk:
             break
         typed += chunk
+        if len(typed) > 1 << 16:  # pasted, or held down: what is left is dropped unread
+            import termios
+
+            termios.tcflush(fd, termios.TCIFLUSH)
+            break
     return typed
 
 
@@ -385,8 +391,8 @@ def _decide(client, asking: Asking, approval: dict, grant: str, args, fd: int, s
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)  # the diff's question
             try:
                 code = _always(client, _AlwaysArgs(approval["id"], args.project))
-            finally:
-                tty.setcbreak(fd)
+            finally:  # now, not after a flush: a `q` typed meanwhile is still read
+                tty.setcbreak(fd, termios.TCSANOW)
             if code != exitcodes.OK:
                 return
         else:

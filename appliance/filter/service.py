@@ -200,8 +200,8 @@ class Service:
             return
         self.workers = Workers(self.config.workers, self.store, self.bus, self.learned,
                                self.secrets, self.frontends, self.holds,
-                               event_loop=event_loop,
-                               log_level=log_level)
+                               event_loop=event_loop, log_level=log_level,
+                               silence=self.config.worker_silence)
         self.listeners.workers = self.workers
         self.changes.follow = self.workers.follow
         self.control.workers = self.workers

@@ -53,23 +53,20 @@ STEADY = 30.0
 """Seconds a worker must have lived for the next restart to come after RESTART_DELAY."""
 BEAT = 1.0
 """Seconds between two beats to each worker (worker.py STALE: how many it may miss)."""
-UNHEARD = 15.0
-"""Seconds a serving worker may go without reading its link (each beat asks it for an
-answer) before it is taken for stuck, killed and started again: its sessions fail closed
-meanwhile, as for a dead one. Far above any change's work (100k rules compile in 0.6 s)."""
 
 
 class Workers:
     def __init__(self, count: int, store: PolicyStore, bus: EventBus,
                  learned: LearnedSet | None, secrets, frontends: Frontends, holds: Holds, *,
-                 event_loop: str = "auto", log_level: str = "info"):
+                 event_loop: str = "auto", log_level: str = "info", silence: float = 60.0):
         """`secrets`: the secret store (its key and http secrets go to each worker);
         `frontends`: the coordinator's book of where inspected hosts live, told what each
         worker hears (and the other workers with it); `holds`: the approvals (ask mode),
-        whose requests wait in the workers (workers/holds.py)."""
+        whose requests wait in the workers (workers/holds.py); `silence`: seconds a serving
+        worker may answer nothing before it is killed (`[filter] worker_silence`)."""
         self.count, self.store, self.bus, self.learned = count, store, bus, learned
         self.secrets = secrets
-        self.event_loop, self.log_level = event_loop, log_level
+        self.event_loop, self.log_level, self.silence = event_loop, log_level, silence
         self.workers = [WorkerProcess(i) for i in range(count)]
         self._blocks = itertools.count(1)
         self.shards = replica.Shards(count)
@@ -109,22 +106,28 @@ class Workers:
         hearing it stops serving (worker.py `watch`). A coordinator that is stopped or stuck
         can neither record what the workers decide nor make a change reach them.
 
-        The other way round: a serving worker not heard from for UNHEARD seconds (each beat
-        asks for an answer) is stuck, and is killed; `_keep` starts the next. Judged only
-        when this loop was on time itself: late, the answers may be waiting unread."""
+        The other way round: a serving worker not heard from for `silence` seconds (each
+        beat asks for an answer) is stuck, and is killed; `_keep` starts the next. Counted
+        only while this loop ran on time (late, the answers may be waiting unread, and a
+        whole filter frozen and thawed heard nobody meanwhile), and not while a change,
+        a start or a gateway is in flight to it: those have their own time limit, and
+        reading a large change (its pickle) is a worker busy, not stuck."""
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        last = resumed = loop.time()
         while not self._stopping:
             now = loop.time()
-            on_time, last = now - last < 2 * BEAT, now
+            if now - last > 2 * BEAT:
+                resumed = now
+            last = now
             for worker in self.workers:
                 link = worker.link
                 if link is None or link.closed.done():
                     continue
-                if on_time and worker.ready and now - link.heard > UNHEARD:
-                    log.error("worker %d (pid %s) did not answer for %.0f s: killed, and "
+                silent = now - max(link.heard, resumed)
+                if worker.ready and not worker.turn.locked() and silent > self.silence:
+                    log.error("worker %d (pid %s) answered nothing for %.0f s: killed, and "
                               "started again", worker.index,
-                              worker.process.pid if worker.process else "?", now - link.heard)
+                              worker.process.pid if worker.process else "?", silent)
                     worker.kill()
                     continue
                 link.beat()
@@ -156,7 +159,7 @@ class Workers:
             worker.link = Link(ours, sends=PICKLE, handle=lambda m, f, w=worker,
                                b=worker.block: self.inbox.handle(w, m, f, b))
             try:
-                reply = await worker.link.call(
+                await worker.link.call(
                     {"op": "start", "config": self.store.config,
                      "state": replica.state_for(None, self.store,
                                                 self.shards.serves(worker.index)),
@@ -169,7 +172,7 @@ class Workers:
                 worker.kill()
                 raise
             worker.ready = True
-            log.info("worker %d serving (pid %s)", worker.index, reply.get("pid"))
+            log.info("worker %d serving (pid %d)", worker.index, worker.process.pid)
 
     def _reads(self) -> list[str]:
         """The files a worker reads besides its code (its Landlock ruleset's): the
