@@ -274,7 +274,7 @@ def up(args) -> int:
         box.cmd_build(argparse.Namespace(output=None, rebuild=False, key=None, no_add=False))
     directory = config_home() / "appliances" / args.name
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    ssh_config_file(args.name).unlink(missing_ok=True)  # kept again once vagrant is done
+    forget_ssh(args.name)  # kept again once vagrant is done
     # sessions' terminals and the image build run in the VM, through `corral ssh`
     through = [str(BIN / "corral"), "ssh", "--appliance", args.name, "--", "-q", "-t", "sudo"]
     write_appliance(args.name, f"127.0.0.1:{args.api_port}", backend="vm",
@@ -349,7 +349,7 @@ def provision(args) -> int:
 
 def halt(args) -> int:
     appliance = _vm_appliance(args.appliance)
-    ssh_config_file(args.appliance).unlink(missing_ok=True)
+    forget_ssh(args.appliance)
     _vagrant(args.appliance, "halt", api_port=appliance.host_port[1], started=time.monotonic())
     output.line(f"appliance {args.appliance} is down (`corral up` starts it again)")
     return exitcodes.OK
@@ -357,7 +357,7 @@ def halt(args) -> int:
 
 def destroy(args) -> int:
     appliance = _vm_appliance(args.appliance)
-    ssh_config_file(args.appliance).unlink(missing_ok=True)
+    forget_ssh(args.appliance)
     _vagrant(args.appliance, "destroy", "-f", api_port=appliance.host_port[1],
              started=time.monotonic())
     output.line(f"appliance {args.appliance}'s VM is deleted (its credentials stay in "
@@ -378,46 +378,97 @@ def ssh(args) -> int:
     remembered = ssh_config_file(args.appliance)
     try:
         kept = inventory.parse_ssh_config(remembered.read_text())
+        pinned = known_hosts_file(args.appliance)
+        if not pinned.is_file():
+            raise ValueError("no host keys kept")
     except (OSError, ValueError):
         return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
                                                     if options or remote else [])],
                                env=vagrant_env(args.appliance, appliance.host_port[1]))
-    code = subprocess.call(["ssh", *vagrant_ssh_options(kept), *options,
+    code = subprocess.call(["ssh", *vagrant_ssh_options(kept, args.appliance), *options,
                             f"{kept['ansible_user']}@{kept['ansible_host']}", *remote])
     if code == 255:  # ssh's own failure (or the command's 255): say where the address came from
-        output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}) exited 255: if "
-                      f"the VM was stopped or started outside corral, `corral up --name "
-                      f"{args.appliance}` finds it again")
+        output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}, its host keys in "
+                      f"{pinned}) exited 255: if the VM was stopped, started or made again "
+                      f"outside corral, `corral up --name {args.appliance}` finds it again")
     return code
 
 
-def vagrant_ssh_options(kept: dict[str, str]) -> list[str]:
+def vagrant_ssh_options(kept: dict[str, str], name: str) -> list[str]:
     """The options `vagrant ssh` gives ssh (Vagrant::Util::SSH), first, so they win over the
-    user's as they did; the user's ssh_config files are still read, as they were."""
+    user's as they did; the user's ssh_config files are still read, as they were. But the
+    VM's host keys are checked, against those `corral up` kept (`vagrant ssh` checks none):
+    a VM answering at that address later is the one corral made, or ssh refuses it."""
+    # quoted for ssh's config reader (a path may hold spaces; % starts ssh's tokens)
+    pinned = str(known_hosts_file(name)).replace("\\", "\\\\").replace('"', '\\"').replace(
+        "%", "%%")
     return ["-p", kept["ansible_port"], "-o", "LogLevel=FATAL", "-o", "Compression=yes",
-            "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
-            "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=30",
-            "-i", kept["ansible_ssh_private_key_file"]]
+            "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f'UserKnownHostsFile="{pinned}"', "-o", f"HostKeyAlias={host_alias(name)}",
+            "-o", "ConnectTimeout=30", "-i", kept["ansible_ssh_private_key_file"]]
 
 
 def ssh_config_file(name: str) -> Path:
     return config_home() / "appliances" / name / "ssh_config"
 
 
+def known_hosts_file(name: str) -> Path:
+    return config_home() / "appliances" / name / "known_hosts"
+
+
+def host_alias(name: str) -> str:
+    """The name the VM's host keys are kept under (not its address: libvirt hands the next
+    VM the same one)."""
+    return f"corral-appliance-{name}"
+
+
+HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
+                  "ecdsa-sha2-nistp521", "ssh-rsa")
+
+
+def forget_ssh(name: str) -> None:
+    """A VM stopped, destroyed or about to be made again: its address and its host keys go
+    (`corral ssh` goes through vagrant until `corral up` keeps the new ones)."""
+    ssh_config_file(name).unlink(missing_ok=True)
+    known_hosts_file(name).unlink(missing_ok=True)
+
+
 def remember_ssh(name: str) -> None:
     """`vagrant ssh-config`, kept beside the appliance's settings: `corral ssh` then runs
     ssh itself. Each `vagrant ssh` starts Ruby and asks libvirt for the VM's address, which
-    every `corral shell` on a VM paid before its own command. `corral down` and `corral
-    destroy` remove the file (a VM started again may have another address); without it,
-    `corral ssh` goes through vagrant as before."""
-    path = ssh_config_file(name)
-    path.unlink(missing_ok=True)
+    every `corral shell` on a VM paid before its own command. The VM's host keys are kept
+    too (ssh-keyscan, now, as the VM corral just made or started answers them: trust on
+    first use, as provisioning's own connection had), and every later `corral ssh` checks
+    them. `corral down` and `corral destroy` remove both (a VM started again may have
+    another address); without them, `corral ssh` goes through vagrant as before."""
+    forget_ssh(name)
     try:
-        text, _ = _asked_ssh_config(name)
+        text, kept = _asked_ssh_config(name)
+        keys = _host_keys(kept, host_alias(name))
     except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
-        output.notice(f"`corral ssh` goes through vagrant: its ssh-config: {exc}")
+        output.notice(f"`corral ssh` goes through vagrant: {exc}")
         return
-    files.replace(path, text.encode(), mode=0o600)
+    files.replace(known_hosts_file(name), keys.encode(), mode=0o600)
+    files.replace(ssh_config_file(name), text.encode(), mode=0o600)
+
+
+def _host_keys(kept: dict[str, str], alias: str) -> str:
+    """The VM's host keys as ssh-keyscan gets them, as known_hosts lines under `alias`.
+    ValueError when it gets none."""
+    result = subprocess.run(["ssh-keyscan", "-T", "30", "-p", kept["ansible_port"],
+                             "-t", ",".join(HOST_KEY_TYPES), kept["ansible_host"]],
+                            capture_output=True, text=True, timeout=120)
+    lines = []
+    for line in result.stdout.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[1] in HOST_KEY_TYPES and re.fullmatch(
+                r"[A-Za-z0-9+/]+={0,2}", words[2]):
+            lines.append(f"{alias} {words[1]} {words[2]}\n")
+    if not lines:
+        said = result.stderr.strip()[-300:] or "nothing said"
+        raise ValueError(f"ssh-keyscan got no host key from {kept['ansible_host']}:"
+                         f"{kept['ansible_port']} ({said})")
+    return "".join(lines)
 
 
 def verify(args) -> int:

@@ -262,15 +262,25 @@ SSH_CONFIG = """Host default
 """
 
 
+HOST_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyOfTheVmStandInXXXXXXXXXXXXXXXXXXXX"
+
+
 def _fake_ssh_tools(tmp_path, monkeypatch, config: str = SSH_CONFIG) -> Path:
-    """`vagrant` answering ssh-config with `config` (and recording any other call) and `ssh`
-    recording its words, one call a line, in the file returned."""
+    """`vagrant` answering ssh-config with `config` (and recording any other call), `ssh`
+    recording its words, one call a line, in the file returned, and `ssh-keyscan` answering
+    a host key (and a comment, and a line that is none) for whatever it is asked. (A real
+    VM's ssh: tests/integration/test_vm_ssh.py.)"""
     calls = tmp_path / "calls"
     (tmp_path / "ssh-config").write_text(config)
     _on_path(tmp_path, monkeypatch,
              vagrant=f"""if [ "$1" = ssh-config ]; then cat {tmp_path / 'ssh-config'}; exit 0; fi
 echo "vagrant $*" >> {calls}
-""", ssh=f'echo "ssh $*" >> {calls}\n')
+""", ssh=f'echo "ssh $*" >> {calls}\n', **{"ssh-keyscan": f"""echo "ssh-keyscan $*" >> {calls}
+for last; do :; done
+echo "# $last:22 SSH-2.0-OpenSSH_9.2p1 Debian"
+echo "$last ssh-ed25519 {HOST_KEY}"
+echo "$last ssh-ed25519 not;base64"
+"""})
     _vm_appliance_x()
     return calls
 
@@ -280,12 +290,17 @@ def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_
     kept vagrant's ssh-config, `corral ssh` runs ssh with it, the same words as before."""
     calls = _fake_ssh_tools(tmp_path, monkeypatch)
     vm.remember_ssh("x")
-    kept = vm.ssh_config_file("x")
+    kept, pinned = vm.ssh_config_file("x"), vm.known_hosts_file("x")
     assert kept.read_text() == SSH_CONFIG and kept.stat().st_mode & 0o777 == 0o600
+    assert pinned.read_text() == f"corral-appliance-x ssh-ed25519 {HOST_KEY}\n"
+    assert pinned.stat().st_mode & 0o777 == 0o600
     assert main(["ssh", "--appliance", "x", "--", "-q", "-t", "sudo", "echo", "a b"]) == 0
     assert calls.read_text() == (
+        "ssh-keyscan -T 30 -p 22 -t ssh-ed25519,ecdsa-sha2-nistp256,ecdsa-sha2-nistp384,"
+        "ecdsa-sha2-nistp521,ssh-rsa 192.168.121.7\n"
         "ssh -p 22 -o LogLevel=FATAL -o Compression=yes -o IdentitiesOnly=yes "
-        "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=30 "
+        f'-o StrictHostKeyChecking=yes -o UserKnownHostsFile="{pinned}" '
+        "-o HostKeyAlias=corral-appliance-x -o ConnectTimeout=30 "
         "-i /keys/private_key -q -t vagrant@192.168.121.7 sudo echo 'a b'\n")
 
 
@@ -319,5 +334,7 @@ def test_ssh_goes_through_vagrant_without_a_kept_config(monkeypatch, tmp_path, c
     assert calls.read_text() == "vagrant ssh -- -q true\n"
     for command in ("down", "destroy"):
         vm.ssh_config_file("x").write_text(SSH_CONFIG)
+        vm.known_hosts_file("x").write_text(f"corral-appliance-x ssh-ed25519 {HOST_KEY}\n")
         assert main([command, "--appliance", "x"]) == 0
         assert not vm.ssh_config_file("x").exists(), command
+        assert not vm.known_hosts_file("x").exists(), command
