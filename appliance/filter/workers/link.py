@@ -13,8 +13,14 @@ directions are encoded differently on purpose:
   of them: a worker runs as the filter's user, so it keeps no capability (confine.py: it
   cannot touch the firewall or bind a port) and a seccomp filter refuses it the calls
   with which that user could act as the coordinator (jail.py: the control socket, a write
-  in the state directory, a signal, a new program). It can still read what that user
-  can (the state directory's files).
+  in the state directory, a signal, a new program), and a Landlock ruleset the files its
+  user may read but it needs not (landlock.py: the state directory's among them).
+
+The coordinator's end stops reading a worker while more than HIGH_WATER bytes wait to be
+sent to it (a worker that asks for answers and reads none would otherwise grow the
+coordinator's memory until the kernel kills the whole filter); it reads again once the
+worker has taken half of them. A worker's end never stops reading: the two could then wait
+on each other.
 
 `Frames` is the pure decoder (bytes in, bodies out); `Link` puts it on a socket with the
 event loop's reader and writer callbacks. Descriptors sent with a frame arrive no later
@@ -32,6 +38,7 @@ import json
 import logging
 import os
 import pickle
+import secrets
 import socket
 import struct
 from collections import deque
@@ -47,6 +54,11 @@ MAX_PICKLE = 1 << 30
 """The largest frame the coordinator sends: a whole state at 100k rules is tens of MiB."""
 MAX_FDS = 16
 """Descriptors taken from one recvmsg: a gateway's listeners are five."""
+HIGH_WATER = 64 << 20
+"""Bytes waiting to go to a worker past which the coordinator stops reading it (a change
+for many sessions' large policies is tens of MiB: its sender waits a moment, nothing more)."""
+BEATS_KEPT = 64
+"""Beats whose answer still counts (one a second: a worker a minute behind is stuck)."""
 
 
 class LinkError(ValueError):
@@ -117,7 +129,13 @@ class Link:
         self._calls: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self.heard = self.loop.time()
-        """When the other end was last read from (loop time): `beat` asks it to answer."""
+        """When the other end last answered a beat (loop time): its loop read the beat and
+        ran. Nothing else moves it: any frame a stuck worker could send blindly."""
+        self._beats: dict[int, None] = {}
+        """The ids of the beats not answered yet, oldest first (BEATS_KEPT at most)."""
+        self._queued = 0
+        """Bytes in `_out`."""
+        self._paused = False
         self.loop.add_reader(self.sock.fileno(), self._readable)
 
     # -- sending ---------------------------------------------------------------------
@@ -127,15 +145,21 @@ class Link:
             raise ConnectionError("the worker's link is closed")
         if len(fds) > MAX_FDS:
             raise LinkError(f"{len(fds)} descriptors in one message, at most {MAX_FDS}")
-        self._out.append((memoryview(encode(message, self.sends)),
-                          [os.dup(fd) for fd in fds]))
+        frame = memoryview(encode(message, self.sends))
+        self._out.append((frame, [os.dup(fd) for fd in fds]))
+        self._queued += len(frame)
         if len(self._out) == 1:
             self._writable()
 
     def beat(self) -> None:
         """Say this loop runs, with an id: the other end's loop answers it (as any message
-        with one), and that answer moves `heard`, whatever else it has to say or not."""
-        self.send({"op": "beat", "id": next(self._ids)})
+        with one), and that answer moves `heard`. The id is random, so only an end that read
+        the beat can answer it (call ids count up: a worker could answer those unread)."""
+        number = secrets.randbits(62) | 1 << 62  # never one of the counted ids
+        self._beats[number] = None
+        if len(self._beats) > BEATS_KEPT:
+            del self._beats[next(iter(self._beats))]
+        self.send({"op": "beat", "id": number})
 
     async def call(self, message: dict, fds=(), seconds: float | None = None) -> dict:
         """Send `message` with an id and wait for its reply; ConnectionError when the link
@@ -170,6 +194,10 @@ class Link:
                 return
             for fd in fds:
                 os.close(fd)
+            self._queued -= sent
+            if self._paused and self._queued <= HIGH_WATER // 2:
+                self._paused = False
+                self.loop.add_reader(self.sock.fileno(), self._readable)
             if sent < len(data):
                 self._out[0] = (data[sent:], [])
                 continue
@@ -205,17 +233,27 @@ class Link:
         if not data:
             self.close(None)
             return
-        self.heard = self.loop.time()
         try:
             for body in self.frames.feed(data):
                 self._dispatch(decode(body, self.frames.accepts))
         except (LinkError, ValueError, pickle.UnpicklingError, EOFError) as exc:
             log.error("workers: a broken frame on the link, closing it: %s", exc)
             self.close(exc)
+            return
+        if self.sends == PICKLE and self._queued > HIGH_WATER and not self.closed.done():
+            self._paused = True  # until the worker reads what waits for it (_writable)
+            self.loop.remove_reader(self.sock.fileno())
 
     def _dispatch(self, message: dict) -> None:
         if message["op"] == "reply":
-            future = self._calls.get(message.get("id"))
+            number = message.get("id")
+            if type(number) is not int:
+                raise LinkError(f"a reply to {number!r:.40}")
+            if number in self._beats:
+                self.heard = self.loop.time()
+                del self._beats[number]
+                return
+            future = self._calls.get(number)
             if future is not None and not future.done():
                 future.set_result(message)
             return

@@ -5,6 +5,7 @@ and a peer that goes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
@@ -137,9 +138,11 @@ def test_a_frame_larger_than_the_socket_buffer_keeps_its_descriptors(tmp_path):
     asyncio.run(main())
 
 
-def test_a_beat_is_answered_by_a_running_loop_and_moves_heard_and_silence_does_not():
-    """`heard` is when the other end last wrote: a beat asks it to (the coordinator takes a
-    worker whose loop answers nothing for UNHEARD seconds for stuck)."""
+def test_a_beat_is_answered_by_a_running_loop_and_moves_heard_and_nothing_else_does():
+    """`heard` is when the other end last answered a beat: its loop read it and ran (the
+    coordinator takes a worker that answers none for `worker_silence` for stuck). A stuck
+    worker could still send frames blindly, even replies to the ids a call would use next:
+    none of that moves it."""
     async def main():
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mute_ours, mute_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -149,18 +152,60 @@ def test_a_beat_is_answered_by_a_running_loop_and_moves_heard_and_silence_does_n
         to_mute = Link(mute_ours, sends=PICKLE, handle=lambda message, fds: None)
         try:
             coordinator.heard = to_mute.heard = 0.0
+            to_mute.beat()  # its other end reads nothing: it sends what a stuck one could
+            for number in range(1, 50):
+                mute_theirs.sendall(link.encode({"op": "reply", "id": number}, JSON))
+            mute_theirs.sendall(link.encode({"op": "event", "event": {}}, JSON))
             coordinator.beat()
-            to_mute.beat()  # its other end is a socket nobody reads: a stopped worker
             for _ in range(1000):  # 5 s at most
                 if coordinator.heard:
                     break
                 await asyncio.sleep(0.005)
             assert coordinator.heard > 0.0
-            assert [m["op"] for m in seen] == ["beat"] and "id" in seen[0]
+            assert [m["op"] for m in seen] == ["beat"] and seen[0]["id"] >= 1 << 62
             await asyncio.sleep(0.1)
             assert to_mute.heard == 0.0 and mute_theirs.recv(1 << 16)  # sent, unanswered
         finally:
             for one in (coordinator, worker, to_mute):
                 one.close()
             mute_theirs.close()
+    asyncio.run(main())
+
+
+def test_a_worker_that_asks_and_reads_nothing_is_not_read_while_its_answers_wait(
+        monkeypatch):
+    """Each message with an id gets an answer: one that sends them and never reads grew the
+    coordinator's queue without end (85 MiB a second, measured), while it counted as heard.
+    Past HIGH_WATER waiting, the coordinator stops reading it; once it reads, on again."""
+    monkeypatch.setattr(link, "HIGH_WATER", 256 << 10)
+
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        asked = []
+        coordinator = Link(ours, sends=PICKLE,
+                           handle=lambda message, fds: asked.append(message["id"]) or {})
+        theirs.setblocking(False)
+        frame = link.encode({"op": "x", "id": 1}, JSON)
+        sent = 0
+        try:
+            for _ in range(200):  # it sends for as long as the kernel takes its frames
+                try:
+                    while True:
+                        sent += theirs.send(frame * 64)
+                except BlockingIOError:
+                    pass
+                await asyncio.sleep(0.01)
+            assert coordinator._paused and len(asked) < sent // len(frame)
+            assert coordinator._queued <= link.HIGH_WATER + (1 << 18)  # a read's answers
+            waiting = coordinator._queued
+            for _ in range(100_000):  # it reads at last
+                if coordinator._queued <= link.HIGH_WATER // 2:
+                    break
+                with contextlib.suppress(BlockingIOError):
+                    theirs.recv(1 << 20)
+                await asyncio.sleep(0)
+            assert not coordinator._paused and waiting > link.HIGH_WATER
+        finally:
+            coordinator.close()
+            theirs.close()
     asyncio.run(main())
