@@ -405,10 +405,10 @@ class FilterConfig:
     workers: int = setting(1, processes, "filter.workers")
     """Processes that serve the sessions' gateways, each session by one of them
     (filter/workers/); 1: the filter serves them itself, as one process."""
-    worker_silence: float = setting(60.0, number(), "filter.worker_silence")
+    worker_silence: float = setting(60.0, number(2), "filter.worker_silence")
     """Seconds a serving worker may go without answering its coordinator's beats (one a
-    second) before it is taken for stuck, killed and started again; a change in flight to it
-    has its own minute instead."""
+    second; so more than 2) before it is taken for stuck, killed and started again; a change
+    in flight to it has its own minute instead."""
     sessions: tuple[SessionConfig, ...] = ()
     firewall: FirewallConfig = field(default_factory=FirewallConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)

@@ -17,18 +17,19 @@ CAPABILITY_VERSION_3 = 0x20080522
 """<linux/prctl.h>, <linux/capability.h>."""
 
 
-def confine(link_fd: int, reads: Iterable[str] = ()) -> str:
+def confine(link_fd: int, reads: Iterable[str] = (), keep_out: Iterable[str] = ()) -> str:
     """Nothing of the coordinator's but the link (its gateways' listeners come over it):
     uvloop's spawn (libuv) closes only the descriptors marked close-on-exec, and C libraries
     open some without the mark (libnftables' netlink socket). A worker parses what agents
     send; it must not hold the firewall's socket, nor the right to open another, nor read
     what its user may but it needs not (landlock.py: beneath the system's and Python's
-    files and `reads` only). Returns what the kernel gave of that, for the log."""
+    files and `reads` only, and never a path that holds one of `keep_out`). Returns what the
+    kernel gave of that, for the log."""
     os.closerange(3, link_fd)
     os.closerange(link_fd + 1, os.sysconf("SC_OPEN_MAX"))
     drop_capabilities()
     try:
-        said = f"Landlock ABI {landlock.restrict(landlock.readable(reads))}"
+        said = f"Landlock ABI {landlock.restrict(landlock.readable(reads, keep_out))}"
     except landlock.Unsupported as exc:
         said = f"no Landlock ruleset ({exc.strerror}): it reads what the filter's user may"
     jail.lock()

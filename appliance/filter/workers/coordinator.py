@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import sys
 import time
@@ -177,10 +178,14 @@ class Workers:
     def _reads(self) -> list[str]:
         """The files a worker reads besides its code (its Landlock ruleset's): the
         interception CA's, which it loads as it starts and again after a rotation, and the
-        upstreams' CA bundle."""
-        inspect = self.store.config.inspect
+        upstreams' CA bundle; and what no path it is given may hold, however spelt: the
+        state directory and the control socket's."""
+        config = self.store.config
+        inspect = config.inspect
         paths = (inspect.ca_dir, inspect.ca_cert, inspect.ca_key, inspect.upstream_ca)
-        return [arg for path in paths if path for arg in ("--read", path)]
+        shut = (config.state_dir, os.path.dirname(os.path.abspath(config.control_socket)))
+        return [*(arg for path in paths if path for arg in ("--read", path)),
+                *(arg for path in shut for arg in ("--keep-out", path))]
 
     async def _keep(self, worker: WorkerProcess) -> None:
         """Start `worker` again whenever it dies, until the filter stops. One that dies

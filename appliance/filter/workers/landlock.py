@@ -41,32 +41,38 @@ SYSTEM = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/ssl",
           "/etc/localtime", "/etc/hosts", "/etc/nsswitch.conf", "/etc/resolv.conf",
           "/etc/gai.conf", "/etc/host.conf", "/etc/services", "/etc/protocols",
           "/dev/null", "/dev/urandom", "/dev/random", "/sys/devices/system/cpu",
-          "/proc/self")
+          "/proc/self/fd")
 """What a worker reads of the system: Python's standard library, the shared libraries and
 what loading them reads, OpenSSL's configuration and the CA bundle (an inspected upstream's
 certificate is checked against it), the time zone, what libc's resolver and getaddrinfo
-read, the CPUs (os.cpu_count), and its own /proc entry (this process's, resolved when the
-rule is made: a sibling worker's is not beneath it)."""
+read, the CPUs (os.cpu_count), and its own descriptors' /proc directory (a leaf's memfd is
+opened again through it; this process's, resolved when the rule is made). Not the rest of
+its /proc entry: net/tcp and net/unix there list every socket of the filter's, the other
+workers' sessions' flows among them."""
 
 
 class Unsupported(OSError):
     """This kernel has no Landlock: the worker runs without a ruleset."""
 
 
-def readable(extra: Iterable[str] = ()) -> list[str]:
+def readable(extra: Iterable[str] = (), keep_out: Iterable[str] = ()) -> list[str]:
     """The paths a worker may read beneath: the system's, the Python it runs (its prefixes:
     a venv's packages are beneath), the filter's own package (an editable install's is
     elsewhere), the trust store OpenSSL is told of (SSL_CERT_FILE, SSL_CERT_DIR), and
     `extra` (the interception CA's files, which a rotation makes it read again). Not
     sys.path as it is: `python -m` puts the working directory first, which is / under
-    systemd. "/" itself is never given."""
+    systemd. "/" itself is never given, nor a path that is or holds one of `keep_out`
+    (the coordinator's own: its state directory, its control socket's), however it is
+    spelt (`ca_dir = "/var/lib/corral-filter/intercept/.."`) or wherever a link leads."""
     import appliance
 
     trust = [os.environ.get(name) for name in ("SSL_CERT_FILE", "SSL_CERT_DIR")]
     paths = [*SYSTEM, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              *appliance.__path__, *(p for p in trust if p), *extra]
+    shut = [os.path.realpath(p) for p in keep_out]
     found = dict.fromkeys(os.path.realpath(p) for p in paths)
-    return [p for p in found if p != "/" and os.path.exists(p)]
+    return [p for p in found if p != "/" and os.path.exists(p)
+            and not any(s == p or s.startswith(p + "/") for s in shut)]
 
 
 def restrict(paths: Iterable[str]) -> int:

@@ -240,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--read", action="append", default=[],
                         help="a path it may read beneath besides its code's (the CA's)")
+    parser.add_argument("--keep-out", action="append", default=[],
+                        help="a path no grant may hold (the state directory)")
     args = parser.parse_args(argv)
-    jailed = confine(args.link_fd, args.read)  # before anything else, before any thread
+    jailed = confine(args.link_fd, args.read, args.keep_out)  # first, before any thread
     faulthandler.enable()  # a worker that dies in C says where, in the filter's log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: "

@@ -20,7 +20,10 @@ PROBE = ATTEMPT + textwrap.dedent("""
     from appliance.filter.workers.confine import drop_capabilities
     secret, ca, here = sys.argv[1:]
     drop_capabilities()  # no_new_privs, as a worker has it
-    abi = landlock.restrict(landlock.readable([ca]))
+    # the CA dir given as a way up into the state directory too: kept out
+    state = os.path.dirname(secret)
+    abi = landlock.restrict(landlock.readable([ca, os.path.join(ca, "..", "state")],
+                                              [state]))
     def memfd():
         fd = os.memfd_create("leaf")
         os.write(fd, b"leaf")
@@ -33,6 +36,7 @@ PROBE = ATTEMPT + textwrap.dedent("""
     attempt("a directory made", lambda: os.mkdir(os.path.join(here, "planted.d")))
     attempt("the CA", lambda: open(os.path.join(ca, "ca.pem")).read())
     attempt("its own /proc", lambda: open("/proc/self/status").read())
+    attempt("the filter's sockets", lambda: open("/proc/self/net/tcp").read())
     attempt("a leaf's memfd", memfd)
     attempt("the trust store", lambda: __import__("ssl").create_default_context())
     attempt("uvloop", lambda: __import__("uvloop").new_event_loop().close())
@@ -57,7 +61,8 @@ def test_a_restricted_process_reads_its_code_and_the_ca_and_nothing_else(tmp_pat
         "a secret beside it": errno.EACCES, "its directory": errno.EACCES,
         "the root": errno.EACCES, "the parent's /proc": errno.EACCES,
         "a file written": errno.EACCES, "a directory made": errno.EACCES, "the CA": "ok",
-        "its own /proc": "ok", "a leaf's memfd": "ok", "the trust store": "ok",
+        "its own /proc": errno.EACCES, "the filter's sockets": errno.EACCES,
+        "a leaf's memfd": "ok", "the trust store": "ok",
         "uvloop": "ok", "a lazy import": "ok", "random": "ok"}
     assert not os.listdir(here)
 
@@ -69,3 +74,14 @@ def test_the_root_and_the_working_directory_are_never_readable_paths(tmp_path, m
     paths = landlock.readable(["/", str(tmp_path)])
     assert "/" not in paths and str(tmp_path) in paths
     assert all(os.path.isabs(p) and os.path.exists(p) for p in paths)
+
+
+def test_no_path_that_holds_a_kept_out_one_is_given_however_spelt(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    (state / "intercept").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(state)
+    monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path))  # the operator's, too broad
+    paths = landlock.readable([str(state / "intercept"), f"{state}/intercept/..",
+                               str(tmp_path / "link")], [str(state)])
+    assert str(state / "intercept") in paths  # beneath the state directory: its own part
+    assert not [p for p in paths if str(state).startswith(p)], paths

@@ -32,7 +32,8 @@ def test_a_worker_may_be_silent_a_minute_unless_told_otherwise():
 
 
 @pytest.mark.parametrize(("value", "said"), [
-    ("0", "must be greater than 0"), ("nan", "must be a finite number, got nan"),
+    ("0", "must be greater than 2"), ("2", "must be greater than 2"),
+    ("1e-9", "must be greater than 2"), ("nan", "must be a finite number, got nan"),
     ("inf", "must be a finite number, got inf"), ('"long"', "must be a number")])
 def test_a_silence_that_is_no_number_of_seconds_names_the_key(value, said):
     """TOML reads `nan` and `inf` as floats: nan passed `> 0` (it compares as nothing),
