@@ -5,6 +5,7 @@ grants a rule, --project/--yes/--force on one that writes a project's corral.tom
 from __future__ import annotations
 
 import argparse
+import re
 
 
 def appliance_command(sub, name: str, help: str, run, session: bool = True,
@@ -27,6 +28,16 @@ def machine_command(sub, name: str, help: str, run) -> argparse.ArgumentParser:
     command.add_argument("--appliance", default="default", metavar="NAME")
     command.set_defaults(run=run)
     return command
+
+
+def appliance_name(text: str) -> str:
+    """An appliance's name (argparse type): a directory's name under the CLI's config, a
+    libvirt domain's and a known_hosts alias's part, so letters, digits, `-` and `_`."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an appliance name: letters, digits, '-' and '_', starting with "
+            "a letter or a digit, 63 at most")
+    return text
 
 
 def seconds(text: str) -> float:

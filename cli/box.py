@@ -185,6 +185,19 @@ def collect_wheels(wheelhouse: Path) -> Path:
 
 
 FACT = ROOT / "roles/corral_base/templates/etc/ansible/facts.d/corral.fact.j2"
+HOST_KEYS_UNIT = """[Unit]
+Description=SSH host keys of this VM's own (the box carries none)
+Before=ssh.service ssh.socket
+
+[Service]
+Type=oneshot
+ExecStart=/bin/sh -c 'for t in ed25519 ecdsa; do k=/etc/ssh/ssh_host_$${t}_key; \\
+    [ -s "$$k" ] || ssh-keygen -q -t "$$t" -N "" -f "$$k" </dev/null || exit 1; done'
+
+[Install]
+WantedBy=ssh.service ssh.socket multi-user.target
+"""
+"""Made on a VM's first boot: a box's keys would be every VM's (see _mmdebstrap)."""
 RESOLVED = ROOT / "roles/corral_filter/templates/etc/systemd/resolved.conf.d/corral.conf.j2"
 
 
@@ -245,6 +258,16 @@ def _mmdebstrap(root: Path, keys: Path, uuid: str, mirror: str, wheelhouse: Path
         f'deb http://deb.debian.org/debian-security {SUITE}-security main\\n" > '
         '"$1/etc/apt/sources.list"',
         'printf "UseDNS no\\n" > "$1/etc/ssh/sshd_config.d/10-corral.conf"',
+        # no host keys in the box: openssh-server's postinst made some here, and every VM
+        # from this box would answer with them (so a pinned key could not tell one VM from
+        # another). Each VM makes its own on its first boot, before sshd starts: ed25519
+        # and ECDSA only (an RSA key takes seconds to make under TCG), and sshd is told so.
+        'rm -f "$1"/etc/ssh/ssh_host_*',
+        'printf "HostKey /etc/ssh/ssh_host_ed25519_key\\nHostKey /etc/ssh/ssh_host_ecdsa_key\\n" '
+        '> "$1/etc/ssh/sshd_config.d/05-corral-host-keys.conf"',
+        f'printf %s {shlex.quote(HOST_KEYS_UNIT)} > '
+        '"$1/etc/systemd/system/corral-ssh-host-keys.service"',
+        'chroot "$1" systemctl enable corral-ssh-host-keys.service',
         'sed -i "s/^update_initramfs=.*/update_initramfs=no/" '
         '"$1/etc/initramfs-tools/update-initramfs.conf"',
         # corral's venv as corral_base makes it (its default prefix), from the same archive:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from . import exitcodes, local, vm
-from .arguments import machine_command, vm_timeout
+from .arguments import appliance_name, machine_command, vm_timeout
 from .client import CliError, load_appliance
 
 
@@ -33,7 +33,8 @@ def register(sub) -> None:
                         "wait for the API. --backend local runs the services on this Linux "
                         "host (root) instead, supervised, with state and logs in --state-dir.")
     up.add_argument("--backend", choices=["vm", "local"], default="vm")
-    up.add_argument("--name", default="default", help="the appliance's name for --appliance")
+    up.add_argument("--name", default="default", type=appliance_name,
+                    help="the appliance's name for --appliance")
     up.add_argument("--api-port", type=int, default=8443, metavar="PORT",
                     help="vm: the host's 127.0.0.1 port the API is forwarded to")
     up.add_argument("--trust-ca", action="append", metavar="FILE",

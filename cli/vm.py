@@ -274,7 +274,7 @@ def up(args) -> int:
         box.cmd_build(argparse.Namespace(output=None, rebuild=False, key=None, no_add=False))
     directory = config_home() / "appliances" / args.name
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    forget_ssh(args.name)  # kept again once vagrant is done
+    ssh_config_file(args.name).unlink(missing_ok=True)  # kept again once vagrant is done
     # sessions' terminals and the image build run in the VM, through `corral ssh`
     through = [str(BIN / "corral"), "ssh", "--appliance", args.name, "--", "-q", "-t", "sudo"]
     write_appliance(args.name, f"127.0.0.1:{args.api_port}", backend="vm",
@@ -349,7 +349,7 @@ def provision(args) -> int:
 
 def halt(args) -> int:
     appliance = _vm_appliance(args.appliance)
-    forget_ssh(args.appliance)
+    ssh_config_file(args.appliance).unlink(missing_ok=True)  # its keys stay: the same VM
     _vagrant(args.appliance, "halt", api_port=appliance.host_port[1], started=time.monotonic())
     output.line(f"appliance {args.appliance} is down (`corral up` starts it again)")
     return exitcodes.OK
@@ -382,6 +382,9 @@ def ssh(args) -> int:
         if not pinned.is_file():
             raise ValueError("no host keys kept")
     except (OSError, ValueError):
+        output.notice(f"appliance {args.appliance}: no address or host keys kept (`corral up "
+                      f"--name {args.appliance}` keeps them): through `vagrant ssh`, which "
+                      "checks no host key")
         return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
                                                     if options or remote else [])],
                                env=vagrant_env(args.appliance, appliance.host_port[1]))
@@ -404,7 +407,8 @@ def vagrant_ssh_options(kept: dict[str, str], name: str) -> list[str]:
         "%", "%%")
     return ["-p", kept["ansible_port"], "-o", "LogLevel=FATAL", "-o", "Compression=yes",
             "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f'UserKnownHostsFile="{pinned}"', "-o", f"HostKeyAlias={host_alias(name)}",
+            "-o", f'UserKnownHostsFile="{pinned}"', "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", f"HostKeyAlias={host_alias(name)}",
             "-o", "ConnectTimeout=30", "-i", kept["ansible_ssh_private_key_file"]]
 
 
@@ -427,8 +431,7 @@ HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
 
 
 def forget_ssh(name: str) -> None:
-    """A VM stopped, destroyed or about to be made again: its address and its host keys go
-    (`corral ssh` goes through vagrant until `corral up` keeps the new ones)."""
+    """A VM destroyed: its address and its host keys go (the next is another machine)."""
     ssh_config_file(name).unlink(missing_ok=True)
     known_hosts_file(name).unlink(missing_ok=True)
 
@@ -437,18 +440,29 @@ def remember_ssh(name: str) -> None:
     """`vagrant ssh-config`, kept beside the appliance's settings: `corral ssh` then runs
     ssh itself. Each `vagrant ssh` starts Ruby and asks libvirt for the VM's address, which
     every `corral shell` on a VM paid before its own command. The VM's host keys are kept
-    too (ssh-keyscan, now, as the VM corral just made or started answers them: trust on
+    too, the first time (ssh-keyscan, as the VM corral just made answers them: trust on
     first use, as provisioning's own connection had), and every later `corral ssh` checks
-    them. `corral down` and `corral destroy` remove both (a VM started again may have
-    another address); without them, `corral ssh` goes through vagrant as before."""
-    forget_ssh(name)
+    them; a later `up` or `provision` keeps them as they were, and says so when the VM
+    answers with none of them. `corral down` drops the address (a VM started again may have
+    another), `corral destroy` both; without them, `corral ssh` goes through vagrant."""
+    ssh_config_file(name).unlink(missing_ok=True)
+    pinned = known_hosts_file(name)
     try:
         text, kept = _asked_ssh_config(name)
         keys = _host_keys(kept, host_alias(name))
     except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
         output.notice(f"`corral ssh` goes through vagrant: {exc}")
         return
-    files.replace(known_hosts_file(name), keys.encode(), mode=0o600)
+    try:
+        before = set(pinned.read_text().splitlines())
+    except FileNotFoundError:
+        files.replace(pinned, keys.encode(), mode=0o600)
+    else:
+        if not before & set(keys.splitlines()):  # kept as they were: ssh refuses this one
+            output.notice(f"appliance {name}'s VM at {kept['ansible_host']} answers with "
+                          f"none of the host keys kept in {pinned}: `corral ssh` will "
+                          "refuse it. If you made the VM again yourself (not with `corral "
+                          f"destroy`), remove that file and run `corral up --name {name}`")
     files.replace(ssh_config_file(name), text.encode(), mode=0o600)
 
 

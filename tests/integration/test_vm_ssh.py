@@ -52,8 +52,11 @@ class _Sshd:
         self.port = self.server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
-        self.server.close()
-        asyncio.run_coroutine_threadsafe(self.server.wait_closed(), self.loop).result(10)
+        async def closed():  # on its own loop: asyncio's server is not for other threads
+            self.server.close()
+            await self.server.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(closed(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
@@ -104,10 +107,12 @@ def test_corral_ssh_checks_the_host_key_corral_up_kept_and_refuses_another(
         assert capfd.readouterr().out == "ran: echo 'a b'\n"
     finally:
         first.close()
-    other = _Sshd(key)  # another machine at the kept address: the same user and key let in
+    other = _Sshd(key)  # another machine where the VM was: the same user and key let in
     try:
-        kept = vm.ssh_config_file("x")
-        kept.write_text(kept.read_text().replace(f"Port {first.port}", f"Port {other.port}"))
+        _vagrant_answering(tmp_path, monkeypatch, other.port, key_path)
+        vm.remember_ssh("x")  # a later `corral up` or `provision` meets it
+        assert "answers with none of the host keys kept" in capfd.readouterr().err
+        assert pinned.read_text().split()[1:] == host_key[:2]  # the first VM's, still
         assert main(["ssh", "--appliance", "x", "--", "-q", "echo", "secret"]) == 255
         said = capfd.readouterr()
         assert "ran:" not in said.out and str(vm.known_hosts_file("x")) in said.err, said

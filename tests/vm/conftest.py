@@ -10,6 +10,7 @@ The image and the sandbox image archive are kept in CORRAL_VM_CACHE (default
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -67,6 +68,13 @@ def vm_image() -> Path:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key), "-C",
                         "corral-vm-test"], check=True)
     image = CACHE / box.IMAGE
+    # an image made by another recipe is made again (the wheel it holds is brought current
+    # by provisioning; what the recipe bakes, such as no SSH host keys, is not)
+    recipe = hashlib.sha256(Path(box.__file__).read_bytes()).hexdigest()
+    stamp = CACHE / f"{box.IMAGE}.recipe"
+    if image.exists() and (not stamp.exists() or stamp.read_text() != recipe):
+        print(f"vm: {image} was made by another cli/box.py: made again")
+        image.unlink()
     if not image.exists():
         keys = [Path(p) for p in sorted(glob.glob(box.INSECURE_KEYS))[-1:]]
         started = time.monotonic()
@@ -74,6 +82,7 @@ def vm_image() -> Path:
         box.build_image(CACHE, [key.with_suffix(".pub"), *keys], progress=print,
                         sandbox_images=archive)
         archive.unlink()
+        stamp.write_text(recipe)
         print(f"vm: image built in {time.monotonic() - started:.0f}s")
     # what the box holds, recorded beside it: every package with its version and
     # architecture (the appliance's own among them), and the sandbox images' ids

@@ -230,6 +230,17 @@ def test_two_appliances_from_one_commit_are_identical_and_drift_is_named(applian
     assert put_back.stdout.strip() == "0", put_back.stdout + put_back.stderr
 
 
+def test_two_vms_from_one_box_answer_with_host_keys_of_their_own(appliance, fleet):
+    """The box carries no SSH host keys: each VM makes its own on its first boot, so the
+    keys `corral up` kept for one (and `corral ssh` checks) are no other VM's."""
+    keys = {}
+    for name in (NAME, SECOND):
+        kept = appliance.config_home / "corral" / "appliances" / name / "known_hosts"
+        keys[name] = {tuple(line.split()[1:]) for line in kept.read_text().splitlines()}
+    assert keys[NAME] and keys[SECOND] and not keys[NAME] & keys[SECOND], keys
+    assert {kind for kind, _ in keys[NAME]} == {"ssh-ed25519", "ecdsa-sha2-nistp256"}
+
+
 def test_the_second_appliance_is_destroyed(appliance, fleet):
     destroyed = appliance.corral("destroy", "--appliance", SECOND, timeout=600)
     assert destroyed.returncode == 0, destroyed.stderr

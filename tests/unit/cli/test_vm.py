@@ -300,7 +300,8 @@ def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_
         "ecdsa-sha2-nistp521,ssh-rsa 192.168.121.7\n"
         "ssh -p 22 -o LogLevel=FATAL -o Compression=yes -o IdentitiesOnly=yes "
         f'-o StrictHostKeyChecking=yes -o UserKnownHostsFile="{pinned}" '
-        "-o HostKeyAlias=corral-appliance-x -o ConnectTimeout=30 "
+        "-o GlobalKnownHostsFile=/dev/null -o HostKeyAlias=corral-appliance-x "
+        "-o ConnectTimeout=30 "
         "-i /keys/private_key -q -t vagrant@192.168.121.7 sudo echo 'a b'\n")
 
 
@@ -332,9 +333,37 @@ def test_ssh_goes_through_vagrant_without_a_kept_config(monkeypatch, tmp_path, c
     assert "goes through vagrant" in capsys.readouterr().err
     assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
     assert calls.read_text() == "vagrant ssh -- -q true\n"
-    for command in ("down", "destroy"):
+    assert "which checks no host key" in capsys.readouterr().err  # said, every time
+    for command, keys_stay in (("down", True), ("destroy", False)):  # the same VM, or none
         vm.ssh_config_file("x").write_text(SSH_CONFIG)
         vm.known_hosts_file("x").write_text(f"corral-appliance-x ssh-ed25519 {HOST_KEY}\n")
         assert main([command, "--appliance", "x"]) == 0
         assert not vm.ssh_config_file("x").exists(), command
-        assert not vm.known_hosts_file("x").exists(), command
+        assert vm.known_hosts_file("x").exists() is keys_stay, command
+
+
+def test_keys_kept_stay_as_they_were_and_a_vm_with_others_is_named(monkeypatch, tmp_path,
+                                                                   capsys):
+    """A later `up` or `provision` keeps the first keys (trusting what answers then would
+    trust on every use, not the first); a VM answering with none of them is named, and
+    `corral ssh` is left to refuse it, never sent through vagrant, which checks none."""
+    _fake_ssh_tools(tmp_path, monkeypatch)
+    pinned = vm.known_hosts_file("x")
+    pinned.write_text("corral-appliance-x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOther\n")
+    vm.remember_ssh("x")
+    assert pinned.read_text() == "corral-appliance-x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOther\n"
+    err = capsys.readouterr().err
+    assert "answers with none of the host keys kept in" in err and str(pinned) in err, err
+    assert vm.ssh_config_file("x").exists()  # so `corral ssh` checks, and refuses
+    pinned.write_text(f"corral-appliance-x ssh-ed25519 {HOST_KEY}\n")
+    vm.remember_ssh("x")
+    assert "none of the host keys" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "_x", "", "a b", "${HOME}", "a" * 64])
+def test_an_appliance_name_is_a_plain_word(name, capsys):
+    """It names a directory under the CLI's config, a libvirt domain and a known_hosts
+    alias: `../x` wrote outside the config, `${HOME}` is expanded by ssh in a path."""
+    with pytest.raises(SystemExit):
+        main(["up", "--name", name])
+    assert "is not an appliance name" in capsys.readouterr().err
