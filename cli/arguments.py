@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from appliance import argtypes
+
 
 def appliance_command(sub, name: str, help: str, run, session: bool = True,
                       description: str | None = None) -> argparse.ArgumentParser:
@@ -40,15 +42,8 @@ def appliance_name(text: str) -> str:
     return text
 
 
-def seconds(text: str) -> float:
-    """A number of seconds above zero (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
-    return value
+seconds = argtypes.seconds()
+"""A number of seconds above zero (argparse type)."""
 
 
 def vm_timeout(command: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from appliance.argtypes import seconds
 from appliance.atomic import write_atomic
 from appliance.firewall.nft import NftError
 from appliance.policy import ConfigError
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                              "wheels/appliance.txt beside the venv, as corral_base unpacks it)")
         command.add_argument("--name", help="the appliance's name (check: the recorded one)")
         command.add_argument("--commit", help="corral's git commit, from the control machine")
-        command.add_argument("--settle", type=float, default=0, metavar="SECONDS",
+        command.add_argument("--settle", type=seconds(zero=True), default=0, metavar="SECONDS",
                              help="wait this long for the loaded ruleset to be the rendered one")
         command.add_argument("--json", action="store_true", help="check: machine-readable")
         command.set_defaults(run=run)

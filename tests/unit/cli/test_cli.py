@@ -12,10 +12,12 @@ from cli import exitcodes
 from cli.main import main
 
 ALLOWED_APPLIANCE_IMPORTS = {"appliance.agents", "appliance.event", "appliance.policy",
-                             "appliance.pki", "appliance.workspace", "appliance.manifest"}
+                             "appliance.pki", "appliance.workspace", "appliance.manifest",
+                             "appliance.argtypes"}
 """What both sides read the same way: profiles and policies are parsed on the host (to check
 them early) and again on the appliance (which trusts only its own reading); manifests are
-compared on the host (`corral verify --against`) and on the appliance (`check`)."""
+compared on the host (`corral verify --against`) and on the appliance (`check`); seconds on
+a command line (argtypes, standard library only)."""
 
 
 def test_cli_imports_only_policy_pki_workspace_and_agent_profiles_from_appliance():
