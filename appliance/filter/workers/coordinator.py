@@ -115,6 +115,7 @@ class Workers:
         reading a large change (its pickle) is a worker busy, not stuck."""
         loop = asyncio.get_running_loop()
         last = resumed = loop.time()
+        keep = Link.beats_for(self.silence, BEAT)
         while not self._stopping:
             now = loop.time()
             if now - last > 2 * BEAT:
@@ -131,7 +132,7 @@ class Workers:
                               worker.process.pid if worker.process else "?", silent)
                     worker.kill()
                     continue
-                link.beat()
+                link.beat(keep)
             await asyncio.sleep(BEAT)
 
     async def _spawn(self, worker: WorkerProcess) -> None:

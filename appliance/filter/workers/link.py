@@ -36,6 +36,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -58,7 +59,8 @@ HIGH_WATER = 64 << 20
 """Bytes waiting to go to a worker past which the coordinator stops reading it (a change
 for many sessions' large policies is tens of MiB: its sender waits a moment, nothing more)."""
 BEATS_KEPT = 64
-"""Beats whose answer still counts (one a second: a worker a minute behind is stuck)."""
+"""Beats whose answer still counts, at the least (`Link.beats_for`: more when the silence
+allowed is longer)."""
 
 
 class LinkError(ValueError):
@@ -132,7 +134,7 @@ class Link:
         """When the other end last answered a beat (loop time): its loop read the beat and
         ran. Nothing else moves it: any frame a stuck worker could send blindly."""
         self._beats: dict[int, None] = {}
-        """The ids of the beats not answered yet, oldest first (BEATS_KEPT at most)."""
+        """The ids of the beats not answered yet, oldest first (`keep` at most)."""
         self._queued = 0
         """Bytes in `_out`."""
         self._paused = False
@@ -151,13 +153,20 @@ class Link:
         if len(self._out) == 1:
             self._writable()
 
-    def beat(self) -> None:
+    @staticmethod
+    def beats_for(silence: float, every: float) -> int:
+        """How many unanswered beats to keep when one goes every `every` seconds and an
+        answer counts for `silence` seconds: each beat of that silence, and two more."""
+        return max(BEATS_KEPT, math.ceil(silence / every) + 2)
+
+    def beat(self, keep: int = BEATS_KEPT) -> None:
         """Say this loop runs, with an id: the other end's loop answers it (as any message
         with one), and that answer moves `heard`. The id is random, so only an end that read
-        the beat can answer it (call ids count up: a worker could answer those unread)."""
+        the beat can answer it (call ids count up: a worker could answer those unread). The
+        last `keep` beats' answers count (`beats_for`): an older one's comes too late."""
         number = secrets.randbits(62) | 1 << 62  # never one of the counted ids
         self._beats[number] = None
-        if len(self._beats) > BEATS_KEPT:
+        while len(self._beats) > keep:
             del self._beats[next(iter(self._beats))]
         self.send({"op": "beat", "id": number})
 

@@ -209,3 +209,35 @@ def test_a_worker_that_asks_and_reads_nothing_is_not_read_while_its_answers_wait
             coordinator.close()
             theirs.close()
     asyncio.run(main())
+
+
+def test_a_late_answer_counts_while_the_silence_allowed_is_not_over():
+    """A beat goes each second and `worker_silence` may be minutes: the ids of every beat
+    in that silence are kept (BEATS_KEPT only when the silence is shorter), so a worker
+    whose answer comes 100 beats late, under a silence of 120 s, is heard, not killed
+    early."""
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        coordinator = Link(ours, sends=PICKLE, handle=lambda message, fds: None)
+        try:
+            coordinator.heard = 0.0
+            for _ in range(100):
+                coordinator.beat(keep=Link.beats_for(120.0, 1.0))
+            frames, beats = Frames(PICKLE), []
+            theirs.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while data := theirs.recv(1 << 16):
+                    beats += [pickle.loads(body) for body in frames.feed(data)]
+            assert len(beats) == 100
+            theirs.sendall(link.encode({"op": "reply", "id": beats[0]["id"]}, JSON))
+            for _ in range(1000):
+                if coordinator.heard:
+                    break
+                await asyncio.sleep(0.005)
+            assert coordinator.heard > 0.0
+        finally:
+            coordinator.close()
+            theirs.close()
+    asyncio.run(main())
+    assert Link.beats_for(10.0, 1.0) == link.BEATS_KEPT
+    assert Link.beats_for(120.0, 1.0) == 122
