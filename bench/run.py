@@ -78,6 +78,7 @@ PARTS = ["bulk", "http", "setup", "memory", "dns", "policy", "ruleset", "team", 
 class Bench:
     def __init__(self, directory: Path, args):
         self.dir, self.args = directory, args
+        self.profiles = 0
         self.processes: list[subprocess.Popen] = []
         self.rows: list[dict] = []
         self.groups: dict[str, CpuGroup] = {}
@@ -128,9 +129,7 @@ class Bench:
         (d / "filter.toml").write_text(FILTER.format(dir=d, gateway=GATEWAY, up=UPSTREAM) +
                                        (inspected.FILTER.format(dir=d) if inspecting else ""))
         sh(str(BIN / "corral-firewall"), "apply", "--config", str(d / "filter.toml"), ns=APP)
-        self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                  str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
-        self.processes.append(self.filter)
+        self._start_filter(wait=False)
         wait_port(DIRECT, UPSTREAM, 443, "nginx")
         wait_port(DIRECT, PEER_GATEWAY, 3138, "squid", timeout=60)
         wait_port(DIRECT, PEER_GATEWAY, 3148, "tinyproxy")
@@ -668,12 +667,23 @@ class Bench:
         self.filter.wait(10)
         self.processes.remove(self.filter)
 
-    def _start_filter(self) -> None:
+    def _start_filter(self, wait: bool = True) -> None:
+        """The measured filter, on filter.toml; under cProfile with --profile (its stats
+        written when it stops: one file per start, numbered)."""
         d = self.dir
-        self.filter = spawn(APP, [str(BIN / "corral-filter"), "--config",
-                                  str(d / "filter.toml")], d / "filter.log", FILTER_NOFILE)
+        command = [str(BIN / "corral-filter")]
+        if self.args.profile is not None:
+            self.profiles += 1
+            out = self.args.profile.with_name(
+                f"{self.args.profile.stem}-{self.profiles}{self.args.profile.suffix}")
+            command = [sys.executable, "-m", "cProfile", "-o", str(out.resolve()), "-m",
+                       "appliance.filter.service"]
+            print(f"bench: the filter runs under cProfile, its stats to {out}", flush=True)
+        self.filter = spawn(APP, [*command, "--config", str(d / "filter.toml")],
+                            d / "filter.log", FILTER_NOFILE)
         self.processes.append(self.filter)
-        wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
+        if wait:
+            wait_port(CLIENT, GATEWAY, 3128, "corral-filter")
 
     def report(self, metric, unit, runs, ratios, higher_is_better, extra=None) -> None:
         peers = {t: statistics.median(r) for t, r in ratios.items() if t != "corral"}
@@ -821,6 +831,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=10,
                         help="session starts timed for the start row (after one left out)")
     parser.add_argument("--only", choices=PARTS, action="append")
+    parser.add_argument("--profile", type=Path, metavar="PSTATS",
+                        help="run the measured filter under cProfile and write its stats "
+                             "(PSTATS-1, -2, ... one per start; `python -m pstats` reads "
+                             "them): where the time goes, not how fast it is (the profiler "
+                             "slows it about 2x)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench: needs root (network namespaces, nftables)", file=sys.stderr)

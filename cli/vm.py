@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import os
 import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -349,6 +351,7 @@ def provision(args) -> int:
 
 def halt(args) -> int:
     appliance = _vm_appliance(args.appliance)
+    stop_ssh_master(args.appliance)
     ssh_config_file(args.appliance).unlink(missing_ok=True)  # its keys stay: the same VM
     _vagrant(args.appliance, "halt", api_port=appliance.host_port[1], started=time.monotonic())
     output.line(f"appliance {args.appliance} is down (`corral up` starts it again)")
@@ -388,8 +391,9 @@ def ssh(args) -> int:
         return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
                                                     if options or remote else [])],
                                env=vagrant_env(args.appliance, appliance.host_port[1]))
+    # the user's options before the master's: `-o ControlMaster=no` goes without one
     code = subprocess.call(["ssh", *vagrant_ssh_options(kept, args.appliance), *options,
-                            f"{kept['ansible_user']}@{kept['ansible_host']}", *remote])
+                            *multiplexed(args.appliance, kept), _destination(kept), *remote])
     if code == 255:  # ssh's own failure (or the command's 255): say where the address came from
         output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}, its host keys in "
                       f"{pinned}) exited 255: if the VM was stopped, started or made again "
@@ -402,14 +406,91 @@ def vagrant_ssh_options(kept: dict[str, str], name: str) -> list[str]:
     user's as they did; the user's ssh_config files are still read, as they were. But the
     VM's host keys are checked, against those `corral up` kept (`vagrant ssh` checks none):
     a VM answering at that address later is the one corral made, or ssh refuses it."""
-    # quoted for ssh's config reader (a path may hold spaces; % starts ssh's tokens)
-    pinned = str(known_hosts_file(name)).replace("\\", "\\\\").replace('"', '\\"').replace(
-        "%", "%%")
+    pinned = _config_quoted(str(known_hosts_file(name)))
     return ["-p", kept["ansible_port"], "-o", "LogLevel=FATAL", "-o", "Compression=yes",
             "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f'UserKnownHostsFile="{pinned}"', "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", f"HostKeyAlias={host_alias(name)}",
             "-o", "ConnectTimeout=30", "-i", kept["ansible_ssh_private_key_file"]]
+
+
+def _config_quoted(path: str) -> str:
+    """`path` for ssh's config reader, inside double quotes (a path may hold spaces; `%`
+    starts ssh's tokens)."""
+    return path.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+
+
+SSH_PERSIST_SECONDS = 300
+"""How long ssh's master connection to a VM stays after its last session ended."""
+
+
+def _destination(kept: dict[str, str]) -> str:
+    return f"{kept['ansible_user']}@{kept['ansible_host']}"
+
+
+def control_directory() -> Path | None:
+    """Where ssh's master connections listen: a directory only this user may enter, with a
+    short path (a unix socket's path has at most 107 bytes: the directory, a name of 32,
+    and 17 more while ssh makes it): $XDG_RUNTIME_DIR/corral-ssh, or /tmp/corral-ssh-UID.
+    None (no multiplexing) when it cannot be made so, or a directory already there is not
+    this user's own, with no access for anyone else: whoever can reach a master's socket
+    runs commands on the VM through it."""
+    uid = os.getuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    directory = Path(runtime) / "corral-ssh" if runtime and Path(runtime).is_absolute() else \
+        Path(tempfile.gettempdir()) / f"corral-ssh-{uid}"
+    if len(os.fsencode(directory)) > CONTROL_DIRECTORY_MAX:
+        return None
+    with contextlib.suppress(OSError):  # (there already, or not to be made: looked at next)
+        directory.mkdir(mode=0o700)
+    try:
+        found = directory.lstat()  # a symlink planted there is not a directory of ours
+    except OSError:
+        return None
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid or found.st_mode & 0o077:
+        return None
+    return directory
+
+
+CONTROL_DIRECTORY_MAX = 56
+"""Bytes of the control directory's path, at most: 107 - 1 - 32 - 17."""
+
+
+def multiplexed(name: str, kept: dict[str, str]) -> list[str]:
+    """ssh's options for a master connection per VM (OpenSSH's ControlMaster): the first
+    `corral ssh` makes it, checking the VM's host keys as every connection does, and leaves
+    it running SSH_PERSIST_SECONDS after the last session; each later one is a new session
+    on it, without a TCP or SSH handshake (under emulation, most of a shell's start). Its
+    socket is named for the appliance and where its VM answers, so no other appliance's
+    VM, nor this one's made again elsewhere, is reached through it. None when there is no
+    private place for the socket."""
+    directory = control_directory()
+    if directory is None:
+        return []
+    where = "\0".join((name, kept["ansible_user"], kept["ansible_host"], kept["ansible_port"]))
+    socket_name = hashlib.sha256(where.encode()).hexdigest()[:32]
+    return ["-o", "ControlMaster=auto",
+            "-o", f'ControlPath="{_config_quoted(str(directory / socket_name))}"',
+            "-o", f"ControlPersist={SSH_PERSIST_SECONDS}",
+            # a master to a VM gone away notices within half a minute, not TCP's quarter hour
+            "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
+
+
+def stop_ssh_master(name: str) -> None:
+    """End the master connection `corral ssh` left to a VM (`ssh -O exit`), if there is
+    one: before the VM is stopped or deleted, and before it is asked again for its address
+    (a VM made again must not be reached through a master to the last one)."""
+    try:
+        kept = inventory.parse_ssh_config(ssh_config_file(name).read_text())
+    except (OSError, ValueError):
+        return
+    options = multiplexed(name, kept)
+    if not options:
+        return
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(["ssh", *vagrant_ssh_options(kept, name), *options, "-O", "exit",
+                        _destination(kept)], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
 
 
 def ssh_config_file(name: str) -> Path:
@@ -431,7 +512,9 @@ HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
 
 
 def forget_ssh(name: str) -> None:
-    """A VM destroyed: its address and its host keys go (the next is another machine)."""
+    """A VM destroyed: its master connection, its address and its host keys go (the next
+    is another machine)."""
+    stop_ssh_master(name)
     ssh_config_file(name).unlink(missing_ok=True)
     known_hosts_file(name).unlink(missing_ok=True)
 
@@ -445,6 +528,7 @@ def remember_ssh(name: str) -> None:
     them; a later `up` or `provision` keeps them as they were, and says so when the VM
     answers with none of them. `corral down` drops the address (a VM started again may have
     another), `corral destroy` both; without them, `corral ssh` goes through vagrant."""
+    stop_ssh_master(name)
     ssh_config_file(name).unlink(missing_ok=True)
     pinned = known_hosts_file(name)
     try:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 
 import asyncssh
 import pytest
@@ -24,12 +29,20 @@ class _Sshd:
 
     def __init__(self, client_key: asyncssh.SSHKey, port: int = 0):
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
+        self.connections = 0
+        """SSH connections the server has taken (each a TCP and SSH handshake)."""
+        self.open: list = []
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         authorized = client_key.export_public_key().decode()
+        sshd = self
 
         class Server(asyncssh.SSHServer):
+            def connection_made(self, conn) -> None:
+                sshd.connections += 1
+                sshd.open.append(conn)
+
             def begin_auth(self, username: str) -> bool:
                 return True
 
@@ -54,12 +67,35 @@ class _Sshd:
     def close(self) -> None:
         async def closed():  # on its own loop: asyncio's server is not for other threads
             self.server.close()
+            for conn in self.open:  # a master connection `corral ssh` left, among them
+                conn.close()
+                await conn.wait_closed()
             await self.server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(closed(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@pytest.fixture(autouse=True)
+def control_directory(monkeypatch):
+    """A runtime directory of the test's own, with a path short enough for ssh's control
+    sockets; every master `corral ssh` left in it stopped at the end."""
+    runtime = tempfile.mkdtemp(prefix="cs-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+    yield os.path.join(runtime, "corral-ssh")
+    for name in _sockets(os.path.join(runtime, "corral-ssh")):
+        subprocess.run(["ssh", "-o", f"ControlPath={name}", "-O", "exit", "x"],
+                       capture_output=True, timeout=10, check=False)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _sockets(directory: str) -> list[str]:
+    try:
+        return [os.path.join(directory, name) for name in os.listdir(directory)]
+    except FileNotFoundError:
+        return []
 
 
 @pytest.fixture
@@ -81,10 +117,12 @@ def _vagrant_answering(tmp_path, monkeypatch, port: int, key_path) -> None:
   IdentityFile {key_path}
   IdentitiesOnly yes
 """)
+    runtime = os.environ["XDG_RUNTIME_DIR"]  # the control_directory fixture's, kept
     _on_path(tmp_path, monkeypatch, vagrant=f"""if [ "$1" = ssh-config ]; then
 cat {tmp_path / 'ssh-config'}; exit 0; fi
 echo "vagrant was asked: $*" >&2; exit 1
 """)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
 
 
 def test_corral_ssh_checks_the_host_key_corral_up_kept_and_refuses_another(
@@ -138,3 +176,63 @@ def test_a_vm_whose_host_key_cannot_be_had_is_reached_through_vagrant(
     assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 1
     assert "vagrant was asked: ssh -- -q true" in capfd.readouterr().err
     assert os.listdir(vm.known_hosts_file("x").parent)  # the appliance's own files stay
+
+
+def test_later_corral_ssh_calls_are_sessions_on_one_master_connection_until_destroy(
+        tmp_path, monkeypatch, client_key, capfd, control_directory):
+    """Each `corral ssh` (each `corral shell` on a VM) was a new TCP and SSH handshake: one
+    second under emulation. The first leaves a master connection (ControlMaster), its
+    socket in a directory only the user may enter; the next ones are sessions on it, the
+    one with pipes for its output too (a master holding them would hold its caller for
+    ControlPersist). `corral destroy` ends it, and the next VM gets its own."""
+    key, key_path = client_key
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    sshd = _Sshd(key)
+    try:
+        _vagrant_answering(tmp_path, monkeypatch, sshd.port, key_path)
+        _vm_appliance_x()
+        vm.remember_ssh("x")
+        scanned = sshd.connections  # ssh-keyscan's, one a key type
+        capfd.readouterr()
+        for word in ("one", "two"):
+            assert main(["ssh", "--appliance", "x", "--", "-q", "echo", word]) == 0
+            assert capfd.readouterr().out == f"ran: echo {word}\n"
+        started = time.monotonic()
+        piped = subprocess.run([sys.executable, "-m", "cli.main", "ssh", "--appliance", "x",
+                                "--", "-q", "echo", "three"], capture_output=True, text=True,
+                               timeout=60, env=os.environ)
+        assert piped.returncode == 0 and piped.stdout == "ran: echo three\n", piped
+        assert time.monotonic() - started < vm.SSH_PERSIST_SECONDS / 10
+        assert sshd.connections == scanned + 1
+        assert os.stat(control_directory).st_mode & 0o777 == 0o700
+        [master] = _sockets(control_directory)
+        vm.forget_ssh("x")  # what `corral destroy` does first
+        assert not os.path.exists(master)
+        vm.remember_ssh("x")  # the next VM (here the same server, asked again)
+        assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
+        assert sshd.connections == 2 * scanned + 2  # ssh-keyscan's again, a master of its own
+    finally:
+        sshd.close()
+
+
+def test_no_master_connection_without_a_private_place_for_its_socket(
+        tmp_path, monkeypatch, client_key, capfd, control_directory):
+    """A control directory someone else could enter (or a symlink planted where it would
+    be) is not used: each `corral ssh` connects on its own, as before."""
+    key, key_path = client_key
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    os.mkdir(control_directory, 0o755)
+    os.chmod(control_directory, 0o755)
+    sshd = _Sshd(key)
+    try:
+        _vagrant_answering(tmp_path, monkeypatch, sshd.port, key_path)
+        _vm_appliance_x()
+        vm.remember_ssh("x")
+        scanned = sshd.connections
+        for _ in range(2):
+            assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
+        assert sshd.connections == scanned + 2 and not _sockets(control_directory)
+    finally:
+        sshd.close()

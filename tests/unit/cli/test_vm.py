@@ -3,8 +3,11 @@ what `corral up` refuses before it starts anything."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,6 +108,9 @@ def _on_path(tmp_path, monkeypatch, **programs: str) -> None:
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    # longer than a control socket's directory may be: `corral ssh` makes no master (the
+    # tests that want one set a short one)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run" / ("r" * 60)))
     monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
 
 
@@ -289,6 +295,15 @@ def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_
     """Each `vagrant ssh` starts Ruby: a VM's every `corral shell` paid it. Once `corral up`
     kept vagrant's ssh-config, `corral ssh` runs ssh with it, the same words as before."""
     calls = _fake_ssh_tools(tmp_path, monkeypatch)
+    runtime = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))  # short: a socket's path
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    try:
+        _ssh_runs_ssh_itself(calls, runtime / "corral-ssh")
+    finally:
+        shutil.rmtree(runtime)
+
+
+def _ssh_runs_ssh_itself(calls: Path, control: Path) -> None:
     vm.remember_ssh("x")
     kept, pinned = vm.ssh_config_file("x"), vm.known_hosts_file("x")
     assert kept.read_text() == SSH_CONFIG and kept.stat().st_mode & 0o777 == 0o600
@@ -302,7 +317,39 @@ def test_ssh_runs_ssh_itself_with_the_config_vagrant_gave_once(monkeypatch, tmp_
         f'-o StrictHostKeyChecking=yes -o UserKnownHostsFile="{pinned}" '
         "-o GlobalKnownHostsFile=/dev/null -o HostKeyAlias=corral-appliance-x "
         "-o ConnectTimeout=30 "
-        "-i /keys/private_key -q -t vagrant@192.168.121.7 sudo echo 'a b'\n")
+        "-i /keys/private_key -q -t "
+        # a master connection per VM, named for the appliance and where its VM answers
+        f'-o ControlMaster=auto -o ControlPath="{control}/{_socket_name()}" '
+        "-o ControlPersist=300 -o ServerAliveInterval=10 -o ServerAliveCountMax=3 "
+        "vagrant@192.168.121.7 sudo echo 'a b'\n")
+    assert control.stat().st_mode & 0o777 == 0o700
+
+
+def _socket_name() -> str:
+    return hashlib.sha256(b"\0".join((b"x", b"vagrant", b"192.168.121.7", b"22"))).hexdigest()[:32]
+
+
+def test_the_control_directory_is_private_or_not_used(monkeypatch, tmp_path):
+    """Whoever reaches a master's socket runs commands on the VM: its directory is this
+    user's alone. One that someone else may enter, a symlink put in its place, or a path
+    too long for a socket's, and `corral ssh` makes no master."""
+    runtime = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    kept = {"ansible_user": "u", "ansible_host": "h", "ansible_port": "22"}
+    try:
+        assert vm.control_directory() == runtime / "corral-ssh"
+        assert "ControlMaster=auto" in vm.multiplexed("x", kept)
+        (runtime / "corral-ssh").chmod(0o750)
+        assert vm.control_directory() is None and vm.multiplexed("x", kept) == []
+        (runtime / "corral-ssh").rmdir()
+        (runtime / "elsewhere").mkdir(mode=0o700)
+        (runtime / "corral-ssh").symlink_to(runtime / "elsewhere")
+        assert vm.control_directory() is None
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("d" * 60)))
+        assert vm.control_directory() is None
+        assert not (tmp_path / ("d" * 60)).exists()
+    finally:
+        shutil.rmtree(runtime)
 
 
 def test_ssh_that_cannot_connect_says_where_its_address_came_from(monkeypatch, tmp_path,
