@@ -36,9 +36,11 @@ def parse_ssh_config(text: str) -> dict[str, str]:
 
 
 def host_line(name: str, connection: dict[str, str], endpoint: str,
-              trust: list[str]) -> str:
-    """One appliance: how to reach it, and what the Vagrantfile gives its provisioning."""
+              trust: list[str], ssh_args: str) -> str:
+    """One appliance: how to reach it (`ssh_args`: the options that check its host keys,
+    as Ansible splits them), and what the Vagrantfile gives its provisioning."""
     words = [name, *(f"{k}={shlex.quote(connection[k])}" for k in SSH_KEYS.values()),
+             f"ansible_ssh_common_args={shlex.quote(ssh_args)}",
              f"corral_pki_endpoint={shlex.quote(endpoint)}"]
     if trust:  # a JSON list is a Python literal: Ansible's INI reader makes it a list
         words.append(f"corral_base_extra_ca_files={shlex.quote(json.dumps(trust))}")

@@ -182,6 +182,10 @@ def vagrant_env(name: str, api_port: int | None = None) -> dict[str, str]:
            "CORRAL_EXTRA_CA_FILES": ":".join(recorded_trust(name))}
     if api_port is not None:
         env["CORRAL_API_PORT"] = str(api_port)
+    env.pop("CORRAL_SSH_PINNED_ARGS", None)
+    if known_hosts_file(name).is_file():  # provisioning checks the VM's host keys (Vagrantfile)
+        with contextlib.suppress(CliError):  # (provision and up refuse before vagrant runs)
+            env["CORRAL_SSH_PINNED_ARGS"] = pinned_ssh_args(name)
     return env
 
 
@@ -298,9 +302,18 @@ next: provision it from an inventory (it may list other appliances too):
   {directory / 'vagrant'} gives ADDRESS and KEY), then
   ansible-playbook -i INVENTORY playbooks/site.yml""")
         return exitcodes.OK
-    _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port, started=started,
-             timeout=args.timeout)
-    remember_ssh(args.name)
+    if _created(args.name):  # Vagrant provisions a VM when it makes it, not after
+        _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port,
+                 started=started, timeout=args.timeout)
+        remember_ssh(args.name)
+    else:  # booted, its host keys kept, then provisioned against them
+        booting = time.monotonic()  # one timeout for both (a box built before is not counted)
+        _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
+                 api_port=args.api_port, started=started, timeout=args.timeout)
+        remember_ssh(args.name)
+        pinned_ssh_args(args.name)  # none kept: no provisioning
+        _vagrant(args.name, "provision", api_port=args.api_port, started=started,
+                 timeout=max(args.timeout - (time.monotonic() - booting), 60))
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -342,9 +355,10 @@ def _vm_appliance(name: str):
 def provision(args) -> int:
     appliance = _vm_appliance(args.appliance)
     port = appliance.host_port[1]
+    remember_ssh(args.appliance)  # its address now, its host keys as first kept
+    pinned_ssh_args(args.appliance)  # none kept: no provisioning
     _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic(),
              timeout=args.timeout)
-    remember_ssh(args.appliance)
     output.line(f"appliance {args.appliance} provisioned")
     return exitcodes.OK
 
@@ -384,6 +398,7 @@ def ssh(args) -> int:
         pinned = known_hosts_file(args.appliance)
         if not pinned.is_file():
             raise ValueError("no host keys kept")
+        _config_quoted(str(pinned))  # a path ssh would read as another
     except (OSError, ValueError):
         output.notice(f"appliance {args.appliance}: no address or host keys kept (`corral up "
                       f"--name {args.appliance}` keeps them): through `vagrant ssh`, which "
@@ -391,9 +406,11 @@ def ssh(args) -> int:
         return subprocess.call(["vagrant", "ssh", *(["--", *options, *remote]
                                                     if options or remote else [])],
                                env=vagrant_env(args.appliance, appliance.host_port[1]))
-    # the user's options before the master's: `-o ControlMaster=no` goes without one
+    # only a session's own options ride on a master: the others (-v, -L, -A, -o ...) would
+    # be the master's, outliving this call (and -v's stderr holding its caller's pipe)
+    shared = multiplexed(args.appliance, kept) if set(options) <= SESSION_OPTIONS else []
     code = subprocess.call(["ssh", *vagrant_ssh_options(kept, args.appliance), *options,
-                            *multiplexed(args.appliance, kept), _destination(kept), *remote])
+                            *shared, _destination(kept), *remote])
     if code == 255:  # ssh's own failure (or the command's 255): say where the address came from
         output.notice(f"ssh to {kept['ansible_host']} (kept in {remembered}, its host keys in "
                       f"{pinned}) exited 255: if the VM was stopped, started or made again "
@@ -414,10 +431,39 @@ def vagrant_ssh_options(kept: dict[str, str], name: str) -> list[str]:
             "-o", "ConnectTimeout=30", "-i", kept["ansible_ssh_private_key_file"]]
 
 
+def pinned_ssh_args(name: str) -> str:
+    """The ssh options that check the VM's host keys against those kept for it, as one
+    string that Ansible splits (ANSIBLE_SSH_ARGS, `ansible_ssh_common_args`: shlex), for
+    provisioning through Vagrant and from `corral inventory`. CliError when none are kept:
+    provisioning sends the appliance's credentials, and never to a machine unchecked."""
+    pinned = known_hosts_file(name)
+    if not pinned.is_file():
+        raise CliError(f"appliance {name!r}: no host keys kept for its VM ({pinned}), and "
+                       "provisioning checks them", f"`corral up --name {name}` keeps them "
+                       "once the VM answers", exitcodes.NOT_CONFIGURED)
+    try:
+        quoted = _config_quoted(str(pinned))
+    except ValueError as exc:
+        raise CliError(f"appliance {name!r}: {exc}", "set XDG_CONFIG_HOME (or HOME) to a "
+                       "path without it", exitcodes.NOT_CONFIGURED) from None
+    return shlex.join([
+        "-o", f'UserKnownHostsFile="{quoted}"',
+        "-o", "GlobalKnownHostsFile=/dev/null", "-o", f"HostKeyAlias={host_alias(name)}",
+        "-o", "StrictHostKeyChecking=yes"])
+
+
 def _config_quoted(path: str) -> str:
     """`path` for ssh's config reader, inside double quotes (a path may hold spaces; `%`
-    starts ssh's tokens)."""
+    starts ssh's tokens). ValueError for `${`: ssh expands an environment variable there,
+    and nothing escapes it."""
+    if "${" in path:
+        raise ValueError(f"{path} holds `${{`, which ssh reads as a variable")
     return path.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+
+
+SESSION_OPTIONS = frozenset({"-q", "-t", "-tt", "-T", "-n"})
+"""`corral ssh` options that are the session's alone: with only these, it rides on the VM's
+master connection (`corral shell` gives -q -t)."""
 
 
 SSH_PERSIST_SECONDS = 300
@@ -428,18 +474,29 @@ def _destination(kept: dict[str, str]) -> str:
     return f"{kept['ansible_user']}@{kept['ansible_host']}"
 
 
+SHARED_TMP = Path("/tmp")  # noqa: S108 - used only when it is root's and sticky (_owned_parent)
+"""Not $TMPDIR: a directory of anyone's choosing, which others may write in."""
+CONTROL_DIRECTORY_MAX = 56
+"""Bytes of the control directory's path, at most: 107 - 1 - 32 - 17."""
+
+
 def control_directory() -> Path | None:
-    """Where ssh's master connections listen: a directory only this user may enter, with a
-    short path (a unix socket's path has at most 107 bytes: the directory, a name of 32,
-    and 17 more while ssh makes it): $XDG_RUNTIME_DIR/corral-ssh, or /tmp/corral-ssh-UID.
-    None (no multiplexing) when it cannot be made so, or a directory already there is not
-    this user's own, with no access for anyone else: whoever can reach a master's socket
-    runs commands on the VM through it."""
+    """Where ssh's master connections listen: a directory only this user may enter, in a
+    parent no one else may rename it in, with a short path (a unix socket's path has at
+    most 107 bytes: the directory, a name of 32, and 17 more while ssh makes it):
+    $XDG_RUNTIME_DIR/corral-ssh (that directory this user's, 0700, as the XDG spec has it),
+    else /tmp/corral-ssh-UID (/tmp root's and sticky). None (no multiplexing) when it
+    cannot be made so: whoever can reach a master's socket, or put a socket of their own
+    where ssh looks for it, runs or reads commands on the way to the VM."""
     uid = os.getuid()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    directory = Path(runtime) / "corral-ssh" if runtime and Path(runtime).is_absolute() else \
-        Path(tempfile.gettempdir()) / f"corral-ssh-{uid}"
-    if len(os.fsencode(directory)) > CONTROL_DIRECTORY_MAX:
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and Path(runtime).is_absolute() and _owned_parent(Path(runtime), uid):
+        directory = Path(runtime) / "corral-ssh"
+    elif _owned_parent(SHARED_TMP, uid):
+        directory = SHARED_TMP / f"corral-ssh-{uid}"
+    else:
+        return None
+    if len(os.fsencode(directory)) > CONTROL_DIRECTORY_MAX or "${" in str(directory):
         return None
     with contextlib.suppress(OSError):  # (there already, or not to be made: looked at next)
         directory.mkdir(mode=0o700)
@@ -452,8 +509,20 @@ def control_directory() -> Path | None:
     return directory
 
 
-CONTROL_DIRECTORY_MAX = 56
-"""Bytes of the control directory's path, at most: 107 - 1 - 32 - 17."""
+def _owned_parent(path: Path, uid: int) -> bool:
+    """Whether no one but this user (and root) can rename or replace what is in `path`:
+    a directory of this user's with no access for others, or root's with no write for
+    others, or sticky (as /tmp is)."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISDIR(found.st_mode):
+        return False
+    if found.st_uid == uid and uid != 0:
+        return not found.st_mode & 0o077
+    return found.st_uid == 0 and (not found.st_mode & 0o022 or
+                                  bool(found.st_mode & stat.S_ISVTX))
 
 
 def multiplexed(name: str, kept: dict[str, str]) -> list[str]:
@@ -461,13 +530,14 @@ def multiplexed(name: str, kept: dict[str, str]) -> list[str]:
     `corral ssh` makes it, checking the VM's host keys as every connection does, and leaves
     it running SSH_PERSIST_SECONDS after the last session; each later one is a new session
     on it, without a TCP or SSH handshake (under emulation, most of a shell's start). Its
-    socket is named for the appliance and where its VM answers, so no other appliance's
-    VM, nor this one's made again elsewhere, is reached through it. None when there is no
-    private place for the socket."""
+    socket is named for the appliance (its host keys' file: its name and CLI config) and
+    where its VM answers, so no other appliance's VM, nor this one's made again elsewhere,
+    is reached through it. None when there is no private place for the socket."""
     directory = control_directory()
     if directory is None:
         return []
-    where = "\0".join((name, kept["ansible_user"], kept["ansible_host"], kept["ansible_port"]))
+    where = "\0".join((str(known_hosts_file(name)), kept["ansible_user"], kept["ansible_host"],
+                       kept["ansible_port"]))
     socket_name = hashlib.sha256(where.encode()).hexdigest()[:32]
     return ["-o", "ControlMaster=auto",
             "-o", f'ControlPath="{_config_quoted(str(directory / socket_name))}"',
@@ -476,10 +546,12 @@ def multiplexed(name: str, kept: dict[str, str]) -> list[str]:
             "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
 
 
-def stop_ssh_master(name: str) -> None:
-    """End the master connection `corral ssh` left to a VM (`ssh -O exit`), if there is
-    one: before the VM is stopped or deleted, and before it is asked again for its address
-    (a VM made again must not be reached through a master to the last one)."""
+def stop_ssh_master(name: str, command: str = "exit") -> None:
+    """End the master connection `corral ssh` left to a VM, if there is one: `exit` (it
+    and its sessions end) before the VM is stopped or deleted; `stop` (it takes no new
+    session, frees its socket's name, and ends with its last session) before the VM is
+    asked again for its address: a VM made again is never reached through a master to the
+    last one, and a shell open in this one is not cut by a `corral up`."""
     try:
         kept = inventory.parse_ssh_config(ssh_config_file(name).read_text())
     except (OSError, ValueError):
@@ -487,8 +559,8 @@ def stop_ssh_master(name: str) -> None:
     options = multiplexed(name, kept)
     if not options:
         return
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(["ssh", *vagrant_ssh_options(kept, name), *options, "-O", "exit",
+    with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
+        subprocess.run(["ssh", *vagrant_ssh_options(kept, name), *options, "-O", command,
                         _destination(kept)], stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
 
@@ -528,7 +600,7 @@ def remember_ssh(name: str) -> None:
     them; a later `up` or `provision` keeps them as they were, and says so when the VM
     answers with none of them. `corral down` drops the address (a VM started again may have
     another), `corral destroy` both; without them, `corral ssh` goes through vagrant."""
-    stop_ssh_master(name)
+    stop_ssh_master(name, "stop")
     ssh_config_file(name).unlink(missing_ok=True)
     pinned = known_hosts_file(name)
     try:
@@ -585,6 +657,12 @@ def verify(args) -> int:
         hosts.write_text(inventory_text([args.appliance]))
         return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(hosts),
                                 str(ROOT / "playbooks" / "verify.yml")], env=env)
+
+
+def _created(name: str) -> bool:
+    """Whether Vagrant has made this appliance's VM (its machine id is recorded)."""
+    return (config_home() / "appliances" / name / "vagrant" / "machines" / "default" /
+            "libvirt" / "id").is_file()
 
 
 def vm_state(appliance) -> dict:
@@ -654,7 +732,8 @@ def inventory_text(names: list[str]) -> str:
                            f"{known.get('backend', 'remote')}): it is in your own inventory",
                            "name only appliances `corral up` made", exitcodes.USAGE)
         lines.append(inventory.host_line(name, ssh_config(name), known["endpoint"],
-                               list(known.get("trust_ca", []))))
+                                         list(known.get("trust_ca", [])),
+                                         pinned_ssh_args(name)))
     return inventory.render(lines)
 
 

@@ -14,13 +14,17 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import asyncssh
 import pytest
 
 from cli import vm
+from cli.client import CliError
 from cli.main import main
 from tests.unit.cli.test_vm import _on_path, _vm_appliance_x
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Sshd:
@@ -53,6 +57,8 @@ class _Sshd:
                 return username == "vagrant" and key.export_public_key().decode() == authorized
 
         async def answer(process: asyncssh.SSHServerProcess) -> None:
+            if (process.command or "").startswith("sleep "):  # a session that lasts
+                await asyncio.sleep(float(process.command.split()[1]))
             process.stdout.write(f"ran: {process.command}\n")
             process.exit(0)
 
@@ -182,9 +188,10 @@ def test_later_corral_ssh_calls_are_sessions_on_one_master_connection_until_dest
         tmp_path, monkeypatch, client_key, capfd, control_directory):
     """Each `corral ssh` (each `corral shell` on a VM) was a new TCP and SSH handshake: one
     second under emulation. The first leaves a master connection (ControlMaster), its
-    socket in a directory only the user may enter; the next ones are sessions on it, the
-    one with pipes for its output too (a master holding them would hold its caller for
-    ControlPersist). `corral destroy` ends it, and the next VM gets its own."""
+    socket in a directory only the user may enter, without holding its caller's pipes (it
+    would for ControlPersist); the next ones are sessions on it. A call with options that
+    are not the session's alone (-v, -L, -o ...) connects on its own: they would be the
+    master's. `corral destroy` ends it, and the next VM gets its own."""
     key, key_path = client_key
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
@@ -194,24 +201,62 @@ def test_later_corral_ssh_calls_are_sessions_on_one_master_connection_until_dest
         _vm_appliance_x()
         vm.remember_ssh("x")
         scanned = sshd.connections  # ssh-keyscan's, one a key type
+        started = time.monotonic()
+        piped = _piped_ssh("-q", "-t", "echo", "one")  # the master's maker, piped
+        assert piped.returncode == 0 and piped.stdout.endswith("ran: echo one\n"), piped
+        assert time.monotonic() - started < vm.SSH_PERSIST_SECONDS / 10
         capfd.readouterr()
-        for word in ("one", "two"):
+        for word in ("two", "three"):
             assert main(["ssh", "--appliance", "x", "--", "-q", "echo", word]) == 0
             assert capfd.readouterr().out == f"ran: echo {word}\n"
-        started = time.monotonic()
-        piped = subprocess.run([sys.executable, "-m", "cli.main", "ssh", "--appliance", "x",
-                                "--", "-q", "echo", "three"], capture_output=True, text=True,
-                               timeout=60, env=os.environ)
-        assert piped.returncode == 0 and piped.stdout == "ran: echo three\n", piped
-        assert time.monotonic() - started < vm.SSH_PERSIST_SECONDS / 10
         assert sshd.connections == scanned + 1
         assert os.stat(control_directory).st_mode & 0o777 == 0o700
+        assert main(["ssh", "--appliance", "x", "--", "-q", "-oServerAliveInterval=9",
+                     "true"]) == 0
+        assert sshd.connections == scanned + 2  # its own connection
         [master] = _sockets(control_directory)
         vm.forget_ssh("x")  # what `corral destroy` does first
         assert not os.path.exists(master)
         vm.remember_ssh("x")  # the next VM (here the same server, asked again)
         assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
-        assert sshd.connections == 2 * scanned + 2  # ssh-keyscan's again, a master of its own
+        assert sshd.connections == 2 * scanned + 3  # ssh-keyscan's again, a master of its own
+    finally:
+        sshd.close()
+
+
+def _piped_ssh(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", "ssh", "--appliance", "x", "--",
+                           *words], capture_output=True, text=True, timeout=60, env=os.environ,
+                          cwd=ROOT)
+
+
+def test_up_again_leaves_open_sessions_alone_and_down_ends_the_master(
+        tmp_path, monkeypatch, client_key, capfd, control_directory):
+    """`corral up` or `provision` on a running VM asks it again for its address: the master
+    takes no new session from then on (the next call makes another), but a shell open on
+    it goes on to its end. `corral down` ends the master with its sessions."""
+    key, key_path = client_key
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    sshd = _Sshd(key)
+    try:
+        _vagrant_answering(tmp_path, monkeypatch, sshd.port, key_path)
+        _vm_appliance_x()
+        vm.remember_ssh("x")
+        assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
+        masters = sshd.connections
+        open_shell = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "ssh", "--appliance", "x", "--", "-q", "sleep",
+             "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        time.sleep(0.7)  # it is a session on the master now
+        vm.remember_ssh("x")
+        assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
+        out, err = open_shell.communicate(timeout=30)
+        assert open_shell.returncode == 0 and out == "ran: sleep 2\n", err
+        assert sshd.connections > masters  # a new master (and ssh-keyscan's) for the next
+        [master] = _sockets(control_directory)
+        vm.stop_ssh_master("x")  # what `corral down` does first
+        assert not os.path.exists(master)
     finally:
         sshd.close()
 
@@ -234,5 +279,75 @@ def test_no_master_connection_without_a_private_place_for_its_socket(
         for _ in range(2):
             assert main(["ssh", "--appliance", "x", "--", "-q", "true"]) == 0
         assert sshd.connections == scanned + 2 and not _sockets(control_directory)
+    finally:
+        sshd.close()
+
+
+def _ansible_raw(inventory, tmp_path) -> subprocess.CompletedProcess:
+    """`ansible -m raw` (a command over ssh, no Python on the far side) with the
+    repository's ansible.cfg, as site.yml reaches each host of an inventory."""
+    control = tempfile.mkdtemp(prefix="ca-", dir="/tmp")  # short: ssh's control socket
+    try:
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "ansible"), "all", "-i", str(inventory), "-m",
+             "raw", "-a", "echo provisioned"], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "playbooks" / "ansible.cfg"),
+                 "ANSIBLE_SSH_CONTROL_PATH_DIR": control,
+                 "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp")})
+    finally:
+        for name in _sockets(control):
+            subprocess.run(["ssh", "-o", f"ControlPath={name}", "-O", "exit", "x"],
+                           capture_output=True, timeout=10, check=False)
+        shutil.rmtree(control, ignore_errors=True)
+
+
+def test_provisioning_from_corral_inventory_checks_the_host_keys_kept(
+        tmp_path, monkeypatch, client_key, capfd):
+    """Provisioning sends the appliance's credentials: Ansible, from the inventory `corral
+    inventory` writes and with the repository's ansible.cfg, reaches the VM whose host key
+    `corral up` kept, and refuses another machine answering at its address with the same
+    user and key let in (it was told to check none: host_key_checking = False,
+    StrictHostKeyChecking=no). Real ansible and ssh; the VM's sshd a stand-in."""
+    key, key_path = client_key
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    inventory = tmp_path / "inventory.ini"
+    first = _Sshd(key)
+    try:
+        _vagrant_answering(tmp_path, monkeypatch, first.port, key_path)
+        _vm_appliance_x()
+        vm.remember_ssh("x")
+        assert main(["inventory", "--appliance", "x", "-o", str(inventory)]) == 0
+        reached = _ansible_raw(inventory, tmp_path)
+        assert reached.returncode == 0 and "provisioned" in reached.stdout, reached
+    finally:
+        first.close()
+    other = _Sshd(key, port=first.port)  # at the same address, with a key of its own
+    try:
+        refused = _ansible_raw(inventory, tmp_path)
+        assert refused.returncode != 0 and "UNREACHABLE" in refused.stdout, refused
+        assert "Host key verification failed" in refused.stdout + refused.stderr, refused
+        assert other.connections == 1  # it was asked, and got nothing but the handshake
+    finally:
+        other.close()
+    assert not (tmp_path / "home" / ".ssh" / "known_hosts").exists()
+
+
+def test_no_inventory_and_no_provisioning_for_a_vm_without_kept_host_keys(
+        tmp_path, monkeypatch, client_key, capfd):
+    _, key_path = client_key
+    sshd = _Sshd(client_key[0])
+    try:
+        _vagrant_answering(tmp_path, monkeypatch, sshd.port, key_path)
+        _vm_appliance_x()
+        with pytest.raises(CliError, match="no host keys kept") as refused:
+            vm.pinned_ssh_args("x")
+        assert "corral up --name x" in refused.value.hint
+        assert main(["inventory", "--appliance", "x"]) != 0
+        assert "no host keys kept" in capfd.readouterr().err
+        assert "CORRAL_SSH_PINNED_ARGS" not in vm.vagrant_env("x")
+        vm.remember_ssh("x")
+        assert "HostKeyAlias=corral-appliance-x" in vm.vagrant_env("x")[
+            "CORRAL_SSH_PINNED_ARGS"]
     finally:
         sshd.close()

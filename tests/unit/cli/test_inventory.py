@@ -37,9 +37,13 @@ def test_an_answer_without_an_address_is_refused_by_name():
 
 def test_ansible_reads_each_appliance_with_the_vagrantfiles_variables(tmp_path):
     connection = parse_ssh_config(SSH_CONFIG)
+    pinned = ("-o 'UserKnownHostsFile=\"/home/a user/k%%h\"' -o GlobalKnownHostsFile=/dev/null "
+              "-o HostKeyAlias=corral-appliance-one -o StrictHostKeyChecking=yes")
     text = render([
-        host_line("one", connection, "127.0.0.1:8443", ["/etc/ca's/a.crt", "/etc/b.crt"]),
-        host_line("two", {**connection, "ansible_host": "192.168.121.9"}, "127.0.0.1:8444", [])])
+        host_line("one", connection, "127.0.0.1:8443", ["/etc/ca's/a.crt", "/etc/b.crt"],
+                  pinned),
+        host_line("two", {**connection, "ansible_host": "192.168.121.9"}, "127.0.0.1:8444", [],
+                  "-o HostKeyAlias=corral-appliance-two")])
     path = tmp_path / "inventory.ini"
     path.write_text(text)
     hosts = InventoryManager(loader=DataLoader(), sources=[str(path)])
@@ -47,6 +51,8 @@ def test_ansible_reads_each_appliance_with_the_vagrantfiles_variables(tmp_path):
     group = hosts.groups["corral"].get_vars()
     assert one["ansible_host"] == "192.168.121.204" and two["ansible_host"] == "192.168.121.9"
     assert one["ansible_ssh_private_key_file"] == connection["ansible_ssh_private_key_file"]
+    assert one["ansible_ssh_common_args"] == pinned  # as given: Ansible splits it for ssh
+    assert two["ansible_ssh_common_args"] == "-o HostKeyAlias=corral-appliance-two"
     assert one["corral_pki_endpoint"] == "127.0.0.1:8443"
     assert two["corral_pki_endpoint"] == "127.0.0.1:8444"
     assert one["corral_base_extra_ca_files"] == ["/etc/ca's/a.crt", "/etc/b.crt"]

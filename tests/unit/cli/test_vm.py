@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import vm
+from cli import exitcodes, vm
 from cli.client import CliError, config_home, write_appliance
 from cli.main import main
 
@@ -110,7 +111,9 @@ def _on_path(tmp_path, monkeypatch, **programs: str) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     # longer than a control socket's directory may be: `corral ssh` makes no master (the
     # tests that want one set a short one)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run" / ("r" * 60)))
+    runtime = tmp_path / "run" / ("r" * 60)
+    runtime.mkdir(parents=True, mode=0o700, exist_ok=True)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
 
 
@@ -150,6 +153,8 @@ def test_provision_stops_a_silent_vagrant_at_its_timeout(monkeypatch, tmp_path, 
     _on_path(tmp_path, monkeypatch,
              vagrant="echo 'TASK [corral_sandbox : Run it]'\nexec sleep 600\n")
     _vm_appliance_x()
+    monkeypatch.setattr(vm, "remember_ssh", lambda name: vm.known_hosts_file(name).write_text(
+        f"{vm.host_alias(name)} ssh-ed25519 AAAA\n"))  # the VM's keys, kept
     started = time.monotonic()
     code = main(["provision", "--appliance", "x", "--timeout", "2"])
     assert code != 0 and time.monotonic() - started < 60
@@ -202,14 +207,10 @@ def test_trusted_cas_are_recorded_and_handed_to_vagrant(monkeypatch, tmp_path):
     ca.write_bytes(bundle.ca_cert)
     assert vm.trusted_cas([str(ca)]) == [str(ca)]
     vagrant_runs = []
-    monkeypatch.setattr(vm, "prerequisites", lambda: [])
-    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
-    monkeypatch.setattr(vm, "_wait_for_api", lambda name: None)
-    monkeypatch.setattr(vm, "_vagrant", lambda name, *args, **kw: vagrant_runs.append(
-        vm.vagrant_env(name)["CORRAL_EXTRA_CA_FILES"]))
+    _up_without_a_vm(monkeypatch, vagrant_runs)
     assert main(["up", "--name", "lab", "--trust-ca", str(ca)]) == 0
     assert main(["up", "--name", "lab"]) == 0  # not given again: the record stands
-    assert vagrant_runs == [str(ca), str(ca)]
+    assert [extra for _, extra, _ in vagrant_runs] == [str(ca)] * 3  # up, provision, up
     assert vm.vagrant_env("other")["CORRAL_EXTRA_CA_FILES"] == ""
     vagrantfile = (vm.ROOT / "Vagrantfile").read_text()
     assert 'corral_base_extra_ca_files: ENV.fetch("CORRAL_EXTRA_CA_FILES"' in vagrantfile
@@ -221,10 +222,7 @@ def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
-    monkeypatch.setattr(vm, "prerequisites", lambda: [])
-    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
-    monkeypatch.setattr(vm, "_wait_for_api", lambda name: None)
-    monkeypatch.setattr(vm, "_vagrant", lambda name, *args, **kw: None)
+    _up_without_a_vm(monkeypatch, [])
     ca = tmp_path / "proxy.crt"
     ca.write_bytes(pki.issue().ca_cert)
     assert vm.trusted_cas([str(ca), str(tmp_path / "." / "proxy.crt")]) == [str(ca)]
@@ -233,6 +231,62 @@ def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch
     assert main(["up", "--name", "lab"]) == 2
     err = capsys.readouterr().err
     assert "proxy.crt" in err and "recorded in" in err and "appliance.toml" in err
+
+
+def _up_without_a_vm(monkeypatch, runs: list, keys: bool = True) -> None:
+    """`corral up` with vagrant, the VM and its host keys stood in for: each vagrant run is
+    recorded as (its words, CORRAL_EXTRA_CA_FILES, CORRAL_SSH_PINNED_ARGS), an `up` records
+    the machine as vagrant does, and the VM's keys are kept (unless `keys` is False)."""
+    def vagrant(name, *args, **kw):
+        env = vm.vagrant_env(name)
+        runs.append((args, env["CORRAL_EXTRA_CA_FILES"], env.get("CORRAL_SSH_PINNED_ARGS")))
+        if args[0] == "up":
+            machine = config_home() / "appliances" / name / "vagrant" / "machines" / "default"
+            (machine / "libvirt").mkdir(parents=True, exist_ok=True)
+            (machine / "libvirt" / "id").write_text("a-uuid")
+
+    def remember(name):
+        if keys:
+            vm.known_hosts_file(name).write_text(f"{vm.host_alias(name)} ssh-ed25519 AAAA\n")
+
+    monkeypatch.setattr(vm, "prerequisites", lambda: [])
+    monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
+    monkeypatch.setattr(vm, "_wait_for_api", lambda name: None)
+    monkeypatch.setattr(vm, "_vagrant", vagrant)
+    monkeypatch.setattr(vm, "remember_ssh", remember)
+
+
+def test_a_new_vm_is_provisioned_only_once_its_host_keys_are_kept(monkeypatch, tmp_path,
+                                                                  capsys):
+    """Provisioning sends the appliance's credentials: a new VM is booted without it, its
+    host keys kept, then provisioned by Vagrant's Ansible with the options that check them
+    (the Vagrantfile turns host key checking on with them). A VM Vagrant made already is
+    only booted (Vagrant provisions a VM when it makes it). No keys: no provisioning."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    runs: list = []
+    _up_without_a_vm(monkeypatch, runs)
+    assert main(["up", "--name", "lab"]) == 0
+    assert [words for words, _, _ in runs] == [
+        ("up", "--provider", "libvirt", "--no-provision"), ("provision",)]
+    pinned = runs[1][2]
+    assert shlex.split(pinned) == [
+        "-o", f'UserKnownHostsFile="{vm.known_hosts_file("lab")}"',
+        "-o", "GlobalKnownHostsFile=/dev/null", "-o", "HostKeyAlias=corral-appliance-lab",
+        "-o", "StrictHostKeyChecking=yes"]
+    assert main(["up", "--name", "lab"]) == 0
+    assert runs[2][0] == ("up", "--provider", "libvirt")
+    vagrantfile = (vm.ROOT / "Vagrantfile").read_text()
+    assert 'ENV.fetch("CORRAL_SSH_PINNED_ARGS", "")' in vagrantfile
+    assert "ansible.host_key_checking = true" in vagrantfile
+    runs.clear()
+    _up_without_a_vm(monkeypatch, runs, keys=False)
+    assert main(["up", "--name", "new"]) == exitcodes.NOT_CONFIGURED
+    assert [words for words, _, _ in runs] == [("up", "--provider", "libvirt",
+                                                 "--no-provision")]
+    assert "no host keys kept" in capsys.readouterr().err
+    assert main(["provision", "--appliance", "new"]) == exitcodes.NOT_CONFIGURED
+    assert len(runs) == 1
 
 
 def test_a_vm_booted_without_provisioning_can_be_destroyed(monkeypatch, tmp_path, capsys):
@@ -326,7 +380,8 @@ def _ssh_runs_ssh_itself(calls: Path, control: Path) -> None:
 
 
 def _socket_name() -> str:
-    return hashlib.sha256(b"\0".join((b"x", b"vagrant", b"192.168.121.7", b"22"))).hexdigest()[:32]
+    where = (str(vm.known_hosts_file("x")).encode(), b"vagrant", b"192.168.121.7", b"22")
+    return hashlib.sha256(b"\0".join(where)).hexdigest()[:32]
 
 
 def test_the_control_directory_is_private_or_not_used(monkeypatch, tmp_path):
@@ -345,11 +400,40 @@ def test_the_control_directory_is_private_or_not_used(monkeypatch, tmp_path):
         (runtime / "elsewhere").mkdir(mode=0o700)
         (runtime / "corral-ssh").symlink_to(runtime / "elsewhere")
         assert vm.control_directory() is None
-        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("d" * 60)))
+        (runtime / "corral-ssh").unlink()
+        (runtime / "corral-ssh").mkdir(mode=0o700)
+        os.chown(runtime / "corral-ssh", 65534, -1)  # someone else's (the test runs as root)
         assert vm.control_directory() is None
-        assert not (tmp_path / ("d" * 60)).exists()
+        long = tmp_path / ("d" * 60)
+        long.mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(long))
+        assert vm.control_directory() is None and not (long / "corral-ssh").exists()
+        dollar = runtime / "d${HOME}"  # ssh would expand it: another directory than this
+        dollar.mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(dollar))
+        assert vm.control_directory() is None and not (dollar / "corral-ssh").exists()
     finally:
         shutil.rmtree(runtime)
+
+
+def test_the_control_directorys_parent_lets_no_one_else_replace_it(tmp_path):
+    """Checking the directory is not enough where another user may rename it away and put
+    their own (with a socket that reads the commands) between the check and ssh: its
+    parent is this user's with no access for others, or root's and not writable by
+    others or sticky (as /tmp). Not $TMPDIR: anyone's choice."""
+    me = os.getuid()
+    parent = tmp_path / "parent"
+    parent.mkdir(mode=0o700)
+    os.chmod(parent, 0o700)
+    cases = [(0, 0o700, True), (0, 0o755, True), (0, 0o777, False), (0, 0o1777, True),
+             (65534, 0o700, False), (65534, 0o1777, False)]
+    for owner, mode, trusted in cases:
+        os.chown(parent, owner, -1)
+        os.chmod(parent, mode)
+        assert vm._owned_parent(parent, me) is trusted, (owner, oct(mode))
+    assert vm._owned_parent(tmp_path / "missing", me) is False
+    (tmp_path / "link").symlink_to(parent)
+    assert vm._owned_parent(tmp_path / "link", me) is False
 
 
 def test_ssh_that_cannot_connect_says_where_its_address_came_from(monkeypatch, tmp_path,
