@@ -40,6 +40,9 @@ def host_line(name: str, connection: dict[str, str], endpoint: str,
     """One appliance: how to reach it (`ssh_args`: the options that check its host keys,
     as Ansible splits them), and what the Vagrantfile gives its provisioning."""
     words = [name, *(f"{k}={shlex.quote(connection[k])}" for k in SSH_KEYS.values()),
+             # checked whatever the config or ANSIBLE_HOST_KEY_CHECKING says: a host
+             # variable wins over both (and their StrictHostKeyChecking=no over ours)
+             "ansible_ssh_host_key_checking=True",
              f"ansible_ssh_common_args={shlex.quote(ssh_args)}",
              f"corral_pki_endpoint={shlex.quote(endpoint)}"]
     if trust:  # a JSON list is a Python literal: Ansible's INI reader makes it a list

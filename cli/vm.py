@@ -302,18 +302,24 @@ next: provision it from an inventory (it may list other appliances too):
   {directory / 'vagrant'} gives ADDRESS and KEY), then
   ansible-playbook -i INVENTORY playbooks/site.yml""")
         return exitcodes.OK
-    if _created(args.name):  # Vagrant provisions a VM when it makes it, not after
-        _vagrant(args.name, "up", "--provider", "libvirt", api_port=args.api_port,
-                 started=started, timeout=args.timeout)
-        remember_ssh(args.name)
-    else:  # booted, its host keys kept, then provisioned against them
-        booting = time.monotonic()  # one timeout for both (a box built before is not counted)
-        _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
-                 api_port=args.api_port, started=started, timeout=args.timeout)
-        remember_ssh(args.name)
+    # booted without provisioning; when Vagrant made the VM just now (a machine id that was
+    # not there before), its own host keys kept, then provisioned against them
+    booting, before = time.monotonic(), _machine_id(args.name)
+    _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
+             api_port=args.api_port, started=started, timeout=args.timeout)
+    made = _machine_id(args.name) != before
+    if made:  # another machine than any kept keys were taken from (a stale id included)
+        known_hosts_file(args.name).unlink(missing_ok=True)
+    remember_ssh(args.name)
+    if made:
         pinned_ssh_args(args.name)  # none kept: no provisioning
+        left = args.timeout - (time.monotonic() - booting)  # one timeout for both runs
+        if left <= 0:
+            raise CliError(f"`vagrant up` and keeping the VM's host keys took all of "
+                           f"{args.timeout:g}s: not provisioned", f"`corral provision "
+                           f"--appliance {args.name}`", exitcodes.FAILURE)
         _vagrant(args.name, "provision", api_port=args.api_port, started=started,
-                 timeout=max(args.timeout - (time.monotonic() - booting), 60))
+                 timeout=left)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -436,12 +442,15 @@ def pinned_ssh_args(name: str) -> str:
     string that Ansible splits (ANSIBLE_SSH_ARGS, `ansible_ssh_common_args`: shlex), for
     provisioning through Vagrant and from `corral inventory`. CliError when none are kept:
     provisioning sends the appliance's credentials, and never to a machine unchecked."""
-    pinned = known_hosts_file(name)
+    pinned = known_hosts_file(name).absolute()  # Vagrant runs Ansible elsewhere
     if not pinned.is_file():
         raise CliError(f"appliance {name!r}: no host keys kept for its VM ({pinned}), and "
-                       "provisioning checks them", f"`corral up --name {name}` keeps them "
-                       "once the VM answers", exitcodes.NOT_CONFIGURED)
+                       "provisioning checks them", f"once the VM answers, `corral provision "
+                       f"--appliance {name}` keeps them, then provisions (`corral up --name "
+                       f"{name} --no-provision` only keeps them)", exitcodes.NOT_CONFIGURED)
     try:
+        if any(mark in str(pinned) for mark in ("{{", "{%", "{#")):  # Ansible templates it
+            raise ValueError(f"{pinned} holds a template mark Ansible would read")
         quoted = _config_quoted(str(pinned))
     except ValueError as exc:
         raise CliError(f"appliance {name!r}: {exc}", "set XDG_CONFIG_HOME (or HOME) to a "
@@ -659,10 +668,15 @@ def verify(args) -> int:
                                 str(ROOT / "playbooks" / "verify.yml")], env=env)
 
 
-def _created(name: str) -> bool:
-    """Whether Vagrant has made this appliance's VM (its machine id is recorded)."""
-    return (config_home() / "appliances" / name / "vagrant" / "machines" / "default" /
-            "libvirt" / "id").is_file()
+def _machine_id(name: str) -> str | None:
+    """The id Vagrant recorded for this appliance's VM (libvirt's domain UUID); None when it
+    has made none. A VM removed outside Vagrant leaves it, until Vagrant's next run finds the
+    domain gone, forgets it and makes another (with another id)."""
+    try:
+        return (config_home() / "appliances" / name / "vagrant" / "machines" / "default" /
+                "libvirt" / "id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def vm_state(appliance) -> dict:

@@ -52,6 +52,7 @@ def test_ansible_reads_each_appliance_with_the_vagrantfiles_variables(tmp_path):
     assert one["ansible_host"] == "192.168.121.204" and two["ansible_host"] == "192.168.121.9"
     assert one["ansible_ssh_private_key_file"] == connection["ansible_ssh_private_key_file"]
     assert one["ansible_ssh_common_args"] == pinned  # as given: Ansible splits it for ssh
+    assert one["ansible_ssh_host_key_checking"] is True  # over the config and environment
     assert two["ansible_ssh_common_args"] == "-o HostKeyAlias=corral-appliance-two"
     assert one["corral_pki_endpoint"] == "127.0.0.1:8443"
     assert two["corral_pki_endpoint"] == "127.0.0.1:8444"

@@ -4,6 +4,7 @@ what `corral up` refuses before it starts anything."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -233,21 +234,25 @@ def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch
     assert "proxy.crt" in err and "recorded in" in err and "appliance.toml" in err
 
 
-def _up_without_a_vm(monkeypatch, runs: list, keys: bool = True) -> None:
+def _up_without_a_vm(monkeypatch, runs: list, keys: bool = True, machine_id: str = "a-uuid",
+                     booting: float = 0.0) -> None:
     """`corral up` with vagrant, the VM and its host keys stood in for: each vagrant run is
-    recorded as (its words, CORRAL_EXTRA_CA_FILES, CORRAL_SSH_PINNED_ARGS), an `up` records
-    the machine as vagrant does, and the VM's keys are kept (unless `keys` is False)."""
+    recorded as (its words, CORRAL_EXTRA_CA_FILES, CORRAL_SSH_PINNED_ARGS), an `up` (taking
+    `booting` seconds) records the machine as vagrant does (`machine_id`), and the VM's keys
+    are kept where none are (unless `keys` is False)."""
     def vagrant(name, *args, **kw):
         env = vm.vagrant_env(name)
         runs.append((args, env["CORRAL_EXTRA_CA_FILES"], env.get("CORRAL_SSH_PINNED_ARGS")))
         if args[0] == "up":
+            time.sleep(booting)
             machine = config_home() / "appliances" / name / "vagrant" / "machines" / "default"
             (machine / "libvirt").mkdir(parents=True, exist_ok=True)
-            (machine / "libvirt" / "id").write_text("a-uuid")
+            (machine / "libvirt" / "id").write_text(machine_id)
 
     def remember(name):
-        if keys:
-            vm.known_hosts_file(name).write_text(f"{vm.host_alias(name)} ssh-ed25519 AAAA\n")
+        if keys and not vm.known_hosts_file(name).exists():
+            vm.known_hosts_file(name).write_text(f"{vm.host_alias(name)} ssh-ed25519 "
+                                                 f"{machine_id}\n")
 
     monkeypatch.setattr(vm, "prerequisites", lambda: [])
     monkeypatch.setattr(vm, "_quiet", lambda argv: vm.box.BOX_NAME)
@@ -274,8 +279,17 @@ def test_a_new_vm_is_provisioned_only_once_its_host_keys_are_kept(monkeypatch, t
         "-o", f'UserKnownHostsFile="{vm.known_hosts_file("lab")}"',
         "-o", "GlobalKnownHostsFile=/dev/null", "-o", "HostKeyAlias=corral-appliance-lab",
         "-o", "StrictHostKeyChecking=yes"]
+    assert main(["up", "--name", "lab"]) == 0  # the same machine: booted, not provisioned
+    assert [words for words, _, _ in runs[2:]] == [("up", "--provider", "libvirt",
+                                                     "--no-provision")]
+    # the VM removed outside corral: Vagrant makes another (another id); the keys kept
+    # were the last one's, so they go, and the new one's are kept before provisioning
+    runs.clear()
+    _up_without_a_vm(monkeypatch, runs, machine_id="another-uuid")
     assert main(["up", "--name", "lab"]) == 0
-    assert runs[2][0] == ("up", "--provider", "libvirt")
+    assert [words for words, _, _ in runs] == [
+        ("up", "--provider", "libvirt", "--no-provision"), ("provision",)]
+    assert vm.known_hosts_file("lab").read_text().split()[-1] == "another-uuid"
     vagrantfile = (vm.ROOT / "Vagrantfile").read_text()
     assert 'ENV.fetch("CORRAL_SSH_PINNED_ARGS", "")' in vagrantfile
     assert "ansible.host_key_checking = true" in vagrantfile
@@ -284,9 +298,34 @@ def test_a_new_vm_is_provisioned_only_once_its_host_keys_are_kept(monkeypatch, t
     assert main(["up", "--name", "new"]) == exitcodes.NOT_CONFIGURED
     assert [words for words, _, _ in runs] == [("up", "--provider", "libvirt",
                                                  "--no-provision")]
-    assert "no host keys kept" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no host keys kept" in err and "corral provision --appliance new" in err
     assert main(["provision", "--appliance", "new"]) == exitcodes.NOT_CONFIGURED
     assert len(runs) == 1
+    # one --timeout for the boot and the provisioning: none left, none started
+    runs.clear()
+    _up_without_a_vm(monkeypatch, runs, booting=1.2)
+    assert main(["up", "--name", "slow", "--timeout", "1"]) == exitcodes.FAILURE
+    assert [words for words, _, _ in runs] == [("up", "--provider", "libvirt",
+                                                 "--no-provision")]
+    assert "took all of 1s: not provisioned" in capsys.readouterr().err
+
+
+def test_no_pinned_options_for_a_path_ansible_or_ssh_would_read_as_another(monkeypatch,
+                                                                             tmp_path):
+    for mark in ("{{ x }}", "{%", "{#", "${HOME}"):
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / mark))
+        vm.known_hosts_file("x").parent.mkdir(parents=True)
+        vm.known_hosts_file("x").write_text("corral-appliance-x ssh-ed25519 AAAA\n")
+        with pytest.raises(CliError, match=r"would read|reads as a variable") as refused:
+            vm.pinned_ssh_args("x")
+        assert "XDG_CONFIG_HOME" in refused.value.hint
+        assert "CORRAL_SSH_PINNED_ARGS" not in vm.vagrant_env("x")
+    monkeypatch.setenv("XDG_CONFIG_HOME", "relative/config")  # Vagrant runs Ansible elsewhere
+    monkeypatch.chdir(tmp_path)
+    vm.known_hosts_file("x").parent.mkdir(parents=True)
+    vm.known_hosts_file("x").write_text("corral-appliance-x ssh-ed25519 AAAA\n")
+    assert f'UserKnownHostsFile="{tmp_path}/relative/config/' in vm.pinned_ssh_args("x")
 
 
 def test_a_vm_booted_without_provisioning_can_be_destroyed(monkeypatch, tmp_path, capsys):
@@ -498,3 +537,58 @@ def test_an_appliance_name_is_a_plain_word(name, capsys):
     with pytest.raises(SystemExit):
         main(["up", "--name", name])
     assert "is not an appliance name" in capsys.readouterr().err
+
+
+VAGRANTFILE_READER = """
+# The Vagrantfile's settings as JSON: a stand-in for Vagrant's config objects that keeps
+# whatever is set on it (a block's object under "NAME:FIRST ARGUMENT").
+require "json"
+class Kept
+  def initialize; @kept = {}; end
+  def method_missing(name, *args, &block)
+    key = name.to_s
+    return @kept[key.chomp("=")] = args[0] if key.end_with?("=")
+    return block.call(@kept["#{key}:#{args[0]}"] = Kept.new) if block
+    @kept[key] ||= Kept.new
+  end
+  def respond_to_missing?(*) = true
+  def to_h = @kept.transform_values { |v| v.is_a?(Kept) ? v.to_h : v }
+end
+module Vagrant
+  def self.configure(_version) = yield($config = Kept.new)
+end
+load ARGV[0]
+puts JSON.generate($config.to_h)
+"""
+
+
+def _vagrantfile_settings(tmp_path, env: dict[str, str]) -> dict:
+    reader = tmp_path / "read.rb"
+    reader.write_text(VAGRANTFILE_READER)
+    read = subprocess.run(["ruby", str(reader), str(vm.ROOT / "Vagrantfile")],
+                          capture_output=True, text=True, timeout=60, check=True,
+                          env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    return json.loads(read.stdout)["vm"]["provision:ansible"]
+
+
+def test_the_vagrantfile_turns_host_key_checking_on_with_the_options_corral_gives(
+        monkeypatch, tmp_path):
+    """Vagrant's Ansible provisioner checks no host key unless `host_key_checking` is set;
+    then it adds no UserKnownHostsFile=/dev/null and passes ANSIBLE_HOST_KEY_CHECKING=true,
+    and its raw_ssh_args end ANSIBLE_SSH_ARGS (joined with spaces; Ansible splits them as a
+    shell would). The real Vagrantfile, read by Ruby; what it gives ssh, read by `ssh -G`."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "a config's %h home"))
+    vm.known_hosts_file("x").parent.mkdir(parents=True)
+    vm.known_hosts_file("x").write_text("corral-appliance-x ssh-ed25519 AAAA\n")
+    pinned = vm.pinned_ssh_args("x")
+    checking = _vagrantfile_settings(tmp_path, {"CORRAL_SSH_PINNED_ARGS": pinned})
+    assert checking["host_key_checking"] is True and checking["raw_ssh_args"][-1] == pinned
+    ssh_args = shlex.split(" ".join(checking["raw_ssh_args"]))  # as Vagrant, then Ansible
+    seen = subprocess.run(["ssh", "-G", *ssh_args, "vagrant@192.0.2.1"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.splitlines()
+    assert f"userknownhostsfile {vm.known_hosts_file('x')}" in seen
+    assert {"stricthostkeychecking true", "globalknownhostsfile /dev/null",
+            "hostkeyalias corral-appliance-x"} <= set(seen)
+    plain = _vagrantfile_settings(tmp_path, {"CORRAL_SSH_PINNED_ARGS": None})
+    assert "host_key_checking" not in plain  # a plain `vagrant up`: as Vagrant does
+    assert plain["raw_ssh_args"] == checking["raw_ssh_args"][:-1]
