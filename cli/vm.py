@@ -302,24 +302,28 @@ next: provision it from an inventory (it may list other appliances too):
   {directory / 'vagrant'} gives ADDRESS and KEY), then
   ansible-playbook -i INVENTORY playbooks/site.yml""")
         return exitcodes.OK
-    # booted without provisioning; when Vagrant made the VM just now (a machine id that was
-    # not there before), its own host keys kept, then provisioned against them
+    # booted without provisioning; a VM Vagrant makes now (no machine id before, or another
+    # after: a stale one) has its own host keys kept, then is provisioned against them
+    pending = _pending_file(args.name)
     booting, before = time.monotonic(), _machine_id(args.name)
+    if before is None:  # (marked first: a boot that fails leaves it to provision next time)
+        files.replace(pending, b"", mode=0o600)
     _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
              api_port=args.api_port, started=started, timeout=args.timeout)
-    made = _machine_id(args.name) != before
-    if made:  # another machine than any kept keys were taken from (a stale id included)
-        known_hosts_file(args.name).unlink(missing_ok=True)
+    if before is None or _machine_id(args.name) != before:  # another machine than any
+        known_hosts_file(args.name).unlink(missing_ok=True)  # keys kept were taken from
+        files.replace(pending, b"", mode=0o600)
     remember_ssh(args.name)
-    if made:
+    if pending.exists():  # made now, or its provisioning never finished
         pinned_ssh_args(args.name)  # none kept: no provisioning
         left = args.timeout - (time.monotonic() - booting)  # one timeout for both runs
         if left <= 0:
             raise CliError(f"`vagrant up` and keeping the VM's host keys took all of "
-                           f"{args.timeout:g}s: not provisioned", f"`corral provision "
-                           f"--appliance {args.name}`", exitcodes.FAILURE)
+                           f"{args.timeout:g}s: not provisioned", f"`corral up --name "
+                           f"{args.name}` again provisions it", exitcodes.FAILURE)
         _vagrant(args.name, "provision", api_port=args.api_port, started=started,
                  timeout=left)
+        pending.unlink()
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -365,6 +369,7 @@ def provision(args) -> int:
     pinned_ssh_args(args.appliance)  # none kept: no provisioning
     _vagrant(args.appliance, "provision", api_port=port, started=time.monotonic(),
              timeout=args.timeout)
+    _pending_file(args.appliance).unlink(missing_ok=True)
     output.line(f"appliance {args.appliance} provisioned")
     return exitcodes.OK
 
@@ -593,11 +598,12 @@ HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
 
 
 def forget_ssh(name: str) -> None:
-    """A VM destroyed: its master connection, its address and its host keys go (the next
-    is another machine)."""
+    """A VM destroyed: its master connection, its address, its host keys and a
+    provisioning it waited for go (the next is another machine)."""
     stop_ssh_master(name)
     ssh_config_file(name).unlink(missing_ok=True)
     known_hosts_file(name).unlink(missing_ok=True)
+    _pending_file(name).unlink(missing_ok=True)
 
 
 def remember_ssh(name: str) -> None:
@@ -666,6 +672,13 @@ def verify(args) -> int:
         hosts.write_text(inventory_text([args.appliance]))
         return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(hosts),
                                 str(ROOT / "playbooks" / "verify.yml")], env=env)
+
+
+def _pending_file(name: str) -> Path:
+    """There while the appliance's VM waits for `corral up` to provision it: made now (or
+    being made), or its provisioning did not finish. `corral provision` and `destroy` end
+    it."""
+    return config_home() / "appliances" / name / "provision-pending"
 
 
 def _machine_id(name: str) -> str | None:

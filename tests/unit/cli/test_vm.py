@@ -235,19 +235,24 @@ def test_a_recorded_ca_that_went_is_named_with_where_it_was_recorded(monkeypatch
 
 
 def _up_without_a_vm(monkeypatch, runs: list, keys: bool = True, machine_id: str = "a-uuid",
-                     booting: float = 0.0) -> None:
+                     booting: float = 0.0, failing: tuple[str, ...] = ()) -> None:
     """`corral up` with vagrant, the VM and its host keys stood in for: each vagrant run is
     recorded as (its words, CORRAL_EXTRA_CA_FILES, CORRAL_SSH_PINNED_ARGS), an `up` (taking
     `booting` seconds) records the machine as vagrant does (`machine_id`), and the VM's keys
-    are kept where none are (unless `keys` is False)."""
+    are kept where none are (unless `keys` is False); a run of a verb in `failing` fails
+    (an `up` after making the machine)."""
     def vagrant(name, *args, **kw):
         env = vm.vagrant_env(name)
         runs.append((args, env["CORRAL_EXTRA_CA_FILES"], env.get("CORRAL_SSH_PINNED_ARGS")))
+        if args[0] == "provision" and "provision" in failing:
+            raise CliError("`vagrant provision` failed (exit 1)")
         if args[0] == "up":
             time.sleep(booting)
             machine = config_home() / "appliances" / name / "vagrant" / "machines" / "default"
             (machine / "libvirt").mkdir(parents=True, exist_ok=True)
             (machine / "libvirt" / "id").write_text(machine_id)
+            if "up" in failing:
+                raise CliError("`vagrant up` failed (exit 1): timed out waiting for SSH")
 
     def remember(name):
         if keys and not vm.known_hosts_file(name).exists():
@@ -309,6 +314,38 @@ def test_a_new_vm_is_provisioned_only_once_its_host_keys_are_kept(monkeypatch, t
     assert [words for words, _, _ in runs] == [("up", "--provider", "libvirt",
                                                  "--no-provision")]
     assert "took all of 1s: not provisioned" in capsys.readouterr().err
+
+
+def test_a_vm_whose_boot_or_provisioning_failed_is_provisioned_by_the_next_up(monkeypatch,
+                                                                              tmp_path):
+    """Vagrant provisions a VM on the `up` that makes it; corral boots it first (its keys
+    kept), so a boot that fails, or a provisioning, would leave a VM the next `up` only
+    booted: it is marked until its provisioning is done, and the next `up` provisions it.
+    `corral provision` and `destroy` end the mark."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    for failing in ("up", "provision"):
+        runs: list = []
+        _up_without_a_vm(monkeypatch, runs, failing=(failing,))
+        assert main(["up", "--name", failing]) == exitcodes.FAILURE
+        _up_without_a_vm(monkeypatch, runs)
+        assert main(["up", "--name", failing]) == 0
+        assert [words for words, _, _ in runs][-2:] == [
+            ("up", "--provider", "libvirt", "--no-provision"), ("provision",)], failing
+        assert not vm._pending_file(failing).exists()
+        assert main(["up", "--name", failing]) == 0  # provisioned: booted only
+        assert runs[-1][0] == ("up", "--provider", "libvirt", "--no-provision")
+    _up_without_a_vm(monkeypatch, runs := [], failing=("provision",))
+    assert main(["up", "--name", "third"]) == exitcodes.FAILURE
+    assert vm._pending_file("third").exists()
+    _up_without_a_vm(monkeypatch, runs)
+    assert main(["provision", "--appliance", "third"]) == 0
+    assert not vm._pending_file("third").exists()
+    _up_without_a_vm(monkeypatch, runs, failing=("provision",))
+    assert main(["up", "--name", "fourth"]) == exitcodes.FAILURE
+    monkeypatch.setattr(vm, "stop_ssh_master", lambda name, command="exit": None)
+    assert main(["destroy", "--appliance", "fourth"]) == 0
+    assert not vm._pending_file("fourth").exists()
 
 
 def test_no_pinned_options_for_a_path_ansible_or_ssh_would_read_as_another(monkeypatch,
