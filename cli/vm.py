@@ -288,10 +288,9 @@ def up(args) -> int:
                             "podman"],
                     sandbox=[*through, "/opt/corral/venv/bin/corral-sandbox"],
                     **({"trust_ca": trust} if trust else {}))
+    booting = time.monotonic()
+    _boot(args.name, args.api_port, started, args.timeout)
     if getattr(args, "no_provision", False):
-        _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
-                 api_port=args.api_port, started=started, timeout=args.timeout)
-        remember_ssh(args.name)
         output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} booted, "
                       "not provisioned")
         output.line(f"""
@@ -302,18 +301,7 @@ next: provision it from an inventory (it may list other appliances too):
   {directory / 'vagrant'} gives ADDRESS and KEY), then
   ansible-playbook -i INVENTORY playbooks/site.yml""")
         return exitcodes.OK
-    # booted without provisioning; a VM Vagrant makes now (no machine id before, or another
-    # after: a stale one) has its own host keys kept, then is provisioned against them
     pending = _pending_file(args.name)
-    booting, before = time.monotonic(), _machine_id(args.name)
-    if before is None:  # (marked first: a boot that fails leaves it to provision next time)
-        files.replace(pending, b"", mode=0o600)
-    _vagrant(args.name, "up", "--provider", "libvirt", "--no-provision",
-             api_port=args.api_port, started=started, timeout=args.timeout)
-    if before is None or _machine_id(args.name) != before:  # another machine than any
-        known_hosts_file(args.name).unlink(missing_ok=True)  # keys kept were taken from
-        files.replace(pending, b"", mode=0o600)
-    remember_ssh(args.name)
     if pending.exists():  # made now, or its provisioning never finished
         pinned_ssh_args(args.name)  # none kept: no provisioning
         left = args.timeout - (time.monotonic() - booting)  # one timeout for both runs
@@ -323,7 +311,7 @@ next: provision it from an inventory (it may list other appliances too):
                            f"{args.name}` again provisions it", exitcodes.FAILURE)
         _vagrant(args.name, "provision", api_port=args.api_port, started=started,
                  timeout=left)
-        pending.unlink()
+        pending.unlink(missing_ok=True)
     _wait_for_api(args.name)
     output.notice(f"[{time.monotonic() - started:6.1f}s] appliance {args.name!r} is up at "
                   f"127.0.0.1:{args.api_port}")
@@ -385,9 +373,10 @@ def halt(args) -> int:
 
 def destroy(args) -> int:
     appliance = _vm_appliance(args.appliance)
-    forget_ssh(args.appliance)
+    stop_ssh_master(args.appliance)
     _vagrant(args.appliance, "destroy", "-f", api_port=appliance.host_port[1],
              started=time.monotonic())
+    forget_ssh(args.appliance)  # once it is gone (a destroy that failed keeps its keys)
     output.line(f"appliance {args.appliance}'s VM is deleted (its credentials stay in "
                 f"{appliance.directory}; `corral up --name {args.appliance}` makes a new one)")
     return exitcodes.OK
@@ -672,6 +661,29 @@ def verify(args) -> int:
         hosts.write_text(inventory_text([args.appliance]))
         return subprocess.call([str(BIN / "ansible-playbook"), "-i", str(hosts),
                                 str(ROOT / "playbooks" / "verify.yml")], env=env)
+
+
+def _boot(name: str, api_port: int, started: float, timeout: float) -> None:
+    """`vagrant up --no-provision`, then the VM's host keys kept. A VM Vagrant made on the
+    way (no machine id before, or another after: one removed outside Vagrant) is another
+    machine than any keys kept before: they go, and the VM is marked to be provisioned
+    (_pending_file). The id before is written down first and kept until this is decided,
+    so an `up` cut short (Ctrl-C, a closed terminal, vagrant's own failure) is decided by
+    the next from the same id."""
+    directory = config_home() / "appliances" / name
+    pending, baseline = _pending_file(name), directory / "machine-before-up"
+    if not baseline.exists():
+        files.replace(baseline, (_machine_id(name) or "").encode(), mode=0o600)
+    before = baseline.read_text() or None
+    if before is None:  # marked first: a boot that fails leaves it to be provisioned
+        files.replace(pending, b"", mode=0o600)
+    _vagrant(name, "up", "--provider", "libvirt", "--no-provision", api_port=api_port,
+             started=started, timeout=timeout)
+    if before is None or _machine_id(name) != before:
+        files.replace(pending, b"", mode=0o600)  # (marked before the keys go)
+        known_hosts_file(name).unlink(missing_ok=True)
+    baseline.unlink()
+    remember_ssh(name)
 
 
 def _pending_file(name: str) -> Path:

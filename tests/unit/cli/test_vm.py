@@ -348,6 +348,41 @@ def test_a_vm_whose_boot_or_provisioning_failed_is_provisioned_by_the_next_up(mo
     assert not vm._pending_file("fourth").exists()
 
 
+def test_an_up_cut_short_after_vagrant_made_another_vm_is_decided_by_the_next(monkeypatch,
+                                                                              tmp_path):
+    """The VM removed outside Vagrant (its id left), and the `up` that makes the next one
+    cut short after Vagrant recorded it: the next `up` still sees another machine (the id
+    before was written down), drops the last VM's keys and provisions the new one. A
+    destroy that fails keeps the VM's keys; `--no-provision` then a plain `up` provisions
+    (as Vagrant's own `up` would have)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("CORRAL_LIBVIRT_DRIVER", "qemu")
+    _up_without_a_vm(monkeypatch, runs := [])
+    assert main(["up", "--name", "lab"]) == 0
+    _up_without_a_vm(monkeypatch, runs, machine_id="second-uuid", failing=("up",))
+    assert main(["up", "--name", "lab"]) == exitcodes.FAILURE
+    _up_without_a_vm(monkeypatch, runs, machine_id="second-uuid")
+    runs.clear()
+    assert main(["up", "--name", "lab"]) == 0
+    assert [words for words, _, _ in runs] == [
+        ("up", "--provider", "libvirt", "--no-provision"), ("provision",)]
+    assert vm.known_hosts_file("lab").read_text().split()[-1] == "second-uuid"
+
+    def failed_destroy(name, *args, **kw):
+        raise CliError("`vagrant destroy -f` failed (exit 1)")
+
+    monkeypatch.setattr(vm, "_vagrant", failed_destroy)
+    assert main(["destroy", "--appliance", "lab"]) == exitcodes.FAILURE
+    assert vm.known_hosts_file("lab").exists()
+
+    _up_without_a_vm(monkeypatch, runs := [])
+    assert main(["up", "--name", "later", "--api-port", "8450", "--no-provision"]) == 0
+    assert main(["up", "--name", "later"]) == 0
+    assert [words for words, _, _ in runs] == [
+        ("up", "--provider", "libvirt", "--no-provision"),
+        ("up", "--provider", "libvirt", "--no-provision"), ("provision",)]
+
+
 def test_no_pinned_options_for_a_path_ansible_or_ssh_would_read_as_another(monkeypatch,
                                                                              tmp_path):
     for mark in ("{{ x }}", "{%", "{#", "${HOME}"):
