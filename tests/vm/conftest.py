@@ -188,12 +188,7 @@ def record_failed_up(appliance, name: str, up: subprocess.CompletedProcess,
     lines = ansible_log.read_text().splitlines()[-40:] if ansible_log.exists() else []
     parts = [f"`corral up` exited {up.returncode}:", up.stderr[-4000:],
              f"the last tasks ({ansible_log}):", "\n".join(lines)]
-    for sample in (1, 2):
-        stats = subprocess.run(["virsh", "-c", "qemu:///system", "domstats", "--state",
-                                "--cpu-total", "--balloon", f"corral-{name}-default"],
-                               capture_output=True, text=True, timeout=60)
-        parts += [f"libvirt's counters, sample {sample}:", stats.stdout + stats.stderr]
-        time.sleep(5)
+    parts += host_side(appliance, name)
     try:
         state = appliance.ssh(STALLED_STATE, timeout=180)
         parts += ["the guest:", state.stdout[-12000:] + state.stderr[-2000:]]
@@ -204,6 +199,41 @@ def record_failed_up(appliance, name: str, up: subprocess.CompletedProcess,
     path.write_text("\n".join(parts) + "\n")
     print("\n".join(parts))
     return path
+
+
+def host_side(appliance, name: str) -> list[str]:
+    """The VM as this host sees it, for a VM that stopped answering (CI once saw one go
+    silent, "exit 255" in 3 s, between two steps of a test): whether its CPUs still ran
+    and why libvirt says it is in its state (two samples of its counters; a full disk
+    pauses it), whether its address takes a TCP connection, QEMU's own last words, and
+    this host's disk, memory and OOM kills."""
+    parts = []
+    for sample in (1, 2):
+        stats = subprocess.run(["virsh", "-c", "qemu:///system", "domstats", "--state",
+                                "--cpu-total", "--balloon", f"corral-{name}-default"],
+                               capture_output=True, text=True, timeout=60)
+        parts += [f"libvirt's counters, sample {sample}:", stats.stdout + stats.stderr]
+        time.sleep(5)
+    try:
+        from cli import inventory
+
+        kept = inventory.parse_ssh_config(
+            (appliance.config_home / "corral" / "appliances" / name / "ssh_config").read_text())
+        where = (kept["ansible_host"], int(kept["ansible_port"]))
+        with socket.create_connection(where, timeout=10) as sock:
+            banner = sock.recv(64)
+        parts += [f"a TCP connection to {where}: {banner!r}"]
+    except Exception as error:  # what it was is the finding
+        parts += [f"a TCP connection to the VM's ssh: {error!r}"]
+    qemu_log = Path(f"/var/log/libvirt/qemu/corral-{name}-default.log")
+    if qemu_log.exists():
+        parts += [f"{qemu_log}, its end:", "\n".join(qemu_log.read_text(
+            errors="replace").splitlines()[-8:])]
+    for argv in (["df", "-h", "/", str(CACHE), "/var/lib/libvirt/images"], ["free", "-m"],
+                 ["sh", "-c", "dmesg | grep -iE 'oom|killed process|out of memory' | tail"]):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        parts += [f"this host: {' '.join(argv)}", done.stdout + done.stderr]
+    return parts
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -225,5 +255,8 @@ def pytest_runtest_makereport(item, call):
         state = appliance.ssh(STATE_ON_FAILURE, timeout=120)
         report.sections.append(("the appliance when the test failed",
                                 state.stdout[-8000:] + state.stderr[-2000:]))
+        if state.returncode != 0:  # the VM itself: paused, crashed, off the network?
+            report.sections.append(("the VM as its host sees it",
+                                    "\n".join(host_side(appliance, appliance.directory.name))))
     except Exception as error:  # a report of the failure must not hide the failure
         report.sections.append(("the appliance when the test failed", f"unreadable: {error!r}"))
