@@ -15,7 +15,9 @@ from appliance.sessionconfig import FilterConfig, InspectConfig
 from .dns.filter import DnsFilter, UdpServer, serve_tcp
 from .listeners import Serve
 from .proxy import Proxy
+from .proxy.express import listener
 from .proxy.inspect import Inspector
+from .proxy.pipeline import Explicit
 
 log = logging.getLogger("corral.filter")
 
@@ -52,8 +54,14 @@ def servers(config: FilterConfig, dns: DnsFilter, proxy: Proxy) -> dict[str, Ser
                                               limit=config.proxy.max_header_bytes)
         return serve
 
-    return {"dns_udp": dns_udp, "dns_tcp": dns_tcp, "proxy": http(proxy.serve_explicit),
-            "transparent_http": http(proxy.serve_transparent_http),
+    def express(mode) -> Serve:  # plain HTTP: the express lane first (proxy/express.py)
+        async def serve(sock):
+            return await asyncio.get_running_loop().create_server(
+                listener(proxy, mode), sock=sock, backlog=4096)
+        return serve
+
+    return {"dns_udp": dns_udp, "dns_tcp": dns_tcp, "proxy": express(Explicit()),
+            "transparent_http": express(None),
             "transparent_tls": http(proxy.serve_transparent_tls)}
 
 

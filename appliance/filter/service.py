@@ -259,6 +259,7 @@ class Service:
         if self.workers is not None:
             await self.workers.stop()  # their last events, before the log closes
         self.proxy.forward.drop_kept()
+        self.proxy.close_lanes()
         if self._control_server is not None:
             self._control_server.close()
             self._control_server = None

@@ -56,6 +56,7 @@ allow = ["other.test"]
 
 
 ORIGIN_PORT_MODULES = ("tests/integration/filter/test_proxy.py",
+                       "tests/integration/filter/test_express.py",
                        "tests/integration/filter/test_control.py",
                        "tests/integration/filter/test_flows.py",
                        "tests/integration/filter/test_differential.py",

@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.event import Event, closing
@@ -65,6 +66,8 @@ class Client:
     session: str | None = None
     """The session it was counted against when it was accepted."""
     task: asyncio.Task | None = field(default=None, repr=False)
+    abort: Callable[[], None] | None = field(default=None, repr=False)
+    """How a connection served without a task (express.py) is ended."""
     cut: bool = False
     """Set when a policy change ended it (its task is cancelled: not an error)."""
     once: set[tuple[str, int]] = field(default_factory=set)
@@ -78,9 +81,14 @@ class Client:
     def end(self) -> None:
         """Close this connection at once, whatever it is doing (its finally blocks release
         everything it holds)."""
-        if not self.cut and self.task is not None:
+        if self.cut:
+            return
+        if self.task is not None:
             self.cut = True
             self.task.cancel()
+        elif self.abort is not None:
+            self.cut = True
+            self.abort()
 
 
 def _gone(client: Client) -> bool:
@@ -88,6 +96,8 @@ def _gone(client: Client) -> bool:
     while it waits for an answer is treated as gone: held requests are not for it). Asked
     of the socket itself: the stream's reader stops reading once its buffer is full (a
     large body sent early), and would never see the end behind it."""
+    if client.writer is None:  # served by the express lane, which hands no hold over
+        return client.cut
     if client.writer.transport.is_closing():
         return True
     sock = client.writer.get_extra_info("socket")
@@ -126,8 +136,11 @@ class Proxy:
         self.failures = LogBudget()
         """What is logged of connections that failed unexpectedly: a budget per session."""
         self.active = 0
+        self.lanes: set = set()
+        """Connections the express lane serves now (express.py), closed when the filter stops."""
         self.stats = {"connections": 0, "rejected_over_limit": 0, "refused_connections": 0,
-                      "refused_tunnels": 0, "cut": 0}
+                      "refused_tunnels": 0, "cut": 0, "express_requests": 0,
+                      "express_handed_over": 0}
         self.flows = Flows(config.max_connections_per_session, config.max_tunnels_per_session)
         self.forward = Forward(self)
         self.tunnels = Tunnels(self)
@@ -188,19 +201,38 @@ class Proxy:
     async def _serve(self, reader, writer, handler) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
         client = Client(reader, PeerWriter(writer), peer[0], peer[1])
+        if self.admit(client, writer.transport.abort):
+            client.task = asyncio.current_task()
+            await self.run(client, handler)
+
+    def admit(self, client: Client, abort: Callable[[], None]) -> bool:
+        """Count a new connection against the filter's and its session's limits; over
+        either, `abort` it (a reset, at once: the client knows) and say False. Admitted,
+        `run` (or the express lane's end) gives its place back."""
         session, _ = self.store.lookup(client.address)
         if self.active >= self.config.max_connections:
             self.stats["rejected_over_limit"] += 1
-            writer.transport.abort()
-            return
+            abort()
+            return False
         if not self.flows.connections.admit(session):
             self.stats["refused_connections"] += 1
             self.refused(client, session, self.flows.connections)
-            writer.transport.abort()  # a reset, at once: the client knows
-            return
-        client.session, client.task = session, asyncio.current_task()
+            abort()
+            return False
+        client.session = session
         self.active += 1
         self.stats["connections"] += 1
+        return True
+
+    def release(self, client: Client) -> None:
+        """An admitted connection ended: its place is given back."""
+        self.active -= 1
+        self.flows.connections.release(client.session)
+
+    async def run(self, client: Client, handler) -> None:
+        """Serve an admitted connection with `handler` (on its own task, `client.task`),
+        whatever it ends with, then close it and give its place back."""
+        session = client.session
         try:
             await handler(client)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
@@ -213,11 +245,10 @@ class Proxy:
             self.failures.log(log, session, time.monotonic(),
                               "proxy: connection from %s failed", client.label)
         finally:
-            self.active -= 1
-            self.flows.connections.release(session)
-            writer.close()
+            self.release(client)
+            client.writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await client.writer.wait_closed()
 
     def leaked(self, client: Client, session: str | None, host: Host, leak: Leak,
                decision: Decision) -> None:
@@ -239,6 +270,12 @@ class Proxy:
                        f"{cap.what} open: the limit ([proxy] max_{cap.what}_per_session); "
                        f"{count} refused"))
 
+    def close_lanes(self) -> None:
+        """The filter stops: every connection the express lane serves is closed (those on
+        tasks end with their tasks)."""
+        for lane in list(self.lanes):
+            lane.cut()
+
     # -- deciding, dialling, events ---------------------------------------------------------
 
     def decide(self, address: str, host: Host, port: int) -> tuple[str | None, Policy, Decision]:
@@ -249,12 +286,13 @@ class Proxy:
         return session, policy, policy.decide_http(host, port)
 
     async def dial(self, policy: Policy, host: Host, port: int, target: str,
-                   session: str | None = None, splice: bool = False):
+                   session: str | None = None, splice: bool = False, opener=None):
         """Resolve (the lookup counted against `session`'s cache share), check each address,
-        connect to the first that is allowed and answers. Returns (reader, writer, address).
-        Raises Denied (403: refused; 502: unreachable). With `splice` (a tunnel to a host
-        that is not inspected), an address where an inspected host lives is refused too
-        (neighbours.py)."""
+        connect to the first that is allowed and answers. Returns (connection, address): a
+        (reader, writer) pair, or what `opener(address, port)` made of the connection
+        (express.py: a protocol). Raises Denied (403: refused; 502: unreachable). With
+        `splice` (a tunnel to a host that is not inspected), an address where an inspected
+        host lives is refused too (neighbours.py)."""
         try:
             found = await dial.candidates(host, self.gateway, self.resolver, session)
         except dial.Undialable as exc:
@@ -271,28 +309,31 @@ class Proxy:
                 verdict = self.frontends.refusal(policy, host, str(address)) or verdict
             return verdict
 
+        async def streams(address: str, port: int):
+            up_r, up_w = await asyncio.open_connection(address, port,
+                                                       limit=self.config.max_header_bytes)
+            return up_r, PeerWriter(up_w)
+
         async def connect(address):
             try:
-                up_r, up_w = await within(
-                    asyncio.open_connection(str(address), port, limit=self.config.max_header_bytes),
-                    self.config.connect_timeout)
+                return await within((opener or streams)(str(address), port),
+                                    self.config.connect_timeout)
             except (OSError, TimeoutError) as exc:
                 raise dial.Unanswered(f"connect to {address}:{port} failed: "
                                       f"{exc or 'timed out'}") from None
-            return up_r, PeerWriter(up_w)
 
         try:
-            address, (up_r, up_w) = await dial.first_answering(found, check, connect, host)
+            address, connection = await dial.first_answering(found, check, connect, host)
         except dial.Undialable as exc:
             raise Denied(exc.decision, target, 502 if exc.failed else 403) from None
-        return up_r, up_w, address
+        return connection, address
 
     async def open(self, client: Client, host: Host, port: int, kind: str, target: str,
-                   **extra):
-        """Decide, register the flow (a policy change cuts it even while it dials), dial,
-        emit the decision event (with `extra` fields). Returns (up_r, up_w, event, flow): the
-        caller untracks the flow when it ends. Raises Denied, recorded, with nothing left
-        registered."""
+                   opener=None, **extra):
+        """Decide, register the flow (a policy change cuts it even while it dials), dial
+        (with `opener`, as dial() says), emit the decision event (with `extra` fields).
+        Returns (connection, event, flow): the caller untracks the flow when it ends. Raises
+        Denied, recorded, with nothing left registered."""
         session, policy, decision = await self.judge(client, host, port)
         rule = decision.rule
         if decision.allowed and self.exfil is not None and rule is not None and rule.wildcard:
@@ -307,7 +348,8 @@ class Proxy:
         flow = self.track(client, session, kind, host, port)
         splice = kind in ("connect", "tls") and not self.inspects(policy, host)
         try:
-            up_r, up_w, address = await self.dial(policy, host, port, target, session, splice)
+            connection, address = await self.dial(policy, host, port, target, session, splice,
+                                                  opener)
         except Denied as denied:
             self.untrack(flow)
             verdict = "deny" if denied.status == 403 else "error"
@@ -319,7 +361,7 @@ class Proxy:
             self.untrack(flow)
             raise
         flow.address = address
-        return up_r, up_w, self.event(decision, client, session, kind, host, port, address,
+        return connection, self.event(decision, client, session, kind, host, port, address,
                                       event_id=flow.id, **extra), flow
 
     async def judge(self, client: Client, host: Host, port: int

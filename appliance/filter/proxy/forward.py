@@ -149,13 +149,15 @@ class Forward:
                 del self.held[session]
 
     async def serve(self, client: Client, mode: Mode, upstream: Upstream | None = None,
-                    first: bytes = b"", tunnel_event: dict | None = None) -> None:
+                    first: bytes = b"", tunnel_event: dict | None = None,
+                    opening: bool = True) -> None:
         """Every request on the connection, until it closes or one ends it. In a tunnel,
         `upstream` is the tunnel's own connection (its owner closes it), `first` the byte the
-        tunnel read to tell HTTP from TLS, and `tunnel_event` the CONNECT's decision."""
+        tunnel read to tell HTTP from TLS, and `tunnel_event` the CONNECT's decision. Else
+        `upstream` is the one kept from the connection's earlier requests (express.py hands
+        a connection over with it, and `opening` False once it served a request)."""
         in_tunnel = isinstance(mode, InTunnel)
         kept = upstream
-        opening = True
         try:
             while True:
                 try:
@@ -228,6 +230,14 @@ class Forward:
                                                                 self._expire)
 
     def _kept(self, session: str | None, key: tuple[str, int]) -> Upstream | None:
+        found = self.pooled(session, key)
+        if found is not None and not isinstance(found, Upstream):
+            found = found.streams()  # kept by the express lane (express.Origin)
+        return found
+
+    def pooled(self, session: str | None, key: tuple[str, int]):
+        """An open connection the session kept to `key`, as it was kept (an Upstream, or
+        the express lane's Origin), or None."""
         if session is None:
             return None
         while True:
@@ -405,7 +415,7 @@ class Forward:
                 kept.close()
                 kept = None
             dialled_at = self.generation
-            up_r, up_w, event, flow = await proxy.open(client, where.host, where.port, "http",
+            (up_r, up_w), event, flow = await proxy.open(client, where.host, where.port, "http",
                                                        where.target, **fields)
             kept = Upstream((str(where.host), where.port), up_r, up_w, event["address"],
                             session, dialled_at)
@@ -427,6 +437,35 @@ class Forward:
             kept.close()
             kept = None
         return keep_client, kept
+
+    async def resume(self, client: Client, mode: Mode, up: Upstream, head, counters: Counters,
+                     flow, event: dict) -> None:
+        """A request the express lane sent on `up` (`head`, as sent: its flow tracked and
+        its decision recorded), whose response it hands over at the response's head: the
+        response relayed from there as _exchange does, then the connection served on."""
+        proxy = self.proxy
+        try:
+            try:
+                keep_client, keep_upstream = await self._answer(client, head, up, counters,
+                                                                (), False)
+            except BaseException:
+                up.close()  # half a message went up or came back: never reuse it
+                raise
+            finally:
+                proxy.untrack(flow)
+                proxy.closed(event, counters)
+        except HttpError as exc:
+            proxy.error_event(client, exc)
+            client.writer.write(proxy.failed(exc.status, str(exc)))
+            return
+        if not keep_upstream:
+            up.close()
+            up = None
+        if not keep_client:
+            if up is not None:
+                self._keep(client, up)
+            return
+        await self.serve(client, mode, up, opening=False)
 
     async def judged(self, session: str | None, work, *args):
         """`work(*args)` on a judge's thread, in the session's judge slot: how a push is
@@ -537,6 +576,13 @@ class Forward:
         else:
             up.writer.write(outgoing(head, where, drop_expect=expects, upgrade=upgrade))
             await copy_body(head, client.reader, up.writer, counters, True, idle)
+        return await self._answer(client, head, up, counters, attached, upgrade)
+
+    async def _answer(self, client: Client, head, up: Upstream, counters: Counters,
+                      attached: tuple[bytes, ...], upgrade: bool) -> tuple[bool, bool]:
+        """Relay the response to `head` (sent on `up`), from its head on. Returns (keep the
+        client connection, keep the upstream connection)."""
+        idle = self.config.idle_timeout
         while True:
             try:
                 data = await within(up.reader.readuntil(b"\r\n\r\n"), idle)

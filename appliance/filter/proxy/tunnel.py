@@ -108,7 +108,8 @@ class Tunnels:
         # set before the dial: uvloop starts a transport's TLS in the context the transport
         # was made in, asyncio in the task's (this connection's alone, either way)
         UPSTREAM_TLS.set((client.session, host.key, port))
-        up_r, up_w, event, flow = await proxy.open(client, host, port, kind, f"{host}:{port}")
+        (up_r, up_w), event, flow = await proxy.open(client, host, port, kind,
+                                                       f"{host}:{port}")
         counters = Counters()
         try:
             yield (Upstream((str(host), port), up_r, up_w, event["address"]), event, flow,

@@ -225,6 +225,7 @@ class Worker:
             self.close(address)
         if self.store is not None:
             self.proxy.forward.drop_kept()
+            self.proxy.close_lanes()
             if self.inspector is not None:
                 self.inspector.close()
             self.resolver.close()

@@ -305,28 +305,33 @@ def test_an_upstream_hanging_up_inside_a_response_is_an_event_not_a_traceback(
 def test_a_bug_every_connection_reaches_is_logged_within_the_sessions_budget(lab):
     """What is logged with a traceback is a bug; even so, one session's connections are
     logged BURST times and then at RATE a second, and the next line says how many were
-    not. (The bug is made here: the explicit proxy's handler raises.)"""
+    not. (The bug is made here: deciding a request raises, on the express lane and on
+    forward.py's path alike.)"""
     from appliance.filter.ratelimit import BURST
     from tests.integration.conftest import S2_CLIENT
 
     before, _ = fresh(lab)
     proxy = lab.service.proxy
-    real = proxy.forward.serve
 
-    async def broken(client, mode, *args, **kwargs):
+    def broken(*args, **kwargs):
         raise ValueError("a bug")
 
-    proxy.forward.serve = broken
+    proxy.decide = broken
+    requests = [b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n\r\n",  # express
+                b"POST http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n"  # forward.py
+                b"Content-Length: 2\r\n\r\nhi"]
     try:
-        for _ in range(4 * BURST):
+        for i in range(4 * BURST):
             with connect(lab.proxy_port, S1_CLIENT) as sock:
                 sock.settimeout(5)
+                sock.sendall(requests[i % 2])
                 assert sock.recv(100) == b""
         with connect(lab.proxy_port, S2_CLIENT) as sock:  # another session: its own budget
             sock.settimeout(5)
+            sock.sendall(requests[0])
             assert sock.recv(100) == b""
     finally:
-        proxy.forward.serve = real
+        del proxy.decide
     logged = [r for r in lab.captured.records if r.exc_info is not None]
     assert [r.getMessage().rpartition(" (session ")[2] for r in logged] == (
         ["s1)"] * BURST + ["s2)"])

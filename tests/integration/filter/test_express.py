@@ -1,0 +1,214 @@
+"""The express lane (proxy/express.py): plain GETs and HEADs served by protocol callbacks,
+and every other request or response handed over to forward.py with what was read, the
+connection going on there. Against a real filter process (uvloop and asyncio's loop) and the
+fake origin on 127.31.0.2:80."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.integration.conftest import FilterProcess, connect
+
+
+def read_response(sock: socket.socket, buffered: bytearray, head_only: bool = False) -> bytes:
+    """One response off `sock` (framed by length or chunks), what followed it left in
+    `buffered`."""
+    deadline = time.monotonic() + 10
+
+    def more() -> None:
+        assert time.monotonic() < deadline, "no whole response within 10 s"
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {bytes(buffered)[:200]!r}"
+        buffered.extend(chunk)
+
+    while b"\r\n\r\n" not in buffered:
+        more()
+    end = buffered.index(b"\r\n\r\n") + 4
+    head = bytes(buffered[:end]).decode("latin-1").lower()
+    if head_only:
+        del buffered[:end]
+        return bytes(head.encode())
+    if "transfer-encoding: chunked" in head:
+        while b"\r\n0\r\n\r\n" not in buffered[end - 2:]:
+            more()
+        size = buffered.index(b"\r\n0\r\n\r\n", end - 2) + 7
+    else:
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        size = end + length
+        while len(buffered) < size:
+            more()
+    whole = bytes(buffered[:size])
+    del buffered[:size]
+    return whole
+
+
+def body_of(raw: bytes) -> dict:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"chunked" in head.lower():
+        parts, rest = [], body
+        while True:
+            size, _, rest = rest.partition(b"\r\n")
+            if int(size, 16) == 0:
+                break
+            parts.append(rest[:int(size, 16)])
+            rest = rest[int(size, 16) + 2:]
+        body = b"".join(parts)
+    return json.loads(body)
+
+
+def get(path: str, host: str = "allowed.test", method: str = "GET", extra: str = "") -> bytes:
+    return f"{method} http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n{extra}\r\n".encode()
+
+
+def lane(corral) -> tuple[int, int]:
+    proxy = corral.control({"op": "status"})["proxy"]
+    return proxy["express_requests"], proxy["express_handed_over"]
+
+
+def test_plain_gets_on_one_connection_take_the_lane_and_one_origin_connection(corral_filter,
+                                                                             internet):
+    served, handed = lane(corral_filter)
+    accepted = internet.http80.accepted
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        for i in range(5):
+            sock.sendall(get(f"/lane/{i}"))
+            answer = read_response(sock, buffered)
+            assert answer.startswith(b"HTTP/1.1 200") and body_of(answer)["path"] == f"/lane/{i}"
+    assert lane(corral_filter) == (served + 5, handed)
+    assert internet.http80.accepted - accepted <= 1  # one connection carried all five
+    closing = [e for e in corral_filter.events() if e.get("closed")
+               and (e["name"], e["kind"]) == ("allowed.test", "http")][-5:]
+    assert [e["down"] > 100 and e["address"] == "127.31.0.2" for e in closing] == [True] * 5
+    decided = {e["id"] for e in corral_filter.events() if not e.get("closed")}
+    assert {e["id"] for e in closing} <= decided  # each the second event of its decision
+
+
+def test_pipelined_requests_are_answered_in_order(corral_filter):
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(b"".join(get(f"/pipe/{i}") for i in range(4)))
+        paths = [body_of(read_response(sock, buffered))["path"] for _ in range(4)]
+    assert paths == [f"/pipe/{i}" for i in range(4)]
+
+
+def test_a_request_the_lane_does_not_take_goes_to_forward_and_the_connection_goes_on(
+        corral_filter):
+    served, handed = lane(corral_filter)
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/first"))
+        assert body_of(read_response(sock, buffered))["path"] == "/first"
+        sock.sendall(get("/posted", method="POST", extra="Content-Length: 5\r\n") + b"hello")
+        answer = body_of(read_response(sock, buffered))
+        assert (answer["method"], answer["body"]) == ("POST", "hello")
+        sock.sendall(get("/after"))
+        assert body_of(read_response(sock, buffered))["path"] == "/after"
+    assert lane(corral_filter) == (served + 1, handed + 1)
+
+
+def test_a_chunked_response_is_handed_over_at_its_head_whole(corral_filter):
+    served, handed = lane(corral_filter)
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/chunked"))
+        answer = read_response(sock, buffered)
+        assert b"transfer-encoding: chunked" in answer.lower()
+        assert body_of(answer)["path"] == "/chunked"
+        sock.sendall(get("/then"))
+        assert body_of(read_response(sock, buffered))["path"] == "/then"
+    assert lane(corral_filter) == (served, handed + 1)
+    events = [e for e in corral_filter.events() if e["name"] == "allowed.test"]
+    chunked = [e for e in events if e.get("closed") and e["down"] > 0][-2]
+    assert len([e for e in events if e["id"] == chunked["id"]]) == 2  # decided once, closed once
+
+
+def test_a_head_answered_with_a_body_never_answers_the_next_request(corral_filter):
+    """The fake origin answers HEAD with its body too: those bytes spoil its connection,
+    and the next request gets an origin connection of its own, and its own answer."""
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/headed", method="HEAD"))
+        head = read_response(sock, buffered, head_only=True)
+        assert head.startswith(b"http/1.1 200") and "content-length" in head.decode()
+        sock.sendall(get("/next"))
+        assert body_of(read_response(sock, buffered))["path"] == "/next"
+        assert not buffered
+
+
+def test_a_refused_request_is_refused_by_forward_with_its_event(corral_filter):
+    served, handed = lane(corral_filter)
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/x", host="other.test"))
+        buffered = bytearray()
+        answer = read_response(sock, buffered)
+    assert answer.startswith(b"HTTP/1.1 403") and b"X-Corral-Deny" in answer
+    assert lane(corral_filter) == (served, handed + 1)
+    event = corral_filter.wait_event(lambda e: e["name"] == "other.test"
+                                     and e["verdict"] == "deny")
+    assert event["kind"] == "http"
+
+
+def test_a_large_body_read_slowly_arrives_whole(corral_filter):
+    """Back-pressure: the origin's reading waits while the client's is behind."""
+    size = 8_000_000
+    with connect(corral_filter.proxy_port, timeout=20) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.sendall(get(f"/big/{size}"))
+        data = bytearray()
+        time.sleep(0.5)  # the socket buffers fill, the proxy pauses the origin
+        while len(data) < size + 30:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) - size > 200:  # past any head: the body is all there
+                break
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b"x" * size
+
+
+def test_a_head_that_stalls_gets_a_408(corral_filter):
+    """header_timeout (2 s here) for a head begun, as forward.py gives it."""
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/stalled")[:30])
+        started = time.monotonic()
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert 1.5 < time.monotonic() - started < 6
+    event = corral_filter.wait_event(lambda e: e["verdict"] == "error"
+                                     and "408" in (e["reason"] or ""))
+    assert event["kind"] == "http"
+
+
+@pytest.fixture(scope="module")
+def idle_soon(internet, tmp_path_factory):
+    process = FilterProcess(tmp_path_factory.mktemp("idle"), internet.dns.address,
+                            proxy_extra="idle_timeout = 1")
+    yield process
+    process.stop()
+
+
+def test_a_connection_idle_between_requests_is_closed_without_a_word(idle_soon):
+    buffered = bytearray()
+    with connect(idle_soon.proxy_port) as sock:
+        sock.sendall(get("/once"))
+        assert body_of(read_response(sock, buffered))["path"] == "/once"
+        started = time.monotonic()
+        assert sock.recv(65536) == b""  # closed, no 408: no request had begun
+        assert 0.5 < time.monotonic() - started < 6
+
+
+@pytest.mark.parametrize("source", ["127.0.0.1"])
+def test_the_transparent_listener_serves_plain_http_on_the_lane(corral_filter, source):
+    served, _ = lane(corral_filter)
+    buffered = bytearray()
+    with connect(corral_filter.http_port, source) as sock:
+        for path in ("/t1", "/t2"):
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode())
+            assert body_of(read_response(sock, buffered))["path"] == path
+    assert lane(corral_filter)[0] == served + 2
