@@ -75,6 +75,9 @@ class Origin(asyncio.Protocol):
         self.lane, self.limit = lane, limit
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.scanned = 0
+        """How much of `buffer` was searched for the end of a head (a head trickled in a
+        byte at a time is searched once, not once per byte)."""
         self.ended = False
         """It sent its end, or the connection was lost."""
         self.key: tuple[str, int] = ("", 0)
@@ -177,6 +180,8 @@ class Lane(asyncio.Protocol):
         self._client_type = Client
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.scanned = 0
+        """How much of `buffer` was searched for the end of a head (Origin.scanned)."""
         self.phase = HEAD
         self.origin: Origin | None = None
         """The origin connection kept from this connection's earlier requests."""
@@ -252,8 +257,9 @@ class Lane(asyncio.Protocol):
         if not data.startswith(LANE_METHODS) and len(data) >= 5:
             self._hand_over()  # CONNECT above all: no head parsed twice
             return
-        end = data.find(b"\r\n\r\n")
+        end = data.find(b"\r\n\r\n", self.scanned)
         if end < 0:
+            self.scanned = max(len(data) - 3, 0)  # a head trickled in is searched once
             if len(data) > self.config.max_header_bytes or data.startswith(b"\r\n"):
                 self._hand_over()
             elif self.eof:
@@ -292,6 +298,7 @@ class Lane(asyncio.Protocol):
             self._hand_over()
             return
         del self.buffer[:end + 4]
+        self.scanned = 0
         self.exchange = Exchange(head, where, session, send)
         self._send(self.exchange)
 
@@ -361,6 +368,7 @@ class Lane(asyncio.Protocol):
 
     def _sent(self, exchange: Exchange, origin: Origin) -> None:
         send = exchange.send
+        origin.scanned = 0
         origin.transport.write(outgoing(send.head, exchange.where, drop_expect=False,
                                         upgrade=False))
         if self.writing_paused:
@@ -385,8 +393,9 @@ class Lane(asyncio.Protocol):
 
     def _response_head(self, origin: Origin) -> None:
         exchange, data = self.exchange, origin.buffer
-        end = data.find(b"\r\n\r\n")
+        end = data.find(b"\r\n\r\n", origin.scanned)
         if end < 0:
+            origin.scanned = max(len(data) - 3, 0)
             if len(data) > self.config.max_header_bytes:
                 self._hand_over_answer(origin)  # forward.py says "too large", as ever
             return
