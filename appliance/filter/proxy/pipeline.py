@@ -188,7 +188,10 @@ def outgoing(head: Head, route: Route, drop_expect: bool = False, upgrade: bool 
     """The head the upstream is sent: the request line in origin-form, Host from the route,
     then the client's end-to-end fields in their order. Hop-by-hop fields and those the
     Connection header names are not forwarded; with `upgrade`, Upgrade is, and Connection
-    says so. Framing fields can never be named in Connection: the parser refuses that."""
+    says so. Framing fields can never be named in Connection: the parser refuses that. An
+    HTTP/1.0 request asks the origin to keep the connection (the proxy's own hop): the
+    next request of the session to that origin, on any client connection, needs no dial
+    (forward.Pool), as HTTP/1.1's do; an origin that does not keep it says so."""
     method, _, version = head.start
     named = head.tokens("connection")
     keep = {"upgrade"} if upgrade else set()
@@ -205,6 +208,8 @@ def outgoing(head: Head, route: Route, drop_expect: bool = False, upgrade: bool 
         lines.append(f"Content-Length: {head.content_length}")
     if upgrade:
         lines.append("Connection: upgrade")
+    elif version == "HTTP/1.0":
+        lines.append("Connection: keep-alive")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 

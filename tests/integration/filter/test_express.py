@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import FilterProcess, connect
+from tests.integration.conftest import FilterProcess, connect, recv_all
 
 
 def read_response(sock: socket.socket, buffered: bytearray, head_only: bool = False) -> bytes:
@@ -212,3 +212,20 @@ def test_the_transparent_listener_serves_plain_http_on_the_lane(corral_filter, s
             sock.sendall(f"GET {path} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode())
             assert body_of(read_response(sock, buffered))["path"] == path
     assert lane(corral_filter)[0] == served + 2
+
+
+def test_http_1_0_clients_one_request_a_connection_share_one_origin_connection(corral_filter,
+                                                                              internet):
+    """As ab and many scripts do: the proxy asks the origin to keep its connection, and each
+    next client connection of the session takes it from the pool; each client still gets
+    its answer and the end of its connection."""
+    accepted = internet.http80.accepted
+    for i in range(4):
+        with connect(corral_filter.proxy_port) as sock:
+            sock.sendall(f"GET http://allowed.test/ten/{i} HTTP/1.0\r\n"
+                         "Host: allowed.test\r\n\r\n".encode())
+            answer = recv_all(sock)  # the proxy closes after it, as HTTP/1.0 expects
+        assert answer.startswith(b"HTTP/1.1 200") and b"\r\nConnection: close\r\n" in answer
+        sent = body_of(answer)
+        assert sent["path"] == f"/ten/{i}" and sent["headers"]["connection"] == "keep-alive"
+    assert internet.http80.accepted - accepted <= 1
