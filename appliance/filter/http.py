@@ -60,12 +60,16 @@ class Head:
     _index: dict[str, list[str]] = field(init=False, repr=False, compare=False)
     """Lower-cased name -> the values of its fields in order, built once from `headers`
     (also by `dataclasses.replace`), so a lookup is one dict access, not a scan."""
+    _tokens: dict[str, frozenset[str]] = field(init=False, repr=False, compare=False)
+    """`tokens` answers, kept: a request's Connection is read five or six times on its way
+    (framing, hops, keep-alive), and a head never changes."""
 
     def __post_init__(self) -> None:
         index: dict[str, list[str]] = {}
         for key, value in self.headers:
             index.setdefault(key.lower(), []).append(value)
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_tokens", {})
 
     def get(self, name: str) -> str | None:
         values = self._index.get(name.lower())
@@ -74,10 +78,14 @@ class Head:
     def get_all(self, name: str) -> list[str]:
         return list(self._index.get(name.lower(), ()))
 
-    def tokens(self, name: str) -> set[str]:
+    def tokens(self, name: str) -> frozenset[str]:
         """Comma-separated tokens of every `name` field, lower-cased (Connection etc.)."""
-        return {t.strip().lower() for v in self._index.get(name.lower(), ())
-                for t in v.split(",") if t.strip()}
+        found = self._tokens.get(name)
+        if found is None:
+            found = self._tokens[name] = frozenset(
+                t.strip().lower() for v in self._index.get(name.lower(), ())
+                for t in v.split(",") if t.strip())
+        return found
 
     @property
     def chunked(self) -> bool:
