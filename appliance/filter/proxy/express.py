@@ -90,9 +90,16 @@ class Origin(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lane is None:
-            self.buffer += data  # sent unasked: never reused (reusable)
+            self.spoil()  # sent unasked (kept in the pool, or dialling)
         else:
             self.lane.from_origin(self, data)
+
+    def spoil(self) -> None:
+        """Bytes nobody asked for: the connection is closed, never reused, and what it sent
+        is dropped (kept, an origin could fill the filter's memory with it)."""
+        self.ended = True
+        self.buffer.clear()
+        self.close()
 
     def eof_received(self) -> bool:
         self.ended = True
@@ -247,7 +254,10 @@ class Lane(asyncio.Protocol):
         if self.origin is not None and self.origin.transport is not None:
             self.origin.transport.resume_reading()
         if self.phase == DRAIN:
-            self._ready()
+            try:
+                self._ready()
+            except Exception:
+                self._failed()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -361,8 +371,9 @@ class Lane(asyncio.Protocol):
         origin.key, origin.address = (str(where.host), where.port), exchange.event["address"]
         origin.session, origin.generation = exchange.session, dialled_at
         self.origin = origin
-        if origin.ended:  # it ended as it answered
-            self.origin_ended(origin)
+        if origin.ended:  # it ended (or spoke unasked, and was closed) as it answered:
+            self.phase = ANSWER  # forward.py reads that end and answers 502
+            self._hand_over_answer(origin)
             return
         self._sent(exchange, origin)
 
@@ -380,7 +391,9 @@ class Lane(asyncio.Protocol):
 
     def from_origin(self, origin: Origin, data: bytes) -> None:
         if origin is not self.origin or self.phase not in (ANSWER, BODY):
-            origin.buffer += data  # nothing asked: it is spoilt for reuse
+            origin.spoil()  # nothing was asked: past its response, or before its request
+            if origin is self.origin:
+                self.origin = None
             return
         try:
             if self.phase == BODY:
@@ -398,6 +411,9 @@ class Lane(asyncio.Protocol):
             origin.scanned = max(len(data) - 3, 0)
             if len(data) > self.config.max_header_bytes:
                 self._hand_over_answer(origin)  # forward.py says "too large", as ever
+            return
+        if end + 4 > self.config.max_header_bytes:
+            self._hand_over_answer(origin)  # forward.py says "too large", as ever
             return
         try:
             reply = parse_response(bytes(data[:end + 4]))
@@ -481,7 +497,11 @@ class Lane(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         """The connection, from the request at the head of the buffer, to forward.py."""
-        kept = self.origin.streams() if self.origin is not None else None
+        kept = None
+        if self.origin is not None and self.origin.reusable:
+            kept = self.origin.streams()
+        elif self.origin is not None:
+            self.origin.close()
         self.origin = None
         mode, opening = self.mode, not self.served
         self._to_streams(lambda client: self.forward.serve(client, mode, kept,
@@ -595,6 +615,8 @@ class Lane(asyncio.Protocol):
                 self.origin = None
         if self.origin is not None:
             self.origin.lane = None
+            if self.origin.transport is not None:  # paused for a client that was behind
+                self.origin.transport.resume_reading()
             self.forward._keep(client, self.origin)
             self.origin = None
         proxy.release(client)

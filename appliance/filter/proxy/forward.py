@@ -393,7 +393,7 @@ class Forward:
         it is still open), relay the response. Returns (keep the client connection, the
         upstream connection to keep)."""
         proxy, fields = self.proxy, send.event
-        if send.upstream == KEPT and (kept.reader.at_eof() or kept.generation != self.generation
+        if send.upstream == KEPT and (not kept.reusable or kept.generation != self.generation
                                       or kept.session != session
                                       or judged_at != self.generation):
             send = replace(send, upstream=OPEN)  # dialled under another policy: dial again

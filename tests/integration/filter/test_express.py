@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -229,3 +230,174 @@ def test_http_1_0_clients_one_request_a_connection_share_one_origin_connection(c
         sent = body_of(answer)
         assert sent["path"] == f"/ten/{i}" and sent["headers"]["connection"] == "keep-alive"
     assert internet.http80.accepted - accepted <= 1
+
+
+# -- origins that misbehave (found by attacking the lane) ------------------------------------
+
+
+class RawOrigin:
+    """An origin on `address`:80 that does what `behave(conn, origin)` does with each
+    connection, on a thread of its own; `lost` counts connections the filter closed on
+    it while it was still sending."""
+
+    def __init__(self, address: str, behave):
+        self.sock = socket.create_server((address, 80), reuse_port=False, backlog=64)
+        self.sock.settimeout(0.2)
+        self.behave, self.accepted, self.lost, self.running = behave, 0, 0, True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.running:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn) -> None:
+        conn.settimeout(20)
+        try:
+            self.behave(conn, self)
+        except (BrokenPipeError, ConnectionResetError):
+            self.lost += 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def head_of(conn) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def shut_at_once(conn, origin):
+    pass  # accepts, then closes
+
+
+def flood(conn, origin):  # an answer, then a stream nobody asked for
+    head_of(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+    junk = b"J" * (1 << 20)
+    for _ in range(200):
+        conn.sendall(junk)
+
+
+def huge_head(conn, origin):
+    head_of(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 70000 + b"\r\nContent-Length: 2\r\n\r\nhi")
+    head_of(conn)
+
+
+def extra_later(conn, origin):  # each answer followed, later, by one nobody asked for
+    while head_of(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
+        time.sleep(0.3)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nSMUGGLED")
+
+
+MISBEHAVING = {"shut.wild.test": ("127.31.0.40", shut_at_once),
+               "flood.wild.test": ("127.31.0.41", flood),
+               "huge.wild.test": ("127.31.0.42", huge_head),
+               "extra.wild.test": ("127.31.0.43", extra_later)}
+NAMED = {"get.extra.wild.test": "127.31.0.43", "post.extra.wild.test": "127.31.0.43"}
+"""Other names of an origin above: each test its own pool entry (session, name, port)."""
+
+
+@pytest.fixture(scope="module")
+def misbehaving(internet):
+    origins = {}
+    for name, (address, behave) in MISBEHAVING.items():
+        internet.dns.zone[name] = [("A", address, 300)]
+        origins[name] = RawOrigin(address, behave)
+    for name, address in NAMED.items():
+        internet.dns.zone[name] = [("A", address, 300)]
+    yield origins
+    for origin in origins.values():
+        origin.close()
+
+
+def settled(corral, deadline: float = 5.0) -> dict:
+    """The proxy's counts once every flow has ended (or as they are at `deadline`)."""
+    end = time.monotonic() + deadline
+    while True:
+        proxy = corral.control({"op": "status"})["proxy"]
+        if not proxy["open_flows"] or time.monotonic() > end:
+            return proxy
+        time.sleep(0.05)
+
+
+def test_an_origin_that_closes_as_it_accepts_gets_its_client_a_502(corral_filter, misbehaving):
+    """The lane once waited for ever when the origin's end came before the dial was done
+    (many at once make that likely): no answer, its flow and its session's connection held
+    after the client left."""
+    answers: list[bytes] = []
+
+    def one(i: int) -> None:
+        with connect(corral_filter.proxy_port) as sock:
+            sock.sendall(get(f"/shut/{i}", host="shut.wild.test"))
+            answers.append(recv_all(sock)[:12])  # b"" at the 5 s timeout: no answer
+
+    for _ in range(2):
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(30)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert answers == [b"HTTP/1.1 502"] * 60
+    proxy = settled(corral_filter)
+    assert proxy["open_flows"] == 0 and not proxy["per_session"].get("s1", {}).get(
+        "connections")
+
+
+def test_an_origin_streaming_unasked_bytes_is_closed_not_buffered(corral_filter, misbehaving):
+    """After its answer the origin streams 200 MiB nobody asked for while the client sits
+    idle: the filter closes that connection (it held the whole stream in memory once)."""
+    origin = misbehaving["flood.wild.test"]
+    lost = origin.lost
+    buffered = bytearray()
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/flood", host="flood.wild.test"))
+        assert read_response(sock, buffered).endswith(b"hi")
+        end = time.monotonic() + 10
+        while origin.lost == lost and time.monotonic() < end:
+            time.sleep(0.05)
+    assert origin.lost == lost + 1, "the filter kept reading what nobody asked for"
+
+
+def test_a_response_head_over_the_limit_is_refused_as_forward_refuses_it(corral_filter,
+                                                                         misbehaving):
+    with connect(corral_filter.proxy_port) as sock:
+        sock.sendall(get("/huge", host="huge.wild.test"))
+        answer = recv_all(sock)
+    assert answer.startswith(b"HTTP/1.1 502") and b"too large" in answer
+
+
+@pytest.mark.parametrize("first", ["GET", "POST"])
+def test_bytes_an_origin_sends_after_its_answer_never_answer_the_next_request(
+        corral_filter, misbehaving, first):
+    """The next request goes to forward.py (a POST) with the connection the first one used:
+    what the origin sent unasked meanwhile must not be read as its answer (forward.py read
+    it so, on its own, before)."""
+    buffered, host = bytearray(), f"{first.lower()}.extra.wild.test"
+    with connect(corral_filter.proxy_port) as sock:
+        extra = "Content-Length: 1\r\n" if first == "POST" else ""
+        sock.sendall(get("/a", host=host, method=first, extra=extra) + (b"x" if extra else b""))
+        assert read_response(sock, buffered).endswith(b"first")
+        time.sleep(0.6)  # the unasked answer arrives
+        sock.sendall(get("/b", host=host, method="POST", extra="Content-Length: 1\r\n") + b"x")
+        assert read_response(sock, buffered).endswith(b"first")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from appliance.filter.proxy.express import HEAD, Lane
+from appliance.filter.proxy.express import HEAD, Lane, Origin
 from appliance.filter.proxy.pipeline import Explicit
 
 
@@ -32,6 +32,14 @@ class Transport(asyncio.Transport):
     def write(self, data):
         self.written += data
 
+    paused = False
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
     def close(self):
         self.closed = True
 
@@ -39,10 +47,10 @@ class Transport(asyncio.Transport):
         return self.closed
 
 
-def lane() -> tuple[Lane, Transport]:
+def lane(forward=None) -> tuple[Lane, Transport]:
     config = SimpleNamespace(max_header_bytes=65536, header_timeout=10, idle_timeout=60)
-    proxy = SimpleNamespace(forward=None, config=config, lanes=set(),
-                            admit=lambda client, abort: True)
+    proxy = SimpleNamespace(forward=forward, config=config, lanes=set(),
+                            admit=lambda client, abort: True, release=lambda client: None)
     served = Lane(proxy, Explicit())
     transport = Transport()
     served.connection_made(transport)
@@ -63,3 +71,24 @@ def test_a_head_trickled_in_a_byte_at_a_time_is_searched_once():
     Counted.looked = 0
     length = asyncio.run(trickle())
     assert Counted.looked < 4 * length  # searched from where the last search ended
+
+
+def test_an_origin_paused_for_a_client_that_was_behind_is_pooled_reading():
+    """A client behind its response pauses the origin's reading; the client gone, the
+    origin goes to the pool, and the next connection that takes it must read its answer
+    (it once waited for ever on uvloop)."""
+    kept = []
+
+    async def behind_then_gone():
+        forward = SimpleNamespace(_keep=lambda client, origin: kept.append(
+            (origin, origin.transport.paused)))
+        served, _ = lane(forward)
+        origin = Origin(served, 65536)
+        origin.connection_made(Transport())
+        served.origin = origin
+        served.pause_writing()
+        assert origin.transport.paused
+        served.connection_lost(None)
+
+    asyncio.run(behind_then_gone())
+    assert len(kept) == 1 and kept[0][1] is False and kept[0][0].lane is None
