@@ -80,11 +80,12 @@ class Head:
 
     def tokens(self, name: str) -> frozenset[str]:
         """Comma-separated tokens of every `name` field, lower-cased (Connection etc.)."""
+        name = name.lower()
         found = self._tokens.get(name)
         if found is None:
             found = self._tokens[name] = frozenset(
-                t.strip().lower() for v in self._index.get(name.lower(), ())
-                for t in v.split(",") if t.strip())
+                t.strip().lower() for v in self._index.get(name, ()) for t in v.split(",")
+                if t.strip())
         return found
 
     @property

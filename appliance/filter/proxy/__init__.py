@@ -44,7 +44,7 @@ from .flows import Cap, Flow, Flows
 from .forward import Forward
 from .frontends import Frontends
 from .inspect import Inspector
-from .pipeline import Explicit, Transparent, deny_response, error_response
+from .pipeline import deny_response, error_response
 from .tunnel import TLS_ACCESS_DENIED, Tunnels
 
 __all__ = ["TLS_ACCESS_DENIED", "Client", "Proxy"]
@@ -186,13 +186,6 @@ class Proxy:
         return error_response(status, message, redactor=self.redactor)
 
     # -- listeners -----------------------------------------------------------------------
-
-    async def serve_explicit(self, reader, writer) -> None:
-        await self._serve(reader, writer, lambda c: self.forward.serve(c, Explicit()))
-
-    async def serve_transparent_http(self, reader, writer) -> None:
-        port = original_port(writer, 80)
-        await self._serve(reader, writer, lambda c: self.forward.serve(c, Transparent(port)))
 
     async def serve_transparent_tls(self, reader, writer) -> None:
         port = original_port(writer, 443)

@@ -41,9 +41,10 @@ HEAD, DIAL, ANSWER, BODY, DRAIN, OFF = range(6)
 for the response head; relaying the response body; waiting for the client to take the
 response; handed over or closed."""
 
-METHODS = frozenset({"GET", "HEAD"})
-LANE_METHODS = (b"GET ", b"HEAD ")
-"""How a request the lane may take begins (what else begins otherwise goes on at once)."""
+METHODS = ("GET", "HEAD")
+"""The methods the lane serves (without a body)."""
+STARTS = tuple(f"{method} ".encode() for method in METHODS)
+"""How a request the lane may take begins: anything else is handed over at its first word."""
 
 
 def _streams(transport: asyncio.Transport, buffered: bytes, limit: int, eof: bool,
@@ -84,6 +85,10 @@ class Origin(asyncio.Protocol):
         self.address = ""
         self.session: str | None = None
         self.generation = -1
+        self.adopted: tuple[Upstream, asyncio.BaseProtocol] | None = None
+        """The forward.py Upstream this connection was, and its streams' protocol (adopt):
+        kept, because a StreamWriter closes its transport when it is collected (Python
+        3.11.8 on, the appliance's 3.13 among them), and given back by `streams`."""
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -111,6 +116,7 @@ class Origin(asyncio.Protocol):
         self.ended = True
         if self.lane is not None:
             self.lane.origin_ended(self)
+        self.adopted = None  # its streams end with it (closed: their writer closes nothing)
 
     @property
     def reusable(self) -> bool:
@@ -126,6 +132,15 @@ class Origin(asyncio.Protocol):
     def streams(self) -> Upstream:
         """This connection as forward.py's Upstream (it is forward.py's from now on)."""
         self.lane = None
+        if self.adopted is not None:  # its streams, where they were left, given what came
+            (upstream, protocol), self.adopted = self.adopted, None
+            self.transport.set_protocol(protocol)
+            if self.buffer:
+                upstream.reader.feed_data(bytes(self.buffer))
+            if self.ended:
+                upstream.reader.feed_eof()
+            self.transport.resume_reading()
+            return upstream
         reader, writer = _streams(self.transport, bytes(self.buffer), self.limit, self.ended,
                                   False)
         return Upstream(self.key, reader, PeerWriter(writer), self.address, self.session,
@@ -139,10 +154,12 @@ class Origin(asyncio.Protocol):
             return kept
         origin = cls(lane, limit)
         transport = kept.writer.transport
+        protocol = transport.get_protocol()
         transport.set_protocol(origin)  # reusable: the reader held nothing, nor its end
         origin.transport = transport
         origin.key, origin.address = kept.key, kept.address
         origin.session, origin.generation = kept.session, kept.generation
+        origin.adopted = (kept, protocol)
         return origin
 
 
@@ -163,9 +180,9 @@ class Exchange:
         "where",
     )
 
-    def __init__(self, head, where, session, send: Send):
+    def __init__(self, where, session, send: Send):
         self.head, self.where, self.session, self.send = send.head, where, session, send
-        self.method = head.start[0]
+        self.method = send.head.start[0]
         self.flow = self.event = None
         self.counters = Counters()
         self.left = 0
@@ -184,7 +201,7 @@ class Lane(asyncio.Protocol):
         """Explicit, or Transparent with the port the client dialled (None: read from the
         connection, as the transparent listener is)."""
         self.client: Client | None = None
-        self._client_type = Client
+        self._client_type = Client  # proxy/__init__ imports this module: Client, late
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.scanned = 0
@@ -197,6 +214,8 @@ class Lane(asyncio.Protocol):
         self.served = 0
         """Requests served here: 0 until the first is done (forward.py's `opening`)."""
         self.eof = False
+        self.closing = False
+        """The response out is the last: the connection closes once the client took it."""
         self.writing_paused = False
         self.reading_paused = False
         self.timer: asyncio.TimerHandle | None = None
@@ -264,7 +283,7 @@ class Lane(asyncio.Protocol):
     def _next(self) -> None:
         """The next request, if its head is here: served, or handed over."""
         data = self.buffer
-        if not data.startswith(LANE_METHODS) and len(data) >= 5:
+        if not data.startswith(STARTS) and len(data) >= 5:
             self._hand_over()  # CONNECT above all: no head parsed twice
             return
         end = data.find(b"\r\n\r\n", self.scanned)
@@ -309,7 +328,7 @@ class Lane(asyncio.Protocol):
             return
         del self.buffer[:end + 4]
         self.scanned = 0
-        self.exchange = Exchange(head, where, session, send)
+        self.exchange = Exchange(where, session, send)
         self._send(self.exchange)
 
     def _send(self, exchange: Exchange) -> None:
@@ -371,11 +390,14 @@ class Lane(asyncio.Protocol):
         origin.key, origin.address = (str(where.host), where.port), exchange.event["address"]
         origin.session, origin.generation = exchange.session, dialled_at
         self.origin = origin
-        if origin.ended:  # it ended (or spoke unasked, and was closed) as it answered:
-            self.phase = ANSWER  # forward.py reads that end and answers 502
-            self._hand_over_answer(origin)
-            return
-        self._sent(exchange, origin)
+        try:
+            if origin.ended:  # it ended (or spoke unasked, and was closed) as it answered:
+                self.phase = ANSWER  # forward.py reads that end and answers 502
+                self._hand_over_answer(origin)
+                return
+            self._sent(exchange, origin)
+        except Exception:
+            self._failed()
 
     def _sent(self, exchange: Exchange, origin: Origin) -> None:
         send = exchange.send
@@ -465,16 +487,17 @@ class Lane(asyncio.Protocol):
         if not exchange.keep_origin or not origin.reusable:
             origin.close()
             self.origin = None
-        if exchange.close_client:
-            self._close()
-            return
-        if self.writing_paused:
+        self.closing = exchange.close_client
+        if self.writing_paused:  # as forward.py drains: the client has idle_timeout to take it
             self.phase = DRAIN
             self._expect(self.config.idle_timeout, self._stalled)
             return
         self._ready()
 
     def _ready(self) -> None:
+        if self.closing:
+            self._close()
+            return
         self.phase = HEAD
         self._expect(self.config.idle_timeout, self._idle)
         if self.reading_paused:
@@ -488,42 +511,57 @@ class Lane(asyncio.Protocol):
         yet: a 502; half a body: the connection cut)."""
         if origin is not self.origin or self.phase not in (ANSWER, BODY):
             return
-        if self.phase == ANSWER:
-            self._hand_over_answer(origin)  # forward.py reads what came, and says so
-            return
-        self._close()
+        try:
+            if self.phase == ANSWER:
+                self._hand_over_answer(origin)  # forward.py reads what came, and says so
+                return
+            self._close()
+        except Exception:
+            self._failed()
 
     # -- handing over ------------------------------------------------------------------------
 
     def _hand_over(self) -> None:
         """The connection, from the request at the head of the buffer, to forward.py."""
-        kept = None
-        if self.origin is not None and self.origin.reusable:
-            kept = self.origin.streams()
-        elif self.origin is not None:
-            self.origin.close()
-        self.origin = None
+        origin, kept = self.origin, None
+        if origin is not None and not origin.reusable:
+            origin.close()
+            origin = self.origin = None
+        if origin is not None:
+            kept = origin.streams()
+            self.origin = None
         mode, opening = self.mode, not self.served
-        self._to_streams(lambda client: self.forward.serve(client, mode, kept,
-                                                           opening=opening))
+        try:
+            self._to_streams(lambda client: self.forward.serve(client, mode, kept,
+                                                               opening=opening))
+        except BaseException:
+            if kept is not None:
+                kept.close()
+            raise
 
     def _hand_over_answer(self, origin: Origin) -> None:
         """The response whose head is coming, and the connection after it, to forward.py."""
-        exchange = self.exchange
-        self.exchange = None
-        self.origin = None
+        exchange, mode = self.exchange, self.mode
         up = origin.streams()
-        mode = self.mode
-        self._to_streams(lambda client: self.forward.resume(
-            client, mode, up, exchange.head, exchange.counters, exchange.flow,
-            exchange.event))
+        self.origin = None
+        try:
+            self._to_streams(lambda client: self.forward.resume(
+                client, mode, up, exchange.head, exchange.counters, exchange.flow,
+                exchange.event))
+        except BaseException:
+            up.close()  # the flow ends with the lane (_end: it still holds the exchange)
+            raise
+        self.exchange = None
 
     def _to_streams(self, handler) -> None:
-        self._leave()
-        self.proxy.stats["express_handed_over"] += 1
+        """Both ends of the connection to forward.py's streams, and a task to serve it: the
+        lane gives up what it holds only once that is done (if it fails, _failed ends the
+        connection with everything the lane held)."""
         client = self.client
         reader, writer = _streams(self.transport, bytes(self.buffer),
                                   self.config.max_header_bytes, self.eof, self.writing_paused)
+        self._leave()
+        self.proxy.stats["express_handed_over"] += 1
         self.buffer.clear()
         client.reader, client.writer, client.abort = reader, PeerWriter(writer), None
         client.task = asyncio.get_running_loop().create_task(self.proxy.run(client, handler))
@@ -564,7 +602,12 @@ class Lane(asyncio.Protocol):
         self._answer_and_close(self.proxy.failed(exc.status, str(exc)))
 
     def _stalled(self) -> None:
-        self._close()  # the origin, or the client taking the response, idle too long
+        """The origin, or the client taking the response, idle too long: the connection is
+        reset (closed, its unsent bytes would hold it for as long as the client reads
+        nothing)."""
+        if self.phase != OFF:
+            self._end()
+        self.transport.abort()
 
     def _answer_and_close(self, answer: bytes) -> None:
         if not self.transport.is_closing():

@@ -76,6 +76,7 @@ def _judges() -> ThreadPoolExecutor:
 
 if TYPE_CHECKING:
     from . import Client, Proxy
+    from .express import Origin
 
 
 @dataclass
@@ -118,10 +119,11 @@ class Forward:
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
-        self.pool: Pool[Upstream] = Pool(self.config.kept_upstreams_per_session)
-        """Idle upstream connections kept per (session, origin) between client connections;
-        emptied by every policy change (the address each reached was judged by the policy
-        of its dial)."""
+        self.pool: Pool[Upstream | Origin] = Pool(self.config.kept_upstreams_per_session)
+        """Idle upstream connections kept per (session, origin) between client connections,
+        as this module's Upstreams or the express lane's Origins (each path turns the
+        other's into its own when it takes one); emptied by every policy change (the
+        address each reached was judged by the policy of its dial)."""
         self._sweep: asyncio.TimerHandle | None = None
         self.generation = 0
         """Counts policy changes: an upstream dialled under an earlier one is never reused,
@@ -230,12 +232,13 @@ class Forward:
                                                                 self._expire)
 
     def _kept(self, session: str | None, key: tuple[str, int]) -> Upstream | None:
+        """An open connection the session kept to `key`, as an Upstream, or None."""
         found = self.pooled(session, key)
         if found is not None and not isinstance(found, Upstream):
             found = found.streams()  # kept by the express lane (express.Origin)
         return found
 
-    def pooled(self, session: str | None, key: tuple[str, int]):
+    def pooled(self, session: str | None, key: tuple[str, int]) -> Upstream | Origin | None:
         """An open connection the session kept to `key`, as it was kept (an Upstream, or
         the express lane's Origin), or None."""
         if session is None:

@@ -401,3 +401,4 @@ def test_bytes_an_origin_sends_after_its_answer_never_answer_the_next_request(
         time.sleep(0.6)  # the unasked answer arrives
         sock.sendall(get("/b", host=host, method="POST", extra="Content-Length: 1\r\n") + b"x")
         assert read_response(sock, buffered).endswith(b"first")
+

@@ -92,3 +92,70 @@ def test_an_origin_paused_for_a_client_that_was_behind_is_pooled_reading():
 
     asyncio.run(behind_then_gone())
     assert len(kept) == 1 and kept[0][1] is False and kept[0][0].lane is None
+
+
+def test_a_pooled_upstream_the_lane_takes_keeps_its_connection_open_and_gives_it_back():
+    """forward.py's Upstream taken by the lane (Origin.adopt) and given back (streams): its
+    StreamWriter, once unreferenced, would close the connection when collected (Python
+    3.11.8 on: the appliance's 3.13; here, on 3.11.2, the round trip is what is checked)."""
+    import gc
+    import socket
+
+    from appliance.filter.proxy.forward import Upstream
+    from appliance.filter.relay import PeerWriter
+
+    async def round_trip():
+        ours, theirs = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        kept = Upstream(("a.test", 80), reader, PeerWriter(writer), "192.0.2.1", "s1", 3)
+        transport = writer.transport
+        served, _ = lane()
+        origin = Origin.adopt(kept, served, 65536)
+        del kept, reader, writer
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not transport.is_closing() and transport.get_protocol() is origin
+        back = origin.streams()  # as the lane hands it over
+        gc.collect()
+        back.writer.write(b"ping")
+        theirs.sendall(b"pong")
+        assert await asyncio.wait_for(back.reader.readexactly(4), 1) == b"pong"
+        assert theirs.recv(4) == b"ping" and not transport.is_closing()
+        served._leave()
+        back.close()
+        theirs.close()
+
+    asyncio.run(round_trip())
+
+
+def test_a_last_response_the_client_is_behind_on_is_drained_before_the_connection_goes():
+    """Its response the last (HTTP/1.0), its end written while the client is behind: the
+    connection keeps its place until the client took it, then closes. It once closed at
+    once, gave its place back, and kept the socket and what it still had to send for as
+    long as the client read nothing."""
+    from appliance.filter.http import parse_request
+    from appliance.filter.proxy.express import DRAIN, Exchange
+    from appliance.filter.proxy.plan import Send
+
+    released = []
+
+    async def behind():
+        served, transport = lane()
+        served.proxy.release = released.append
+        served.proxy.untrack = lambda flow: None
+        served.proxy.closed = lambda event, counters: None
+        served.proxy.stats = {"express_requests": 0}
+        origin = Origin(served, 65536)
+        origin.connection_made(Transport())
+        served.origin = origin
+        head = parse_request(b"GET http://a.test/ HTTP/1.0\r\n\r\n")
+        exchange = Exchange(None, "s1", Send(head, None, {}))
+        exchange.flow, exchange.event, exchange.left = object(), {}, 5
+        served.exchange, served.phase = exchange, 3  # BODY
+        transport.write = lambda data: served.pause_writing()  # over the high-water mark
+        served._relay(origin, b"hello")
+        assert served.phase == DRAIN and not released and not transport.closed
+        served.resume_writing()  # the client took it
+        assert released and transport.closed
+
+    asyncio.run(behind())
