@@ -14,7 +14,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.policy import Decision
 from appliance.sessionconfig import SCAN_BYTES
@@ -76,7 +76,20 @@ def _judges() -> ThreadPoolExecutor:
 
 if TYPE_CHECKING:
     from . import Client, Proxy
-    from .express import Origin
+
+
+class PooledConnection(Protocol):
+    """What the pool keeps: an Upstream, or the express lane's Origin (express.py)."""
+
+    key: tuple[str, int]
+    address: str
+    session: str | None
+    generation: int
+
+    @property
+    def reusable(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -119,7 +132,7 @@ class Forward:
         self.held_total = 0
         self.held: dict[str | None, int] = {}
         """Bytes of request bodies held to be judged, per session (None: no session's)."""
-        self.pool: Pool[Upstream | Origin] = Pool(self.config.kept_upstreams_per_session)
+        self.pool: Pool[PooledConnection] = Pool(self.config.kept_upstreams_per_session)
         """Idle upstream connections kept per (session, origin) between client connections,
         as this module's Upstreams or the express lane's Origins (each path turns the
         other's into its own when it takes one); emptied by every policy change (the
@@ -238,7 +251,7 @@ class Forward:
             found = found.streams()  # kept by the express lane (express.Origin)
         return found
 
-    def pooled(self, session: str | None, key: tuple[str, int]) -> Upstream | Origin | None:
+    def pooled(self, session: str | None, key: tuple[str, int]) -> PooledConnection | None:
         """An open connection the session kept to `key`, as it was kept (an Upstream, or
         the express lane's Origin), or None."""
         if session is None:
