@@ -70,7 +70,7 @@ def _streams(transport: asyncio.Transport, buffered: bytes, limit: int, eof: boo
 class Origin(asyncio.Protocol):
     """A connection to an origin, served by callbacks: what it receives goes to the lane
     that owns it (none while it is kept in the pool: then any byte spoils it). It may be
-    kept between client connections (forward.Pool) as an Upstream is."""
+    kept between client connections (forward.py's pool) as an Upstream is."""
 
     def __init__(self, lane: Lane | None, limit: int):
         self.lane, self.limit = lane, limit
