@@ -299,7 +299,7 @@ class Proxy:
         def check(address) -> Decision:
             verdict = dial.decide(policy, address, host, port)
             if verdict.allowed and splice and host.name != HOST_NAME:
-                verdict = self.frontends.refusal(policy, host, str(address)) or verdict
+                verdict = self.frontends.refusal(policy, host, address) or verdict
             return verdict
 
         async def streams(address: str, port: int):
@@ -322,9 +322,11 @@ class Proxy:
         return connection, address
 
     async def open(self, client: Client, host: Host, port: int, kind: str, target: str,
-                   opener=None, **extra):
+                   opener=None, dialled=None, **extra):
         """Decide, register the flow (a policy change cuts it even while it dials), dial
-        (with `opener`, as dial() says), emit the decision event (with `extra` fields).
+        (with `opener`, as dial() says), call `dialled()` (a tunnel's 200: the client waits
+        for it, and nothing of the tunnel moves before the event is out, in this same step),
+        emit the decision event (with `extra` fields).
         Returns (connection, event, flow): the caller untracks the flow when it ends. Raises
         Denied, recorded, with nothing left registered."""
         session, policy, decision = await self.judge(client, host, port)
@@ -354,6 +356,8 @@ class Proxy:
             self.untrack(flow)
             raise
         flow.address = address
+        if dialled is not None:
+            dialled()
         return connection, self.event(decision, client, session, kind, host, port, address,
                                       event_id=flow.id, **extra), flow
 

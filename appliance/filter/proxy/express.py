@@ -12,7 +12,9 @@ lane's (a body, a refusal, a hold, CONNECT, an upgrade, a malformed head) before
 of it was decided aloud; a response that is not (chunked, unframed, 1xx, too large a head)
 at its head, the request's flow and decision event going with it. Both connections become
 streams then (`_streams`), and the connection goes on there as if forward.py had served it
-from the start. A connection once handed over stays there.
+from the start. A connection once handed over stays there. A CONNECT on the explicit
+listener is handed over with its head read and parsed here (the tunnel's bytes after it
+still to read there): forward.py opens the tunnel from it.
 
 Timeouts are one timer per connection (`_expect`), moved by each phase, as relay.within
 does for a task.
@@ -28,10 +30,10 @@ from appliance.sessionconfig import SCAN_BYTES
 
 from ..approvals import REQUEST_NAME
 from ..denied import Denied
-from ..http import HttpError, parse_request, parse_response, serialise_response
+from ..http import Head, HttpError, parse_request, parse_response, serialise_response
 from ..relay import Counters, PeerWriter, original_port
 from .forward import Upstream
-from .pipeline import Mode, Transparent, outgoing, route, wants_close
+from .pipeline import Explicit, Mode, Transparent, outgoing, route, wants_close
 from .plan import KEPT, Request, Send, plan
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,11 @@ response; handed over or closed."""
 METHODS = ("GET", "HEAD")
 """The methods the lane serves (without a body)."""
 STARTS = tuple(f"{method} ".encode() for method in METHODS)
-"""How a request the lane may take begins: anything else is handed over at its first word."""
+"""How a request the lane may take begins: anything else is handed over at its first word
+(but a CONNECT on the explicit listener)."""
+CONNECT = b"CONNECT "
+"""A tunnel's request: its head is read and parsed here, for forward.py to open the tunnel
+with (as it would have read it: it is not read twice)."""
 
 
 def _streams(transport: asyncio.Transport, buffered: bytes, limit: int, eof: bool,
@@ -283,8 +289,9 @@ class Lane(asyncio.Protocol):
     def _next(self) -> None:
         """The next request, if its head is here: served, or handed over."""
         data = self.buffer
-        if not data.startswith(STARTS) and len(data) >= 5:
-            self._hand_over()  # CONNECT above all: no head parsed twice
+        if len(data) >= 5 and not data.startswith(STARTS) and not (
+                isinstance(self.mode, Explicit) and CONNECT.startswith(data[:8])):
+            self._hand_over()  # any other method: its head is forward.py's to read
             return
         end = data.find(b"\r\n\r\n", self.scanned)
         if end < 0:
@@ -301,6 +308,11 @@ class Lane(asyncio.Protocol):
             return
         try:
             head = parse_request(bytes(data[:end + 4]))
+            if head.start[0] == "CONNECT":  # the rest of the buffer: the tunnel's
+                del data[:end + 4]
+                self.scanned = 0
+                self._hand_over(head)
+                return
             if (head.start[0] not in METHODS or head.chunked or head.content_length
                     or head.get("expect") is not None or head.get("upgrade") is not None):
                 self._hand_over()
@@ -521,8 +533,9 @@ class Lane(asyncio.Protocol):
 
     # -- handing over ------------------------------------------------------------------------
 
-    def _hand_over(self) -> None:
-        """The connection, from the request at the head of the buffer, to forward.py."""
+    def _hand_over(self, parsed: Head | None = None) -> None:
+        """The connection, from the request at the head of the buffer (or `parsed`, taken
+        from it), to forward.py."""
         origin, kept = self.origin, None
         if origin is not None and not origin.reusable:
             origin.close()
@@ -533,7 +546,8 @@ class Lane(asyncio.Protocol):
         mode, opening = self.mode, not self.served
         try:
             self._to_streams(lambda client: self.forward.serve(client, mode, kept,
-                                                               opening=opening))
+                                                               opening=opening,
+                                                               parsed=parsed))
         except BaseException:
             if kept is not None:
                 kept.close()

@@ -21,6 +21,7 @@ from appliance.sessionconfig import SCAN_BYTES
 
 from ..approvals import REQUEST_NAME, approvable
 from ..http import (
+    Head,
     HttpError,
     check_request_line,
     parse_request,
@@ -165,22 +166,26 @@ class Forward:
 
     async def serve(self, client: Client, mode: Mode, upstream: Upstream | None = None,
                     first: bytes = b"", tunnel_event: dict | None = None,
-                    opening: bool = True) -> None:
+                    opening: bool = True, parsed: Head | None = None) -> None:
         """Every request on the connection, until it closes or one ends it. In a tunnel,
         `upstream` is the tunnel's own connection (its owner closes it), `first` the byte the
         tunnel read to tell HTTP from TLS, and `tunnel_event` the CONNECT's decision. Else
         `upstream` is the one kept from the connection's earlier requests (express.py hands
-        a connection over with it, and `opening` False once it served a request)."""
+        a connection over with it, and `opening` False once it served a request; `parsed`
+        the head it read of a CONNECT, served first)."""
         in_tunnel = isinstance(mode, InTunnel)
         kept = upstream
         try:
             while True:
                 try:
-                    data = await (self._read_lines(client, first) if in_tunnel and opening
-                                  else self._read_head(client, opening, first))
-                    if data is None:
-                        return
-                    head = parse_request(data)
+                    if parsed is not None:
+                        head, parsed = parsed, None
+                    else:
+                        data = await (self._read_lines(client, first) if in_tunnel and opening
+                                      else self._read_head(client, opening, first))
+                        if data is None:
+                            return
+                        head = parse_request(data)
                 except HttpError as exc:
                     if in_tunnel and opening and mode.inspected:
                         exc = HttpError(400, f"not HTTP/1.x inside the inspected TLS to "

@@ -31,6 +31,8 @@ from ..dns.resolver import Answer, Resolver, UpstreamError
 from .neighbours import REMEMBER, AddressBook, Watch, address_of, neighbour
 
 if TYPE_CHECKING:
+    from appliance.policy.names import IPAddress
+
     from .credentials import Credentials
 
 EXPIRE_EVERY = 60.0
@@ -152,8 +154,8 @@ class Frontends:
             until = min(until, answer.expires)
         return until
 
-    def refusal(self, policy: Policy, host: Host, address: str, kind: str = "http"
-              ) -> Decision | None:
+    def refusal(self, policy: Policy, host: Host, address: str | IPAddress,
+                kind: str = "http") -> Decision | None:
         """The refusal of a tunnel to `host` (not inspected) at `address` under `policy` (a
         tcp rule's connection, with `kind` "tcp"), or None. No I/O: may run on a worker
         thread (the firewall's learned set)."""

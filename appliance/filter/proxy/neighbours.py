@@ -208,5 +208,7 @@ def _refusal(host: Host, address: IPAddress, inspected: str, kind: str) -> Decis
 
 
 def address_of(text: str | IPAddress) -> IPAddress:
-    """The address a flow reached, as events keep it (text)."""
+    """The address a flow reached, as events keep it (text), or as it was dialled."""
+    if not isinstance(text, str):  # parsed already (ip_address would parse its text again)
+        return unmap(text)
     return unmap(ipaddress.ip_address(text))

@@ -46,6 +46,7 @@ log = logging.getLogger("corral.filter")
 # TLS alert record: fatal (2), access_denied (49). curl prints "tlsv1 alert access denied".
 TLS_ACCESS_DENIED = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49])
 TLS_HANDSHAKE = 0x16
+ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 
 class Tunnels:
@@ -63,9 +64,8 @@ class Tunnels:
             client.writer.write(self.proxy.failed(503, message))
             return
         try:
-            async with self._upstream(client, host, port, "connect") as (up, event, flow,
-                                                                         counters):
-                client.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            async with self._upstream(client, host, port, "connect", ESTABLISHED) as (
+                    up, event, flow, counters):
                 await drain(client.writer, self.config.idle_timeout)
                 first = await self._first_byte(client, up.reader, counters)
                 if not first:
@@ -100,16 +100,19 @@ class Tunnels:
         return False
 
     @contextlib.asynccontextmanager
-    async def _upstream(self, client: Client, host: Host, port: int, kind: str):
-        """The tunnel's upstream, opened (proxy.open: judged, dialled, its event emitted and
-        its flow tracked; Denied, recorded, if not) and, however the tunnel ends, closed,
-        untracked and its closing event emitted with what was counted."""
+    async def _upstream(self, client: Client, host: Host, port: int, kind: str,
+                        answer: bytes = b""):
+        """The tunnel's upstream, opened (proxy.open: judged, dialled, `answer` written to
+        the client, its event emitted and its flow tracked; Denied, recorded, if not) and,
+        however the tunnel ends, closed, untracked and its closing event emitted with what
+        was counted."""
         proxy = self.proxy
         # set before the dial: uvloop starts a transport's TLS in the context the transport
         # was made in, asyncio in the task's (this connection's alone, either way)
         UPSTREAM_TLS.set((client.session, host.key, port))
-        (up_r, up_w), event, flow = await proxy.open(client, host, port, kind,
-                                                       f"{host}:{port}")
+        (up_r, up_w), event, flow = await proxy.open(
+            client, host, port, kind, f"{host}:{port}",
+            dialled=(lambda: client.writer.write(answer)) if answer else None)
         counters = Counters()
         try:
             yield (Upstream((str(host), port), up_r, up_w, event["address"]), event, flow,

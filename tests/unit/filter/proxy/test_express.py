@@ -47,11 +47,11 @@ class Transport(asyncio.Transport):
         return self.closed
 
 
-def lane(forward=None) -> tuple[Lane, Transport]:
+def lane(forward=None, mode=None) -> tuple[Lane, Transport]:
     config = SimpleNamespace(max_header_bytes=65536, header_timeout=10, idle_timeout=60)
     proxy = SimpleNamespace(forward=forward, config=config, lanes=set(),
                             admit=lambda client, abort: True, release=lambda client: None)
-    served = Lane(proxy, Explicit())
+    served = Lane(proxy, mode or Explicit())
     transport = Transport()
     served.connection_made(transport)
     served.buffer = Counted()
@@ -71,6 +71,39 @@ def test_a_head_trickled_in_a_byte_at_a_time_is_searched_once():
     Counted.looked = 0
     length = asyncio.run(trickle())
     assert Counted.looked < 4 * length  # searched from where the last search ended
+
+
+def test_a_connect_head_is_read_once_here_and_the_tunnels_bytes_left_after_it():
+    """On the explicit listener the lane reads a CONNECT's head (it once handed the
+    connection over at the method's first word, and forward.py read the head again):
+    forward.py gets it parsed, and the bytes after it (a ClientHello sent early) to read."""
+    from appliance.filter.proxy.pipeline import Transparent
+
+    async def connect(mode, pieces):
+        served_with = []
+        forward = SimpleNamespace(serve=lambda client, mode, kept, **how: served_with.append(
+            (kept, how)))
+        served, transport = lane(forward, mode)
+        handed = []
+        served._to_streams = handed.append  # the handler forward.py's task would run
+        for piece in pieces:
+            assert not handed, f"handed over before {piece!r}"
+            served.data_received(piece)
+        assert len(handed) == 1 and not transport.written
+        handed[0]("client")
+        left = bytes(served.buffer)
+        served._leave()
+        return served_with, left
+
+    pieces = (b"CONNEC", b"T a.test:443 HTTP/1.1\r\nHost: a.test:443\r", b"\n\r\n\x16\x03\x01")
+    served_with, left = asyncio.run(connect(Explicit(), pieces))
+    [(kept, how)] = served_with
+    assert kept is None and how["opening"] is True
+    assert how["parsed"].start == ("CONNECT", "a.test:443", "HTTP/1.1")
+    assert left == b"\x16\x03\x01"
+    # the transparent listeners take no CONNECT: over at its first word, unread
+    served_with, left = asyncio.run(connect(Transparent(80), (b"CONNEC",)))
+    assert served_with[0][1]["parsed"] is None and left == b"CONNEC"
 
 
 def test_an_origin_paused_for_a_client_that_was_behind_is_pooled_reading():
