@@ -100,12 +100,15 @@ class EventBus:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def emit(self, event: Event) -> Event:
+    def emit(self, event: Event, escaped: bool = False) -> Event:
         """Publish `event` (refused with a TypeError unless it is an Event of SCHEMA's
-        fields) with `ts` and `id` given when it has none; returns it, as published."""
+        fields) with `ts` and `id` given when it has none; returns it, as published.
+        `escaped`: its strings are printable already (the DNS wire cache's hit: a copy of an
+        event published before, with the client's address, which the kernel wrote)."""
         if type(event) is not Event:
             check(event)  # raises, naming the fix (an Event's names: test_event.py)
-        printable_fields(event)  # what a terminal acts on, escaped; then the one door
+        if not escaped:
+            printable_fields(event)  # what a terminal acts on, escaped; then the one door
         self.redactor.fields(event)  # for the secrets' values to subscribers, the ring, the log
         if "ts" not in event:
             event["ts"] = round(time.time(), 6)

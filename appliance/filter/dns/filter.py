@@ -142,7 +142,8 @@ class DnsFilter:
         key = self._key(session, policy, data, udp)
         hit = self.wire.get(key, data[:2], client, now)
         if hit is not None:
-            self.bus.emit(Event(hit[1]))  # the decision's, without its id, ts, client
+            # the decision's (published: escaped), without its id, ts, client
+            self.bus.emit(Event(hit[1]), escaped=True)
             return hit[0]
         try:
             query = parse_query(data)

@@ -29,8 +29,8 @@ class RelayBus(EventBus):
         self.link = link
         self._ids = itertools.count(first_id)
 
-    def emit(self, event):
-        event = super().emit(event)
+    def emit(self, event, escaped: bool = False):
+        event = super().emit(event, escaped)
         if self.link is not None and not self.link.closed.done():
             self.link.send({"op": "event", "event": event})
         return event

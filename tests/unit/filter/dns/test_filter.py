@@ -103,6 +103,9 @@ def test_what_the_policy_answers_alone_is_answered_at_once_without_dnslib(dns, m
         ("random0123.other.example", "deny"), ("a.wild.example", "allow")]
     again = dns.first(queries[2], S1, udp=True)  # from the wire cache
     assert again[:2] == struct.pack("!H", 8) and again[2:] == denied[2:]
+    # its event (published as escaped already: EventBus.emit's `escaped`) is the first's
+    first, hit = [e for e in dns.bus.recent if e["name"] == "random0123.other.example"]
+    assert hit is not first and {**hit, "id": 0, "ts": 0} == {**first, "id": 0, "ts": 0}
     monkeypatch.undo()
     parsed = DNSRecord.parse(denied)
     assert (parsed.header.qr, parsed.header.ra, parsed.header.rd, parsed.header.q,
