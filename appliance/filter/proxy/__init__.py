@@ -357,7 +357,10 @@ class Proxy:
             raise
         flow.address = address
         if dialled is not None:
-            dialled()
+            # the client left as it was dialled: the event still says what was dialled, and
+            # the caller, finding the client gone next, ends the flow it holds
+            with contextlib.suppress(ConnectionError):
+                dialled()
         return connection, self.event(decision, client, session, kind, host, port, address,
                                       event_id=flow.id, **extra), flow
 

@@ -192,3 +192,43 @@ def test_a_last_response_the_client_is_behind_on_is_drained_before_the_connectio
         assert released and transport.closed
 
     asyncio.run(behind())
+
+
+def test_a_client_gone_as_its_tunnel_is_dialled_still_gets_the_decision_event():
+    """The tunnel's 200 is written once the upstream answered (Proxy.open's `dialled`),
+    before the decision event. A client that reset during the dial makes that write raise:
+    it once escaped open() with the flow tracked, the upstream open and no event at all.
+    Now open() returns as ever, and the tunnel's own cleanup ends what it holds."""
+    from appliance.filter.proxy import Proxy
+    from appliance.filter.relay import PeerWriter
+    from appliance.policy import Decision
+
+    class Closing:
+        def is_closing(self):
+            return True  # the client reset while the dial was awaited
+
+        def write(self, data):
+            raise AssertionError("written to a closing transport")
+
+    events, tracked = [], set()
+    upstream = (object(), object())
+
+    async def dial(*args):
+        return upstream, "192.0.2.1"
+
+    async def judge(*args):
+        return "s1", None, Decision(True, "allowed")
+
+    def track(*args):
+        tracked.add(7)
+        return SimpleNamespace(id=7, address=None)
+
+    proxy = SimpleNamespace(judge=judge, exfil=None, track=track, inspects=lambda p, h: False,
+                            dial=dial, untrack=lambda flow: tracked.discard(flow.id),
+                            event=lambda *args, **extra: events.append(extra) or {"id": 7})
+    client = SimpleNamespace(writer=PeerWriter(Closing()))
+    connection, event, flow = asyncio.run(Proxy.open(
+        proxy, client, "a.test", 443, "connect", "a.test:443",
+        dialled=lambda: client.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")))
+    assert connection is upstream and event == {"id": 7} and flow.address == "192.0.2.1"
+    assert events == [{"event_id": 7}] and tracked == {7}  # the caller's to end, as ever
