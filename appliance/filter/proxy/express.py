@@ -33,7 +33,7 @@ from ..denied import Denied
 from ..http import Head, HttpError, parse_request, parse_response, serialise_response
 from ..relay import Counters, PeerWriter, original_port
 from .forward import Upstream
-from .pipeline import Explicit, Mode, Transparent, outgoing, route, wants_close
+from .pipeline import Explicit, Mode, Transparent, framing, outgoing, route, wants_close
 from .plan import KEPT, Request, Send, plan
 
 log = logging.getLogger(__name__)
@@ -348,9 +348,8 @@ class Lane(asyncio.Protocol):
         one the session kept in the pool, or one dialled now."""
         forward, proxy, where = self.forward, self.proxy, exchange.where
         origin, send = self.origin, exchange.send
-        if not (send.upstream == KEPT and origin is not None and origin.reusable
-                and origin.generation == forward.generation
-                and origin.session == exchange.session):
+        if not (send.upstream == KEPT and origin is not None
+                and forward.may_reuse(origin, exchange.session)):
             pooled = forward.pooled(exchange.session, (str(where.host), where.port))
             if origin is not None:
                 origin.close()
@@ -454,9 +453,8 @@ class Lane(asyncio.Protocol):
         except HttpError:
             self._hand_over_answer(origin)
             return
-        status = int(reply.start[1])
-        no_body = exchange.method == "HEAD" or status in (204, 304)
-        if status < 200 or (not no_body and (reply.chunked or reply.content_length is None)):
+        no_body, framed = framing(exchange.method, reply)
+        if int(reply.start[1]) < 200 or not framed or (reply.chunked and not no_body):
             self._hand_over_answer(origin)  # 1xx, 101, chunked, unframed: forward.py's
             return
         del data[:end + 4]

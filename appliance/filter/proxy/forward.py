@@ -46,6 +46,7 @@ from .pipeline import (
     Explicit,
     InTunnel,
     Mode,
+    framing,
     outgoing,
     response,
     route,
@@ -239,8 +240,7 @@ class Forward:
         """Keep the upstream of a client connection that ended for the session's next
         request to its origin, if it may be reused; else close it."""
         session, _ = self.proxy.store.lookup(client.address)
-        if (session is None or kept.session != session or kept.generation != self.generation
-                or not kept.reusable):
+        if session is None or not self.may_reuse(kept, session):
             kept.close()
             return
         for idle in self.pool.put(session, kept.key, kept, time.monotonic()):
@@ -248,6 +248,14 @@ class Forward:
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().call_later(self.pool.idle + 0.05,
                                                                 self._expire)
+
+    def may_reuse(self, kept: PooledConnection, session: str | None) -> bool:
+        """May a connection kept from an earlier request carry `session`'s next one: open
+        with nothing unread (`reusable`), dialled for that session, under the policy in
+        force (a change of policy moves `generation` on: its address is judged again).
+        Both paths ask this (forward.py, express.py)."""
+        return (kept.reusable and kept.generation == self.generation
+                and kept.session == session)
 
     def _kept(self, session: str | None, key: tuple[str, int]) -> Upstream | None:
         """An open connection the session kept to `key`, as an Upstream, or None."""
@@ -414,8 +422,7 @@ class Forward:
         it is still open), relay the response. Returns (keep the client connection, the
         upstream connection to keep)."""
         proxy, fields = self.proxy, send.event
-        if send.upstream == KEPT and (not kept.reusable or kept.generation != self.generation
-                                      or kept.session != session
+        if send.upstream == KEPT and (not self.may_reuse(kept, session)
                                       or judged_at != self.generation):
             send = replace(send, upstream=OPEN)  # dialled under another policy: dial again
         if (send.upstream == OPEN and not isinstance(mode, InTunnel)
@@ -621,8 +628,7 @@ class Forward:
                 continue
             break
         client_close = wants_close(head, head.start[2])
-        no_body = head.start[0] == "HEAD" or status in (204, 304)
-        framed = no_body or reply.chunked or reply.content_length is not None
+        no_body, framed = framing(head.start[0], reply)
         if status == 101:
             if not upgrade:
                 raise HttpError(502, "the upstream switched protocols unasked")

@@ -349,6 +349,14 @@ def keeps_after_refusal(head: Head) -> bool:
             and not head.chunked and (head.content_length or 0) <= DISCARD_MAX)
 
 
+def framing(method: str, reply: Head) -> tuple[bool, bool]:
+    """How the response `reply` to a `method` request ends, as (it has no body, its end is
+    known): no body (HEAD, 204, 304), chunked, or a length; else only its connection's end
+    ends it. Both paths read a response by this (forward.py, express.py)."""
+    no_body = method == "HEAD" or int(reply.start[1]) in (204, 304)
+    return no_body, no_body or reply.chunked or reply.content_length is not None
+
+
 def wants_close(head: Head, version: str) -> bool:
     """Does this message end its connection (Connection: close, or HTTP/1.0 by default)?"""
     tokens = head.tokens("connection")

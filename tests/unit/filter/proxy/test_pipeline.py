@@ -19,6 +19,7 @@ from appliance.filter.proxy.pipeline import (
     InTunnel,
     Route,
     Transparent,
+    framing,
     judge_request,
     outgoing,
     route,
@@ -331,3 +332,17 @@ def test_a_method_in_the_query_of_a_rewrite_path_is_judged():
     decision = judge_request(inspection, asked, route(asked, Transparent(80)),
                              Decision(True, "host"))
     assert not decision.allowed and "DELETE" in decision.reason
+
+
+@pytest.mark.parametrize("method, head, expected", [
+    ("GET", "HTTP/1.1 200 OK\r\nContent-Length: 5", (False, True)),
+    ("GET", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", (False, True)),
+    ("GET", "HTTP/1.1 200 OK", (False, False)),  # ends when its connection ends
+    ("HEAD", "HTTP/1.1 200 OK", (True, True)),  # a length or none: never a body to a HEAD
+    ("GET", "HTTP/1.1 204 No Content", (True, True)),
+    ("GET", "HTTP/1.1 304 Not Modified\r\nContent-Length: 9", (True, True)),
+])
+def test_how_a_response_ends_is_one_rule_for_both_paths(method, head, expected):
+    """pipeline.framing: what forward.py relays and what the express lane serves (or hands
+    over, unframed) agree on where a response ends."""
+    assert framing(method, parse_response(f"{head}\r\n\r\n".encode())) == expected
