@@ -243,27 +243,24 @@ class Tunnels:
         seconds) does not end the tunnel: what the client sends, whenever it comes, is still
         inspected and a denial answered and recorded, whatever became of the upstream. (A
         server that speaks first and then closes leaves its client without EOF until then;
-        inside a CONNECT only TLS and HTTP are carried, whose servers never speak first.)"""
-        first = asyncio.get_running_loop().create_task(client.reader.read(1),
-                                                       name="tunnel-first-byte")
+        inside a CONNECT only TLS and HTTP are carried, whose servers never speak first.)
+
+        The client is read on this task (a read cancelled by its timeout loses nothing: the
+        bytes stay in the reader); the upstream on a task of its own, every tunnel's only
+        other one here."""
         early = asyncio.get_running_loop().create_task(
             self._upstream_first(up_r, client.writer, counters), name="tunnel-server-first")
         idle = self.config.idle_timeout
         try:
             while True:
-                done, _ = await asyncio.wait({first, early}, timeout=idle,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if first in done:
-                    return first.result()
-                if early in done:  # closed or reset: the client is heard all the same
-                    done, _ = await asyncio.wait({first}, timeout=idle)
-                    return first.result() if done else b""
-                if time.monotonic() - counters.last >= idle:
-                    return b""
+                try:
+                    return await within(client.reader.read(1), idle)
+                except TimeoutError:  # the upstream's bytes, passed on, keep the tunnel up
+                    if time.monotonic() - counters.last >= idle:
+                        return b""
         finally:
-            for task in (first, early):
-                task.cancel()
-            await asyncio.gather(first, early, return_exceptions=True)
+            early.cancel()
+            await asyncio.gather(early, return_exceptions=True)
 
     async def _upstream_first(self, up_r, client_w, counters: Counters) -> None:
         with contextlib.suppress(ConnectionError):  # a reset ends it as a close does
