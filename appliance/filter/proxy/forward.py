@@ -319,7 +319,7 @@ class Forward:
             rest = await within(reader.readexactly(2), left())
             if rest != b"\r\n":  # fields follow: up to the empty line that ends them
                 rest += await within(reader.readuntil(b"\r\n\r\n"), left())
-            return line + rest
+            return self._bounded(line + rest)
         except asyncio.IncompleteReadError:
             raise ConnectionError("the client closed inside the tunnel") from None
         except asyncio.LimitOverrunError:
@@ -351,7 +351,7 @@ class Forward:
                     raise HttpError(400, f"more than {MAX_EMPTY_LINES} empty lines before "
                                     "the request line")
                 if data:
-                    return data
+                    return self._bounded(data)
                 data = await within(reader.readuntil(b"\r\n\r\n"), self.config.header_timeout)
         except asyncio.IncompleteReadError:
             return None  # the client hung up, mid-head or between requests: nobody to answer
@@ -360,6 +360,15 @@ class Forward:
                             "bytes") from None
         except TimeoutError:
             raise HttpError(408, "request head not received in time") from None
+
+    def _bounded(self, head: bytes) -> bytes:
+        """`head`, unless it is longer than `max_header_bytes`: a reader's limit lets the
+        read that ends a head run past it by the separator's length, and a tunnel's first
+        head is two reads. Raises HttpError 431."""
+        if len(head) > self.config.max_header_bytes:
+            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
+                            "bytes")
+        return head
 
     async def _request(self, client: Client, head, mode: Mode, kept: Upstream | None):
         """Route, judge, forward one request and its response. Returns (keep the client
@@ -618,6 +627,8 @@ class Forward:
                 raise HttpError(502, "upstream response head too large") from None
             except asyncio.IncompleteReadError:
                 raise HttpError(502, "upstream closed without a response") from None
+            if len(data) > self.config.max_header_bytes:  # the limit, past by the separator
+                raise HttpError(502, "upstream response head too large")
             if any(value in data for value in attached):
                 raise HttpError(502, "the upstream's response head holds the secret attached "
                                 "to the request: not passed on")

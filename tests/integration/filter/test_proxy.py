@@ -357,6 +357,25 @@ def test_malformed_and_oversized_requests_are_answered(corral_filter):
     assert status_of(exchange(corral_filter.proxy_port, huge)) == 431
 
 
+@pytest.mark.parametrize("method, target", [("GET", "http://allowed.test/h"),
+                                            ("CONNECT", "allowed.test:443")])
+def test_max_header_bytes_is_the_most_a_request_head_may_be(corral_filter, method, target):
+    """A head of exactly `max_header_bytes` (the default, 65536) is read; one byte to four
+    more get 431. They were read once: the stream's limit let the read that ends a head run
+    past it by the separator's four bytes."""
+    limit, port = 65536, corral_filter.proxy_port
+    start = f"{method} {target} HTTP/1.1\r\nHost: allowed.test\r\nX-Pad: ".encode()
+
+    def head(length: int) -> bytes:
+        return start + b"a" * (length - len(start) - 4) + b"\r\n\r\n"
+
+    for over in (1, 2, 4):
+        assert status_of(exchange(port, head(limit + over))) == 431, over
+    with connect(port) as sock:
+        sock.sendall(head(limit))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200"), method
+
+
 def test_slow_client_does_not_block_others(corral_filter):
     slow = connect(corral_filter.proxy_port)
     slow.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHo")  # and then nothing
