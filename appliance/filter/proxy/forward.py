@@ -323,8 +323,7 @@ class Forward:
         except asyncio.IncompleteReadError:
             raise ConnectionError("the client closed inside the tunnel") from None
         except asyncio.LimitOverrunError:
-            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
-                            "bytes") from None
+            raise self._too_large() from None
         except TimeoutError:
             raise HttpError(408, "request head not received in time") from None
 
@@ -356,8 +355,7 @@ class Forward:
         except asyncio.IncompleteReadError:
             return None  # the client hung up, mid-head or between requests: nobody to answer
         except asyncio.LimitOverrunError:
-            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
-                            "bytes") from None
+            raise self._too_large() from None
         except TimeoutError:
             raise HttpError(408, "request head not received in time") from None
 
@@ -366,9 +364,11 @@ class Forward:
         read that ends a head run past it by the separator's length, and a tunnel's first
         head is two reads. Raises HttpError 431."""
         if len(head) > self.config.max_header_bytes:
-            raise HttpError(431, f"request head larger than {self.config.max_header_bytes} "
-                            "bytes")
+            raise self._too_large()
         return head
+
+    def _too_large(self) -> HttpError:
+        return HttpError(431, f"request head larger than {self.config.max_header_bytes} bytes")
 
     async def _request(self, client: Client, head, mode: Mode, kept: Upstream | None):
         """Route, judge, forward one request and its response. Returns (keep the client
