@@ -29,8 +29,15 @@ YIELD_EVERY = 64
 buffer already, would otherwise hold the one event loop for as long as it lasts."""
 TUNNEL_FDS = 6
 """Descriptors a spliced tunnel adds to its two connections (see _SplicedTunnel)."""
-STATS = {"spliced": 0, "streamed": 0}
-"""Tunnels by how their bytes moved (status reports it: a fallback should be visible)."""
+BODY_FDS = 4
+"""Descriptors splicing a body adds (two duplicates and a pipe, see splice_exact): within a
+tunnel's TUNNEL_FDS, which a tunnel that serves HTTP rather than being spliced holds unused."""
+SPLICED_BODY_MIN = 1 << 20
+"""Bytes of a body past which it is spliced when its caller allows (see splice_exact):
+below, setting the splice up costs about what the copies it saves do."""
+STATS = {"spliced": 0, "streamed": 0, "spliced_bodies": 0}
+"""Tunnels by how their bytes moved (status reports it: a fallback should be visible), and
+the response bodies in tunnels spliced rather than copied."""
 
 
 @dataclass
@@ -440,9 +447,15 @@ async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> Non
 
 
 async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, idle: float,
-                     prefix: bytes = b""):
+                     prefix: bytes = b"", source=None):
     """Copy `n` bytes; `prefix` (a message head) goes out with the first of them: one send
-    for a small response rather than two."""
+    for a small response rather than two. With `source` (the writer of `reader`'s
+    connection), a body of SPLICED_BODY_MIN or more is spliced when both ends allow it."""
+    if source is not None and n >= SPLICED_BODY_MIN:
+        if prefix:
+            writer.write(prefix)
+            prefix = b""
+        n = await splice_exact(reader, source, writer, n, counters, upward, idle)
     while n > 0:
         data = await within(reader.read(min(n, CHUNK)), idle)
         if not data:
@@ -454,6 +467,115 @@ async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, i
         await drain(writer, idle)
     if prefix:
         writer.write(prefix)
+
+
+def _plain(writer) -> bool:
+    """Whether `writer`'s connection is a TCP socket of its own, open, with no TLS on it
+    (whose socket would carry ciphertext): one splice may read or write."""
+    sock = writer.get_extra_info("socket")
+    return (sock is not None and sock.type == socket.SOCK_STREAM
+            and writer.get_extra_info("ssl_object") is None and not writer.is_closing())
+
+
+async def splice_exact(reader, source, writer, n: int, counters: Counters, upward: bool,
+                       idle: float) -> int:
+    """Move `n` bytes from `source`'s connection (read by `reader`) to `writer`'s with
+    splice(2), none of them through Python: what `reader` holds already first, then the
+    socket's, and not a byte past the n-th (the next message stays in the socket, for the
+    stream). Returns how many are left to copy the ordinary way: all `n` when either end is
+    not a plain socket or `reader` has seen its end, else none. Raises as copy_exact does:
+    ConnectionError when the source ends first, the destination fails, or takes nothing
+    for `idle`; TimeoutError when the source sends nothing for `idle`. A cancel (a policy
+    change cutting the connection) stops it at once: no byte moves but in this task.
+
+    Takes BODY_FDS descriptors while it runs: its callers' budget must hold them (a tunnel
+    that serves HTTP holds TUNNEL_FDS it does not use)."""
+    if SPLICE is None or not _plain(source) or not _plain(writer) or getattr(
+            reader, "_eof", True):
+        return n
+    # StreamReader has no public way to say how much it holds; _buffer is where it is.
+    # Read before reading is paused: a read that empties the buffer resumes the transport
+    held = len(getattr(reader, "_buffer", b""))
+    data = await reader.read(min(held, n)) if held else b""  # held: no wait
+    if data:
+        n -= len(data)
+        counters.add(len(data), upward)
+        writer.write(data)
+    if not n:
+        return 0
+    source.transport.pause_reading()
+    limits = writer.transport.get_write_buffer_limits()
+    loop = asyncio.get_running_loop()
+    fds: list[int] = []
+    try:
+        writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for empty
+        await drain(writer, idle)  # what was written goes first
+        fds.append(os.dup(source.get_extra_info("socket").fileno()))
+        fds.append(os.dup(writer.get_extra_info("socket").fileno()))
+        fds.extend(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+        src, dst, pipe_r, pipe_w = fds
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(pipe_w, F_SETPIPE_SZ, PIPE_SIZE)
+        pending = 0  # bytes in the pipe
+        while n or pending:
+            moved = 0
+            if n:
+                got = _splice(src, pipe_w, min(n, PIPE_SIZE))
+                if got == 0:
+                    raise ConnectionError("peer closed in the middle of a message body")
+                if got:
+                    n, pending, moved = n - got, pending + got, got
+                    counters.add(got, upward)
+            if pending:
+                sent = _splice(pipe_r, dst, pending)
+                if sent:
+                    pending, moved = pending - sent, moved + sent
+            if moved:
+                await asyncio.sleep(0)  # a pipe's worth at most: the others get the loop
+                continue
+            if pending:  # the destination is full (or the pipe is, which it alone empties)
+                if not await _ready(loop, dst, True, idle):
+                    raise ConnectionError(f"the peer read nothing for {idle:g} s")
+            elif not await _ready(loop, src, False, idle):
+                raise TimeoutError(f"nothing came for {idle:g} s")
+        STATS["spliced_bodies"] += 1
+        return 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(RuntimeError):  # a transport closed meanwhile
+            writer.transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+        if not source.transport.is_closing():
+            source.transport.resume_reading()
+
+
+def _splice(src: int, dst: int, n: int) -> int | None:
+    """splice(2) of up to `n` bytes, non-blocking: how many moved (0: `src` ended), or None
+    when it would block."""
+    try:
+        return SPLICE(src, dst, n, flags=SPLICE_FLAGS)
+    except (BlockingIOError, InterruptedError):
+        return None
+
+
+async def _ready(loop, fd: int, writable: bool, idle: float) -> bool:
+    """Wait until `fd` is readable (or writable): False when `idle` seconds passed first."""
+    ready = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if writable else (
+        loop.add_reader, loop.remove_reader)
+    add(fd, _resolve, ready)
+    try:
+        await within(ready, idle)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        remove(fd)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _chunk_line(reader, idle: float) -> bytes:
@@ -504,15 +626,17 @@ async def copy_chunked(reader, writer, counters: Counters, upward: bool, idle: f
 
 
 async def copy_body(head: Head, reader, writer, counters, upward: bool, idle: float,
-                    prefix: bytes = b"") -> None:
+                    prefix: bytes = b"", source=None) -> None:
     """Copy a request body, or a response body that is framed by length or chunks, after
-    `prefix` (the message's head, when the caller has not sent it yet)."""
+    `prefix` (the message's head, when the caller has not sent it yet). `source`: splice a
+    long body framed by length (copy_exact)."""
     if head.chunked:
         if prefix:
             writer.write(prefix)
         await copy_chunked(reader, writer, counters, upward, idle)
     elif head.content_length:
-        await copy_exact(reader, writer, head.content_length, counters, upward, idle, prefix)
+        await copy_exact(reader, writer, head.content_length, counters, upward, idle, prefix,
+                         source)
     elif prefix:
         writer.write(prefix)
 

@@ -458,8 +458,11 @@ class Forward:
                             session, dialled_at)
         counters = Counters()
         try:
+            # a tunnel that serves HTTP holds the descriptors of a splice it does not use
+            # (limits.py): a long response body may take them (relay.splice_exact)
             keep = await self._exchange(client, send.head, where, kept, counters,
-                                        send.attached, send.body)
+                                        send.attached, send.body, splice=isinstance(
+                                            mode, InTunnel) and not mode.inspected)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
                 kept.close()
@@ -591,12 +594,13 @@ class Forward:
         return refusal.keep
 
     async def _exchange(self, client: Client, head, where, up: Upstream, counters: Counters,
-                        attached: tuple[bytes, ...] = (), body: bytes | None = None
-                        ) -> tuple[bool, bool]:
+                        attached: tuple[bytes, ...] = (), body: bytes | None = None,
+                        splice: bool = False) -> tuple[bool, bool]:
         """Send the request, relay the response. Returns (keep the client connection, keep
         the upstream connection). A response head that carries back a secret the request
         was given (`attached`) is not passed on (its body is not read for it). `body`: the
-        request's body when it was read already (to be judged), sent with its length."""
+        request's body when it was read already (to be judged), sent with its length.
+        `splice`: a long response body framed by length may be spliced."""
         idle = self.config.idle_timeout
         upgrade = websocket(head)
         # Expect: 100-continue is answered here, now that the request is allowed and the
@@ -613,10 +617,11 @@ class Forward:
         else:
             up.writer.write(outgoing(head, where, drop_expect=expects, upgrade=upgrade))
             await copy_body(head, client.reader, up.writer, counters, True, idle)
-        return await self._answer(client, head, up, counters, attached, upgrade)
+        return await self._answer(client, head, up, counters, attached, upgrade, splice)
 
     async def _answer(self, client: Client, head, up: Upstream, counters: Counters,
-                      attached: tuple[bytes, ...], upgrade: bool) -> tuple[bool, bool]:
+                      attached: tuple[bytes, ...], upgrade: bool, splice: bool = False
+                      ) -> tuple[bool, bool]:
         """Relay the response to `head` (sent on `up`), from its head on. Returns (keep the
         client connection, keep the upstream connection)."""
         idle = self.config.idle_timeout
@@ -658,7 +663,8 @@ class Forward:
         if no_body:
             client.writer.write(reply_head)
         elif framed:
-            await copy_body(reply, up.reader, client.writer, counters, False, idle, reply_head)
+            await copy_body(reply, up.reader, client.writer, counters, False, idle, reply_head,
+                            up.writer if splice else None)
         else:
             client.writer.write(reply_head)
             await copy_until_eof(up.reader, client.writer, counters, idle)

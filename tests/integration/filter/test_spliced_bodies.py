@@ -1,0 +1,274 @@
+"""Long response bodies inside a CONNECT tunnel that carries plain HTTP are spliced
+(relay.splice_exact): the bytes go from the origin's socket to the client's through a pipe,
+none through Python, and exactly the body's length of them, so the connection goes on with
+the next request. Here, against an origin the test drives by hand, under uvloop and
+asyncio's loop: the bytes arrive whole and in order through a client that reads slowly; a
+client that stops reading, an origin that ends or resets in the middle of a body, and a
+policy change that cuts the tunnel each end the connection, leaving no descriptor, task,
+loop error or warning behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.integration.filter.test_attack_handshakes import (
+    Captured,
+    clean,
+    filter_tasks,
+    rst,
+)
+from tests.integration.filter.test_inspect import (
+    InProcessFilter,
+    World,
+    inspect_config,
+    interception,  # noqa: F401  (a fixture)
+    origins,  # noqa: F401  (a fixture)
+    tunnel,
+)
+
+POLICY = """
+[http]
+allow = ["spliced.test:*"]
+"""
+IDLE = 2
+"""The filter's idle_timeout here, seconds."""
+BODY = 6 << 20
+"""Longer than every buffer between the origin and the client, and than the pipe."""
+
+
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
+    import logging
+
+    process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
+                              request.param, inspect_config(interception, origins.ca.ca_path),
+                              POLICY, proxy_extra=f"idle_timeout = {IDLE}")
+    handled: list[dict] = []
+    process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
+                                      lambda loop, context: handled.append(context))
+    captured = Captured()
+    logging.getLogger().addHandler(captured)
+    process.handled, process.captured = handled, captured
+    try:
+        yield process
+    finally:
+        logging.getLogger().removeHandler(captured)
+        process.stop()
+
+
+class Origin:
+    """One connection on World.PLAIN (spliced.test's address), served by `script` on a
+    thread of its own."""
+
+    def __init__(self, script):
+        self.listener = socket.create_server((World.PLAIN, 0))
+        self.listener.settimeout(10)
+        self.port = self.listener.getsockname()[1]
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script) -> None:
+        try:
+            sock, _ = self.listener.accept()
+            sock.settimeout(15)
+            with contextlib.closing(sock):
+                script(sock)
+        except BaseException as exc:  # the test says what went wrong here
+            self.failure = exc
+
+    def join(self) -> None:
+        self.thread.join(15)
+        self.listener.close()
+        assert not self.thread.is_alive(), "the origin is still serving"
+        if self.failure is not None:
+            raise self.failure
+
+
+def pattern(n: int) -> bytes:
+    """n bytes where a byte lost, doubled or out of place shows."""
+    counted = b"".join(b"%08d" % i for i in range(n // 8 + 1))
+    return counted[:n]
+
+
+def request_head(sock: socket.socket) -> bytes:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(65536)
+        assert chunk, "the filter closed before its request's head"
+        head += chunk
+    return head
+
+
+def read_exactly(sock: socket.socket, n: int, slowly: bool = False) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(65536, n - len(out)))
+        assert chunk, f"the connection ended after {len(out)} of {n} bytes"
+        out += chunk
+        if slowly and len(out) < 256 << 10:
+            time.sleep(0.01)  # the client's buffer fills: the filter waits to write
+    return bytes(out)
+
+
+def response_head(sock: socket.socket) -> bytes:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        assert chunk, "the connection ended before the response's head"
+        head += chunk
+    return head
+
+
+def descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def ended(sock: socket.socket, seconds: float = 15) -> bool:
+    """Whether the filter ends the client's connection within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def spliced(lab) -> int:
+    return lab.status()["tunnels"]["spliced_bodies"]
+
+
+def settled(lab, before: int) -> None:
+    """The filter's descriptors are back to `before` (the splice's duplicates and pipe
+    closed), within a few seconds; then nothing else left behind (clean)."""
+    deadline = time.monotonic() + 5
+    while descriptors() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert descriptors() <= before
+
+
+def test_a_long_body_is_spliced_whole_and_the_next_request_on_the_tunnel_follows(lab):
+    body = pattern(BODY)
+
+    def script(sock):
+        assert request_head(sock).startswith(b"GET /big HTTP/1.1")
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY + body[:1000])
+        time.sleep(0.2)  # the rest later: the filter waits for the origin, spliced
+        sock.sendall(body[1000:])
+        assert request_head(sock).startswith(b"GET /next HTTP/1.1")
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+
+    origin = Origin(script)
+    tasks, fds, before = filter_tasks(lab), descriptors(), spliced(lab)
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    client.settimeout(15)
+    host = f"Host: spliced.test:{origin.port}\r\n"
+    client.sendall(f"GET /big HTTP/1.1\r\n{host}\r\n".encode())
+    head = response_head(client)
+    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: %d" % BODY in head
+    assert read_exactly(client, BODY, slowly=True) == body
+    client.sendall(f"GET /next HTTP/1.1\r\n{host}Connection: close\r\n\r\n".encode())
+    assert response_head(client).startswith(b"HTTP/1.1 200")
+    assert read_exactly(client, 5) == b"hello"
+    origin.join()
+    client.close()
+    assert spliced(lab) == before + 1
+    event = lab.wait_event(lambda e: e.get("closed") and e["kind"] == "http"
+                           and e["name"] == "spliced.test" and e["down"] >= BODY)
+    assert event["down"] == BODY
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+def test_a_client_that_stops_reading_a_spliced_body_loses_its_connection(lab):
+    def script(sock):
+        request_head(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
+        with contextlib.suppress(OSError):  # until the filter gives up on the client
+            sock.sendall(b"x" * (64 << 20))
+
+    origin = Origin(script)
+    tasks, fds, before = filter_tasks(lab), descriptors(), spliced(lab)
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
+    client.settimeout(15)
+    response_head(client)
+    time.sleep(IDLE + 1.5)  # reads nothing for longer than idle_timeout
+    assert ended(client), "a client that reads nothing keeps its spliced body going"
+    client.close()
+    origin.join()
+    assert spliced(lab) == before  # not to its end
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+def test_an_origin_that_ends_in_the_middle_of_a_spliced_body_ends_the_tunnel(lab, how):
+    def script(sock):
+        request_head(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY
+                     + b"x" * (BODY // 2))
+        time.sleep(0.2)
+        if how == "rst":
+            rst(sock)
+
+    origin = Origin(script)
+    tasks, fds, before = filter_tasks(lab), descriptors(), spliced(lab)
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
+    client.settimeout(15)
+    response_head(client)
+    got = 0
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := client.recv(1 << 20):
+            got += len(chunk)
+    assert got <= BODY // 2  # the client sees a body cut short, never one made up
+    client.close()
+    origin.join()
+    assert spliced(lab) == before
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+def test_a_policy_change_cuts_a_tunnel_in_the_middle_of_a_spliced_body(lab):
+    going = threading.Event()
+
+    def script(sock):
+        request_head(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
+        going.set()
+        with contextlib.suppress(OSError):  # until the cut closes the filter's side
+            while True:
+                sock.sendall(b"x" * (1 << 20))
+                time.sleep(0.05)
+
+    origin = Origin(script)
+    tasks, fds = filter_tasks(lab), descriptors()
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
+    client.settimeout(15)
+    response_head(client)
+    assert going.wait(10)
+    client.recv(1 << 20)  # the body is on its way
+    try:
+        lab.reload('[http]\nallow = ["other.test"]\n')
+        assert ended(client, 5), "the body went on after its host was denied"
+    finally:
+        lab.reload(POLICY)
+    client.close()
+    origin.join()
+    lab.wait_event(lambda e: (e["reason"] or "").startswith("cut:")
+                   and e["name"] == "spliced.test")
+    settled(lab, fds)
+    clean(lab, tasks)
