@@ -37,7 +37,7 @@ SPLICED_BODY_MIN = 1 << 20
 below, setting the splice up costs about what the copies it saves do."""
 STATS = {"spliced": 0, "streamed": 0, "spliced_bodies": 0}
 """Tunnels by how their bytes moved (status reports it: a fallback should be visible), and
-the response bodies in tunnels spliced rather than copied."""
+the response bodies in tunnels whose splice began (splice_exact)."""
 
 
 @dataclass
@@ -483,7 +483,9 @@ async def splice_exact(reader, source, writer, n: int, counters: Counters, upwar
     splice(2), none of them through Python: what `reader` holds already first, then the
     socket's, and not a byte past the n-th (the next message stays in the socket, for the
     stream). Returns how many are left to copy the ordinary way: all `n` when either end is
-    not a plain socket or `reader` has seen its end, else none. Raises as copy_exact does:
+    not a plain socket, `reader` has seen its end or no descriptor is to be had; the rest
+    when the source turns out to hold what splice cannot read (_spliced); else none. What
+    the pipe holds when the source ends or fails still goes out. Raises as copy_exact does:
     ConnectionError when the source ends first, the destination fails, or takes nothing
     for `idle`; TimeoutError when the source sends nothing for `idle`. A cancel (a policy
     change cutting the connection) stops it at once: no byte moves but in this task.
@@ -503,43 +505,22 @@ async def splice_exact(reader, source, writer, n: int, counters: Counters, upwar
         writer.write(data)
     if not n:
         return 0
-    source.transport.pause_reading()
     limits = writer.transport.get_write_buffer_limits()
-    loop = asyncio.get_running_loop()
     fds: list[int] = []
     try:
+        source.transport.pause_reading()
         writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for empty
         await drain(writer, idle)  # what was written goes first
-        fds.append(os.dup(source.get_extra_info("socket").fileno()))
-        fds.append(os.dup(writer.get_extra_info("socket").fileno()))
-        fds.extend(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
-        src, dst, pipe_r, pipe_w = fds
+        try:
+            fds.append(os.dup(source.get_extra_info("socket").fileno()))
+            fds.append(os.dup(writer.get_extra_info("socket").fileno()))
+            fds.extend(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:  # no descriptor to spare: nothing spliced yet, the copy goes on
+            return n
         with contextlib.suppress(OSError):
-            fcntl.fcntl(pipe_w, F_SETPIPE_SZ, PIPE_SIZE)
-        pending = 0  # bytes in the pipe
-        while n or pending:
-            moved = 0
-            if n:
-                got = _splice(src, pipe_w, min(n, PIPE_SIZE))
-                if got == 0:
-                    raise ConnectionError("peer closed in the middle of a message body")
-                if got:
-                    n, pending, moved = n - got, pending + got, got
-                    counters.add(got, upward)
-            if pending:
-                sent = _splice(pipe_r, dst, pending)
-                if sent:
-                    pending, moved = pending - sent, moved + sent
-            if moved:
-                await asyncio.sleep(0)  # a pipe's worth at most: the others get the loop
-                continue
-            if pending:  # the destination is full (or the pipe is, which it alone empties)
-                if not await _ready(loop, dst, True, idle):
-                    raise ConnectionError(f"the peer read nothing for {idle:g} s")
-            elif not await _ready(loop, src, False, idle):
-                raise TimeoutError(f"nothing came for {idle:g} s")
+            fcntl.fcntl(fds[3], F_SETPIPE_SZ, PIPE_SIZE)
         STATS["spliced_bodies"] += 1
-        return 0
+        return await _spliced(*fds, n, counters, upward, idle)
     finally:
         for fd in fds:
             os.close(fd)
@@ -547,6 +528,50 @@ async def splice_exact(reader, source, writer, n: int, counters: Counters, upwar
             writer.transport.set_write_buffer_limits(high=limits[1], low=limits[0])
         if not source.transport.is_closing():
             source.transport.resume_reading()
+
+
+async def _spliced(src: int, dst: int, pipe_r: int, pipe_w: int, n: int, counters: Counters,
+                   upward: bool, idle: float) -> int:
+    """splice_exact's loop: `n` bytes from `src` through the pipe to `dst`. Returns 0, or
+    how many are left when the source turned out to be something splice cannot read: a
+    socket said to be readable from which splice takes nothing (TCP urgent data stops it
+    there for good; a read skips it), handed back to the copy with the pipe empty."""
+    loop = asyncio.get_running_loop()
+    pending = 0  # bytes in the pipe
+    failed: OSError | None = None  # the source's end or error, raised once the pipe is out
+    woken = False  # the source was said to be readable, and nothing has moved since
+    due = loop.time() + idle  # nothing moved by then: the connection is idle
+    while n or pending:
+        moved = 0
+        if n and failed is None:
+            try:
+                got = _splice(src, pipe_w, min(n, PIPE_SIZE))
+            except OSError as exc:  # a reset: what came before it still goes out
+                got, failed = None, exc
+            if got == 0:
+                failed = ConnectionError("peer closed in the middle of a message body")
+            elif got:
+                n, pending, moved = n - got, pending + got, got
+                counters.add(got, upward)
+        if pending:
+            sent = _splice(pipe_r, dst, pending)
+            if sent:
+                pending, moved = pending - sent, moved + sent
+        if failed is not None and not pending:
+            raise failed
+        if moved:
+            woken, due = False, loop.time() + idle
+            await asyncio.sleep(0)  # a pipe's worth at most: the others get the loop
+        elif pending:  # the destination is full (or the pipe is, which it alone empties)
+            if not await _ready(loop, dst, True, due - loop.time()):
+                raise ConnectionError(f"the peer read nothing for {idle:g} s")
+        elif woken:
+            return n
+        elif await _ready(loop, src, False, due - loop.time()):
+            woken = True
+        else:
+            raise TimeoutError(f"nothing came for {idle:g} s")
+    return 0
 
 
 def _splice(src: int, dst: int, n: int) -> int | None:
@@ -558,14 +583,16 @@ def _splice(src: int, dst: int, n: int) -> int | None:
         return None
 
 
-async def _ready(loop, fd: int, writable: bool, idle: float) -> bool:
-    """Wait until `fd` is readable (or writable): False when `idle` seconds passed first."""
+async def _ready(loop, fd: int, writable: bool, seconds: float) -> bool:
+    """Wait until `fd` is readable (or writable): False when `seconds` passed first."""
+    if seconds <= 0:
+        return False
     ready = loop.create_future()
     add, remove = (loop.add_writer, loop.remove_writer) if writable else (
         loop.add_reader, loop.remove_reader)
     add(fd, _resolve, ready)
     try:
-        await within(ready, idle)
+        await within(ready, seconds)
         return True
     except TimeoutError:
         return False
