@@ -35,6 +35,9 @@ tunnel's TUNNEL_FDS, which a tunnel that serves HTTP rather than being spliced h
 SPLICED_BODY_MIN = 1 << 20
 """Bytes of a body past which it is spliced when its caller allows (see splice_exact):
 below, setting the splice up costs about what the copies it saves do."""
+STUCK_WAKEUPS = 3
+"""Wake-ups in a row for a readable socket that splice takes nothing from, after which a
+spliced tunnel ends (TCP urgent data: see _Splice._readable)."""
 STATS = {"spliced": 0, "streamed": 0, "spliced_bodies": 0}
 """Tunnels by how their bytes moved (status reports it: a fallback should be visible), and
 the response bodies in tunnels whose splice began (splice_exact)."""
@@ -319,6 +322,7 @@ class _Splice:
         self.counters, self.upward = counters, upward
         self.pending = 0  # bytes in the pipe
         self.eof = False
+        self.idle_wakeups = 0  # in a row, with nothing to splice
         self.done = loop.create_future()
         loop.add_reader(self.src, self._guard, self._readable)
 
@@ -343,10 +347,19 @@ class _Splice:
         try:
             n = SPLICE(self.src, self.pipe_w, PIPE_SIZE, flags=SPLICE_FLAGS)
         except (BlockingIOError, InterruptedError):
+            # said to be readable, with the pipe empty (the reader waits while it holds
+            # anything), yet nothing to take: TCP urgent data, which splice never moves
+            # past. A wake-up for nothing may happen once; again and again, it is that
+            self.idle_wakeups += 1
+            if self.idle_wakeups >= STUCK_WAKEUPS:
+                self._finish(ConnectionError(
+                    "TCP urgent data in a spliced tunnel (splice cannot move past it, and "
+                    "TLS has no use for it)"))
             return
         except OSError as exc:
             self._finish(exc)
             return
+        self.idle_wakeups = 0
         if n == 0:
             self.eof = True
             self.loop.remove_reader(self.src)
@@ -552,11 +565,11 @@ async def _spliced(src: int, dst: int, pipe_r: int, pipe_w: int, n: int, counter
                 failed = ConnectionError("peer closed in the middle of a message body")
             elif got:
                 n, pending, moved = n - got, pending + got, got
-                counters.add(got, upward)
         if pending:
             sent = _splice(pipe_r, dst, pending)
             if sent:
                 pending, moved = pending - sent, moved + sent
+                counters.add(sent, upward)  # what reached the peer's socket
         if failed is not None and not pending:
             raise failed
         if moved:

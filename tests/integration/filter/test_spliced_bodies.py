@@ -5,7 +5,8 @@ the next request. Here, against an origin the test drives by hand, under uvloop 
 asyncio's loop: the bytes arrive whole and in order through a client that reads slowly; a
 client that stops reading, an origin that ends or resets in the middle of a body, and a
 policy change that cuts the tunnel each end the connection, leaving no descriptor, task,
-loop error or warning behind."""
+loop error or warning behind. And a spliced TLS tunnel that meets TCP urgent data (which
+splice cannot move past) ends at once rather than spinning."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from tests.integration.filter.test_inspect import (
     inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
+    read_response,
+    tls_through,
     tunnel,
 )
 
@@ -338,5 +341,50 @@ def test_a_body_with_urgent_data_is_copied_on_from_where_splice_stops(lab):
     client.close()
     origin.join()
     assert spliced(lab) == before + 1
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+@pytest.mark.parametrize("side", ["client", "origin"])
+def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  # noqa: F811
+    """splice(2) stops at TCP urgent data for good, while the socket stays readable: a
+    spliced direction that meets it would wake and take nothing until the idle timeout, a
+    core a tunnel, for one byte an agent sends out of band. TLS has no use for urgent data:
+    the tunnel ends, at once."""
+    tasks, fds = filter_tasks(lab), descriptors()
+    before = lab.status()["tunnels"]["spliced"]
+    if side == "client":
+        port = origins["plain"].port
+    else:  # an origin of the test's own, which sends the byte once the tunnel is spliced
+        context = origins.ca.server_context(["spliced.test"])
+
+        def script(sock):
+            with context.wrap_socket(sock, server_side=True) as tls:
+                request_head(tls)
+                tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                time.sleep(0.3)  # spliced by now
+                with socket.socket(fileno=os.dup(tls.fileno())) as raw:  # under the TLS
+                    raw.send(b"!", socket.MSG_OOB)
+                    raw.send(b"more")  # what follows the urgent byte makes it readable
+                time.sleep(IDLE + 1)  # the filter ends it first, or its idle timeout does
+        origin = Origin(script)
+        port = origin.port
+    tls = tls_through(lab, origins.ca.client_context(), "spliced.test", port)
+    tls.settimeout(5)
+    tls.sendall(b"GET /first HTTP/1.1\r\nHost: spliced.test\r\n\r\n")
+    assert read_response(tls)[0] == 200
+    time.sleep(0.3)
+    assert lab.status()["tunnels"]["spliced"] == before + 1
+    raw = socket.socket(fileno=os.dup(tls.fileno()))
+    if side == "client":
+        raw.send(b"!", socket.MSG_OOB)
+        raw.send(b"more")  # what follows the urgent byte makes the socket readable
+    begun = time.monotonic()
+    assert ended(raw, IDLE / 2), "the tunnel went on past urgent data"
+    assert time.monotonic() - begun < IDLE / 2
+    raw.close()
+    tls.close()
+    if side == "origin":
+        origin.join()
     settled(lab, fds)
     clean(lab, tasks)
