@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ tunnel's TUNNEL_FDS, which a tunnel that serves HTTP rather than being spliced h
 SPLICED_BODY_MIN = 1 << 20
 """Bytes of a body past which it is spliced when its caller allows (see splice_exact):
 below, setting the splice up costs about what the copies it saves do."""
+SIOCATMARK = 0x8905  # linux/sockios.h: is the socket's next byte urgent data?
+URGENT = ("TCP urgent data in a spliced tunnel (splice cannot move past it, and TLS has no "
+          "use for it)")
 STUCK_WAKEUPS = 3
 """Wake-ups in a row for a readable socket that splice takes nothing from, after which a
 spliced tunnel ends (TCP urgent data: see _Splice._readable)."""
@@ -301,9 +305,13 @@ async def _hand_over(client_r, client_w, up_r, up_w, counters: Counters, idle: f
         # StreamReader has no public way to say how much it holds; _buffer is where it is
         buffered = len(getattr(reader, "_buffer", b""))
         if buffered:
-            data = await reader.readexactly(buffered)
+            data = await reader.readexactly(buffered)  # all there: no wait
             counters.add(len(data), upward)
             other.write(data)
+    for _, writer, _, _ in readers:
+        # again: a read that emptied a buffer over its limit resumed its transport, which
+        # would read the socket beside the splice (what it took would never go on)
+        writer.transport.pause_reading()
     for _, writer, _, _ in readers:
         writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for empty
         await drain(writer, idle)
@@ -352,14 +360,15 @@ class _Splice:
             # past. A wake-up for nothing may happen once; again and again, it is that
             self.idle_wakeups += 1
             if self.idle_wakeups >= STUCK_WAKEUPS:
-                self._finish(ConnectionError(
-                    "TCP urgent data in a spliced tunnel (splice cannot move past it, and "
-                    "TLS has no use for it)"))
+                self._finish(ConnectionError(URGENT))
             return
         except OSError as exc:
             self._finish(exc)
             return
         self.idle_wakeups = 0
+        if n == 0 and _at_urgent_mark(self.src):  # the end is in, behind urgent data
+            self._finish(ConnectionError(URGENT))
+            return
         if n == 0:
             self.eof = True
             self.loop.remove_reader(self.src)
@@ -546,23 +555,24 @@ async def splice_exact(reader, source, writer, n: int, counters: Counters, upwar
 async def _spliced(src: int, dst: int, pipe_r: int, pipe_w: int, n: int, counters: Counters,
                    upward: bool, idle: float) -> int:
     """splice_exact's loop: `n` bytes from `src` through the pipe to `dst`. Returns 0, or
-    how many are left when the source turned out to be something splice cannot read: a
-    socket said to be readable from which splice takes nothing (TCP urgent data stops it
-    there for good; a read skips it), handed back to the copy with the pipe empty."""
+    how many are left, with the pipe empty, for the copy to read on when splice can take no
+    more: TCP urgent data stops it for good (where the socket stays readable, and where it
+    says 0 once the source's end is in, as at the end itself), and a read skips it."""
     loop = asyncio.get_running_loop()
     pending = 0  # bytes in the pipe
-    failed: OSError | None = None  # the source's end or error, raised once the pipe is out
+    failed: OSError | None = None  # the source's error, raised once the pipe is out
+    ended = False  # splice said 0: the source's end, or urgent data once its end is in
     woken = False  # the source was said to be readable, and nothing has moved since
     due = loop.time() + idle  # nothing moved by then: the connection is idle
     while n or pending:
         moved = 0
-        if n and failed is None:
+        if n and failed is None and not ended:
             try:
                 got = _splice(src, pipe_w, min(n, PIPE_SIZE))
             except OSError as exc:  # a reset: what came before it still goes out
                 got, failed = None, exc
             if got == 0:
-                failed = ConnectionError("peer closed in the middle of a message body")
+                ended = True
             elif got:
                 n, pending, moved = n - got, pending + got, got
         if pending:
@@ -572,6 +582,8 @@ async def _spliced(src: int, dst: int, pipe_r: int, pipe_w: int, n: int, counter
                 counters.add(sent, upward)  # what reached the peer's socket
         if failed is not None and not pending:
             raise failed
+        if ended and not pending:  # the copy's read tells an end from urgent data
+            return n
         if moved:
             woken, due = False, loop.time() + idle
             await asyncio.sleep(0)  # a pipe's worth at most: the others get the loop
@@ -585,6 +597,15 @@ async def _spliced(src: int, dst: int, pipe_r: int, pipe_w: int, n: int, counter
         else:
             raise TimeoutError(f"nothing came for {idle:g} s")
     return 0
+
+
+def _at_urgent_mark(fd: int) -> bool:
+    """Whether the next byte to read from socket `fd` is TCP urgent data (which splice
+    stops at, saying 0 once the peer's end has arrived: not the end itself)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, SIOCATMARK, b"\0\0\0\0"))[0] != 0
+    except OSError:
+        return False
 
 
 def _splice(src: int, dst: int, n: int) -> int | None:

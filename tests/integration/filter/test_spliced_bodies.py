@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import threading
 import time
 
@@ -386,5 +387,70 @@ def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  #
     tls.close()
     if side == "origin":
         origin.join()
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+def test_urgent_data_then_the_origins_end_still_delivers_the_whole_body(lab):
+    """With the origin's FIN already in, splice(2) at the urgent mark says 0, as at the end:
+    the copy reads on (past the urgent byte) and finds what is really there."""
+    body, mark = pattern(2 << 20), 3 << 19
+
+    def script(sock):
+        request_head(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body[:mark])
+        sock.send(b"!", socket.MSG_OOB)
+        sock.sendall(body[mark:])
+        sock.shutdown(socket.SHUT_WR)
+        time.sleep(2)
+
+    origin = Origin(script)
+    tasks, fds, before = filter_tasks(lab), descriptors(), spliced(lab)
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    client.settimeout(IDLE + 3)
+    client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
+    response_head(client)
+    time.sleep(1)  # the origin's FIN is in the filter's socket by now
+    assert read_exactly(client, len(body)) == body
+    client.close()
+    origin.join()
+    assert spliced(lab) == before + 1
+    settled(lab, fds)
+    clean(lab, tasks)
+
+
+def test_what_a_client_sends_right_behind_its_hello_reaches_the_origin_whole(lab):
+    """The tunnel's streams hold what came with the hello (here more than their buffer's
+    limit, so they had stopped reading the socket): handed to the splice, every byte goes
+    up once and in order, none read by the streams beside it."""
+    bios = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(*bios, server_hostname="spliced.test")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = bios[1].read()
+    early, later = pattern(400 << 10), pattern(2 << 20)[::-1]
+    got = bytearray()
+
+    def script(sock):
+        sock.settimeout(IDLE + 3)
+        while chunk := sock.recv(1 << 20):
+            got.extend(chunk)
+
+    origin = Origin(script)
+    tasks, fds, before = filter_tasks(lab), descriptors(), lab.status()["tunnels"]["spliced"]
+    client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
+    client.sendall(hello + early)
+    time.sleep(0.5)
+    for at in range(0, len(later), 64 << 10):
+        client.sendall(later[at:at + (64 << 10)])
+        time.sleep(0.005)
+    client.shutdown(socket.SHUT_WR)
+    assert ended(client)
+    client.close()
+    origin.join()
+    assert lab.status()["tunnels"]["spliced"] == before + 1
+    assert bytes(got) == hello + early + later
     settled(lab, fds)
     clean(lab, tasks)
