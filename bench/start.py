@@ -60,8 +60,9 @@ class Appliance:
         self.dir, self.name = directory, name or APPLIANCE
         self.state = directory / "state"
         # a person's Python keeps the bytecode it compiles (__pycache__): the CLI run here
-        # does too, even where the bench's own caller said not to (PYTHONDONTWRITEBYTECODE,
-        # which made every start compile the CLI's modules again: 30-40 ms measured)
+        # does too (and `corral up`'s services, writing into the tree they run from), even
+        # where the bench's own caller said not to (PYTHONDONTWRITEBYTECODE, which made
+        # every start compile the CLI's modules again: 30-40 ms measured)
         environ = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.env = environ if name else {**environ, "XDG_CONFIG_HOME": str(directory / "config")}
         self.inside = [] if name else ["nsenter", f"--net=/run/netns/{NAMESPACE}"]

@@ -357,7 +357,7 @@ class _Splice:
         except (BlockingIOError, InterruptedError):
             # said to be readable, with the pipe empty (the reader waits while it holds
             # anything), yet nothing to take: TCP urgent data, which splice never moves
-            # past. A wake-up for nothing may happen once; again and again, it is that
+            # past. One such wake-up could be chance; STUCK_WAKEUPS in a row are not
             self.idle_wakeups += 1
             if self.idle_wakeups >= STUCK_WAKEUPS:
                 self._finish(ConnectionError(URGENT))
@@ -460,12 +460,15 @@ async def _splice_tunnel(client_w, up_w, counters: Counters, idle: float) -> Non
         while True:
             done, pending = await asyncio.wait(futures, timeout=idle,
                                                return_when=asyncio.FIRST_EXCEPTION)
-            if not pending or any(f.exception() for f in done):
+            if not pending or any([f.exception() for f in done]):  # each error read
                 return  # both ends finished, or one failed: the tunnel is over
             if time.monotonic() - counters.last >= idle:
                 return  # both sat idle
     finally:
         spliced.close()
+        for future in futures:  # a direction that failed as the tunnel was cut, say:
+            if future.done() and not future.cancelled():  # read, or asyncio logs it
+                future.exception()
 
 
 async def copy_exact(reader, writer, n: int, counters: Counters, upward: bool, idle: float,

@@ -460,9 +460,9 @@ class Forward:
         try:
             # a tunnel that serves HTTP holds the descriptors of a splice it does not use
             # (limits.py): a long response body may take them (relay.splice_exact)
+            splice = isinstance(mode, InTunnel) and not mode.inspected
             keep = await self._exchange(client, send.head, where, kept, counters,
-                                        send.attached, send.body, splice=isinstance(
-                                            mode, InTunnel) and not mode.inspected)
+                                        send.attached, send.body, splice)
         except BaseException:
             if not isinstance(mode, InTunnel):  # half a message went up: never reuse it
                 kept.close()

@@ -157,3 +157,83 @@ def test_a_reset_upstream_closed_here_leaves_no_error_nobody_takes(loop):
     assert closing.done()
     assert closing._log_traceback is False  # taken: nothing will log it (read before
     assert isinstance(closing.exception(), ConnectionResetError)  # this takes it too)
+
+
+async def _connection() -> tuple[tuple, tuple]:
+    """Both ends of one loopback TCP connection, as asyncio streams: (near, far)."""
+    loop = asyncio.get_running_loop()
+    accepted = loop.create_future()
+    server = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)),
+                                        "127.0.0.1", 0)
+    near = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    far = await accepted
+    server.close()
+    return near, far
+
+
+async def _close(*writers) -> None:
+    for writer in writers:
+        writer.close()
+    await asyncio.sleep(0)
+
+
+def test_a_spliced_body_takes_the_descriptors_its_budget_says_and_gives_them_back():
+    """splice_exact adds BODY_FDS descriptors while it runs (within a tunnel's TUNNEL_FDS,
+    which a tunnel serving HTTP does not use: limits.py counts on it), moves the body
+    exactly, and closes them all."""
+    from appliance.filter.relay import BODY_FDS, STATS, splice_exact
+
+    assert BODY_FDS <= TUNNEL_FDS
+    spliced = STATS["spliced_bodies"]
+
+    async def run():
+        (up_r, up_w), (_, origin_w) = await _connection()  # the filter dials the origin
+        (client_r, client_w), (_, to_client) = await _connection()  # the client dials it
+        n, body = 3 << 20, os.urandom(3 << 20)
+        before = open_fds()
+        origin_w.write(body[:1 << 20])
+        splicing = asyncio.create_task(splice_exact(up_r, up_w, to_client, n, Counters(),
+                                                    False, 5))
+        got = await asyncio.wait_for(client_r.readexactly(1 << 20), 10)  # then it waits
+        during = len(open_fds() - before)
+        origin_w.write(body[1 << 20:] + b"next")
+        got += await asyncio.wait_for(client_r.readexactly(n - len(got)), 10)
+        left = await splicing
+        after = open_fds() == before
+        following = await up_r.readexactly(4)  # what came behind the body, for the stream
+        await _close(up_w, origin_w, client_w, to_client)
+        return got == body, left, during, after, following
+
+    assert asyncio.run(run()) == (True, 0, BODY_FDS, True, b"next")
+    assert STATS["spliced_bodies"] == spliced + 1
+
+
+@pytest.mark.parametrize("room", range(4))
+def test_a_body_that_finds_no_descriptor_to_splice_with_is_copied_whole(room):
+    """A real EMFILE at each of the splice's descriptors: nothing it took stays open, and
+    the body goes on through the copy, exactly."""
+    from appliance.filter.relay import STATS, copy_exact
+
+    spliced = STATS["spliced_bodies"]
+
+    async def run():
+        (up_r, up_w), (_, origin_w) = await _connection()  # the filter dials the origin
+        (client_r, client_w), (_, to_client) = await _connection()  # the client dials it
+        n, body = 2 << 20, os.urandom(2 << 20)
+        origin_w.write(body)
+        before = open_fds()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free(room + 1)[-1], hard))
+        try:
+            copying = asyncio.create_task(copy_exact(up_r, to_client, n, Counters(), False, 5,
+                                                     b"", up_w))
+            got = await asyncio.wait_for(client_r.readexactly(n), 10)
+            await copying
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        after = open_fds() == before
+        await _close(up_w, origin_w, client_w, to_client)
+        return got == body, after
+
+    assert asyncio.run(run()) == (True, True)
+    assert STATS["spliced_bodies"] == spliced  # it never began
