@@ -58,6 +58,9 @@ def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
     captured = Captured()
     logging.getLogger().addHandler(captured)
     process.handled, process.captured = handled, captured
+    # spliced.test resolved once: the resolver's sockets (kept, by design) are open before
+    # any test counts the descriptors it leaves behind
+    tunnel(process.proxy_port, f"spliced.test:{origins['plain'].port}").close()
     try:
         yield process
     finally:
@@ -364,6 +367,7 @@ def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  #
     whose end and this failure come together (both read: none left to be logged)."""
     tasks, fds = filter_tasks(lab), descriptors()
     before = lab.status()["tunnels"]["spliced"]
+    go, sent = threading.Event(), threading.Event()
     if side == "client":
         port = origins["plain"].port
     else:  # an origin of the test's own, which sends the byte once the tunnel is spliced
@@ -373,10 +377,15 @@ def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  #
             with context.wrap_socket(sock, server_side=True) as tls:
                 request_head(tls)
                 tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                time.sleep(0.6)  # spliced (and the client half-closed) by now
+                if side == "origin, half-closed":
+                    while tls.recv(4096):  # until the client's half-close has come through
+                        pass
+                else:
+                    assert go.wait(10)
                 with socket.socket(fileno=os.dup(tls.fileno())) as raw:  # under the TLS
                     raw.send(b"!", socket.MSG_OOB)
                     raw.send(b"more")  # what follows the urgent byte makes it readable
+                sent.set()
                 time.sleep(IDLE + 1)  # the filter ends it first, or its idle timeout does
         origin = Origin(script)
         port = origin.port
@@ -390,8 +399,11 @@ def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  #
     if side == "client":
         raw.send(b"!", socket.MSG_OOB)
         raw.send(b"more")  # what follows the urgent byte makes the socket readable
-    elif side == "origin, half-closed":
-        raw.shutdown(socket.SHUT_WR)  # passed on to the origin: that direction is done
+    else:
+        if side == "origin, half-closed":
+            raw.shutdown(socket.SHUT_WR)  # passed on to the origin: that direction is done
+        go.set()
+        assert sent.wait(10)
     assert ended(raw, IDLE / 2), "the tunnel went on past urgent data"
     raw.close()
     tls.close()
