@@ -53,12 +53,13 @@ class Captured(logging.Handler):
 
 
 @contextlib.contextmanager
-def watched(request, origins, interception, tmp_path_factory, policy: str):  # noqa: F811
+def watched(request, origins, interception, tmp_path_factory, policy: str,  # noqa: F811
+            proxy_extra: str = "connect_timeout = 1"):
     """An in-process filter with `policy` whose loop's exception handler calls and warnings
     logged are kept (`handled`, `captured`), for the attacks' tests to find none."""
     process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
                               request.param, inspect_config(interception, origins.ca.ca_path),
-                              policy, proxy_extra="connect_timeout = 1")
+                              policy, proxy_extra=proxy_extra)
     handled: list[dict] = []
     process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
                                       lambda loop, context: handled.append(context))

@@ -11,7 +11,6 @@ splice cannot move past) ends at once rather than spinning."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 import ssl
@@ -21,15 +20,13 @@ import time
 import pytest
 
 from tests.integration.filter.test_attack_handshakes import (
-    Captured,
     clean,
     filter_tasks,
     rst,
+    watched,
 )
 from tests.integration.filter.test_inspect import (
-    InProcessFilter,
     World,
-    inspect_config,
     interception,  # noqa: F401  (a fixture)
     origins,  # noqa: F401  (a fixture)
     read_response,
@@ -49,23 +46,12 @@ BODY = 6 << 20
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def lab(request, origins, interception, tmp_path_factory):  # noqa: F811
-    process = InProcessFilter(tmp_path_factory.mktemp("filter"), origins.dns.address,
-                              request.param, inspect_config(interception, origins.ca.ca_path),
-                              POLICY, proxy_extra=f"idle_timeout = {IDLE}")
-    handled: list[dict] = []
-    process.loop.call_soon_threadsafe(process.loop.set_exception_handler,
-                                      lambda loop, context: handled.append(context))
-    captured = Captured()
-    logging.getLogger().addHandler(captured)
-    process.handled, process.captured = handled, captured
-    # spliced.test resolved once: the resolver's sockets (kept, by design) are open before
-    # any test counts the descriptors it leaves behind
-    tunnel(process.proxy_port, f"spliced.test:{origins['plain'].port}").close()
-    try:
+    with watched(request, origins, interception, tmp_path_factory, POLICY,
+                 proxy_extra=f"idle_timeout = {IDLE}") as process:
+        # spliced.test resolved once: the resolver's sockets (kept, by design) are open
+        # before any test counts the descriptors it leaves behind
+        tunnel(process.proxy_port, f"spliced.test:{origins['plain'].port}").close()
         yield process
-    finally:
-        logging.getLogger().removeHandler(captured)
-        process.stop()
 
 
 class Origin:
@@ -103,13 +89,15 @@ def pattern(n: int) -> bytes:
     return counted[:n]
 
 
-def request_head(sock: socket.socket) -> bytes:
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(65536)
-        assert chunk, "the filter closed before its request's head"
-        head += chunk
-    return head
+def head(sock: socket.socket) -> bytes:
+    """A message's head, read a byte at a time: nothing past it (its body, the next
+    message) is taken."""
+    read = b""
+    while b"\r\n\r\n" not in read:
+        chunk = sock.recv(1)
+        assert chunk, f"the connection ended before a message's head: {read[:80]!r}"
+        read += chunk
+    return read
 
 
 def read_exactly(sock: socket.socket, n: int, slowly: bool = False) -> bytes:
@@ -121,15 +109,6 @@ def read_exactly(sock: socket.socket, n: int, slowly: bool = False) -> bytes:
         if slowly and len(out) < 256 << 10:
             time.sleep(0.01)  # the client's buffer fills: the filter waits to write
     return bytes(out)
-
-
-def response_head(sock: socket.socket) -> bytes:
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, "the connection ended before the response's head"
-        head += chunk
-    return head
 
 
 def descriptors() -> int:
@@ -166,11 +145,11 @@ def test_a_long_body_is_spliced_whole_and_the_next_request_on_the_tunnel_follows
     body = pattern(BODY)
 
     def script(sock):
-        assert request_head(sock).startswith(b"GET /big HTTP/1.1")
+        assert head(sock).startswith(b"GET /big HTTP/1.1")
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY + body[:1000])
         time.sleep(0.2)  # the rest later: the filter waits for the origin, spliced
         sock.sendall(body[1000:])
-        assert request_head(sock).startswith(b"GET /next HTTP/1.1")
+        assert head(sock).startswith(b"GET /next HTTP/1.1")
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
 
     origin = Origin(script)
@@ -180,11 +159,11 @@ def test_a_long_body_is_spliced_whole_and_the_next_request_on_the_tunnel_follows
     client.settimeout(15)
     host = f"Host: spliced.test:{origin.port}\r\n"
     client.sendall(f"GET /big HTTP/1.1\r\n{host}\r\n".encode())
-    head = response_head(client)
-    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: %d" % BODY in head
+    reply = head(client)
+    assert reply.startswith(b"HTTP/1.1 200") and b"Content-Length: %d" % BODY in reply
     assert read_exactly(client, BODY, slowly=True) == body
     client.sendall(f"GET /next HTTP/1.1\r\n{host}Connection: close\r\n\r\n".encode())
-    assert response_head(client).startswith(b"HTTP/1.1 200")
+    assert head(client).startswith(b"HTTP/1.1 200")
     assert read_exactly(client, 5) == b"hello"
     origin.join()
     client.close()
@@ -198,7 +177,7 @@ def test_a_long_body_is_spliced_whole_and_the_next_request_on_the_tunnel_follows
 
 def test_a_client_that_stops_reading_a_spliced_body_loses_its_connection(lab):
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
         with contextlib.suppress(OSError):  # until the filter gives up on the client
             sock.sendall(b"x" * (64 << 20))
@@ -209,7 +188,7 @@ def test_a_client_that_stops_reading_a_spliced_body_loses_its_connection(lab):
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
     client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
     client.settimeout(15)
-    response_head(client)
+    head(client)
     time.sleep(IDLE + 1.5)  # reads nothing for longer than idle_timeout
     assert spliced(lab) == before + 1
     assert ended(client), "a client that reads nothing keeps its spliced body going"
@@ -222,7 +201,7 @@ def test_a_client_that_stops_reading_a_spliced_body_loses_its_connection(lab):
 @pytest.mark.parametrize("how", ["fin", "rst"])
 def test_an_origin_that_ends_in_the_middle_of_a_spliced_body_ends_the_tunnel(lab, how):
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY
                      + b"x" * (BODY // 2))
         time.sleep(0.2)
@@ -235,7 +214,7 @@ def test_an_origin_that_ends_in_the_middle_of_a_spliced_body_ends_the_tunnel(lab
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
     client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
     client.settimeout(15)
-    response_head(client)
+    head(client)
     time.sleep(0.6)  # the origin's end comes while the pipe holds what the client has not read
     got = 0
     with contextlib.suppress(ConnectionResetError):
@@ -258,7 +237,7 @@ def test_a_policy_change_cuts_a_tunnel_in_the_middle_of_a_spliced_body(lab):
     going = threading.Event()
 
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
         going.set()
         with contextlib.suppress(OSError):  # until the cut closes the filter's side
@@ -271,7 +250,7 @@ def test_a_policy_change_cuts_a_tunnel_in_the_middle_of_a_spliced_body(lab):
     client = tunnel(lab.proxy_port, f"spliced.test:{origin.port}")
     client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
     client.settimeout(15)
-    response_head(client)
+    head(client)
     assert going.wait(10)
     client.recv(1 << 20)  # the body is on its way
     assert spliced(lab) == before + 1
@@ -295,10 +274,10 @@ def test_a_spliced_body_ends_at_its_length_when_the_next_response_came_with_it(l
     body = pattern(BODY)
 
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY + body
                      + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
-        request_head(sock)
+        head(sock)
 
     origin = Origin(script)
     tasks, fds, before = filter_tasks(lab), descriptors(), spliced(lab)
@@ -306,11 +285,11 @@ def test_a_spliced_body_ends_at_its_length_when_the_next_response_came_with_it(l
     client.settimeout(15)
     host = f"Host: spliced.test:{origin.port}\r\n"
     client.sendall(f"GET /big HTTP/1.1\r\n{host}\r\n".encode())
-    assert response_head(client).startswith(b"HTTP/1.1 200")
+    assert head(client).startswith(b"HTTP/1.1 200")
     assert read_exactly(client, BODY) == body
     client.sendall(f"GET /next HTTP/1.1\r\n{host}Connection: close\r\n\r\n".encode())
-    head = response_head(client)
-    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 5" in head
+    reply = head(client)
+    assert reply.startswith(b"HTTP/1.1 200") and b"Content-Length: 5" in reply
     assert read_exactly(client, 5) == b"hello"
     assert ended(client)
     client.close()
@@ -328,13 +307,13 @@ def test_a_body_with_urgent_data_is_copied_on_from_where_splice_stops(lab):
     splicing = threading.Event()
 
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BODY
                      + body[:BODY // 2])
         assert splicing.wait(10)
         sock.send(b"!", socket.MSG_OOB)
         sock.sendall(body[BODY // 2:])
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
 
     origin = Origin(script)
@@ -343,13 +322,13 @@ def test_a_body_with_urgent_data_is_copied_on_from_where_splice_stops(lab):
     client.settimeout(IDLE - 0.5)  # the body must not wait for the idle timeout
     host = f"Host: spliced.test:{origin.port}\r\n"
     client.sendall(f"GET /big HTTP/1.1\r\n{host}\r\n".encode())
-    assert response_head(client).startswith(b"HTTP/1.1 200")
+    assert head(client).startswith(b"HTTP/1.1 200")
     first = read_exactly(client, 1 << 20)
     assert spliced(lab) == before + 1  # under way before the urgent byte is sent
     splicing.set()
     assert first + read_exactly(client, BODY - len(first)) == body
     client.sendall(f"GET /next HTTP/1.1\r\n{host}Connection: close\r\n\r\n".encode())
-    assert response_head(client).startswith(b"HTTP/1.1 200")
+    assert head(client).startswith(b"HTTP/1.1 200")
     assert read_exactly(client, 5) == b"hello"
     client.close()
     origin.join()
@@ -375,7 +354,7 @@ def test_urgent_data_in_a_spliced_tunnel_ends_it_at_once(lab, origins, side):  #
 
         def script(sock):
             with context.wrap_socket(sock, server_side=True) as tls:
-                request_head(tls)
+                head(tls)
                 tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 if side == "origin, half-closed":
                     while tls.recv(4096):  # until the client's half-close has come through
@@ -419,7 +398,7 @@ def test_urgent_data_then_the_origins_end_still_delivers_the_whole_body(lab):
     body, mark = pattern(2 << 20), 3 << 19
 
     def script(sock):
-        request_head(sock)
+        head(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
                      + body[:mark])
         sock.send(b"!", socket.MSG_OOB)
@@ -433,7 +412,7 @@ def test_urgent_data_then_the_origins_end_still_delivers_the_whole_body(lab):
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
     client.settimeout(IDLE + 3)
     client.sendall(f"GET /big HTTP/1.1\r\nHost: spliced.test:{origin.port}\r\n\r\n".encode())
-    response_head(client)
+    head(client)
     time.sleep(1)  # the origin's FIN is in the filter's socket by now
     assert read_exactly(client, len(body)) == body
     client.close()
